@@ -1,0 +1,60 @@
+"""aotstack: compile a PyTorch model ahead of time into one ``.pt2`` that runs without recompiling.
+
+Example::
+
+    import aotstack
+
+    program = aotstack.export(model, {"forward": (x,)})
+    lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner()])
+    lowered.save("model.pt2")
+    y = aotstack.load("model.pt2").forward(x)
+"""
+
+__version__ = "0.1.0"
+
+from .backend import Backend
+from .backends.aoti import AotiBackend, AotiCpuBackend, AotiCpuPartitioner, AotiPartitioner
+from .errors import (
+    AotstackError,
+    BackendNotFoundError,
+    ExportError,
+    InputError,
+    LoweringError,
+    MethodNotFoundError,
+    PackageError,
+)
+from .export import Program, export
+from .lower import Delegate, LoweredProgram, lower
+from .partitioner import Partitioner, get_non_lowered_nodes, tag_constant_data, tag_mutated_buffer
+from .runtime import LoadedProgram, load
+from .specs import CompileSpec, DelegationSpec, PartitionResult, PreprocessResult
+
+__all__ = [
+    "AotiBackend",
+    "AotiCpuBackend",
+    "AotiCpuPartitioner",
+    "AotiPartitioner",
+    "AotstackError",
+    "Backend",
+    "BackendNotFoundError",
+    "CompileSpec",
+    "Delegate",
+    "DelegationSpec",
+    "ExportError",
+    "InputError",
+    "LoadedProgram",
+    "LoweredProgram",
+    "LoweringError",
+    "MethodNotFoundError",
+    "PackageError",
+    "PartitionResult",
+    "Partitioner",
+    "PreprocessResult",
+    "Program",
+    "export",
+    "get_non_lowered_nodes",
+    "load",
+    "lower",
+    "tag_constant_data",
+    "tag_mutated_buffer",
+]

@@ -1,0 +1,1 @@
+"""One folder per backend: its partitioner, its compile side and its run side together."""

@@ -1,0 +1,24 @@
+"""The AOTInductor CPU backend: partitions compiled to a shared library run in this process."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from .backend import AotiBackend
+from .partitioner import AotiPartitioner
+
+
+class AotiCpuBackend(AotiBackend):
+    backend_id = "aoti_cpu"
+    device_name = "cpu"
+
+
+class AotiCpuPartitioner(AotiPartitioner):
+    """Claims every ATen op AOTInductor can compile for the CPU, except ``exclude_ops``.
+
+    Example::
+
+        lowered = aotstack.lower(program, [AotiCpuPartitioner(exclude_ops=["aten.relu"])])
+    """
+
+    backend: ClassVar[type[AotiBackend]] = AotiCpuBackend

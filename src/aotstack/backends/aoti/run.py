@@ -1,0 +1,77 @@
+"""The AOTInductor run side: open a verified library, hand it its weights, run it."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import PackageError
+
+
+@dataclass
+class AotiHandle:
+    """A loaded AOTInductor model and the input strides it was compiled for."""
+
+    runner: torch._C._aoti.AOTIModelContainerRunnerCpu
+    # None where a dimension is dynamic: then the compiled code expects a contiguous tensor.
+    input_strides: list[tuple[int, ...] | None]
+    # The runner reads user-managed weights in place; they must live as long as it does.
+    constants: dict[str, torch.Tensor]
+
+
+def open_runner(
+    library: bytes, device: str, label: str
+) -> torch._C._aoti.AOTIModelContainerRunnerCpu:
+    """Load ``library`` (already hash-verified) from a private temporary file."""
+    fd, path = tempfile.mkstemp(prefix="aotstack-", suffix=".so")
+    try:
+        with os.fdopen(fd, "wb") as file:
+            file.write(library)
+        return runner_class(device)(path, 1)
+    except RuntimeError as exc:
+        raise PackageError(f"cannot open the AOTInductor library of {label}: {exc}") from exc
+    finally:
+        # dlopen keeps the mapping; the file itself is no longer needed.
+        os.unlink(path)
+
+
+def runner_class(device: str) -> type:
+    if device == "cpu":
+        return torch._C._aoti.AOTIModelContainerRunnerCpu
+    raise PackageError(f"no AOTInductor runner for device {device!r} in this build of torch")
+
+
+def bind_constants(
+    runner: torch._C._aoti.AOTIModelContainerRunnerCpu,
+    constants_by_fqn: dict[str, torch.Tensor],
+    label: str,
+) -> dict[str, torch.Tensor]:
+    """Give the runner every weight it asks for; name the first one the package lacks."""
+    bound = {}
+    for name, fqn in runner.get_constant_names_to_original_fqns().items():
+        if fqn not in constants_by_fqn:
+            raise PackageError(f"{label}: the library asks for weight {fqn!r}, which the package lacks")
+        bound[name] = constants_by_fqn[fqn]
+    if bound:
+        runner.update_constant_buffer(bound, False, True, True)
+    return bound
+
+
+def run(handle: AotiHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    strides = handle.input_strides
+    for index, tensor in enumerate(inputs):
+        expected = strides[index]
+        if expected is None:
+            if not tensor.is_contiguous():
+                inputs[index] = tensor.contiguous()
+        elif tensor.stride() != expected:
+            inputs[index] = restrided(tensor, expected)
+    return handle.runner.run(inputs)
+
+
+def restrided(tensor: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
+    """A copy of ``tensor`` in the layout the compiled code indexes with."""
+    return torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, device=tensor.device).copy_(tensor)

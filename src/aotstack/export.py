@@ -1,0 +1,91 @@
+"""Export: one ``torch.export.ExportedProgram`` per method of a model."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+
+from .errors import ExportError
+
+
+@dataclass
+class Program:
+    """Every method of a model, exported: ``{method name: ExportedProgram}``."""
+
+    methods: dict[str, ExportedProgram]
+
+    def __post_init__(self) -> None:
+        if not self.methods:
+            raise ExportError("a Program needs at least one method")
+        for name, program in self.methods.items():
+            if not isinstance(program, ExportedProgram):
+                raise ExportError(
+                    f"method {name!r}: expected a torch.export.ExportedProgram, got {type(program).__name__}"
+                )
+
+
+class _MethodAsForward(torch.nn.Module):
+    """Wraps a model so ``torch.export`` traces one of its other methods as ``forward``."""
+
+    def __init__(self, model: torch.nn.Module, method: str) -> None:
+        super().__init__()
+        self.model = model
+        self._method = method
+
+    def forward(self, *args: Any) -> Any:
+        return getattr(self.model, self._method)(*args)
+
+
+def export(
+    model: torch.nn.Module,
+    methods: Mapping[str, tuple[Any, ...]],
+    *,
+    dynamic_shapes: Mapping[str, Any] | None = None,
+) -> Program:
+    """Export each named method of ``model`` with its example arguments.
+
+    Example::
+
+        program = aotstack.export(model, {"forward": (x,), "encode": (x,)})
+
+    ``dynamic_shapes`` maps a method name to the ``dynamic_shapes`` argument of
+    ``torch.export.export`` for that method.
+    """
+    if not methods:
+        raise ExportError("export needs at least one method, e.g. {'forward': (x,)}")
+    dynamic_shapes = dict(dynamic_shapes or {})
+    unknown = set(dynamic_shapes) - set(methods)
+    if unknown:
+        raise ExportError(f"dynamic_shapes names methods that are not exported: {sorted(unknown)}")
+    return Program(
+        {
+            name: export_method(model, name, args, dynamic_shapes.get(name))
+            for name, args in methods.items()
+        }
+    )
+
+
+def export_method(
+    model: torch.nn.Module, name: str, args: tuple[Any, ...], dynamic_shapes: Any
+) -> ExportedProgram:
+    method = getattr(model, name, None)
+    if not isinstance(method, types.MethodType):
+        available = sorted(
+            attr for attr in dir(type(model)) if not attr.startswith("_") and callable(getattr(type(model), attr, None))
+            and attr in vars(type(model))
+        )
+        raise ExportError(
+            f"{type(model).__name__} has no method {name!r}; methods it defines: {available}"
+        )
+    if not isinstance(args, tuple):
+        raise ExportError(f"method {name!r}: example arguments must be a tuple, got {type(args).__name__}")
+    module = model if name == "forward" else _MethodAsForward(model, name)
+    try:
+        return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
+    except Exception as exc:
+        raise ExportError(f"torch.export failed for method {name!r}: {exc}") from exc

@@ -1,0 +1,315 @@
+"""Lowering: partition each method, compile each tagged part, splice in delegate calls."""
+
+from __future__ import annotations
+
+import copy
+import operator
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
+from torch.export.graph_signature import (
+    ExportGraphSignature,
+    InputKind,
+    InputSpec,
+    OutputKind,
+    OutputSpec,
+    TensorArgument,
+)
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.passes.tools_common import legalize_graph
+from torch.fx.passes.utils.fuser_utils import validate_partition
+from torch.utils import _pytree as pytree
+
+from .backend import backend_class
+from .delegate_op import call_delegate
+from .errors import LoweringError
+from .export import Program
+from .partitioner import DELEGATION_TAG, Partitioner, constant_placeholders, mutated_buffer_names
+from .specs import CompileSpec, DelegationSpec, compile_spec_value
+from .tensor_data import dtype_name
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """dtype and shape of a tensor crossing a boundary; None for a dynamic dimension."""
+
+    dtype: str
+    shape: list[int | None]
+
+    @classmethod
+    def of(cls, value: torch.Tensor) -> TensorSpec:
+        return cls(dtype_name(value.dtype), [d if isinstance(d, int) else None for d in value.shape])
+
+
+@dataclass
+class Delegate:
+    """One compiled partition, as a delegate call in a lowered method."""
+
+    delegate_id: str
+    backend_id: str
+    compile_specs: list[CompileSpec]
+    ops: list[str]
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    processed_bytes: bytes
+    named_data: dict[str, bytes] = field(repr=False)
+
+    @property
+    def target_device(self) -> str:
+        value = compile_spec_value(self.compile_specs, "target_device")
+        return value.decode() if value else "cpu"
+
+
+@dataclass
+class LoweredProgram:
+    """Every method lowered, with the delegates their graphs call."""
+
+    methods: dict[str, ExportedProgram]
+    delegate_table: dict[str, list[Delegate]]
+
+    def delegates(self, method: str) -> list[Delegate]:
+        """The delegates of ``method``, in graph order."""
+        if method not in self.delegate_table:
+            raise LoweringError(f"no method {method!r}; methods: {sorted(self.delegate_table)}")
+        return list(self.delegate_table[method])
+
+    def save(self, path: str) -> None:
+        """Write every method, compiled part and weight into one ``.pt2`` file."""
+        from .package import save
+
+        save(self, path)
+
+
+PartitionerPlan = Sequence[Partitioner] | Mapping[str, Sequence[Partitioner]]
+
+
+def lower(program: Program, partitioners: PartitionerPlan) -> LoweredProgram:
+    """Apply ``partitioners``, in order, to every method and compile what they claim.
+
+    Example::
+
+        lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner()])
+        lowered.save("model.pt2")
+    """
+    plan = partitioners_by_method(program, partitioners)
+    methods: dict[str, ExportedProgram] = {}
+    table: dict[str, list[Delegate]] = {}
+    for name, exported in program.methods.items():
+        methods[name], table[name] = lower_method(name, exported, plan[name])
+    return LoweredProgram(methods, table)
+
+
+def partitioners_by_method(program: Program, partitioners: PartitionerPlan) -> dict[str, list[Partitioner]]:
+    if isinstance(partitioners, Mapping):
+        unknown = set(partitioners) - set(program.methods)
+        if unknown:
+            raise LoweringError(
+                f"partitioners given for unknown methods {sorted(unknown)}; methods: {sorted(program.methods)}"
+            )
+        plan = {name: list(partitioners.get(name, ())) for name in program.methods}
+    else:
+        plan = {name: list(partitioners) for name in program.methods}
+    for name, listed in plan.items():
+        for partitioner in listed:
+            if not isinstance(partitioner, Partitioner):
+                raise LoweringError(
+                    f"method {name!r}: expected a Partitioner, got {type(partitioner).__name__}"
+                )
+    return plan
+
+
+def lower_method(
+    name: str, exported: ExportedProgram, partitioners: list[Partitioner]
+) -> tuple[ExportedProgram, list[Delegate]]:
+    working = copy.deepcopy(exported)
+    read_before = {node.name for node in constant_placeholders(working) if node.users}
+    delegates: list[Delegate] = []
+    for partitioner in partitioners:
+        result = partitioner.partition(working)
+        working = result.tagged_exported_program
+        for tag, spec in result.partition_tags.items():
+            delegate_id = f"{name}.{len(delegates)}"
+            delegates.append(delegate_partition(working, name, tag, spec, delegate_id))
+        clear_tags(working.graph)
+        working = without_unused_constants(working, read_before)
+    return working, delegates
+
+
+def delegate_partition(
+    exported: ExportedProgram, method: str, tag: str, spec: DelegationSpec, delegate_id: str
+) -> Delegate:
+    """Compile the nodes tagged ``tag`` and put one delegate call in their place."""
+    graph = exported.graph
+    nodes = [n for n in graph.nodes if n.op == "call_function" and n.meta.get(DELEGATION_TAG) == tag]
+    if not nodes:
+        raise LoweringError(f"method {method!r}: partition {tag!r} tags no call_function node")
+    if not validate_partition(nodes):
+        raise LoweringError(
+            f"method {method!r}: partition {tag!r} is not convex (it would create a dependency cycle)"
+        )
+    sub_program, user_inputs, outputs = partition_program(exported, nodes)
+    backend = backend_class(spec.backend_id)()
+    compile_specs = [s for s in spec.compile_specs if s.key != "method_name"]
+    compile_specs.append(CompileSpec("method_name", method.encode()))
+    result = backend.preprocess(sub_program, compile_specs)
+    splice_delegate_call(graph, nodes, delegate_id, user_inputs, outputs)
+    return Delegate(
+        delegate_id=delegate_id,
+        backend_id=spec.backend_id,
+        compile_specs=compile_specs,
+        ops=sorted({str(n.target) for n in nodes if isinstance(n.target, torch._ops.OpOverload)}),
+        inputs=[TensorSpec.of(n.meta["val"]) for n in user_inputs],
+        outputs=[TensorSpec.of(n.meta["val"]) for n in outputs],
+        processed_bytes=result.processed_bytes,
+        named_data=dict(result.named_data),
+    )
+
+
+def partition_program(
+    exported: ExportedProgram, nodes: list[Node]
+) -> tuple[ExportedProgram, list[Node], list[Node]]:
+    """A standalone ExportedProgram for ``nodes``, with the weights they read.
+
+    Returns it with the outer nodes that feed it at run time and the outer nodes it produces.
+    """
+    members = set(nodes)
+    inputs = list(dict.fromkeys(arg for n in nodes for arg in n.all_input_nodes if arg not in members))
+    outputs = [n for n in nodes if any(user not in members for user in n.users)]
+    for node in outputs:
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            raise LoweringError(f"partition output {node.name!r} is not a tensor")
+
+    constants = constant_placeholders(exported)
+    mutated = mutated_buffer_names(exported)
+    owned = [n for n in inputs if n in constants and n.name not in mutated]
+    user_inputs = [n for n in inputs if n not in owned]
+
+    graph = Graph()
+    env: dict[Node, Node] = {}
+    input_specs = []
+    for node in owned + user_inputs:
+        placeholder = graph.placeholder(node.name)
+        placeholder.meta = copy.copy(node.meta)
+        env[node] = placeholder
+        input_specs.append(input_spec_for(exported, node, constants.get(node)))
+    for node in nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(tuple(env[n] for n in outputs))
+
+    module = GraphModule(exported.graph_module, graph)
+    kinds = {spec.arg.name: spec for spec in exported.graph_signature.input_specs}
+    state_dict = {}
+    sub_constants = {}
+    for node in owned:
+        fqn = constants[node]
+        if kinds[node.name].kind == InputKind.CONSTANT_TENSOR:
+            sub_constants[fqn] = exported.constants[fqn]
+        else:
+            state_dict[fqn] = exported.state_dict[fqn]
+    signature = ExportGraphSignature(
+        input_specs=input_specs,
+        output_specs=[
+            OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(env[n].name), None) for n in outputs
+        ],
+    )
+    example_inputs = tuple(example_tensor(n.meta["val"]) for n in user_inputs)
+    call_signature = ModuleCallSignature(
+        inputs=[],
+        outputs=[],
+        in_spec=pytree.tree_flatten((example_inputs, {}))[1],
+        out_spec=pytree.tree_flatten(tuple(range(len(outputs))))[1],
+    )
+    sub_program = ExportedProgram(
+        root=module,
+        graph=module.graph,
+        graph_signature=signature,
+        state_dict=state_dict,
+        range_constraints=copy.copy(exported.range_constraints),
+        module_call_graph=[ModuleCallEntry("", call_signature)],
+        example_inputs=(example_inputs, {}),
+        constants=sub_constants,
+    )
+    return sub_program, user_inputs, outputs
+
+
+def input_spec_for(exported: ExportedProgram, node: Node, fqn: str | None) -> InputSpec:
+    if fqn is None:
+        return InputSpec(InputKind.USER_INPUT, TensorArgument(node.name), None)
+    outer = next(s for s in exported.graph_signature.input_specs if s.arg.name == node.name)
+    return InputSpec(outer.kind, TensorArgument(node.name), fqn, outer.persistent)
+
+
+def example_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A real tensor shaped like a fake one (size hints stand in for dynamic dimensions)."""
+    shape = [int(d) if isinstance(d, int) else d.node.hint for d in value.shape]
+    stride = [int(s) if isinstance(s, int) else s.node.hint for s in value.stride()]
+    return torch.empty_strided(shape, stride, dtype=value.dtype).zero_()
+
+
+def splice_delegate_call(
+    graph: Graph, nodes: list[Node], delegate_id: str, inputs: list[Node], outputs: list[Node]
+) -> None:
+    with graph.inserting_after(nodes[-1]):
+        call = graph.call_function(call_delegate, (delegate_id, inputs))
+    call.meta["val"] = [n.meta["val"] for n in outputs]
+    previous = call
+    for index, node in enumerate(outputs):
+        with graph.inserting_after(previous):
+            item = graph.call_function(operator.getitem, (call, index))
+        item.meta = {"val": node.meta["val"]}
+        node.replace_all_uses_with(item)
+        previous = item
+    for node in reversed(nodes):
+        graph.erase_node(node)
+    legalize_graph(graph.owning_module)
+
+
+def clear_tags(graph: Graph) -> None:
+    for node in graph.nodes:
+        node.meta.pop(DELEGATION_TAG, None)
+
+
+def without_unused_constants(exported: ExportedProgram, read_before: set[str]) -> ExportedProgram:
+    """The program minus the weights that delegates took and nothing else reads.
+
+    Weights unused from the start are kept: they are part of the model's state.
+    """
+    graph = exported.graph
+    gone = {
+        node.name
+        for node in constant_placeholders(exported)
+        if not node.users and node.name in read_before
+    }
+    for node in list(graph.nodes):
+        if node.op == "placeholder" and node.name in gone:
+            graph.erase_node(node)
+    exported.graph_module.recompile()
+    signature = ExportGraphSignature(
+        input_specs=[s for s in exported.graph_signature.input_specs if s.arg.name not in gone],
+        output_specs=renamed_output_specs(exported),
+    )
+    kept_targets = {s.target for s in signature.input_specs}
+    return ExportedProgram(
+        root=exported.graph_module,
+        graph=graph,
+        graph_signature=signature,
+        state_dict={k: v for k, v in exported.state_dict.items() if k in kept_targets},
+        range_constraints=exported.range_constraints,
+        module_call_graph=exported.module_call_graph,
+        example_inputs=exported.example_inputs,
+        constants={k: v for k, v in exported.constants.items() if k in kept_targets},
+    )
+
+
+def renamed_output_specs(exported: ExportedProgram) -> list[OutputSpec]:
+    """Output specs naming the nodes the output now reads (a getitem where a delegate took over)."""
+    output_node = exported.graph.output_node()
+    specs = []
+    for spec, value in zip(exported.graph_signature.output_specs, output_node.args[0]):
+        if isinstance(spec.arg, TensorArgument) and isinstance(value, Node):
+            spec = OutputSpec(spec.kind, TensorArgument(value.name), spec.target)
+        specs.append(spec)
+    return specs

@@ -1,0 +1,210 @@
+"""The ``.pt2`` file: a PT2 archive holding every method, every blob once, and a manifest.
+
+Layout inside the archive::
+
+    models/<method>.json            the lowered ExportedProgram (stock torch.export schema)
+    data/aotstack/<sha256>          named data and weights, stored once under their content hash
+    extra/aotstack_manifest.json    versions, methods, delegates, weights, and every blob's size
+
+Nothing here is pickled, and reading verifies every blob against its hash before returning it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch._export.serde.serialize import serialize
+from torch.export import ExportedProgram
+from torch.export.pt2_archive import PT2ArchiveReader, PT2ArchiveWriter
+from torch.utils import _pytree as pytree
+
+from . import __version__
+from .errors import PackageError
+from .lower import Delegate, LoweredProgram, TensorSpec
+from .tensor_data import content_key, dtype_name, tensor_bytes
+
+FORMAT_VERSION = 1
+MANIFEST_PATH = "extra/aotstack_manifest.json"
+BLOB_DIR = "data/aotstack/"
+PROGRAM_PATH = "models/{}.json"
+
+
+class BlobStore:
+    """Blobs keyed by their content hash: the same bytes twice are stored once."""
+
+    def __init__(self) -> None:
+        self.blobs: dict[str, bytes] = {}
+
+    def put(self, data: bytes) -> str:
+        key = content_key(data)
+        self.blobs.setdefault(key, data)
+        return key
+
+
+def save(lowered: LoweredProgram, path: str | os.PathLike[str]) -> None:
+    """Write ``lowered`` to ``path`` atomically: a failed save leaves no file behind."""
+    path = os.fspath(path)
+    store = BlobStore()
+    methods = {
+        name: method_manifest(name, program, lowered.delegates(name), store)
+        for name, program in lowered.methods.items()
+    }
+    manifest = {
+        "format": "aotstack",
+        "format_version": FORMAT_VERSION,
+        "aotstack_version": __version__,
+        "torch_version": torch.__version__,
+        "methods": methods,
+        "blobs": {key: len(data) for key, data in store.blobs.items()},
+    }
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, temporary = tempfile.mkstemp(prefix=".aotstack-", suffix=".pt2", dir=directory)
+    os.close(fd)
+    try:
+        with PT2ArchiveWriter(temporary) as archive:
+            for name, program in lowered.methods.items():
+                archive.write_bytes(PROGRAM_PATH.format(name), serialized_program(program))
+            for key, data in store.blobs.items():
+                archive.write_bytes(BLOB_DIR + key, data)
+            archive.write_string(MANIFEST_PATH, json.dumps(manifest, indent=1))
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+def serialized_program(program: ExportedProgram) -> bytes:
+    # Weights go to content-keyed blobs; the schema JSON carries only the graph and signature.
+    return serialize(program, serialize_state_dict=False, serialize_constants=False).exported_program
+
+
+def method_manifest(
+    name: str, program: ExportedProgram, delegates: list[Delegate], store: BlobStore
+) -> dict[str, Any]:
+    call_spec = program.call_spec
+    user_inputs = set(program.graph_signature.user_inputs)
+    input_nodes = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in user_inputs]
+    return {
+        "program": PROGRAM_PATH.format(name),
+        "inputs": [
+            {"name": node.name, **asdict(TensorSpec.of(node.meta["val"]))} for node in input_nodes
+        ],
+        "in_spec": pytree.treespec_dumps(call_spec.in_spec),
+        "out_spec": pytree.treespec_dumps(call_spec.out_spec),
+        "weights": weights_manifest(
+            list(program.state_dict.items()) + list(program.constants.items()), store
+        ),
+        "delegates": [delegate_manifest(delegate, store) for delegate in delegates],
+    }
+
+
+def weights_manifest(
+    tensors: Iterable[tuple[str, Any]], store: BlobStore
+) -> dict[str, dict[str, Any]]:
+    return {
+        fqn: {"blob": store.put(tensor_bytes(t)), "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+        for fqn, t in tensors
+        if isinstance(t, torch.Tensor)
+    }
+
+
+def delegate_manifest(delegate: Delegate, store: BlobStore) -> dict[str, Any]:
+    return {
+        "id": delegate.delegate_id,
+        "backend_id": delegate.backend_id,
+        "target_device": delegate.target_device,
+        "compile_specs": [[spec.key, spec.value.hex()] for spec in delegate.compile_specs],
+        "ops": delegate.ops,
+        "inputs": [asdict(spec) for spec in delegate.inputs],
+        "outputs": [asdict(spec) for spec in delegate.outputs],
+        "processed": store.put(delegate.processed_bytes),
+        "named_data": {name: store.put(data) for name, data in delegate.named_data.items()},
+    }
+
+
+# Reading -------------------------------------------------------------------------------------
+
+
+@dataclass
+class PackageContents:
+    """A package's manifest, its method programs (schema JSON) and its verified blobs."""
+
+    path: str
+    manifest: dict[str, Any]
+    programs: dict[str, bytes]
+    blobs: dict[str, bytes]
+
+
+def read_manifest(path: str | os.PathLike[str]) -> tuple[PT2ArchiveReader, dict[str, Any]]:
+    """Open ``path`` as an aotstack package and return its reader and manifest."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise PackageError(f"{path}: no such file")
+    try:
+        reader = PT2ArchiveReader(path)
+    except Exception as exc:
+        raise PackageError(f"{path}: not a PT2 archive ({first_line(exc)})") from exc
+    if MANIFEST_PATH not in reader.get_file_names():
+        raise PackageError(f"{path}: a PT2 archive, but not one written by aotstack (no {MANIFEST_PATH})")
+    try:
+        manifest = json.loads(reader.read_bytes(MANIFEST_PATH))
+    except Exception as exc:
+        raise PackageError(f"{path}: unreadable manifest ({first_line(exc)})") from exc
+    if manifest.get("format") != "aotstack" or manifest.get("format_version") != FORMAT_VERSION:
+        raise PackageError(
+            f"{path}: package format {manifest.get('format')!r} version {manifest.get('format_version')!r}; "
+            f"this aotstack reads 'aotstack' version {FORMAT_VERSION}"
+        )
+    return reader, manifest
+
+
+def read_package(path: str | os.PathLike[str]) -> PackageContents:
+    """Read and verify every blob of the package at ``path``."""
+    path = os.fspath(path)
+    reader, manifest = read_manifest(path)
+    owners = blob_owners(manifest)
+    blobs = {}
+    for key, size in manifest["blobs"].items():
+        data = read_record(reader, path, BLOB_DIR + key, owners.get(key, key))
+        if len(data) != size or content_key(data) != key:
+            raise PackageError(
+                f"{path}: blob {key[:16]}… ({owners.get(key, 'unreferenced')}) does not match its "
+                "SHA-256; the file is corrupt or was altered"
+            )
+        blobs[key] = data
+    programs = {
+        name: read_record(reader, path, method["program"], f"the program of method {name!r}")
+        for name, method in manifest["methods"].items()
+    }
+    return PackageContents(path, manifest, programs, blobs)
+
+
+def read_record(reader: PT2ArchiveReader, path: str, record: str, what: str) -> bytes:
+    try:
+        return reader.read_bytes(record)
+    except Exception as exc:
+        raise PackageError(f"{path}: cannot read {what} ({record}): {first_line(exc)}") from exc
+
+
+def blob_owners(manifest: dict[str, Any]) -> dict[str, str]:
+    """Blob key -> a description of what uses it, for error messages."""
+    owners: dict[str, str] = {}
+    for name, method in manifest["methods"].items():
+        for fqn, weight in method["weights"].items():
+            owners.setdefault(weight["blob"], f"weight {fqn!r} of method {name!r}")
+        for delegate in method["delegates"]:
+            owners.setdefault(delegate["processed"], f"delegate {delegate['id']} processed bytes")
+            for local, key in delegate["named_data"].items():
+                owners.setdefault(key, f"{local!r} of delegate {delegate['id']}")
+    return owners
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,39 @@
+"""Tensors as raw bytes and back: how weights are stored without pickling."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The tensor's elements, contiguous, in native byte order."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return b""
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """A writable tensor holding ``data``, the inverse of :func:`tensor_bytes`."""
+    if not data:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def content_key(data: bytes) -> str:
+    """The content hash under which a blob is stored."""
+    return hashlib.sha256(data).hexdigest()
