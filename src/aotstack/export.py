@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,18 +28,6 @@ class Program:
                 raise ExportError(
                     f"method {name!r}: expected a torch.export.ExportedProgram, got {type(program).__name__}"
                 )
-
-
-class _MethodAsForward(torch.nn.Module):
-    """Wraps a model so ``torch.export`` traces one of its other methods as ``forward``."""
-
-    def __init__(self, model: torch.nn.Module, method: str) -> None:
-        super().__init__()
-        self.model = model
-        self._method = method
-
-    def forward(self, *args: Any) -> Any:
-        return getattr(self.model, self._method)(*args)
 
 
 def export(
@@ -76,16 +65,28 @@ def export_method(
     method = getattr(model, name, None)
     if not isinstance(method, types.MethodType):
         available = sorted(
-            attr for attr in dir(type(model)) if not attr.startswith("_") and callable(getattr(type(model), attr, None))
-            and attr in vars(type(model))
+            attr
+            for attr, value in vars(type(model)).items()
+            if callable(value) and not attr.startswith("_")
         )
         raise ExportError(
             f"{type(model).__name__} has no method {name!r}; methods it defines: {available}"
         )
     if not isinstance(args, tuple):
         raise ExportError(f"method {name!r}: example arguments must be a tuple, got {type(args).__name__}")
-    module = model if name == "forward" else _MethodAsForward(model, name)
+    module = model if name == "forward" else module_calling(model, name)
     try:
         return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
     except Exception as exc:
         raise ExportError(f"torch.export failed for method {name!r}: {exc}") from exc
+
+
+def module_calling(model: torch.nn.Module, name: str) -> torch.nn.Module:
+    """A shallow copy of ``model`` whose ``forward`` is its method ``name``.
+
+    Sharing the submodules keeps every weight's FQN as it is in ``model``, and the method's own
+    signature names the program's inputs.
+    """
+    shallow = copy.copy(model)
+    shallow.forward = getattr(model, name)
+    return shallow

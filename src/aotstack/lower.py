@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -124,7 +125,10 @@ def partitioners_by_method(program: Program, partitioners: PartitionerPlan) -> d
 def lower_method(
     name: str, exported: ExportedProgram, partitioners: list[Partitioner]
 ) -> tuple[ExportedProgram, list[Delegate]]:
-    working = copy.deepcopy(exported)
+    with warnings.catch_warnings():
+        # torch's TreeSpec warns about its own deprecated LeafSpec while being deep-copied.
+        warnings.simplefilter("ignore", FutureWarning)
+        working = copy.deepcopy(exported)
     read_before = {node.name for node in constant_placeholders(working) if node.users}
     delegates: list[Delegate] = []
     for partitioner in partitioners:

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch._export.serde.serialize import ExportedProgramDeserializer, _bytes_to_dataclass
 from torch._export.serde import schema
+from torch._export.serde.serialize import ExportedProgramDeserializer, _bytes_to_dataclass
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import Node
