@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import logging
 import operator
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -84,6 +86,8 @@ class LoweredProgram:
         save(self, path)
 
 
+logger = logging.getLogger("aotstack")
+
 PartitionerPlan = Sequence[Partitioner] | Mapping[str, Sequence[Partitioner]]
 
 
@@ -158,7 +162,10 @@ def delegate_partition(
     backend = backend_class(spec.backend_id)()
     compile_specs = [s for s in spec.compile_specs if s.key != "method_name"]
     compile_specs.append(CompileSpec("method_name", method.encode()))
+    logger.info("%s: compiling delegate %s (%s, %d nodes) ...", method, delegate_id, spec.backend_id, len(nodes))
+    started = time.perf_counter()
     result = backend.preprocess(sub_program, compile_specs)
+    logger.info("%s: delegate %s ready in %.1f s", method, delegate_id, time.perf_counter() - started)
     splice_delegate_call(graph, nodes, delegate_id, user_inputs, outputs)
     return Delegate(
         delegate_id=delegate_id,

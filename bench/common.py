@@ -1,0 +1,64 @@
+"""Helpers shared by the benchmarks: building the packages, a few statistics, a plain-text table."""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+import aotstack
+
+
+def use_private_aotstack_cache(directory: str) -> None:
+    """Send aotstack's compile cache to ``directory``.
+
+    Inductor specialises CPU kernels on ``torch.get_num_threads()``, but aotstack's own library cache
+    is keyed without it, so a library compiled earlier under another thread count could come back.
+    """
+    os.environ["AOTSTACK_CACHE_DIR"] = os.path.join(directory, "aotstack-cache")
+
+
+def build_aotstack(
+    model: torch.nn.Module, args: tuple[Any, ...], path: str, exclude_ops: Sequence[str] = ()
+) -> int:
+    """Lower ``model.forward`` with the AOTI CPU partitioner, save it to ``path``; the delegate count."""
+    program = aotstack.export(model, {"forward": args})
+    lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner(exclude_ops=list(exclude_ops))])
+    lowered.save(path)
+    return len(lowered.delegates("forward"))
+
+
+def build_raw_aoti(model: torch.nn.Module, args: tuple[Any, ...], path: str) -> None:
+    """The baseline: the whole model through stock ``aoti_compile_and_package``."""
+    with torch.no_grad():
+        torch._inductor.aoti_compile_and_package(torch.export.export(model, args), package_path=path)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Left-align the first column, right-align the others."""
+    widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        first = str(cells[0]).ljust(widths[0])
+        return "  ".join([first, *(str(c).rjust(w) for c, w in zip(cells[1:], widths[1:]))])
+
+    print(line(headers))
+    print("  ".join("-" * w for w in widths))
+    for row in rows:
+        print(line(row))
+
+
+def verdict(value: float, limit: float) -> str:
+    return "met" if value <= limit else "NOT met"

@@ -1,0 +1,173 @@
+"""The ``aotstack`` command: demo, compile, run, inspect."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .errors import AotstackError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argument_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    try:
+        return args.command(args)
+    except AotstackError as exc:
+        print(f"aotstack: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def argument_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="aotstack", description=__doc__)
+    commands = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    demo = commands.add_parser("demo", help="compile the bundled demo model, load it in a fresh process, run it")
+    demo.add_argument("--keep", metavar="DIR", help="keep demo.pt2 in DIR")
+    demo.set_defaults(command=demo_command)
+
+    compile_ = commands.add_parser("compile", help="export, partition and compile a model into one .pt2")
+    compile_.add_argument("target", metavar="MODULE:FUNCTION", help="returns (model, {method: example args})")
+    compile_.add_argument("-o", "--output", required=True, metavar="FILE.pt2")
+    compile_.add_argument("--exclude-op", action="append", default=[], metavar="OP",
+                          help="leave OP (e.g. aten.gelu) to plain ATen; repeatable")
+    compile_.set_defaults(command=compile_command)
+
+    run = commands.add_parser("run", help="run a method on random inputs of the recorded shapes")
+    run.add_argument("package", metavar="FILE.pt2")
+    run.add_argument("--method", help="method to run (default: every method)")
+    run.add_argument("--calls", type=int, default=100, help="timed calls per method (default 100)")
+    run.set_defaults(command=run_command)
+
+    inspect = commands.add_parser("inspect", help="list methods, delegates, backends, devices, ops and sizes")
+    inspect.add_argument("package", metavar="FILE.pt2")
+    inspect.set_defaults(command=inspect_command)
+    return parser
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.keep)
+
+
+def compile_command(args: argparse.Namespace) -> int:
+    import aotstack
+
+    model, methods = model_from_target(args.target)
+    started = time.perf_counter()
+    program = aotstack.export(model, methods)
+    lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner(exclude_ops=args.exclude_op)])
+    lowered.save(args.output)
+    count = sum(len(lowered.delegates(name)) for name in lowered.methods)
+    print(f"wrote {args.output}: {len(lowered.methods)} method(s), {count} delegate(s), "
+          f"{os.path.getsize(args.output) / 1e6:.2f} MB, in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def model_from_target(target: str) -> tuple[torch.nn.Module, dict[str, tuple[Any, ...]]]:
+    module_name, _, function_name = target.partition(":")
+    if not module_name or not function_name:
+        raise AotstackError(f"expected MODULE:FUNCTION, got {target!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        function: Callable[[], Any] = getattr(importlib.import_module(module_name), function_name)
+    except (ImportError, AttributeError) as exc:
+        raise AotstackError(f"cannot find {target}: {exc}") from exc
+    result = function()
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)):
+        raise AotstackError(f"{target} must return (model, {{method: example args}}), got {type(result).__name__}")
+    return result
+
+
+def run_command(args: argparse.Namespace) -> int:
+    import aotstack
+
+    from .package import read_manifest
+
+    _, manifest = read_manifest(args.package)
+    started = time.perf_counter()
+    loaded = aotstack.load(args.package)
+    print(f"loaded {args.package} in {(time.perf_counter() - started) * 1e3:.1f} ms")
+    names = [args.method] if args.method else loaded.method_names
+    for name in names:
+        method = loaded.method(name)
+        inputs = [random_input(spec) for spec in manifest["methods"][name]["inputs"]]
+        with torch.no_grad():
+            result = method(*inputs)
+            times = []
+            for _ in range(args.calls):
+                started = time.perf_counter()
+                method(*inputs)
+                times.append(time.perf_counter() - started)
+        print(f"{name}({', '.join(describe_tensor(t) for t in inputs)})")
+        for path, value in torch.utils._pytree.tree_flatten_with_path(result)[0]:
+            label = "".join(str(key) for key in path) or "output"
+            print(f"  {label}: {describe_tensor(value)} {summary(value)}")
+        print(f"  median {statistics.median(times) * 1e6:.1f} µs per call over {args.calls} calls")
+    return 0
+
+
+def random_input(spec: dict[str, Any]) -> torch.Tensor:
+    from .tensor_data import dtype_from_name
+
+    dtype = dtype_from_name(spec["dtype"])
+    shape = [1 if d is None else d for d in spec["shape"]]
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, dtype=dtype)
+    if dtype == torch.bool:
+        return torch.rand(shape) > 0.5
+    return torch.randint(0, 10, shape, dtype=dtype)
+
+
+def describe_tensor(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    return repr(value)
+
+
+def summary(value: Any) -> str:
+    if not isinstance(value, torch.Tensor) or value.numel() == 0 or not value.dtype.is_floating_point:
+        return ""
+    return f"min {value.min().item():.4g} mean {value.mean().item():.4g} max {value.max().item():.4g}"
+
+
+def inspect_command(args: argparse.Namespace) -> int:
+    from .package import read_manifest
+
+    _, manifest = read_manifest(args.package)
+    blobs = manifest["blobs"]
+    print(f"{args.package}: {os.path.getsize(args.package) / 1e6:.2f} MB, aotstack format "
+          f"{manifest['format_version']}, written by aotstack {manifest['aotstack_version']} "
+          f"with torch {manifest['torch_version']}")
+    for name, method in manifest["methods"].items():
+        inputs = ", ".join(f"{i['name']}: {i['dtype']}{shape_text(i['shape'])}" for i in method["inputs"])
+        weights = sum(blobs[w["blob"]] for w in method["weights"].values())
+        print(f"\nmethod {name}({inputs}): {len(method['delegates'])} delegate(s), "
+              f"{len(method['weights'])} weight(s) outside delegates ({weights / 1e3:.1f} kB)")
+        for delegate in method["delegates"]:
+            size = sum(blobs[key] for key in delegate["named_data"].values())
+            print(f"  {delegate['id']}: {delegate['backend_id']} on {delegate['target_device']}, "
+                  f"{len(delegate['inputs'])} in / {len(delegate['outputs'])} out, {size / 1e3:.1f} kB")
+            print(f"    ops: {', '.join(delegate['ops'])}")
+    print(f"\n{len(blobs)} blob(s), {sum(blobs.values()) / 1e6:.2f} MB, each stored once")
+    return 0
+
+
+def shape_text(shape: list[int | None]) -> str:
+    return "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
