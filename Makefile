@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+TORCH_SPEC ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# Torch is installed first and pinned, so the package's looser `torch>=2.11` finds it satisfied
+# instead of pulling the newest build with its CUDA packages.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/pip install --quiet -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.installed
+	$(BIN)/aotstack demo
+
+test: $(VENV)/.installed
+	$(BIN)/ruff check src tests bench
+	$(BIN)/python -m pytest tests
+
+bench: $(VENV)/.installed
+	$(BIN)/python bench/latency.py
+	$(BIN)/python bench/load.py
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info
