@@ -12,7 +12,6 @@ $(BIN)/python:
 # Torch is installed first and pinned, so the package's looser `torch>=2.11` finds it satisfied
 # instead of pulling the newest build with its CUDA packages.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -e ".[test]"
 	touch $@

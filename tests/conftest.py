@@ -1,0 +1,79 @@
+"""Shared fixtures: each model is compiled once per session, then loaded as often as needed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import aotstack
+from tests import models
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FRESH_PROCESS_RUN = """
+import json, sys
+import torch
+import aotstack
+from torch.utils._pytree import tree_leaves
+from tests import models
+
+path, method, name = sys.argv[1:4]
+loaded = aotstack.load(path)
+result = loaded.run(method, *models.example_inputs(name))
+print(json.dumps([{"dtype": str(t.dtype), "shape": list(t.shape), "values": t.flatten().tolist()}
+                  for t in tree_leaves(result)]))
+"""
+
+
+def run_in_fresh_process(path: Path, method: str, model_name: str) -> list[torch.Tensor]:
+    """Load ``path`` in a new Python process and run ``method`` on the model's example inputs."""
+    child = subprocess.run(
+        [sys.executable, "-c", FRESH_PROCESS_RUN, str(path), method, model_name],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False,
+    )
+    assert child.returncode == 0, child.stderr
+    leaves = json.loads(child.stdout.strip().splitlines()[-1])
+    return [
+        torch.tensor(leaf["values"], dtype=getattr(torch, leaf["dtype"].removeprefix("torch."))).reshape(leaf["shape"])
+        for leaf in leaves
+    ]
+
+
+def assert_matches_eager(outputs: list[torch.Tensor], model_name: str, method: str = "forward") -> None:
+    model = models.build(model_name)
+    with torch.no_grad():
+        expected = torch.utils._pytree.tree_leaves(getattr(model, method)(*models.example_inputs(model_name)))
+    assert len(outputs) == len(expected)
+    for got, want in zip(outputs, expected, strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+Lowerer = Callable[..., tuple[aotstack.LoweredProgram, Path]]
+
+
+@pytest.fixture(scope="session")
+def lowered_package(tmp_path_factory: pytest.TempPathFactory) -> Lowerer:
+    """``lowered_package(name, methods=("forward",), exclude_ops=())``: lowered once per session, and saved."""
+    built: dict[tuple, tuple[aotstack.LoweredProgram, Path]] = {}
+    directory = tmp_path_factory.mktemp("packages")
+
+    def lower(name: str, methods: tuple[str, ...] = ("forward",), exclude_ops: tuple[str, ...] = ()):
+        key = (name, methods, exclude_ops)
+        if key not in built:
+            inputs = models.example_inputs(name)
+            program = aotstack.export(models.build(name), {method: inputs for method in methods})
+            lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner(exclude_ops=exclude_ops)])
+            path = directory / f"{name}-{'-'.join(methods)}-{len(built)}.pt2"
+            lowered.save(path)
+            built[key] = (lowered, path)
+        return built[key]
+
+    return lower

@@ -1,0 +1,89 @@
+"""Small seeded models the tests lower; a child process rebuilds the same ones by name."""
+
+from __future__ import annotations
+
+import torch
+
+
+class AddModel(torch.nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + y
+
+
+class ConvModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, kernel_size=3, padding=1)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.conv(image)
+
+
+class LinearModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+class SplitModel(torch.nn.Module):
+    """An excluded op (sigmoid) between supported ops, and a second output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(16, 32)
+        self.second = torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = torch.sigmoid(self.first(x) * 2)
+        return self.second(hidden) + 1, hidden.sum(dim=-1)
+
+
+class SharedModel(torch.nn.Module):
+    """Two methods sharing a large encoder, each with its own small head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Linear(256, 512)
+        self.classify_head = torch.nn.Linear(512, 4)
+        self.score_head = torch.nn.Linear(512, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classify_head(torch.relu(self.encoder(x)))
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        return self.score_head(torch.tanh(self.encoder(x)))
+
+
+class UnusedStateModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.unused_weight = torch.nn.Parameter(torch.randn(5))
+        self.register_buffer("unused_buffer", torch.arange(3.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+MODELS = {
+    "add": (AddModel, [(4, 5), (4, 5)]),
+    "conv": (ConvModel, [(2, 3, 8, 8)]),
+    "linear": (LinearModel, [(4, 16)]),
+    "split": (SplitModel, [(4, 16)]),
+    "shared": (SharedModel, [(2, 256)]),
+    "unused": (UnusedStateModel, [(3, 8)]),
+}
+
+
+def build(name: str) -> torch.nn.Module:
+    """The model called ``name``, with the same weights in every process."""
+    torch.manual_seed(0)
+    return MODELS[name][0]().eval()
+
+
+def example_inputs(name: str, seed: int = 1) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(shape, generator=generator) for shape in MODELS[name][1])

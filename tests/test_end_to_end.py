@@ -1,0 +1,96 @@
+"""Real AOTInductor compiles, saved, loaded in a fresh process, compared with eager PyTorch."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch.fx.passes.utils.fuser_utils import validate_partition
+
+import aotstack
+from aotstack.delegate_op import is_delegate_call
+from tests import models
+from tests.conftest import assert_matches_eager, run_in_fresh_process
+
+
+@pytest.mark.parametrize("name", ["add", "conv", "linear"])
+def test_fully_supported_model_is_one_delegate_and_matches_eager(lowered_package, name):
+    lowered, path = lowered_package(name)
+
+    [delegate] = lowered.delegates("forward")
+    assert delegate.backend_id == "aoti_cpu"
+    assert delegate.target_device == "cpu"
+    assert delegate.ops, "a delegate lists the ATen ops it runs"
+    calls = [n for n in lowered.methods["forward"].graph.nodes if n.op == "call_function"]
+    assert sum(is_delegate_call(n) for n in calls) == 1
+    assert all(is_delegate_call(n) or n.target.__name__ == "getitem" for n in calls)
+    assert_matches_eager(run_in_fresh_process(path, "forward", name), name)
+
+
+def test_excluded_op_between_supported_ops_splits_into_convex_partitions():
+    program = aotstack.export(models.build("split"), {"forward": models.example_inputs("split")})
+    exported = program.methods["forward"]
+    result = aotstack.AotiCpuPartitioner(exclude_ops=["aten.sigmoid"]).partition(exported)
+
+    partitions: dict[str, list[torch.fx.Node]] = {}
+    for node in exported.graph.nodes:
+        if node.op == "call_function" and "delegation_tag" in node.meta:
+            partitions.setdefault(node.meta["delegation_tag"], []).append(node)
+    assert set(partitions) == set(result.partition_tags)
+    assert len(partitions) >= 2
+    for nodes in partitions.values():
+        assert validate_partition(nodes)
+    sigmoid = [n for n in exported.graph.nodes if n.target == torch.ops.aten.sigmoid.default]
+    assert sigmoid and "delegation_tag" not in sigmoid[0].meta
+
+
+def test_split_model_runs_sigmoid_as_plain_aten_and_matches_eager(lowered_package):
+    lowered, path = lowered_package("split", exclude_ops=("aten.sigmoid",))
+
+    delegates = lowered.delegates("forward")
+    assert len(delegates) >= 2
+    assert all("aten.sigmoid.default" not in d.ops for d in delegates)
+    plain = [n.target for n in lowered.methods["forward"].graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.sigmoid.default in plain
+    assert_matches_eager(run_in_fresh_process(path, "forward", "split"), "split")
+
+
+def test_two_methods_store_shared_weights_once(lowered_package):
+    _, both = lowered_package("shared", methods=("forward", "score"))
+    _, forward_only = lowered_package("shared", methods=("forward",))
+    _, score_only = lowered_package("shared", methods=("score",))
+    encoder = models.build("shared").encoder
+    shared_bytes = (encoder.weight.numel() + encoder.bias.numel()) * 4
+
+    saved = os.path.getsize(forward_only) + os.path.getsize(score_only) - os.path.getsize(both)
+    assert shared_bytes * 0.95 <= saved <= shared_bytes * 1.05
+    for method in ("forward", "score"):
+        assert_matches_eager(run_in_fresh_process(both, method, "shared"), "shared", method)
+
+
+def test_unused_parameter_and_buffer_lower_save_and_load(lowered_package):
+    lowered, path = lowered_package("unused")
+
+    assert len(lowered.delegates("forward")) == 1
+    assert_matches_eager(run_in_fresh_process(path, "forward", "unused"), "unused")
+
+
+def test_loaded_methods_are_callable_by_name_and_as_attributes(lowered_package):
+    _, path = lowered_package("shared", methods=("forward", "score"))
+    loaded = aotstack.load(path)
+    x = models.example_inputs("shared")[0]
+
+    assert loaded.method_names == ["forward", "score"]
+    torch.testing.assert_close(loaded.score(x), loaded.run("score", x))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.forward(x), models.build("shared")(x), rtol=1e-5, atol=1e-5)
+
+
+def test_lowering_leaves_the_users_program_untouched(lowered_package):
+    program = aotstack.export(models.build("linear"), {"forward": models.example_inputs("linear")})
+    before = str(program.methods["forward"].graph)
+
+    aotstack.lower(program, [aotstack.AotiCpuPartitioner()])
+
+    assert str(program.methods["forward"].graph) == before

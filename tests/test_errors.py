@@ -1,0 +1,168 @@
+"""Every error is raised by type, naming the bad input, before anything unsafe happens."""
+
+from __future__ import annotations
+
+import os
+import zipfile
+
+import pytest
+import torch
+from torch.export.pt2_archive import PT2ArchiveReader, PT2ArchiveWriter
+
+import aotstack
+from aotstack.backends.aoti import backend as aoti_backend
+from aotstack.package import MANIFEST_PATH
+from tests import models
+
+
+@pytest.fixture
+def linear_path(lowered_package):
+    return lowered_package("linear")[1]
+
+
+def test_all_errors_share_one_base():
+    for error in (aotstack.PackageError, aotstack.InputError, aotstack.LoweringError, aotstack.ExportError,
+                  aotstack.BackendNotFoundError, aotstack.MethodNotFoundError):
+        assert issubclass(error, aotstack.AotstackError)
+
+
+def test_a_file_that_is_not_an_archive_is_refused(tmp_path):
+    path = tmp_path / "notes.pt2"
+    path.write_text("not a model")
+    with pytest.raises(aotstack.PackageError, match="notes.pt2.*not a PT2 archive"):
+        aotstack.load(path)
+
+
+def test_a_missing_file_is_refused(tmp_path):
+    with pytest.raises(aotstack.PackageError, match="no such file"):
+        aotstack.load(tmp_path / "absent.pt2")
+
+
+def test_a_pt2_archive_not_from_aotstack_is_refused(tmp_path):
+    path = tmp_path / "stock.pt2"
+    exported = torch.export.export(models.build("linear"), models.example_inputs("linear"))
+    torch.export.save(exported, path)
+    with pytest.raises(aotstack.PackageError, match="not one written by aotstack"):
+        aotstack.load(path)
+
+
+def test_a_truncated_file_is_refused(linear_path, tmp_path):
+    path = tmp_path / "truncated.pt2"
+    data = linear_path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(aotstack.PackageError, match="truncated.pt2"):
+        aotstack.load(path)
+
+
+def rewritten_archive(source, target, change):
+    """A valid archive holding ``source``'s records, with ``change(name, data)`` applied to each."""
+    reader = PT2ArchiveReader(str(source))
+    with PT2ArchiveWriter(str(target)) as writer:
+        for name in reader.get_file_names():
+            if name in (".data/version", ".data/serialization_id", "archive_format", "byteorder"):
+                continue
+            writer.write_bytes(name, change(name, reader.read_bytes(name)))
+
+
+def test_a_library_changed_by_one_byte_is_refused_before_it_is_opened(linear_path, tmp_path, monkeypatch):
+    from aotstack.package import read_manifest
+
+    _, manifest = read_manifest(linear_path)
+    [delegate] = manifest["methods"]["forward"]["delegates"]
+    library_key = delegate["named_data"]["model.so"]
+
+    def flip_one_byte(name, data):
+        if name.endswith(library_key):
+            return data[:1000] + bytes([data[1000] ^ 1]) + data[1001:]
+        return data
+
+    tampered = tmp_path / "tampered.pt2"
+    rewritten_archive(linear_path, tampered, flip_one_byte)
+    opened = []
+    monkeypatch.setattr(aoti_backend, "open_runner", lambda *args: opened.append(args))
+
+    with pytest.raises(aotstack.PackageError, match=f"tampered.pt2.*{library_key[:16]}.*model.so.*SHA-256"):
+        aotstack.load(tampered)
+    assert opened == []
+
+
+def test_the_untampered_copy_loads(linear_path, tmp_path):
+    copy = tmp_path / "copy.pt2"
+    rewritten_archive(linear_path, copy, lambda name, data: data)
+    x = models.example_inputs("linear")[0]
+    torch.testing.assert_close(aotstack.load(copy).forward(x), aotstack.load(linear_path).forward(x))
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((), r"forward\(\) takes 1 argument\(s\) \(x\), got 0"),
+        ((torch.randn(4, 16), torch.randn(4, 16)), r"takes 1 argument\(s\) \(x\), got 2"),
+        ((torch.randn(4, 16, dtype=torch.float64),), r"'x' has dtype torch.float64, expected torch.float32"),
+        ((torch.randn(4, 15),), r"'x' has shape \[4, 15\], expected \[4, 16\]"),
+        ((torch.randn(16),), r"'x' has shape \[16\], expected \[4, 16\]"),
+        (([1.0] * 16,), r"'x' must be a tensor, got list"),
+    ],
+)
+def test_bad_inputs_are_refused_before_compiled_code_runs(linear_path, monkeypatch, args, message):
+    loaded = aotstack.load(linear_path)
+    executed = []
+    monkeypatch.setattr(aoti_backend, "run", lambda handle, inputs: executed.append(inputs))
+
+    with pytest.raises(aotstack.InputError, match=message):
+        loaded.forward(*args)
+    assert executed == []
+
+
+def test_an_unknown_method_names_the_ones_that_exist(linear_path):
+    loaded = aotstack.load(linear_path)
+    with pytest.raises(aotstack.MethodNotFoundError, match="no method 'decode'.*forward"):
+        loaded.decode(torch.randn(4, 16))
+    with pytest.raises(aotstack.MethodNotFoundError, match="forward"):
+        loaded.run("decode")
+
+
+def test_exporting_a_missing_method_names_the_model_and_its_methods():
+    with pytest.raises(aotstack.ExportError, match="SharedModel has no method 'decode'.*forward.*score"):
+        aotstack.export(models.build("shared"), {"decode": models.example_inputs("shared")})
+
+
+def test_an_unknown_excluded_op_is_named():
+    with pytest.raises(ValueError, match="unknown op 'aten.not_an_op'"):
+        aotstack.AotiCpuPartitioner(exclude_ops=["aten.not_an_op"])
+
+
+def test_concrete_aoti_backends_are_final():
+    with pytest.raises(TypeError, match="AotiCpuBackend is final"):
+        class Derived(aotstack.AotiCpuBackend):  # noqa: F841
+            pass
+
+
+def test_a_failed_save_leaves_no_file_and_keeps_the_old_one(lowered_package, tmp_path, monkeypatch):
+    lowered, _ = lowered_package("linear")
+    path = tmp_path / "model.pt2"
+    path.write_bytes(b"previous contents")
+
+    def fail(self, name, data):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(PT2ArchiveWriter, "write_bytes", fail)
+    with pytest.raises(OSError, match="disk full"):
+        lowered.save(path)
+    assert path.read_bytes() == b"previous contents"
+    assert os.listdir(tmp_path) == ["model.pt2"]
+
+
+def test_the_manifest_records_versions_devices_specs_and_hashes(linear_path):
+    import json
+
+    with zipfile.ZipFile(linear_path) as archive:
+        [manifest_name] = [n for n in archive.namelist() if n.endswith(MANIFEST_PATH)]
+        manifest = json.loads(archive.read(manifest_name))
+    assert manifest["format_version"] == 1
+    assert manifest["torch_version"] == torch.__version__
+    [delegate] = manifest["methods"]["forward"]["delegates"]
+    assert delegate["target_device"] == "cpu"
+    assert delegate["inputs"] == [{"dtype": "float32", "shape": [4, 16]}]
+    assert delegate["outputs"] == [{"dtype": "float32", "shape": [4, 8]}]
+    assert all(len(key) == 64 for key in manifest["blobs"])
