@@ -1,0 +1,73 @@
+"""The ``aotstack`` command, run as a user runs it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.conftest import ROOT
+
+
+def aotstack_command(*args: str, cwd=ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "aotstack", *map(str, args)],
+        capture_output=True, text=True, cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False,
+    )
+
+
+def test_inspect_lists_methods_delegates_devices_ops_and_sizes(lowered_package):
+    _, path = lowered_package("split", exclude_ops=("aten.sigmoid",))
+    result = aotstack_command("inspect", path)
+
+    assert result.returncode == 0, result.stderr
+    assert "method forward(x: float32[4, 16]): 2 delegate(s)" in result.stdout
+    assert "forward.0: aoti_cpu on cpu" in result.stdout
+    assert "aten.linear.default" in result.stdout
+    assert "aten.sigmoid" not in result.stdout
+    assert " kB" in result.stdout and " MB" in result.stdout
+
+
+def test_run_reports_outputs_and_time(lowered_package):
+    _, path = lowered_package("split", exclude_ops=("aten.sigmoid",))
+    result = aotstack_command("run", path, "--method", "forward", "--calls", "5")
+
+    assert result.returncode == 0, result.stderr
+    assert "forward(float32[4, 16])" in result.stdout
+    assert "[0]: float32[4, 8]" in result.stdout and "[1]: float32[4]" in result.stdout
+    assert "µs per call over 5 calls" in result.stdout
+
+
+def test_compile_writes_a_package_from_module_and_function(tmp_path):
+    output = tmp_path / "demo.pt2"
+    result = aotstack_command("compile", "aotstack.demo:demo_model", "-o", output, "--exclude-op", "aten.gelu")
+
+    assert result.returncode == 0, result.stderr
+    assert "compiling delegate forward.0" in result.stderr
+    assert f"wrote {output}: 2 method(s), 4 delegate(s)" in result.stdout
+    listing = aotstack_command("inspect", output).stdout
+    assert "method embed(image: float32[4, 3, 8, 8]): 2 delegate(s)" in listing
+
+
+def test_errors_are_one_line_naming_the_problem(tmp_path):
+    bad = tmp_path / "bad.pt2"
+    bad.write_text("nope")
+    result = aotstack_command("inspect", bad)
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"aotstack: error: {bad}: not a PT2 archive")
+    assert len(result.stderr.strip().splitlines()) == 1
+
+    missing = aotstack_command("compile", "tests.models:no_such_function", "-o", tmp_path / "x.pt2")
+    assert missing.returncode == 1
+    assert "cannot find tests.models:no_such_function" in missing.stderr
+
+
+def test_demo_runs_end_to_end_in_a_fresh_process(tmp_path):
+    result = aotstack_command("demo", "--keep", tmp_path)
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "the package matches eager PyTorch" in result.stdout
+    for method in ("forward", "embed"):
+        assert f"delegate {method}.0: aoti_cpu on cpu" in result.stdout
+        assert f"delegate {method}.1: aoti_cpu on cpu" in result.stdout
+    assert (tmp_path / "demo.pt2").exists()

@@ -1,0 +1,50 @@
+"""The compile cache: a second lowering of the same partition does not recompile."""
+
+from __future__ import annotations
+
+import torch
+
+import aotstack
+from aotstack.backends.aoti import compile as aoti_compile
+from tests import models
+
+
+def test_second_lowering_reuses_the_cached_library(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path))
+    program = aotstack.export(models.build("add"), {"forward": models.example_inputs("add")})
+    first = aotstack.lower(program, [aotstack.AotiCpuPartitioner()])
+    assert len(list(tmp_path.glob("*.so"))) == 1
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled again despite a cache entry")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", refuse)
+    second = aotstack.lower(program, [aotstack.AotiCpuPartitioner()])
+
+    assert second.delegates("forward")[0].named_data == first.delegates("forward")[0].named_data
+
+
+def test_changed_weights_change_the_key():
+    model = models.build("linear")
+    program = aotstack.export(model, {"forward": models.example_inputs("linear")}).methods["forward"]
+    constants = aoti_compile.partition_constants(program)
+    key = aoti_compile.cache_key(program, constants, {})
+    changed = {name: tensor + 1 for name, tensor in constants.items()}
+
+    assert aoti_compile.cache_key(program, changed, {}) != key
+    assert aoti_compile.cache_key(program, constants, {"max_autotune": True}) != key
+    assert aoti_compile.cache_key(program, constants, {}) == key
+
+
+def test_a_corrupt_cache_entry_is_ignored(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path))
+    aoti_compile.store_library("k", b"library bytes")
+    assert aoti_compile.cached_library("k") == b"library bytes"
+
+    (tmp_path / "k.so").write_bytes(b"library bytez")
+    assert aoti_compile.cached_library("k") is None
+
+
+def test_the_cache_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", "off")
+    assert aoti_compile.cache_dir() is None

@@ -1,0 +1,80 @@
+"""Partitioner-level behaviour: graph structure after ``partition``, no compiles."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aotstack
+from aotstack.delegate_op import call_delegate
+from aotstack.partitioner import DELEGATION_TAG
+from tests import models
+
+
+def exported(name: str) -> torch.export.ExportedProgram:
+    return aotstack.export(models.build(name), {"forward": models.example_inputs(name)}).methods["forward"]
+
+
+def tags_of(program: torch.export.ExportedProgram) -> dict[str, str]:
+    return {n.name: n.meta[DELEGATION_TAG] for n in program.graph.nodes if DELEGATION_TAG in n.meta}
+
+
+@pytest.mark.parametrize("name", ["add", "conv", "linear"])
+def test_a_fully_supported_graph_gets_one_tag(name):
+    program = exported(name)
+    result = aotstack.AotiCpuPartitioner().partition(program)
+
+    assert list(result.partition_tags) == ["aoti_cpu_0"]
+    spec = result.partition_tags["aoti_cpu_0"]
+    assert spec.backend_id == "aoti_cpu"
+    assert aotstack.CompileSpec("target_device", b"cpu") in spec.compile_specs
+    compute = [n for n in program.graph.nodes if n.op == "call_function"]
+    assert all(n.meta[DELEGATION_TAG] == "aoti_cpu_0" for n in compute)
+
+
+def test_weights_take_the_tag_of_their_partition_and_unused_ones_are_tagged_too():
+    program = exported("unused")
+    aotstack.AotiCpuPartitioner().partition(program)
+
+    tags = tags_of(program)
+    for placeholder in ("p_linear_weight", "p_linear_bias", "p_unused_weight", "b_unused_buffer"):
+        assert tags[placeholder] == "aoti_cpu_0"
+    assert "x" not in tags
+
+
+def test_exclude_ops_accepts_names_overloads_and_op_objects():
+    for excluded in ("sigmoid", "aten.sigmoid", "aten.sigmoid.default", torch.ops.aten.sigmoid.default,
+                     torch.ops.aten.sigmoid):
+        program = exported("split")
+        result = aotstack.AotiCpuPartitioner(exclude_ops=[excluded]).partition(program)
+        assert len(result.partition_tags) >= 2, excluded
+        [sigmoid] = [n for n in program.graph.nodes if n.target == torch.ops.aten.sigmoid.default]
+        assert DELEGATION_TAG not in sigmoid.meta
+
+
+def test_delegate_calls_and_their_getitems_are_never_offered_again():
+    program = exported("split")
+    graph = program.graph
+    first = next(n for n in graph.nodes if n.op == "call_function")
+    with graph.inserting_before(first):
+        call = graph.call_function(call_delegate, ("forward.0", [first.args[0]]))
+        item = graph.call_function(__import__("operator").getitem, (call, 0))
+
+    offered = aotstack.get_non_lowered_nodes(graph)
+
+    assert call not in offered and item not in offered
+    assert first in offered
+
+
+def test_an_already_lowered_graph_gets_no_new_tags(lowered_package):
+    lowered, _ = lowered_package("linear")
+    result = aotstack.AotiCpuPartitioner().partition(lowered.methods["forward"])
+    assert result.partition_tags == {}
+
+
+def test_lowering_twice_in_a_row_nests_nothing(lowered_package):
+    lowered, _ = lowered_package("split", exclude_ops=("aten.sigmoid",))
+    again = aotstack.lower(aotstack.Program(dict(lowered.methods)), [aotstack.AotiCpuPartitioner()])
+    # Only the sigmoid was left unclaimed; the second pass takes it alone and nothing else.
+    [delegate] = again.delegates("forward")
+    assert delegate.ops == ["aten.sigmoid.default"]
