@@ -94,3 +94,24 @@ def test_lowering_leaves_the_users_program_untouched(lowered_package):
     aotstack.lower(program, [aotstack.AotiCpuPartitioner()])
 
     assert str(program.methods["forward"].graph) == before
+
+
+def test_dynamic_batch_and_an_input_named_like_a_builtin(tmp_path):
+    # nn.Sequential names its argument ``input``, which torch renames when it copies a graph.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2)).eval()
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = aotstack.export(
+        model, {"forward": (torch.randn(4, 16),)}, dynamic_shapes={"forward": {"input": {0: batch}}}
+    )
+    lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner(exclude_ops=["aten.relu"])])
+    lowered.save(tmp_path / "dynamic.pt2")
+    loaded = aotstack.load(tmp_path / "dynamic.pt2")
+
+    assert lowered.delegates("forward")[0].inputs[0].shape == [None, 16]
+    with torch.no_grad():
+        for rows in (1, 7, 33):
+            x = torch.randn(rows, 16)
+            torch.testing.assert_close(loaded.forward(x), model(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(aotstack.InputError, match=r"'input' has shape \[3, 15\], expected \[\*, 16\]"):
+        loaded.forward(torch.randn(3, 15))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import heapq
 import logging
 import operator
 import time
@@ -22,7 +23,6 @@ from torch.export.graph_signature import (
     TensorArgument,
 )
 from torch.fx import Graph, GraphModule, Node
-from torch.fx.passes.tools_common import legalize_graph
 from torch.fx.passes.utils.fuser_utils import validate_partition
 from torch.utils import _pytree as pytree
 
@@ -129,10 +129,7 @@ def partitioners_by_method(program: Program, partitioners: PartitionerPlan) -> d
 def lower_method(
     name: str, exported: ExportedProgram, partitioners: list[Partitioner]
 ) -> tuple[ExportedProgram, list[Delegate]]:
-    with warnings.catch_warnings():
-        # torch's TreeSpec warns about its own deprecated LeafSpec while being deep-copied.
-        warnings.simplefilter("ignore", FutureWarning)
-        working = copy.deepcopy(exported)
+    working = copied_program(exported)
     read_before = {node.name for node in constant_placeholders(working) if node.users}
     delegates: list[Delegate] = []
     for partitioner in partitioners:
@@ -144,6 +141,22 @@ def lower_method(
         clear_tags(working.graph)
         working = without_unused_constants(working, read_before)
     return working, delegates
+
+
+def copied_program(exported: ExportedProgram) -> ExportedProgram:
+    """A deep copy whose node names still match its signature.
+
+    Deep-copying an ExportedProgram renames a placeholder that shadows a builtin (``input``
+    becomes ``input_1``) but not its signature entry; the original names are put back.
+    """
+    with warnings.catch_warnings():
+        # torch's TreeSpec warns about its own deprecated LeafSpec while being deep-copied.
+        warnings.simplefilter("ignore", FutureWarning)
+        working = copy.deepcopy(exported)
+    for original, copied in zip(exported.graph.nodes, working.graph.nodes, strict=True):
+        if copied.name != original.name:
+            copied.name = original.name
+    return working
 
 
 def delegate_partition(
@@ -205,7 +218,7 @@ def partition_program(
         placeholder = graph.placeholder(node.name)
         placeholder.meta = copy.copy(node.meta)
         env[node] = placeholder
-        input_specs.append(input_spec_for(exported, node, constants.get(node)))
+        input_specs.append(input_spec_for(exported, node, placeholder.name, constants.get(node)))
     for node in nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[n] for n in outputs))
@@ -246,11 +259,12 @@ def partition_program(
     return sub_program, user_inputs, outputs
 
 
-def input_spec_for(exported: ExportedProgram, node: Node, fqn: str | None) -> InputSpec:
+def input_spec_for(exported: ExportedProgram, node: Node, name: str, fqn: str | None) -> InputSpec:
+    """The spec of partition input ``name``, fed by outer ``node`` (a weight when ``fqn`` is set)."""
     if fqn is None:
-        return InputSpec(InputKind.USER_INPUT, TensorArgument(node.name), None)
+        return InputSpec(InputKind.USER_INPUT, TensorArgument(name), None)
     outer = next(s for s in exported.graph_signature.input_specs if s.arg.name == node.name)
-    return InputSpec(outer.kind, TensorArgument(node.name), fqn, outer.persistent)
+    return InputSpec(outer.kind, TensorArgument(name), fqn, outer.persistent)
 
 
 def example_tensor(value: torch.Tensor) -> torch.Tensor:
@@ -275,7 +289,33 @@ def splice_delegate_call(
         previous = item
     for node in reversed(nodes):
         graph.erase_node(node)
-    legalize_graph(graph.owning_module)
+    restore_topological_order(graph)
+
+
+def restore_topological_order(graph: Graph) -> None:
+    """Move nodes, in place and keeping their names, so each follows its inputs.
+
+    The delegate call sits where its partition's last node was; an op outside the partition
+    that read an earlier output must now move after it. The order is otherwise kept.
+    """
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    waiting = {node: len(node.all_input_nodes) for node in graph.nodes}
+    ready = [(position[node], node) for node, count in waiting.items() if count == 0]
+    heapq.heapify(ready)
+    order: list[Node] = []
+    while ready:
+        _, node = heapq.heappop(ready)
+        order.append(node)
+        for user in node.users:
+            waiting[user] -= 1
+            if waiting[user] == 0:
+                heapq.heappush(ready, (position[user], user))
+    first = next(iter(graph.nodes))
+    if order[0] is not first:
+        first.prepend(order[0])
+    for previous, node in zip(order, order[1:]):
+        if previous.next is not node:
+            previous.append(node)
 
 
 def clear_tags(graph: Graph) -> None:
