@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import os
 import statistics
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 import aotstack
+
+
+def quiet_known_warnings() -> None:
+    """torch warns about its own deprecated LeafSpec while AOTInductor deep-copies a program."""
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
 
 
 def use_private_aotstack_cache(directory: str) -> None:
@@ -21,9 +27,7 @@ def use_private_aotstack_cache(directory: str) -> None:
     os.environ["AOTSTACK_CACHE_DIR"] = os.path.join(directory, "aotstack-cache")
 
 
-def build_aotstack(
-    model: torch.nn.Module, args: tuple[Any, ...], path: str, exclude_ops: Sequence[str] = ()
-) -> int:
+def build_aotstack(model: torch.nn.Module, args: tuple[Any, ...], path: str, exclude_ops: Sequence[str] = ()) -> int:
     """Lower ``model.forward`` with the AOTI CPU partitioner, save it to ``path``; the delegate count."""
     program = aotstack.export(model, {"forward": args})
     lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner(exclude_ops=list(exclude_ops))])

@@ -20,12 +20,20 @@ import torch
 
 import aotstack
 from aotstack.demo import DEMO_EXCLUDED_OPS, demo_model
-from common import build_aotstack, build_raw_aoti, median, print_table, use_private_aotstack_cache, verdict
+from common import (
+    build_aotstack,
+    build_raw_aoti,
+    median,
+    print_table,
+    quiet_known_warnings,
+    use_private_aotstack_cache,
+    verdict,
+)
 
 TARGET_MS = 100.0
 
-# Run with: sys.argv[1] = package path, sys.argv[2] = thread count.
-CHILD_PREAMBLE = """
+# argv: package path, thread count. Prints "<import ms> <load + first call ms>".
+CHILD = """
 import sys, time
 started = time.perf_counter_ns()
 import torch
@@ -34,21 +42,15 @@ imported = time.perf_counter_ns()
 from aotstack.demo import demo_model
 torch.set_num_threads(int(sys.argv[2]))
 image = demo_model()[1]["forward"][0]
-"""
-
-AOTSTACK_CHILD = CHILD_PREAMBLE.format(imports="import aotstack") + """
 begin = time.perf_counter_ns()
-result = aotstack.load(sys.argv[1]).forward(image)
+result = {load_and_call}
 end = time.perf_counter_ns()
 print((imported - started) / 1e6, (end - begin) / 1e6)
 """
-
-RAW_AOTI_CHILD = CHILD_PREAMBLE.format(imports="import aotstack, torch._inductor") + """
-begin = time.perf_counter_ns()
-result = torch._inductor.aoti_load_package(sys.argv[1])(image)
-end = time.perf_counter_ns()
-print((imported - started) / 1e6, (end - begin) / 1e6)
-"""
+AOTSTACK_CHILD = CHILD.format(imports="import aotstack", load_and_call="aotstack.load(sys.argv[1]).forward(image)")
+RAW_AOTI_CHILD = CHILD.format(
+    imports="import aotstack, torch._inductor", load_and_call="torch._inductor.aoti_load_package(sys.argv[1])(image)"
+)
 
 
 def build_packages(directory: str) -> tuple[str, str, int]:
@@ -63,9 +65,7 @@ def build_packages(directory: str) -> tuple[str, str, int]:
 
 def child_times(code: str, path: str, threads: int) -> tuple[float, float]:
     """One fresh process: (import ms, load + first call ms) from its last line."""
-    done = subprocess.run(
-        [sys.executable, "-c", code, path, str(threads)], capture_output=True, text=True, check=False
-    )
+    done = subprocess.run([sys.executable, "-c", code, path, str(threads)], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"child failed ({done.returncode}):\n{done.stderr}")
     import_ms, load_ms = done.stdout.strip().splitlines()[-1].split()
@@ -114,6 +114,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    quiet_known_warnings()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, aotstack {aotstack.__version__}, torch.get_num_threads() = {args.threads}")
     with tempfile.TemporaryDirectory(prefix="aotstack-bench-") as directory:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import tempfile
 import zipfile
@@ -18,6 +19,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ... import __version__
 from ...errors import LoweringError
 from ...tensor_data import content_key, tensor_bytes
+
+logger = logging.getLogger("aotstack")
 
 GraphPass = Callable[[GraphModule], None]
 
@@ -44,7 +47,9 @@ def compile_partition(
     constants = partition_constants(program)
     key = cache_key(program, constants, options)
     library = cached_library(key)
-    if library is None:
+    if library is not None:
+        logger.info("  %s: reusing the library from the compile cache", label)
+    else:
         library = compiled_library(program, options, label)
         store_library(key, library)
     return CompiledPartition(library=library, constants=constants)
