@@ -1,7 +1,8 @@
 """Per-call latency of a loaded aotstack package beside raw AOTInductor and eager PyTorch.
 
-Every variant is timed call by call (``time.perf_counter_ns``), round-robin, in the same process, so
-the ratios compare like with like; the absolute figures depend on the machine. Nothing is asserted.
+Every variant is timed call by call (``time.perf_counter_ns``), round-robin (one call of each per
+round, in a shuffled order) in one process, so the ratios compare like with like; the absolute figures
+depend on the machine. Nothing is asserted.
 
     .venv/bin/python bench/latency.py [--calls 2000] [--warmup 100] [--threads 1]
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import random
 import tempfile
 import time
 from collections.abc import Callable
@@ -34,6 +36,12 @@ from common import (
 
 RATIO_TARGET = 1.05  # all-supported model: aotstack / raw AOTI
 BOUNDARY_TARGET_US = 15.0  # overhead per delegate boundary
+
+AOTSTACK = "aotstack"
+UNSPLIT = "aotstack, nothing excluded"
+RAW = "raw AOTI"
+RAW_RUNNER = "raw AOTI loader.run"
+EAGER = "eager (no_grad)"
 
 
 @dataclass
@@ -102,22 +110,17 @@ def raw_aoti_variants(model: torch.nn.Module, args: tuple[Any, ...], path: str) 
     ]
 
 
-RAW = "raw AOTI"
-RAW_RUNNER = "raw AOTI loader.run"
-EAGER = "eager (no_grad)"
-UNSPLIT = "aotstack, nothing excluded"
-
-
 def build_variants(
     label: str, model: torch.nn.Module, args: tuple[Any, ...], exclude_ops: list[str], directory: str
 ) -> dict[str, Variant]:
     """aotstack as asked, aotstack unsplit (where ops are excluded), raw AOTI (two ways), eager."""
     started = time.perf_counter()
-    variants = [aotstack_variant("aotstack", model, args, os.path.join(directory, f"{label}.pt2"), exclude_ops)]
+    variants = [aotstack_variant(AOTSTACK, model, args, os.path.join(directory, f"{label}.pt2"), exclude_ops)]
     if exclude_ops:
         variants.append(aotstack_variant(UNSPLIT, model, args, os.path.join(directory, f"{label}-unsplit.pt2"), []))
     variants += raw_aoti_variants(model, args, os.path.join(directory, f"{label}-raw.pt2"))
-    print(f"  compiled {len(variants) - 1} packages in {time.perf_counter() - started:.1f} s", flush=True)
+    packages = len(variants) - 1  # the two raw AOTI variants share one package
+    print(f"  compiled {packages} packages in {time.perf_counter() - started:.1f} s", flush=True)
     variants.append(Variant(EAGER, eager_call(model, args)))
     return {v.name: v for v in variants}
 
@@ -128,15 +131,19 @@ def check_outputs(variants: dict[str, Variant]) -> float:
     return max((v.call() - expected).abs().max().item() for v in variants.values())
 
 
-def measure(variants: list[Variant], calls: int, warmup: int) -> None:
-    """One call of each variant per round, the starting variant rotating; warm-up rounds are dropped."""
-    count = len(variants)
+def measure(variants: list[Variant], calls: int, warmup: int, seed: int = 0) -> None:
+    """One call of each variant per round, in a shuffled order (seeded); warm-up rounds are dropped.
+
+    Shuffling keeps a variant from always following the same neighbour, whose caches it would inherit.
+    """
+    order = list(variants)
+    shuffle = random.Random(seed).shuffle
     gc.collect()
     gc.disable()
     try:
         for round_index in range(warmup + calls):
-            for k in range(count):
-                variant = variants[(round_index + k) % count]
+            shuffle(order)
+            for variant in order:
                 started = time.perf_counter_ns()
                 variant.call()
                 elapsed = time.perf_counter_ns() - started
@@ -174,7 +181,7 @@ def boundary_line(label: str, value: float) -> None:
 
 
 def summarize_all_supported(variants: dict[str, Variant]) -> None:
-    package, raw, runner = variants["aotstack"], variants[RAW], variants[RAW_RUNNER]
+    package, raw, runner = variants[AOTSTACK], variants[RAW], variants[RAW_RUNNER]
     n = package.delegates
     ratio_line("aotstack / raw AOTI", package.median_us / raw.median_us, RATIO_TARGET)
     ratio_line("aotstack / raw AOTI loader.run (stricter)", package.median_us / runner.median_us, RATIO_TARGET)
@@ -186,7 +193,7 @@ def summarize_all_supported(variants: dict[str, Variant]) -> None:
 
 
 def summarize_split(variants: dict[str, Variant], excluded_op: Variant) -> None:
-    package, unsplit = variants["aotstack"], variants[UNSPLIT]
+    package, unsplit = variants[AOTSTACK], variants[UNSPLIT]
     raw, runner = variants[RAW], variants[RAW_RUNNER]
     n, extra = package.delegates, package.delegates - unsplit.delegates
     ratio_line("aotstack / raw AOTI", package.median_us / raw.median_us)
@@ -249,7 +256,7 @@ def main() -> None:
     quiet_known_warnings()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, aotstack {aotstack.__version__}, torch.get_num_threads() = {args.threads}")
-    print(f"{args.calls} timed rounds after {args.warmup} warm-up rounds; one call per variant per round")
+    print(f"{args.calls} timed rounds after {args.warmup} warm-up rounds; one call per variant per round, shuffled")
     with tempfile.TemporaryDirectory(prefix="aotstack-bench-") as directory:
         use_private_aotstack_cache(directory)
         if args.model in ("mlp", "both"):

@@ -145,6 +145,7 @@ def summary(value: Any) -> str:
 
 def inspect_command(args: argparse.Namespace) -> int:
     from .package import read_manifest
+    from .runtime import shape_text
 
     _, manifest = read_manifest(args.package)
     blobs = manifest["blobs"]
@@ -163,10 +164,6 @@ def inspect_command(args: argparse.Namespace) -> int:
             print(f"    ops: {', '.join(delegate['ops'])}")
     print(f"\n{len(blobs)} blob(s), {sum(blobs.values()) / 1e6:.2f} MB, each stored once")
     return 0
-
-
-def shape_text(shape: list[int | None]) -> str:
-    return "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
 
 
 if __name__ == "__main__":

@@ -91,7 +91,8 @@ def shape_matches(shape: torch.Size, expected: tuple[int | None, ...]) -> bool:
     return all(want is None or have == want for have, want in zip(shape, expected))
 
 
-def shape_text(shape: tuple[int | None, ...]) -> str:
+def shape_text(shape: Sequence[int | None]) -> str:
+    """``[4, *, 16]``, a star for each dynamic dimension."""
     return "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
 
 
