@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 
 import torch
 
 from ...errors import PackageError
+from ...tensor_data import content_key
 
 
 @dataclass
@@ -25,17 +29,37 @@ class AotiHandle:
 def open_runner(
     library: bytes, device: str, label: str
 ) -> torch._C._aoti.AOTIModelContainerRunnerCpu:
-    """Load ``library`` (already hash-verified) from a private temporary file."""
-    fd, path = tempfile.mkstemp(prefix="aotstack-", suffix=".so")
+    """A runner over ``library`` (already hash-verified), with its own weights slot."""
     try:
-        with os.fdopen(fd, "wb") as file:
-            file.write(library)
-        return runner_class(device)(path, 1)
+        return runner_class(device)(library_path(library), 1)
     except RuntimeError as exc:
         raise PackageError(f"cannot open the AOTInductor library of {label}: {exc}") from exc
-    finally:
-        # dlopen keeps the mapping; the file itself is no longer needed.
-        os.unlink(path)
+
+
+_LIBRARY_PATHS: dict[str, str] = {}
+
+
+def library_path(library: bytes) -> str:
+    """A private file holding ``library``, written once per process for each distinct library.
+
+    Delegates compiled to the same code share it, so the dynamic loader opens it once; each
+    runner still keeps its own weights.
+    """
+    key = content_key(library)
+    if key not in _LIBRARY_PATHS:
+        directory = private_directory()
+        fd, path = tempfile.mkstemp(prefix=key[:16] + "-", suffix=".so", dir=directory)
+        with os.fdopen(fd, "wb") as file:
+            file.write(library)
+        _LIBRARY_PATHS[key] = path
+    return _LIBRARY_PATHS[key]
+
+
+@functools.cache
+def private_directory() -> str:
+    directory = tempfile.mkdtemp(prefix="aotstack-libraries-")
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return directory
 
 
 def runner_class(device: str) -> type:
