@@ -56,26 +56,16 @@ class Variant:
         return median(self.samples_ns) / 1e3
 
 
-class Mlp(torch.nn.Module):
-    """Linear-ReLU-Linear-ReLU-Linear; its own class, as nn.Sequential names its argument ``input``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = torch.nn.Sequential(
-            torch.nn.Linear(64, 256),
-            torch.nn.ReLU(),
-            torch.nn.Linear(256, 256),
-            torch.nn.ReLU(),
-            torch.nn.Linear(256, 10),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(x)
-
-
 def mlp() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     torch.manual_seed(0)
-    return Mlp().eval(), (torch.randn(8, 64),)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 256),
+        torch.nn.ReLU(),
+        torch.nn.Linear(256, 10),
+    )
+    return model.eval(), (torch.randn(8, 64),)
 
 
 def demo() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
