@@ -48,3 +48,17 @@ def test_a_corrupt_cache_entry_is_ignored(tmp_path, monkeypatch):
 def test_the_cache_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("AOTSTACK_CACHE_DIR", "off")
     assert aoti_compile.cache_dir() is None
+
+
+def test_the_thread_count_changes_the_key():
+    program = aotstack.export(models.build("linear"), {"forward": models.example_inputs("linear")}).methods["forward"]
+    constants = aoti_compile.partition_constants(program)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = aoti_compile.cache_key(program, constants, {})
+        torch.set_num_threads(2)
+        two = aoti_compile.cache_key(program, constants, {})
+    finally:
+        torch.set_num_threads(threads)
+    assert one != two

@@ -2,9 +2,10 @@
 
 Layout inside the archive::
 
-    models/<method>.json            the lowered ExportedProgram (stock torch.export schema)
+    models/<method>.json            the lowered ExportedProgram (stock torch.export schema, for tools)
     data/aotstack/<sha256>          named data and weights, stored once under their content hash
-    extra/aotstack_manifest.json    versions, methods, delegates, weights, and every blob's size
+    extra/aotstack_manifest.json    versions, methods (with their run plans), delegates, weights,
+                                    and every blob's size
 
 Nothing here is pickled, and reading verifies every blob against its hash before returning it.
 """
@@ -19,20 +20,20 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
-from torch._export.serde.serialize import serialize
 from torch.export import ExportedProgram
-from torch.export.pt2_archive import PT2ArchiveReader, PT2ArchiveWriter
 from torch.utils import _pytree as pytree
 
 from . import __version__
 from .errors import PackageError
 from .lower import Delegate, LoweredProgram, TensorSpec
+from .plan import method_plan
 from .tensor_data import content_key, dtype_name, tensor_bytes
 
 FORMAT_VERSION = 1
 MANIFEST_PATH = "extra/aotstack_manifest.json"
 BLOB_DIR = "data/aotstack/"
 PROGRAM_PATH = "models/{}.json"
+ARCHIVE_FORMAT_RECORD = "archive_format"
 
 
 class BlobStore:
@@ -64,6 +65,10 @@ def save(lowered: LoweredProgram, path: str | os.PathLike[str]) -> None:
         "blobs": {key: len(data) for key, data in store.blobs.items()},
     }
     directory = os.path.dirname(os.path.abspath(path))
+    # Imported here: torch.export.pt2_archive pulls in torch._export.serde (about 1.5 s), which
+    # loading never needs.
+    from torch.export.pt2_archive import PT2ArchiveWriter
+
     fd, temporary = tempfile.mkstemp(prefix=".aotstack-", suffix=".pt2", dir=directory)
     os.close(fd)
     try:
@@ -80,6 +85,10 @@ def save(lowered: LoweredProgram, path: str | os.PathLike[str]) -> None:
 
 
 def serialized_program(program: ExportedProgram) -> bytes:
+    """The program in torch's own schema, for stock tools; the runtime reads the run plan instead."""
+    # Imported here: torch._export.serde takes about 1.5 s to import, and loading never needs it.
+    from torch._export.serde.serialize import serialize
+
     # Weights go to content-keyed blobs; the schema JSON carries only the graph and signature.
     return serialize(program, serialize_state_dict=False, serialize_constants=False).exported_program
 
@@ -95,6 +104,7 @@ def method_manifest(
         "inputs": [
             {"name": node.name, **asdict(TensorSpec.of(node.meta["val"]))} for node in input_nodes
         ],
+        "plan": method_plan(program),
         "in_spec": pytree.treespec_dumps(call_spec.in_spec),
         "out_spec": pytree.treespec_dumps(call_spec.out_spec),
         "weights": weights_manifest(
@@ -141,13 +151,28 @@ class PackageContents:
     blobs: dict[str, bytes]
 
 
-def read_manifest(path: str | os.PathLike[str]) -> tuple[PT2ArchiveReader, dict[str, Any]]:
+class ArchiveReader:
+    """The records of a PT2 archive (the zip layout torch's PT2ArchiveReader reads)."""
+
+    def __init__(self, path: str) -> None:
+        self.file = torch._C.PyTorchFileReader(path)
+        if self.file.get_record(ARCHIVE_FORMAT_RECORD) != b"pt2":
+            raise ValueError("its archive_format record is not 'pt2'")
+
+    def get_file_names(self) -> list[str]:
+        return self.file.get_all_records()
+
+    def read_bytes(self, name: str) -> bytes:
+        return self.file.get_record(name)
+
+
+def read_manifest(path: str | os.PathLike[str]) -> tuple[ArchiveReader, dict[str, Any]]:
     """Open ``path`` as an aotstack package and return its reader and manifest."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise PackageError(f"{path}: no such file")
     try:
-        reader = PT2ArchiveReader(path)
+        reader = ArchiveReader(path)
     except Exception as exc:
         raise PackageError(f"{path}: not a PT2 archive ({first_line(exc)})") from exc
     if MANIFEST_PATH not in reader.get_file_names():
@@ -185,7 +210,7 @@ def read_package(path: str | os.PathLike[str]) -> PackageContents:
     return PackageContents(path, manifest, programs, blobs)
 
 
-def read_record(reader: PT2ArchiveReader, path: str, record: str, what: str) -> bytes:
+def read_record(reader: ArchiveReader, path: str, record: str, what: str) -> bytes:
     try:
         return reader.read_bytes(record)
     except Exception as exc:

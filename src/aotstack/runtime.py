@@ -1,29 +1,23 @@
 """Loading a package and running its methods.
 
-Each method's graph is turned once into a flat list of steps over a list of slots, so a call
-costs little more than the compiled code it runs: delegate calls go to their backend's run
-side, the few ops nobody claimed run as plain ATen ops.
+Each method's run plan (see ``plan.py``) is turned once into closures over a list of slots, so
+a call costs little more than the compiled code it runs: delegate calls go to their backend's
+run side, the few ops nobody claimed run as plain ATen ops.
 """
 
 from __future__ import annotations
 
-import operator
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch._export.serde import schema
-from torch._export.serde.serialize import ExportedProgramDeserializer, _bytes_to_dataclass
-from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind
-from torch.fx import Node
 from torch.utils import _pytree as pytree
 
 from .backend import Backend, backend_class
-from .delegate_op import is_delegate_call, is_delegate_output
-from .errors import InputError, MethodNotFoundError, PackageError
+from .errors import InputError, MethodNotFoundError
 from .package import PackageContents, read_package
+from .plan import Slot, decoded, resolved_target
 from .specs import CompileSpec
 from .tensor_data import dtype_from_name, tensor_from_bytes
 
@@ -102,7 +96,7 @@ class Method:
     def __init__(
         self,
         name: str,
-        program: ExportedProgram,
+        plan: dict[str, Any],
         weights: dict[str, torch.Tensor],
         delegates: dict[str, LoadedDelegate],
         check: InputCheck,
@@ -111,10 +105,33 @@ class Method:
         self.name = name
         self.check = check
         self.out_spec = out_spec
-        self.template, self.user_slots, self.steps, self.output_slots, self.mutations = build_plan(
-            program, weights, delegates
-        )
-        self.single_output = out_spec.is_leaf() if hasattr(out_spec, "is_leaf") else False
+        self.single_output = out_spec.is_leaf()
+        slots: dict[str, int] = {}
+        self.template: list[Any] = []
+        self.user_slots: list[int] = []
+        self.steps: list[Step] = []
+
+        def new_slot(name: str, value: Any = None) -> int:
+            slots[name] = len(self.template)
+            self.template.append(value)
+            return slots[name]
+
+        for step in plan["steps"]:
+            if "input" in step:
+                self.user_slots.append(new_slot(step["input"]))
+            elif "weight" in step:
+                new_slot(step["weight"], weights.get(step["fqn"]))
+            elif "delegate" in step:
+                inputs = [slots[n] for n in step["inputs"]]
+                outputs = [(index, new_slot(out)) for index, out in step["outputs"]]
+                self.steps.append(delegate_step(delegates[step["delegate"]], inputs, outputs))
+            else:
+                target = resolved_target(step["target"])
+                args = [resolver(a) for a in decoded(step["args"], slots)]
+                kwargs = {k: resolver(v) for k, v in decoded(step["kwargs"], slots).items()}
+                self.steps.append(op_step(target, args, kwargs, new_slot(step["op"])))
+        self.outputs = [resolver(decoded(value, slots)) for value in plan["outputs"]]
+        self.mutations = [(weights[fqn], slots[name]) for fqn, name in plan["mutations"]]
 
     def __call__(self, *args: Any) -> Any:
         flat = self.check.flat_arguments(args)
@@ -125,76 +142,46 @@ class Method:
             step(env)
         for target, slot in self.mutations:
             target.copy_(env[slot])
-        outputs = [env[slot] for slot in self.output_slots]
         if self.single_output:
-            return outputs[0]
-        return pytree.tree_unflatten(outputs, self.out_spec)
+            return self.outputs[0](env)
+        return pytree.tree_unflatten([output(env) for output in self.outputs], self.out_spec)
 
 
-def build_plan(
-    program: ExportedProgram, weights: dict[str, torch.Tensor], delegates: dict[str, LoadedDelegate]
-) -> tuple[list[Any], list[int], list[Step], list[int], list[tuple[torch.Tensor, int]]]:
-    """Slots for every node, the steps that fill them, and where inputs and outputs are."""
-    signature = program.graph_signature
-    spec_by_name = {spec.arg.name: spec for spec in signature.input_specs}
-    slot: dict[Node, int] = {}
-    template: list[Any] = []
-    user_slots: list[int] = []
-    steps: list[Step] = []
-
-    def new_slot(node: Node, value: Any = None) -> int:
-        slot[node] = len(template)
-        template.append(value)
-        return slot[node]
-
-    for node in program.graph.nodes:
-        if node.op == "placeholder":
-            spec = spec_by_name[node.name]
-            if spec.kind == InputKind.USER_INPUT:
-                user_slots.append(new_slot(node))
-            else:
-                new_slot(node, weights.get(spec.target))
-        elif is_delegate_call(node):
-            steps.append(delegate_step(node, delegates[node.args[0]], slot, new_slot))
-        elif is_delegate_output(node):
-            continue  # filled by its delegate's step
-        elif node.op == "call_function":
-            steps.append(op_step(node, slot, new_slot(node)))
-        elif node.op == "output":
-            output_nodes = node.args[0]
-    outputs_by_kind = list(zip(signature.output_specs, output_nodes))
-    output_slots = [slot[n] for spec, n in outputs_by_kind if spec.kind == OutputKind.USER_OUTPUT]
-    mutations = [
-        (weights[spec.target], slot[n])
-        for spec, n in outputs_by_kind
-        if spec.kind == OutputKind.BUFFER_MUTATION
-    ]
-    return template, user_slots, steps, output_slots, mutations
+Resolver = Callable[[list[Any]], Any]
 
 
-def delegate_step(
-    node: Node, delegate: LoadedDelegate, slot: dict[Node, int], new_slot: Callable[[Node], int]
-) -> Step:
-    input_slots = [slot[n] for n in node.args[1]]
-    outputs = [(user.args[1], new_slot(user)) for user in node.users if user.target is operator.getitem]
+def resolver(value: Any) -> Resolver:
+    """A function reading ``value`` out of the slots, built once so calls do no tree walks."""
+    if isinstance(value, Slot):
+        index = value.index
+        return lambda env: env[index]
+    if isinstance(value, (list, tuple)) and has_slot(value):
+        parts = [resolver(item) for item in value]
+        kind = type(value)
+        return lambda env: kind([part(env) for part in parts])
+    return lambda env: value
+
+
+def has_slot(value: Any) -> bool:
+    if isinstance(value, Slot):
+        return True
+    return isinstance(value, (list, tuple)) and any(has_slot(item) for item in value)
+
+
+def delegate_step(delegate: LoadedDelegate, inputs: list[int], outputs: list[tuple[int, int]]) -> Step:
+    execute, handle = delegate.backend.execute, delegate.handle
 
     def run_delegate(env: list[Any]) -> None:
-        results = delegate([env[i] for i in input_slots])
+        results = execute(handle, [env[i] for i in inputs])
         for index, out in outputs:
             env[out] = results[index]
 
     return run_delegate
 
 
-def op_step(node: Node, slot: dict[Node, int], out: int) -> Step:
-    target = node.target
-    args, kwargs = node.args, node.kwargs
-
-    def resolve(value: Any, env: list[Any]) -> Any:
-        return torch.fx.node.map_arg(value, lambda n: env[slot[n]])
-
+def op_step(target: Callable[..., Any], args: list[Resolver], kwargs: dict[str, Resolver], out: int) -> Step:
     def run_op(env: list[Any]) -> None:
-        env[out] = target(*resolve(args, env), **resolve(kwargs, env))
+        env[out] = target(*[arg(env) for arg in args], **{key: value(env) for key, value in kwargs.items()})
 
     return run_op
 
@@ -205,6 +192,10 @@ class LoadedProgram:
     def __init__(self, path: str, methods: dict[str, Method]) -> None:
         self.path = path
         self._methods = methods
+        # Methods become plain attributes, so a call skips __getattr__; names the class uses stay reachable by run().
+        for name, method in methods.items():
+            if not hasattr(type(self), name) and name not in vars(self):
+                setattr(self, name, method)
 
     @property
     def method_names(self) -> list[str]:
@@ -253,36 +244,9 @@ def load_method(contents: PackageContents, name: str, manifest: dict[str, Any]) 
         fqn: tensor_from_bytes(contents.blobs[meta["blob"]], dtype_from_name(meta["dtype"]), meta["shape"])
         for fqn, meta in manifest["weights"].items()
     }
-    program = deserialized_program(contents, name, weights)
     delegates = {d["id"]: loaded_delegate(contents, d) for d in manifest["delegates"]}
-    in_spec = pytree.treespec_loads(manifest["in_spec"])
-    check = InputCheck(name, manifest["inputs"], in_spec)
-    return Method(name, program, weights, delegates, check, pytree.treespec_loads(manifest["out_spec"]))
-
-
-def deserialized_program(
-    contents: PackageContents, name: str, weights: dict[str, torch.Tensor]
-) -> ExportedProgram:
-    try:
-        serialized = _bytes_to_dataclass(schema.ExportedProgram, contents.programs[name])
-        signature = serialized.graph_module.signature
-        parameter_names = {
-            spec.parameter.parameter_name for spec in signature.input_specs if spec.type == "parameter"
-        }
-        constant_names = {
-            spec.tensor_constant.tensor_constant_name
-            for spec in signature.input_specs
-            if spec.type == "tensor_constant"
-        }
-        state_dict = {
-            k: torch.nn.Parameter(v, requires_grad=False) if k in parameter_names else v
-            for k, v in weights.items()
-            if k not in constant_names
-        }
-        constants = {k: v for k, v in weights.items() if k in constant_names}
-        return ExportedProgramDeserializer().deserialize(serialized, state_dict, constants, None)
-    except Exception as exc:
-        raise PackageError(f"{contents.path}: cannot read the program of method {name!r}: {exc}") from exc
+    check = InputCheck(name, manifest["inputs"], pytree.treespec_loads(manifest["in_spec"]))
+    return Method(name, manifest["plan"], weights, delegates, check, pytree.treespec_loads(manifest["out_spec"]))
 
 
 def loaded_delegate(contents: PackageContents, manifest: dict[str, Any]) -> LoadedDelegate:

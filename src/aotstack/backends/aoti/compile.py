@@ -106,9 +106,11 @@ def cache_key(program: ExportedProgram, constants: dict[str, torch.Tensor], opti
     """A hash of everything the library depends on.
 
     Weight values are part of it: Inductor inlines small constants into the generated code.
+    So is the thread count, which the generated OpenMP code bakes in.
     """
     digest = hashlib.sha256()
-    for part in (torch.__version__, __version__, repr(sorted(options.items())), program.graph_module.code):
+    threads = str(torch.get_num_threads())
+    for part in (torch.__version__, __version__, threads, repr(sorted(options.items())), program.graph_module.code):
         digest.update(part.encode())
     for node in program.graph.nodes:
         value = node.meta.get("val")
