@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,15 +25,12 @@ from .tensor_data import dtype_from_name, tensor_from_bytes
 Step = Callable[[list[Any]], None]
 
 
+@dataclass(frozen=True)
 class LoadedDelegate:
-    """A delegate's run side, initialised once."""
+    """A delegate's run side, initialised once; its steps call ``backend.execute(handle, ...)``."""
 
-    def __init__(self, backend: Backend, handle: Any) -> None:
-        self.backend = backend
-        self.handle = handle
-
-    def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return self.backend.execute(self.handle, inputs)
+    backend: Backend
+    handle: Any
 
 
 class InputCheck:
