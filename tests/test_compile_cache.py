@@ -6,6 +6,7 @@ import torch
 
 import aotstack
 from aotstack.backends.aoti import compile as aoti_compile
+from aotstack.partitioner import program_weights
 from tests import models
 
 
@@ -27,7 +28,7 @@ def test_second_lowering_reuses_the_cached_library(tmp_path, monkeypatch):
 def test_changed_weights_change_the_key():
     model = models.build("linear")
     program = aotstack.export(model, {"forward": models.example_inputs("linear")}).methods["forward"]
-    constants = aoti_compile.partition_constants(program)
+    constants = program_weights(program)
     key = aoti_compile.cache_key(program, constants, {})
     changed = {name: tensor + 1 for name, tensor in constants.items()}
 
@@ -52,7 +53,7 @@ def test_the_cache_can_be_turned_off(monkeypatch):
 
 def test_the_thread_count_changes_the_key():
     program = aotstack.export(models.build("linear"), {"forward": models.example_inputs("linear")}).methods["forward"]
-    constants = aoti_compile.partition_constants(program)
+    constants = program_weights(program)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -154,8 +154,7 @@ def copied_program(exported: ExportedProgram) -> ExportedProgram:
         warnings.simplefilter("ignore", FutureWarning)
         working = copy.deepcopy(exported)
     for original, copied in zip(exported.graph.nodes, working.graph.nodes, strict=True):
-        if copied.name != original.name:
-            copied.name = original.name
+        copied.name = original.name
     return working
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -26,6 +25,7 @@ from torch.utils import _pytree as pytree
 from . import __version__
 from .errors import PackageError
 from .lower import Delegate, LoweredProgram, TensorSpec
+from .partitioner import program_weights
 from .plan import method_plan
 from .tensor_data import content_key, dtype_name, tensor_bytes
 
@@ -107,20 +107,15 @@ def method_manifest(
         "plan": method_plan(program),
         "in_spec": pytree.treespec_dumps(call_spec.in_spec),
         "out_spec": pytree.treespec_dumps(call_spec.out_spec),
-        "weights": weights_manifest(
-            list(program.state_dict.items()) + list(program.constants.items()), store
-        ),
+        "weights": weights_manifest(program_weights(program), store),
         "delegates": [delegate_manifest(delegate, store) for delegate in delegates],
     }
 
 
-def weights_manifest(
-    tensors: Iterable[tuple[str, Any]], store: BlobStore
-) -> dict[str, dict[str, Any]]:
+def weights_manifest(weights: dict[str, torch.Tensor], store: BlobStore) -> dict[str, dict[str, Any]]:
     return {
         fqn: {"blob": store.put(tensor_bytes(t)), "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
-        for fqn, t in tensors
-        if isinstance(t, torch.Tensor)
+        for fqn, t in weights.items()
     }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
+import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import Graph, Node
@@ -53,6 +54,15 @@ def constant_placeholders(exported_program: ExportedProgram) -> dict[Node, str]:
         for node in exported_program.graph.nodes
         if node.op == "placeholder" and node.name in targets
     }
+
+
+def program_weights(exported_program: ExportedProgram) -> dict[str, torch.Tensor]:
+    """Every parameter, buffer and lifted constant tensor of the program, by FQN."""
+    weights = dict(exported_program.state_dict)
+    weights.update(
+        (name, value) for name, value in exported_program.constants.items() if isinstance(value, torch.Tensor)
+    )
+    return weights
 
 
 def mutated_buffer_names(exported_program: ExportedProgram) -> set[str]:

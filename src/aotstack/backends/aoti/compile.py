@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ... import __version__
 from ...errors import LoweringError
+from ...partitioner import program_weights
 from ...tensor_data import content_key, tensor_bytes
 
 logger = logging.getLogger("aotstack")
@@ -44,7 +45,7 @@ def compile_partition(
     """Compile one partition with AOTInductor, weights outside the library."""
     program = prepared_program(exported_program, decompositions, passes)
     options = {**inductor_options, "aot_inductor.package_constants_in_so": False}
-    constants = partition_constants(program)
+    constants = program_weights(program)
     key = cache_key(program, constants, options)
     library = cached_library(key)
     if library is not None:
@@ -91,15 +92,6 @@ def library_from_package(package_path: str, label: str) -> bytes:
                 f"AOTInductor package for {label} holds {len(libraries)} shared libraries, expected 1"
             )
         return archive.read(libraries[0])
-
-
-def partition_constants(program: ExportedProgram) -> dict[str, torch.Tensor]:
-    """Every parameter, buffer and lifted constant of the partition, by FQN."""
-    constants = {name: tensor for name, tensor in program.state_dict.items()}
-    constants.update(
-        (name, value) for name, value in program.constants.items() if isinstance(value, torch.Tensor)
-    )
-    return constants
 
 
 def cache_key(program: ExportedProgram, constants: dict[str, torch.Tensor], options: dict[str, Any]) -> str:
