@@ -14,9 +14,11 @@ __version__ = "0.1.0"
 
 from .backend import Backend
 from .backends.aoti import AotiBackend, AotiCpuBackend, AotiCpuPartitioner, AotiPartitioner
+from .backends.ort import OrtBackend, OrtPartitioner
 from .errors import (
     AotstackError,
     BackendNotFoundError,
+    DelegateInitError,
     ExportError,
     InputError,
     LoweringError,
@@ -25,7 +27,13 @@ from .errors import (
 )
 from .export import Program, export
 from .lower import Delegate, LoweredProgram, lower
-from .partitioner import Partitioner, get_non_lowered_nodes, tag_constant_data, tag_mutated_buffer
+from .partitioner import (
+    Partitioner,
+    SupportedOpsPartitioner,
+    get_non_lowered_nodes,
+    tag_constant_data,
+    tag_mutated_buffer,
+)
 from .runtime import LoadedProgram, load
 from .specs import CompileSpec, DelegationSpec, PartitionResult, PreprocessResult
 
@@ -39,6 +47,7 @@ __all__ = [
     "BackendNotFoundError",
     "CompileSpec",
     "Delegate",
+    "DelegateInitError",
     "DelegationSpec",
     "ExportError",
     "InputError",
@@ -46,11 +55,14 @@ __all__ = [
     "LoweredProgram",
     "LoweringError",
     "MethodNotFoundError",
+    "OrtBackend",
+    "OrtPartitioner",
     "PackageError",
     "PartitionResult",
     "Partitioner",
     "PreprocessResult",
     "Program",
+    "SupportedOpsPartitioner",
     "export",
     "get_non_lowered_nodes",
     "load",

@@ -19,6 +19,10 @@ class BackendNotFoundError(AotstackError):
     """No backend is registered under the id a delegate asks for."""
 
 
+class DelegateInitError(AotstackError):
+    """A delegate's engine could not be set up on this machine (a missing provider, a model it rejects)."""
+
+
 class PackageError(AotstackError):
     """A file is not an aotstack package, is truncated, or holds a blob whose hash does not match."""
 

@@ -179,16 +179,32 @@ def delegate_partition(
     result = backend.preprocess(sub_program, compile_specs)
     logger.info("%s: delegate %s ready in %.1f s", method, delegate_id, time.perf_counter() - started)
     splice_delegate_call(graph, nodes, delegate_id, user_inputs, outputs)
+    drop_unused_subgraphs(exported.graph_module)
     return Delegate(
         delegate_id=delegate_id,
         backend_id=spec.backend_id,
         compile_specs=compile_specs,
-        ops=sorted({str(n.target) for n in nodes if isinstance(n.target, torch._ops.OpOverload)}),
+        ops=sorted({op_label(n.target) for n in nodes if isinstance(n.target, torch._ops.OperatorBase)}),
         inputs=[TensorSpec.of(n.meta["val"]) for n in user_inputs],
         outputs=[TensorSpec.of(n.meta["val"]) for n in outputs],
         processed_bytes=result.processed_bytes,
         named_data=dict(result.named_data),
     )
+
+
+def op_label(op: torch._ops.OperatorBase) -> str:
+    """``aten.add.Tensor``; ``higher_order.cond`` for a control-flow op."""
+    if isinstance(op, torch._ops.HigherOrderOperator):
+        return f"higher_order.{op.__name__}"
+    return str(op)
+
+
+def drop_unused_subgraphs(graph_module: GraphModule) -> None:
+    """Remove the branches and bodies a delegate took with it."""
+    for node in list(graph_module.graph.nodes):
+        if node.op == "get_attr" and not node.users:
+            graph_module.graph.erase_node(node)
+    graph_module.delete_all_unused_submodules()
 
 
 def partition_program(
@@ -199,7 +215,10 @@ def partition_program(
     Returns it with the outer nodes that feed it at run time and the outer nodes it produces.
     """
     members = set(nodes)
-    inputs = list(dict.fromkeys(arg for n in nodes for arg in n.all_input_nodes if arg not in members))
+    operands = list(dict.fromkeys(arg for n in nodes for arg in n.all_input_nodes if arg not in members))
+    # Branches and loop bodies travel with their control-flow op; they are code, not inputs.
+    subgraphs = [n for n in operands if n.op == "get_attr"]
+    inputs = [n for n in operands if n.op != "get_attr"]
     outputs = [n for n in nodes if any(user not in members for user in n.users)]
     for node in outputs:
         if not isinstance(node.meta.get("val"), torch.Tensor):
@@ -218,7 +237,7 @@ def partition_program(
         placeholder.meta = copy.copy(node.meta)
         env[node] = placeholder
         input_specs.append(input_spec_for(exported, node, placeholder.name, constants.get(node)))
-    for node in nodes:
+    for node in subgraphs + nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[n] for n in outputs))
 

@@ -6,17 +6,30 @@ and says, per tag, which backend and options take it. It never changes the ops t
 
 from __future__ import annotations
 
+import operator
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from typing import ClassVar
 
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
-from torch.fx import Graph, Node
+from torch.fx import Graph, GraphModule, Node
+from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partition
+from torch.fx.passes.operator_support import OperatorSupportBase
+from torch.utils import _pytree as pytree
 
 from .delegate_op import is_delegate_call, is_delegate_output
-from .specs import PartitionResult
+from .specs import CompileSpec, DelegationSpec, PartitionResult
 
 DELEGATION_TAG = "delegation_tag"
+
+# Higher-order ops whose operands include subgraphs (get_attr nodes): the subgraphs go
+# wherever the op goes.
+CONTROL_FLOW_OPS = ("cond", "while_loop", "scan", "map_impl")
+
+# Ops that only reinterpret memory; they do not count towards ``min_block_size``.
+_NON_COMPUTE_OPS = frozenset({"aten._unsafe_view.default"})
 
 _CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
@@ -27,6 +40,113 @@ class Partitioner(ABC):
     @abstractmethod
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         """Tag the nodes this partitioner's backend takes; return the tags and their backends."""
+
+
+class SupportedOpsPartitioner(Partitioner):
+    """Claims, for one backend, the maximal convex parts of a graph whose ops it supports.
+
+    A subclass names its backend and answers ``supports_op``; everything else is shared:
+    nothing lowered earlier is offered again, control-flow ops go with their subgraphs
+    (when the backend lists them in ``control_flow``), parts with fewer than
+    ``min_block_size`` compute nodes are left to the next partitioner or to plain ATen, and
+    the weights and mutated buffers a part reads take its tag.
+    """
+
+    backend_id: ClassVar[str]
+    control_flow: frozenset[str] = frozenset()
+
+    def __init__(self, *, min_block_size: int = 1, compile_specs: Iterable[CompileSpec] = ()) -> None:
+        if isinstance(min_block_size, bool) or not isinstance(min_block_size, int) or min_block_size < 1:
+            raise ValueError(f"min_block_size must be an int >= 1, got {min_block_size!r}")
+        self.min_block_size = min_block_size
+        self.compile_specs = list(compile_specs)
+
+    @abstractmethod
+    def supports_op(self, op: torch._ops.OpOverload) -> bool:
+        """Whether the backend can run ``op``."""
+
+    def default_target_device(self) -> str:
+        return "cpu"
+
+    def delegation_spec(self) -> DelegationSpec:
+        specs = list(self.compile_specs)
+        if not any(spec.key == "target_device" for spec in specs):
+            specs.insert(0, CompileSpec("target_device", self.default_target_device().encode()))
+        return DelegationSpec(self.backend_id, specs)
+
+    def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+        graph_module = exported_program.graph_module
+        support = NodeSupport(lambda node: self.supports_node(node, graph_module))
+        proposed = CapabilityBasedPartitioner(
+            graph_module, support, allows_single_node_partition=True
+        ).propose_partitions()
+        kept = [p for p in proposed if compute_node_count(p.nodes) >= self.min_block_size]
+        tags: dict[str, DelegationSpec] = {}
+        for index, partition in enumerate(sorted(kept, key=first_node_position(exported_program.graph))):
+            tag = f"{self.backend_id}_{index}"
+            for node in partition.nodes:
+                node.meta[DELEGATION_TAG] = tag
+                for subgraph in subgraph_nodes(node):
+                    subgraph.meta[DELEGATION_TAG] = tag
+            tags[tag] = self.delegation_spec()
+        tag_constant_data(exported_program)
+        tag_mutated_buffer(exported_program)
+        return PartitionResult(exported_program, tags)
+
+    def supports_node(self, node: Node, owner: GraphModule) -> bool:
+        """Whether ``node``, a node of ``owner``'s graph, can go to this backend."""
+        if node.op != "call_function" or is_delegate_call(node) or is_delegate_output(node):
+            return False
+        if node.target is operator.getitem:
+            source = node.args[0]
+            return isinstance(source, Node) and self.supports_node(source, owner)
+        if isinstance(node.target, torch._ops.HigherOrderOperator):
+            return node.target.__name__ in self.control_flow and all(
+                self.supports_node(inner, body)
+                for body in subgraph_modules(node, owner)
+                for inner in body.graph.nodes
+                if inner.op == "call_function"
+            )
+        return isinstance(node.target, torch._ops.OpOverload) and self.supports_op(node.target)
+
+
+class NodeSupport(OperatorSupportBase):
+    """``CapabilityBasedPartitioner``'s view of a support predicate."""
+
+    def __init__(self, supported: Callable[[Node], bool]) -> None:
+        self.supported = supported
+
+    def is_node_supported(self, submodules: Mapping[str, torch.nn.Module], node: Node) -> bool:
+        return self.supported(node)
+
+
+def subgraph_nodes(node: Node) -> list[Node]:
+    """The get_attr nodes among ``node``'s operands: the branches and bodies of a control-flow op."""
+    leaves = pytree.tree_leaves((node.args, node.kwargs))
+    return [leaf for leaf in leaves if isinstance(leaf, Node) and leaf.op == "get_attr"]
+
+
+def subgraph_modules(node: Node, owner: GraphModule) -> list[GraphModule]:
+    modules = [getattr(owner, attr.target) for attr in subgraph_nodes(node)]
+    return [module for module in modules if isinstance(module, GraphModule)]
+
+
+def compute_node_count(nodes: Iterable[Node]) -> int:
+    """Nodes that compute something: not getitems, not views."""
+    return sum(1 for node in nodes if is_compute_node(node))
+
+
+def is_compute_node(node: Node) -> bool:
+    if node.target is operator.getitem:
+        return False
+    if isinstance(node.target, torch._ops.OpOverload):
+        return not node.target.is_view and str(node.target) not in _NON_COMPUTE_OPS
+    return True
+
+
+def first_node_position(graph: Graph) -> Callable[[Partition], int]:
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    return lambda partition: min(position[node] for node in partition.nodes)
 
 
 def get_non_lowered_nodes(graph: Graph) -> list[Node]:
@@ -78,10 +198,11 @@ def mutated_buffer_names(exported_program: ExportedProgram) -> set[str]:
 def tag_constant_data(exported_program: ExportedProgram) -> None:
     """Give each parameter, buffer and constant the tag of the partition that uses it.
 
-    A constant whose users all carry one tag goes with that partition. One used by several
-    partitions, or by untagged nodes, stays untagged (lowering copies it into every partition
-    that reads it; the package stores it once). One nobody uses takes the first tag, so no
-    constant is left dangling when everything else is claimed.
+    A constant whose users are all tagged goes with the first partition that reads it;
+    lowering copies it into every partition that reads it, and the package stores it once.
+    One read by an untagged node (plain ATen, or a delegate lowered earlier) stays untagged.
+    One nobody uses takes the first tag, so no constant is left dangling when everything
+    else is claimed.
     """
     tags_in_graph = [
         node.meta[DELEGATION_TAG] for node in exported_program.graph.nodes if DELEGATION_TAG in node.meta
@@ -90,12 +211,12 @@ def tag_constant_data(exported_program: ExportedProgram) -> None:
     for node in constant_placeholders(exported_program):
         if node.name in mutated:
             continue
-        user_tags = {user.meta.get(DELEGATION_TAG) for user in node.users}
-        if not node.users:
+        user_tags = [user.meta.get(DELEGATION_TAG) for user in node.users]
+        if not user_tags:
             if tags_in_graph:
                 node.meta[DELEGATION_TAG] = tags_in_graph[0]
-        elif len(user_tags) == 1 and None not in user_tags:
-            node.meta[DELEGATION_TAG] = user_tags.pop()
+        elif None not in user_tags:
+            node.meta[DELEGATION_TAG] = min(user_tags, key=tags_in_graph.index)
 
 
 def tag_mutated_buffer(exported_program: ExportedProgram) -> None:

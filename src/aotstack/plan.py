@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
-from torch.fx import Node
+from torch.fx import GraphModule, Node
 
 from .delegate_op import is_delegate_call, is_delegate_output
 from .errors import LoweringError, PackageError
@@ -30,14 +30,28 @@ _LAYOUTS = {str(layout).removeprefix("torch."): layout for layout in (torch.stri
 def method_plan(program: ExportedProgram) -> dict[str, Any]:
     """The steps that run ``program``'s graph, in graph order."""
     specs = {spec.arg.name: spec for spec in program.graph_signature.input_specs}
+    weights = {name: spec.target for name, spec in specs.items() if spec.kind != InputKind.USER_INPUT}
+    steps = graph_steps(program.graph_module, weights)
+    output_values = program.graph.output_node().args[0]
+    pairs = list(zip(program.graph_signature.output_specs, output_values))
+    return {
+        "steps": steps,
+        "outputs": [encoded(value, None) for spec, value in pairs if spec.kind == OutputKind.USER_OUTPUT],
+        "mutations": [[spec.target, value.name] for spec, value in pairs if spec.kind == OutputKind.BUFFER_MUTATION],
+    }
+
+
+def graph_steps(graph_module: GraphModule, weights: dict[str, str]) -> list[dict[str, Any]]:
+    """The steps of one graph; placeholders named in ``weights`` read that weight's FQN."""
     steps: list[dict[str, Any]] = []
-    for node in program.graph.nodes:
+    for node in graph_module.graph.nodes:
         if node.op == "placeholder":
-            spec = specs[node.name]
-            if spec.kind == InputKind.USER_INPUT:
-                steps.append({"input": node.name})
+            if node.name in weights:
+                steps.append({"weight": node.name, "fqn": weights[node.name]})
             else:
-                steps.append({"weight": node.name, "fqn": spec.target})
+                steps.append({"input": node.name})
+        elif node.op == "get_attr":
+            steps.append({"subgraph": node.name, "plan": subgraph_plan(graph_module, node)})
         elif is_delegate_call(node):
             outputs = [[user.args[1], user.name] for user in node.users if is_delegate_output(user)]
             steps.append({"delegate": node.args[0], "inputs": [n.name for n in node.args[1]], "outputs": outputs})
@@ -50,19 +64,23 @@ def method_plan(program: ExportedProgram) -> dict[str, Any]:
                 "args": encoded(node.args, node),
                 "kwargs": encoded(dict(node.kwargs), node),
             })
-    output_values = program.graph.output_node().args[0]
-    pairs = list(zip(program.graph_signature.output_specs, output_values))
-    return {
-        "steps": steps,
-        "outputs": [encoded(value, None) for spec, value in pairs if spec.kind == OutputKind.USER_OUTPUT],
-        "mutations": [[spec.target, value.name] for spec, value in pairs if spec.kind == OutputKind.BUFFER_MUTATION],
-    }
+    return steps
+
+
+def subgraph_plan(graph_module: GraphModule, node: Node) -> dict[str, Any]:
+    """The plan of a branch or loop body that a control-flow op left to plain ATen calls."""
+    body = getattr(graph_module, str(node.target))
+    if not isinstance(body, GraphModule):
+        raise LoweringError(f"node {node.name!r} reads {node.target!r}, which is not a subgraph a package can store")
+    return {"steps": graph_steps(body, {}), "output": encoded(body.graph.output_node().args[0], None)}
 
 
 def target_name(node: Node) -> str:
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
         return f"{target.namespace}.{target._opname}.{target._overloadname}"
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return f"higher_order.{target.__name__}"
     if getattr(operator, getattr(target, "__name__", ""), None) is target:
         return f"operator.{target.__name__}"
     raise LoweringError(f"node {node.name!r} calls {target!r}, which a package cannot store; only ops can run")
@@ -73,6 +91,8 @@ def resolved_target(name: str) -> Any:
     try:
         if namespace == "operator":
             return getattr(operator, rest)
+        if namespace == "higher_order":
+            return getattr(torch.ops.higher_order, rest)
         op, _, overload = rest.rpartition(".")
         return getattr(getattr(getattr(torch.ops, namespace), op), overload)
     except AttributeError:

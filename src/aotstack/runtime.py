@@ -104,32 +104,12 @@ class Method:
         self.check = check
         self.out_spec = out_spec
         self.single_output = out_spec.is_leaf()
-        slots: dict[str, int] = {}
-        self.template: list[Any] = []
-        self.user_slots: list[int] = []
-        self.steps: list[Step] = []
-
-        def new_slot(name: str, value: Any = None) -> int:
-            slots[name] = len(self.template)
-            self.template.append(value)
-            return slots[name]
-
-        for step in plan["steps"]:
-            if "input" in step:
-                self.user_slots.append(new_slot(step["input"]))
-            elif "weight" in step:
-                new_slot(step["weight"], weights.get(step["fqn"]))
-            elif "delegate" in step:
-                inputs = [slots[n] for n in step["inputs"]]
-                outputs = [(index, new_slot(out)) for index, out in step["outputs"]]
-                self.steps.append(delegate_step(delegates[step["delegate"]], inputs, outputs))
-            else:
-                target = resolved_target(step["target"])
-                args = [resolver(a) for a in decoded(step["args"], slots)]
-                kwargs = {k: resolver(v) for k, v in decoded(step["kwargs"], slots).items()}
-                self.steps.append(op_step(target, args, kwargs, new_slot(step["op"])))
-        self.outputs = [resolver(decoded(value, slots)) for value in plan["outputs"]]
-        self.mutations = [(weights[fqn], slots[name]) for fqn, name in plan["mutations"]]
+        steps = StepList(plan["steps"], weights, delegates)
+        self.template = steps.template
+        self.user_slots = steps.input_slots
+        self.steps = steps.steps
+        self.outputs = [resolver(decoded(value, steps.slots)) for value in plan["outputs"]]
+        self.mutations = [(weights[fqn], steps.slots[name]) for fqn, name in plan["mutations"]]
 
     def __call__(self, *args: Any) -> Any:
         flat = self.check.flat_arguments(args)
@@ -143,6 +123,55 @@ class Method:
         if self.single_output:
             return self.outputs[0](env)
         return pytree.tree_unflatten([output(env) for output in self.outputs], self.out_spec)
+
+
+class StepList:
+    """A plan's steps as closures over one list of slots, ``template`` holding the constants."""
+
+    def __init__(
+        self, plan_steps: list[dict[str, Any]], weights: dict[str, torch.Tensor], delegates: dict[str, LoadedDelegate]
+    ) -> None:
+        self.slots: dict[str, int] = {}
+        self.template: list[Any] = []
+        self.input_slots: list[int] = []
+        self.steps: list[Step] = []
+        for step in plan_steps:
+            if "input" in step:
+                self.input_slots.append(self.new_slot(step["input"]))
+            elif "weight" in step:
+                self.new_slot(step["weight"], weights.get(step["fqn"]))
+            elif "subgraph" in step:
+                self.new_slot(step["subgraph"], subgraph_function(step["plan"]))
+            elif "delegate" in step:
+                inputs = [self.slots[n] for n in step["inputs"]]
+                outputs = [(index, self.new_slot(out)) for index, out in step["outputs"]]
+                self.steps.append(delegate_step(delegates[step["delegate"]], inputs, outputs))
+            else:
+                target = resolved_target(step["target"])
+                args = [resolver(a) for a in decoded(step["args"], self.slots)]
+                kwargs = {k: resolver(v) for k, v in decoded(step["kwargs"], self.slots).items()}
+                self.steps.append(op_step(target, args, kwargs, self.new_slot(step["op"])))
+
+    def new_slot(self, name: str, value: Any = None) -> int:
+        self.slots[name] = len(self.template)
+        self.template.append(value)
+        return self.slots[name]
+
+
+def subgraph_function(plan: dict[str, Any]) -> Callable[..., Any]:
+    """A branch or loop body, callable the way a control-flow op calls it."""
+    body = StepList(plan["steps"], {}, {})
+    output = resolver(decoded(plan["output"], body.slots))
+
+    def run_subgraph(*args: Any) -> Any:
+        env = body.template.copy()
+        for slot, value in zip(body.input_slots, args):
+            env[slot] = value
+        for step in body.steps:
+            step(env)
+        return output(env)
+
+    return run_subgraph
 
 
 Resolver = Callable[[list[Any]], Any]

@@ -58,3 +58,11 @@ def compile_spec_value(compile_specs: list[CompileSpec], key: str) -> bytes | No
         if spec.key == key:
             found = spec.value
     return found
+
+
+def partition_label(backend_id: str, compile_specs: list[CompileSpec]) -> str:
+    """``an onnxruntime partition of method 'forward'``, for error messages."""
+    method = compile_spec_value(compile_specs, "method_name")
+    where = f" of method {method.decode()!r}" if method else ""
+    article = "an" if backend_id[:1].lower() in "aeiou" else "a"
+    return f"{article} {backend_id} partition{where}"

@@ -16,7 +16,7 @@ from torch.export import ExportedProgram
 
 from ...backend import Backend
 from ...errors import LoweringError
-from ...specs import CompileSpec, PreprocessResult, compile_spec_value
+from ...specs import CompileSpec, PreprocessResult, partition_label
 from ...tensor_data import dtype_from_name, dtype_name, tensor_bytes, tensor_from_bytes
 from .compile import GraphPass, compile_partition
 from .run import AotiHandle, bind_constants, open_runner, run
@@ -100,12 +100,6 @@ class AotiBackend(Backend):
 
     def execute(self, handle: AotiHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         return run(handle, inputs)
-
-
-def partition_label(backend_id: str, compile_specs: list[CompileSpec]) -> str:
-    method = compile_spec_value(compile_specs, "method_name")
-    where = f" of method {method.decode()!r}" if method else ""
-    return f"a {backend_id} partition{where}"
 
 
 def user_input_nodes(exported_program: ExportedProgram) -> list[torch.fx.Node]:

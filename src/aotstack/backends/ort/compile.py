@@ -1,0 +1,76 @@
+"""ONNX Runtime compile side: a partition exported to ONNX, its weights kept out of the model."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch.export import ExportedProgram
+
+from ...errors import LoweringError
+from ...partitioner import program_weights
+
+
+@dataclass(frozen=True)
+class OnnxPartition:
+    """An ONNX model whose weight initializers point outside it, with those weights."""
+
+    model: bytes
+    weights: dict[str, torch.Tensor]
+    input_names: list[str]
+    output_names: list[str]
+
+
+def export_partition(exported_program: ExportedProgram, label: str) -> OnnxPartition:
+    """``exported_program`` as ONNX, by the dynamo exporter.
+
+    ``optimize=False`` keeps one initializer per weight, named by its FQN; ONNX Runtime
+    optimises the graph itself when the session is made. The weights leave the model so the
+    package stores each once, even when several partitions or backends read it.
+    """
+    import onnx
+
+    try:
+        with quiet_exporter():
+            onnx_program = torch.onnx.export(exported_program, (), dynamo=True, optimize=False, verbose=False)
+    except Exception as error:
+        raise LoweringError(f"{label}: the ONNX exporter failed: {error}") from error
+    model = onnx_program.model_proto
+    weights = program_weights(exported_program)
+    external = {}
+    for initializer in model.graph.initializer:
+        if initializer.name in weights:
+            external[initializer.name] = weights[initializer.name].detach().contiguous()
+            mark_external(initializer, onnx)
+    return OnnxPartition(
+        model=model.SerializeToString(),
+        weights=external,
+        input_names=[value.name for value in model.graph.input],
+        output_names=[value.name for value in model.graph.output],
+    )
+
+
+def mark_external(initializer, onnx) -> None:  # noqa: ANN001 - onnx is imported lazily
+    """Replace an initializer's data by a reference the session fills in at load time."""
+    size = len(initializer.raw_data)
+    initializer.ClearField("raw_data")
+    initializer.data_location = onnx.TensorProto.EXTERNAL
+    del initializer.external_data[:]
+    for key, value in (("location", "aotstack-named-data"), ("offset", "0"), ("length", str(size))):
+        entry = initializer.external_data.add()
+        entry.key, entry.value = key, value
+
+
+@contextmanager
+def quiet_exporter() -> Iterator[None]:
+    """Silence the exporter's notes about optional packages (torchvision) it looked for."""
+    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)

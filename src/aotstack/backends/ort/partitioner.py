@@ -1,0 +1,131 @@
+"""``OrtPartitioner``: claims the ops the dynamo ONNX exporter can translate."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ...op_names import OpName, matches_any, normalized_op_name
+from ...partitioner import CONTROL_FLOW_OPS, SupportedOpsPartitioner
+from ...specs import CompileSpec
+from .backend import OrtBackend
+from .compile import quiet_exporter
+
+# Nodes the exporter drops instead of translating.
+_DROPPED_BY_EXPORTER = frozenset({
+    "aten._assert_scalar.default",
+    "aten._assert_async.msg",
+    "aten._assert_tensor_metadata.default",
+    "aten.sym_constrain_range_for_size.default",
+})
+
+
+class OrtPartitioner(SupportedOpsPartitioner):
+    """Claims, for ONNX Runtime, every op the ONNX exporter can translate.
+
+    ``ops`` narrows that to a set, named like ``"aten.linear"`` or given as op objects;
+    ``providers`` picks ONNX Runtime's execution providers in priority order.
+
+    Example::
+
+        lowered = aotstack.lower(program, [OrtPartitioner(ops=["aten.linear"]), AotiCpuPartitioner()])
+    """
+
+    backend_id = OrtBackend.backend_id
+
+    def __init__(
+        self,
+        ops: Iterable[OpName] | None = None,
+        providers: Iterable[str] | None = None,
+        compile_specs: Iterable[CompileSpec] = (),
+        *,
+        min_block_size: int = 1,
+    ) -> None:
+        specs = list(compile_specs)
+        if providers is not None:
+            specs.append(CompileSpec("providers", ",".join(providers).encode()))
+        super().__init__(min_block_size=min_block_size, compile_specs=specs)
+        self.ops = None if ops is None else frozenset(normalized_op_name(op, "ops") for op in ops)
+        registry = exporter_registry()
+        self.control_flow = frozenset(
+            name for name in CONTROL_FLOW_OPS
+            if hasattr(torch.ops.higher_order, name) and registry.is_registered(getattr(torch.ops.higher_order, name))
+        )
+
+    def supports_op(self, op: torch._ops.OpOverload) -> bool:
+        if self.ops is not None and not matches_any(op, self.ops):
+            return False
+        return exporter_translates(op)
+
+
+@functools.cache
+def exporter_translates(op: torch._ops.OpOverload) -> bool:
+    """Whether the ONNX exporter has a translation for ``op``, directly or by decomposing it.
+
+    A decomposition counts only when everything it decomposes into has a translation
+    (``lgamma`` decomposes to ``prims.lgamma``, which has none).
+    """
+    if str(op) in _DROPPED_BY_EXPORTER or exporter_registry().is_registered(op):
+        return True
+    decomposition = exporter_decompositions().get(op)
+    if decomposition is None:
+        return False
+    return all(exporter_registry().is_registered(inner) for inner in decomposed_ops(op, decomposition))
+
+
+def decomposed_ops(op: torch._ops.OpOverload, decomposition: Any) -> list[Any]:
+    """The ops ``decomposition`` calls, traced on example arguments built from the schema."""
+    # A decomposition's ops can depend on its arguments; a trace on meta tensors of the
+    # schema's types is a good per-op answer, and an op that cannot be traced is not claimed.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    arguments = example_arguments(op)
+    if arguments is None:
+        return [None]
+    try:
+        traced = make_fx(decomposition, decomposition_table=exporter_decompositions())(*arguments)
+    except Exception:
+        return [None]
+    return [node.target for node in traced.graph.nodes if node.op == "call_function"]
+
+
+def example_arguments(op: torch._ops.OpOverload) -> list[Any] | None:
+    arguments = []
+    for argument in op._schema.arguments:
+        if argument.kwarg_only and argument.has_default_value():
+            continue
+        kind = str(argument.type)
+        if kind == "Tensor":
+            arguments.append(torch.rand(2, 3))
+        elif argument.has_default_value():
+            arguments.append(argument.default_value)
+        elif kind in ("int", "SymInt"):
+            arguments.append(1)
+        elif kind == "float":
+            arguments.append(0.5)
+        elif kind == "bool":
+            arguments.append(False)
+        else:
+            return None
+    return arguments
+
+
+@functools.cache
+def exporter_registry() -> Any:
+    """The ONNX exporter's table of translations (about 1 s to build, so built once)."""
+    from torch.onnx._internal.exporter import _registration
+
+    with quiet_exporter():
+        return _registration.ONNXRegistry.from_torchlib()
+
+
+@functools.cache
+def exporter_decompositions() -> dict[Any, Any]:
+    """The decompositions the exporter applies before translating."""
+    from torch.onnx._internal.exporter import _decomp
+
+    translated = set(_decomp.get_onnx_implemented_overloads(exporter_registry()))
+    return _decomp.create_onnx_friendly_decomposition_table(translated)

@@ -1,0 +1,60 @@
+"""ONNX Runtime run side: one session per delegate, tensors passed as views, not copies."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...errors import DelegateInitError
+
+DEFAULT_PROVIDERS = ("CPUExecutionProvider",)
+
+
+@dataclass(frozen=True)
+class OrtHandle:
+    session: Any
+    input_names: list[str]
+    output_names: list[str]
+    # ONNX Runtime documents that the buffers behind external initializers must outlive the session.
+    keep_alive: list[Any]
+
+
+def open_session(
+    model: bytes,
+    weights: Mapping[str, torch.Tensor],
+    providers: list[str],
+    input_names: list[str],
+    output_names: list[str],
+    label: str,
+) -> OrtHandle:
+    """An ``InferenceSession`` for ``model``, its external initializers taken from ``weights``."""
+    import onnxruntime
+
+    available = onnxruntime.get_available_providers()
+    missing = [p for p in providers if p not in available]
+    if missing:
+        raise DelegateInitError(
+            f"{label} asks for ONNX Runtime providers {missing}, which this onnxruntime lacks "
+            f"(available: {', '.join(available)})"
+        )
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()
+    options.inter_op_num_threads = 1
+    names = list(weights)
+    values = [onnxruntime.OrtValue.ortvalue_from_numpy(weights[name].numpy()) for name in names]
+    if names:
+        options.add_external_initializers(names, values)
+    try:
+        session = onnxruntime.InferenceSession(model, options, providers=providers)
+    except Exception as error:
+        raise DelegateInitError(f"{label}: ONNX Runtime could not open the model: {error}") from error
+    return OrtHandle(session, input_names, output_names, keep_alive=[weights, values])
+
+
+def run(handle: OrtHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Run one call. Contiguous inputs and every output are shared with ONNX Runtime, not copied."""
+    feeds = {name: value.detach().contiguous().numpy() for name, value in zip(handle.input_names, inputs)}
+    return [torch.from_numpy(array) for array in handle.session.run(handle.output_names, feeds)]
