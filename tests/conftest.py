@@ -60,20 +60,40 @@ Lowerer = Callable[..., tuple[aotstack.LoweredProgram, Path]]
 
 
 @pytest.fixture(scope="session")
-def lowered_package(tmp_path_factory: pytest.TempPathFactory) -> Lowerer:
-    """``lowered_package(name, methods=("forward",), exclude_ops=())``: lowered once per session, and saved."""
+def lowered_with(tmp_path_factory: pytest.TempPathFactory) -> Lowerer:
+    """``lowered_with(name, label, make_partitioners, methods=("forward",))``: lowered once per session, and saved.
+
+    ``label`` names the partitioning, so tests asking for the same one share the compile.
+    """
     built: dict[tuple, tuple[aotstack.LoweredProgram, Path]] = {}
     directory = tmp_path_factory.mktemp("packages")
 
-    def lower(name: str, methods: tuple[str, ...] = ("forward",), exclude_ops: tuple[str, ...] = ()):
-        key = (name, methods, exclude_ops)
+    def lower(
+        name: str,
+        label: str,
+        make_partitioners: Callable[[], list[aotstack.Partitioner]],
+        methods: tuple[str, ...] = ("forward",),
+    ):
+        key = (name, label, methods)
         if key not in built:
             inputs = models.example_inputs(name)
             program = aotstack.export(models.build(name), {method: inputs for method in methods})
-            lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner(exclude_ops=exclude_ops)])
+            lowered = aotstack.lower(program, make_partitioners())
             path = directory / f"{name}-{'-'.join(methods)}-{len(built)}.pt2"
             lowered.save(path)
             built[key] = (lowered, path)
         return built[key]
+
+    return lower
+
+
+@pytest.fixture(scope="session")
+def lowered_package(lowered_with: Lowerer) -> Lowerer:
+    """``lowered_package(name, methods=("forward",), exclude_ops=())``: AOTInductor CPU only."""
+
+    def lower(name: str, methods: tuple[str, ...] = ("forward",), exclude_ops: tuple[str, ...] = ()):
+        return lowered_with(
+            name, f"aoti_cpu{exclude_ops}", lambda: [aotstack.AotiCpuPartitioner(exclude_ops=exclude_ops)], methods
+        )
 
     return lower

@@ -68,6 +68,77 @@ class UnusedStateModel(torch.nn.Module):
         return torch.relu(self.linear(x))
 
 
+class StackedModel(torch.nn.Module):
+    """Linear, activation, normalization and an elementwise tail: something for each engine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(16, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.second = torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.norm(torch.nn.functional.gelu(self.first(x)))
+        return torch.tanh(self.second(hidden)) * 2 + x[:, :8]
+
+
+class CondModel(torch.nn.Module):
+    """A data-dependent branch between two linear layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(x)
+        return torch.cond(y.sum() > 0, lambda t: t.sin(), lambda t: t.cos() * 3, (y,)) + 1
+
+
+class MapModel(torch.nn.Module):
+    """``torch._higher_order_ops.map``, which neither AOTInductor nor the ONNX exporter takes."""
+
+    def forward(self, xs: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch._higher_order_ops.map(lambda x, y: x.sin() + y, xs, y) * 2
+
+
+class IslandModel(torch.nn.Module):
+    """One add stranded between two sigmoids: an island for ``min_block_size`` to leave alone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(8, 8)
+        self.second = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        island = torch.sigmoid(torch.relu(self.first(x))) + 1
+        return torch.relu(self.second(torch.sigmoid(island)))
+
+
+class SharedWeightModel(torch.nn.Module):
+    """``(x + w) * 2 + w``: one weight read on both sides of the multiply."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(64, 64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + self.w) * 2 + self.w
+
+
+class BufferModel(torch.nn.Module):
+    """A buffer read by the first op, and a running buffer the method updates."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("offset", torch.arange(6.0))
+        self.register_buffer("running", torch.zeros(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shifted = x + self.offset
+        self.running.mul_(0.5).add_(shifted.mean(dim=0))
+        return torch.relu(shifted) + self.running
+
+
 MODELS = {
     "add": (AddModel, [(4, 5), (4, 5)]),
     "conv": (ConvModel, [(2, 3, 8, 8)]),
@@ -75,6 +146,12 @@ MODELS = {
     "split": (SplitModel, [(4, 16)]),
     "shared": (SharedModel, [(2, 256)]),
     "unused": (UnusedStateModel, [(3, 8)]),
+    "stacked": (StackedModel, [(4, 16)]),
+    "cond": (CondModel, [(3, 8)]),
+    "map": (MapModel, [(3, 5), (5,)]),
+    "island": (IslandModel, [(2, 8)]),
+    "shared_weight": (SharedWeightModel, [(64, 64)]),
+    "buffer": (BufferModel, [(2, 6)]),
 }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import types
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -76,9 +77,22 @@ def export_method(
         raise ExportError(f"method {name!r}: example arguments must be a tuple, got {type(args).__name__}")
     module = model if name == "forward" else module_calling(model, name)
     try:
-        return torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
+        exported = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
+        return functional(exported)
     except Exception as exc:
         raise ExportError(f"torch.export failed for method {name!r}: {exc}") from exc
+
+
+def functional(exported: ExportedProgram) -> ExportedProgram:
+    """``exported`` with in-place ops made functional, ops otherwise kept as they are.
+
+    ``torch.export.export`` keeps ``buf.add_(x)`` as written; functionalizing turns it into a
+    value plus a buffer mutation in the signature, which lowering and the runtime act on.
+    """
+    with warnings.catch_warnings():
+        # torch's TreeSpec warns about its own deprecated LeafSpec while being deep-copied.
+        warnings.simplefilter("ignore", FutureWarning)
+        return exported.run_decompositions({})
 
 
 def module_calling(model: torch.nn.Module, name: str) -> torch.nn.Module:

@@ -236,7 +236,9 @@ def partition_program(
         placeholder = graph.placeholder(node.name)
         placeholder.meta = copy.copy(node.meta)
         env[node] = placeholder
-        input_specs.append(input_spec_for(exported, node, placeholder.name, constants.get(node)))
+        # A mutated buffer is fed at run time like a user input; its state stays in the method.
+        fqn = constants[node] if node in owned else None
+        input_specs.append(input_spec_for(exported, node, placeholder.name, fqn))
     for node in subgraphs + nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[n] for n in outputs))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -10,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch.export import ExportedProgram
 
-from ...errors import LoweringError
+from ...errors import AotstackError, LoweringError
 from ...partitioner import program_weights
 
 
@@ -31,6 +32,7 @@ def export_partition(exported_program: ExportedProgram, label: str) -> OnnxParti
     optimises the graph itself when the session is made. The weights leave the model so the
     package stores each once, even when several partitions or backends read it.
     """
+    require_packages(("onnx", "onnxscript"), "OrtBackend needs {missing} to export a partition", LoweringError)
     import onnx
 
     try:
@@ -74,3 +76,10 @@ def quiet_exporter() -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
+
+
+def require_packages(modules: tuple[str, ...], message: str, error: type[AotstackError]) -> None:
+    """Raise ``error`` naming the packages of ``modules`` that are not installed."""
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        raise error(message.format(missing=", ".join(missing)) + "; install them with: pip install 'aotstack[onnx]'")

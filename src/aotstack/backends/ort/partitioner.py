@@ -8,11 +8,12 @@ from typing import Any
 
 import torch
 
+from ...errors import LoweringError
 from ...op_names import OpName, matches_any, normalized_op_name
 from ...partitioner import CONTROL_FLOW_OPS, SupportedOpsPartitioner
 from ...specs import CompileSpec
 from .backend import OrtBackend
-from .compile import quiet_exporter
+from .compile import quiet_exporter, require_packages
 
 # Nodes the exporter drops instead of translating.
 _DROPPED_BY_EXPORTER = frozenset({
@@ -48,6 +49,7 @@ class OrtPartitioner(SupportedOpsPartitioner):
         if providers is not None:
             specs.append(CompileSpec("providers", ",".join(providers).encode()))
         super().__init__(min_block_size=min_block_size, compile_specs=specs)
+        require_packages(("onnx", "onnxscript"), "OrtPartitioner needs {missing}", LoweringError)
         self.ops = None if ops is None else frozenset(normalized_op_name(op, "ops") for op in ops)
         registry = exporter_registry()
         self.control_flow = frozenset(

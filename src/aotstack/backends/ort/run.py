@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from ...errors import DelegateInitError
+from .compile import require_packages
 
 DEFAULT_PROVIDERS = ("CPUExecutionProvider",)
 
@@ -31,6 +32,7 @@ def open_session(
     label: str,
 ) -> OrtHandle:
     """An ``InferenceSession`` for ``model``, its external initializers taken from ``weights``."""
+    require_packages(("onnxruntime",), f"{label} needs {{missing}} to run", DelegateInitError)
     import onnxruntime
 
     available = onnxruntime.get_available_providers()

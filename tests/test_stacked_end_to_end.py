@@ -1,0 +1,138 @@
+"""Stacked engines, control flow and ``min_block_size``: real compiles, loaded in a fresh process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aotstack
+from aotstack.package import read_manifest
+from aotstack.tensor_data import content_key, tensor_bytes
+from tests import models
+from tests.conftest import assert_matches_eager, run_in_fresh_process
+
+ORT_THEN_AOTI = (
+    "ort-then-aoti",
+    lambda: [aotstack.OrtPartitioner(ops=["aten.linear", "aten.gelu"]), aotstack.AotiCpuPartitioner()],
+)
+AOTI_THEN_ORT = (
+    "aoti-then-ort",
+    lambda: [aotstack.AotiCpuPartitioner(exclude_ops=["aten.linear"]), aotstack.OrtPartitioner()],
+)
+
+
+def plain_ops(lowered: aotstack.LoweredProgram) -> list[str]:
+    graph = lowered.methods["forward"].graph
+    return [str(n.target) for n in graph.nodes if n.op == "call_function" and not is_boundary(n)]
+
+
+def is_boundary(node: torch.fx.Node) -> bool:
+    return node.target is aotstack.delegate_op.call_delegate or node.target.__name__ == "getitem"
+
+
+@pytest.mark.parametrize("order", [ORT_THEN_AOTI, AOTI_THEN_ORT], ids=["ort-then-aoti", "aoti-then-ort"])
+def test_stacked_engines_share_a_method_and_match_eager(lowered_with, order):
+    lowered, path = lowered_with("stacked", *order)
+
+    delegates = lowered.delegates("forward")
+    assert {d.backend_id for d in delegates} == {"onnxruntime", "aoti_cpu"}
+    by_backend = {b: {op for d in delegates if d.backend_id == b for op in d.ops} for b in ("onnxruntime", "aoti_cpu")}
+    assert "aten.linear.default" in by_backend["onnxruntime"]
+    assert "aten.linear.default" not in by_backend["aoti_cpu"]
+    assert "aten.tanh.default" in by_backend["aoti_cpu"]
+    assert plain_ops(lowered) == [], "every op is claimed by one engine or the other"
+    assert_matches_eager(run_in_fresh_process(path, "forward", "stacked"), "stacked")
+
+
+@pytest.mark.parametrize("partitioner", [aotstack.OrtPartitioner, aotstack.AotiCpuPartitioner])
+def test_control_flow_runs_inside_a_delegate(lowered_with, partitioner):
+    lowered, path = lowered_with("cond", partitioner.__name__, lambda: [partitioner()])
+
+    [delegate] = lowered.delegates("forward")
+    assert "higher_order.cond" in delegate.ops
+    graph = lowered.methods["forward"].graph
+    assert not [n for n in graph.nodes if n.op == "get_attr"], "the branches went into the delegate"
+    assert_matches_eager(run_in_fresh_process(path, "forward", "cond"), "cond")
+    loaded, model = aotstack.load(path), models.build("cond")
+    for x in (torch.full((3, 8), 2.0), torch.full((3, 8), -2.0)):
+        torch.testing.assert_close(loaded.forward(x), model(x).detach())
+
+
+def test_control_flow_no_engine_takes_runs_as_plain_aten(lowered_with):
+    lowered, path = lowered_with("map", "ort", lambda: [aotstack.OrtPartitioner()])
+
+    assert "higher_order.map_impl" in {op for d in lowered.delegates("forward") for op in d.ops} | {
+        f"higher_order.{n.target.__name__}"
+        for n in lowered.methods["forward"].graph.nodes
+        if isinstance(n.target, torch._ops.HigherOrderOperator)
+    }
+    assert not any("higher_order.map_impl" in d.ops for d in lowered.delegates("forward"))
+    assert_matches_eager(run_in_fresh_process(path, "forward", "map"), "map")
+
+
+def test_min_block_size_moves_a_small_island_to_plain_aten(lowered_with):
+    lowered, path = lowered_with(
+        "island", "min2", lambda: [aotstack.AotiCpuPartitioner(exclude_ops=["aten.sigmoid"], min_block_size=2)]
+    )
+
+    assert len(lowered.delegates("forward")) == 2
+    assert sorted(plain_ops(lowered)) == ["aten.add.Tensor", "aten.sigmoid.default", "aten.sigmoid.default"]
+    assert_matches_eager(run_in_fresh_process(path, "forward", "island"), "island")
+
+
+def test_a_weight_read_on_both_sides_of_a_delegate_is_in_both_partitions_and_the_file_once(lowered_with):
+    lowered, path = lowered_with(
+        "shared_weight",
+        "mul-then-add",
+        lambda: [aotstack.OrtPartitioner(ops=["aten.mul"]), aotstack.OrtPartitioner(ops=["aten.add"])],
+    )
+
+    delegates = lowered.delegates("forward")
+    assert [d.ops for d in delegates] == [["aten.mul.Tensor"], ["aten.add.Tensor"], ["aten.add.Tensor"]]
+    weight_key = content_key(tensor_bytes(models.build("shared_weight").w))
+    readers = [d for d in delegates if weight_key in {content_key(b) for b in d.named_data.values()}]
+    assert len(readers) == 2
+    assert weight_key in read_manifest(path)[1]["blobs"]
+    assert_matches_eager(run_in_fresh_process(path, "forward", "shared_weight"), "shared_weight")
+
+
+def test_a_buffer_updated_inside_a_delegate_persists_between_calls(lowered_with):
+    _, path = lowered_with("buffer", "ort", lambda: [aotstack.OrtPartitioner()])
+
+    loaded, model = aotstack.load(path), models.build("buffer")
+    for seed in (1, 2, 3):
+        x = models.example_inputs("buffer", seed)[0]
+        torch.testing.assert_close(loaded.forward(x), model(x))
+
+
+def test_ort_feeds_contiguous_inputs_without_a_copy(lowered_with, monkeypatch):
+    _, path = lowered_with("linear", "ort", lambda: [aotstack.OrtPartitioner()])
+    loaded = aotstack.load(path)
+    [delegate_step] = loaded.method("forward").steps
+    session = next(
+        cell.cell_contents.session for cell in delegate_step.__closure__
+        if isinstance(cell.cell_contents, aotstack.backends.ort.run.OrtHandle)
+    )
+    seen = []
+    real_run = session.run
+    monkeypatch.setattr(session, "run", lambda names, feeds: seen.append(feeds) or real_run(names, feeds))
+
+    x = models.example_inputs("linear")[0]
+    loaded.forward(x)
+
+    [feeds] = seen
+    [array] = feeds.values()
+    assert array.__array_interface__["data"][0] == x.data_ptr()
+
+
+def test_an_execution_provider_missing_at_load_is_named(lowered_with):
+    missing = ["NoSuchExecutionProvider"]
+    _, path = lowered_with("linear", "ort-missing", lambda: [aotstack.OrtPartitioner(providers=missing)])
+    with pytest.raises(aotstack.DelegateInitError, match="NoSuchExecutionProvider"):
+        aotstack.load(path)
+
+
+def test_a_providers_spec_that_names_no_provider_is_refused():
+    program = aotstack.export(models.build("linear"), {"forward": models.example_inputs("linear")})
+    with pytest.raises(aotstack.LoweringError, match="compile spec 'providers'"):
+        aotstack.lower(program, [aotstack.OrtPartitioner(providers=["cpu"])])

@@ -1,0 +1,207 @@
+"""Partitioning rules shared by every partitioner, and stacking one partitioner after another.
+
+Graph structure only: these tests partition, they do not compile.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from torch.fx.passes.utils.fuser_utils import validate_partition
+
+import aotstack
+from aotstack.lower import splice_delegate_call
+from aotstack.partitioner import DELEGATION_TAG
+from tests import models
+
+PARTITIONERS = {
+    "aoti_cpu": aotstack.AotiCpuPartitioner,
+    "onnxruntime": aotstack.OrtPartitioner,
+}
+
+
+def exported(name: str) -> torch.export.ExportedProgram:
+    return aotstack.export(models.build(name), {"forward": models.example_inputs(name)}).methods["forward"]
+
+
+def node(program: torch.export.ExportedProgram, name: str) -> torch.fx.Node:
+    return next(n for n in program.graph.nodes if n.name == name)
+
+
+def tag(program: torch.export.ExportedProgram, name: str) -> str | None:
+    return node(program, name).meta.get(DELEGATION_TAG)
+
+
+def tagged_nodes(program: torch.export.ExportedProgram, tag_name: str) -> list[torch.fx.Node]:
+    return [n for n in program.graph.nodes if n.op == "call_function" and n.meta.get(DELEGATION_TAG) == tag_name]
+
+
+def lower_by_hand(program: torch.export.ExportedProgram, names: list[str], inputs: list[str]) -> torch.fx.Node:
+    """Put the nodes called ``names`` behind a delegate call, as an earlier partitioner would."""
+    nodes = [node(program, name) for name in names]
+    splice_delegate_call(program.graph, nodes, "forward.0", [node(program, n) for n in inputs], nodes[-1:])
+    return next(n for n in program.graph.nodes if n.target is aotstack.delegate_op.call_delegate)
+
+
+@pytest.mark.parametrize("backend_id", PARTITIONERS)
+@pytest.mark.parametrize("name", ["add", "conv", "linear"])
+def test_a_fully_supported_graph_gets_one_tag(backend_id, name):
+    program = exported(name)
+    result = PARTITIONERS[backend_id]().partition(program)
+
+    assert list(result.partition_tags) == [f"{backend_id}_0"]
+    spec = result.partition_tags[f"{backend_id}_0"]
+    assert spec.backend_id == backend_id
+    assert aotstack.CompileSpec("target_device", b"cpu") in spec.compile_specs
+    compute = [n for n in program.graph.nodes if n.op == "call_function"]
+    assert all(n.meta[DELEGATION_TAG] == f"{backend_id}_0" for n in compute)
+
+
+@pytest.mark.parametrize("backend_id", PARTITIONERS)
+def test_unused_parameters_and_buffers_are_tagged(backend_id):
+    program = exported("unused")
+    PARTITIONERS[backend_id]().partition(program)
+    assert tag(program, "p_unused_weight") == tag(program, "b_unused_buffer") == f"{backend_id}_0"
+
+
+@pytest.mark.parametrize("backend_id", PARTITIONERS)
+def test_a_delegate_call_and_its_getitems_are_not_tagged_again(backend_id):
+    program = exported("split")
+    call = lower_by_hand(program, ["linear", "mul"], ["x", "p_first_weight", "p_first_bias"])
+    [item] = call.users
+
+    PARTITIONERS[backend_id]().partition(program)
+
+    assert DELEGATION_TAG not in call.meta and DELEGATION_TAG not in item.meta
+    assert tag(program, "sigmoid") == f"{backend_id}_0"
+
+
+def test_a_buffer_read_only_by_an_earlier_delegate_is_not_tagged():
+    program = exported("buffer")
+    lower_by_hand(program, ["add"], ["x", "b_offset"])
+
+    aotstack.AotiCpuPartitioner().partition(program)
+
+    assert tag(program, "b_offset") is None
+    assert tag(program, "relu") == "aoti_cpu_0"
+
+
+def test_a_mutated_buffer_takes_the_tag_of_the_partition_that_computes_it():
+    program = exported("buffer")
+    aotstack.AotiCpuPartitioner(exclude_ops=["aten.relu"]).partition(program)
+    assert tag(program, "add_1") is not None
+    assert tag(program, "b_running") == tag(program, "add_1")
+
+
+def test_two_adds_separated_by_a_delegate_give_two_convex_partitions():
+    program = exported("shared_weight")
+    lower_by_hand(program, ["mul"], ["add"])
+
+    result = aotstack.AotiCpuPartitioner().partition(program)
+
+    assert list(result.partition_tags) == ["aoti_cpu_0", "aoti_cpu_1"]
+    for tag_name in result.partition_tags:
+        nodes = tagged_nodes(program, tag_name)
+        assert [n.target for n in nodes] == [torch.ops.aten.add.Tensor]
+        assert validate_partition(nodes)
+
+
+def test_a_weight_read_on_both_sides_of_a_delegate_goes_with_one_partition():
+    program = exported("shared_weight")
+    lower_by_hand(program, ["mul"], ["add"])
+
+    result = aotstack.AotiCpuPartitioner().partition(program)
+
+    assert tag(program, "p_w") in result.partition_tags
+
+
+@pytest.mark.parametrize("backend_id", PARTITIONERS)
+def test_control_flow_branches_take_the_tag_of_their_op(backend_id):
+    program = exported("cond")
+    PARTITIONERS[backend_id]().partition(program)
+
+    [cond] = [n for n in program.graph.nodes if n.target is torch.ops.higher_order.cond]
+    branches = [n for n in program.graph.nodes if n.op == "get_attr"]
+    assert len(branches) == 2 and all(branch in cond.args for branch in branches)
+    assert cond.meta[DELEGATION_TAG] == f"{backend_id}_0"
+    assert all(branch.meta[DELEGATION_TAG] == f"{backend_id}_0" for branch in branches)
+
+
+@pytest.mark.parametrize("backend_id", PARTITIONERS)
+def test_control_flow_a_backend_cannot_take_is_left_whole(backend_id):
+    program = exported("map")
+    result = PARTITIONERS[backend_id]().partition(program)
+
+    [map_node] = [n for n in program.graph.nodes if n.target is torch.ops.higher_order.map_impl]
+    [body] = [n for n in program.graph.nodes if n.op == "get_attr"]
+    assert DELEGATION_TAG not in map_node.meta and DELEGATION_TAG not in body.meta
+    assert isinstance(getattr(program.graph_module, body.target), torch.fx.GraphModule)
+    # The multiply after it is still claimed, as its own partition.
+    assert [n.target for n in tagged_nodes(program, f"{backend_id}_0")] == [torch.ops.aten.mul.Tensor]
+    assert len(result.partition_tags) == 1
+
+
+def test_min_block_size_leaves_small_parts_unclaimed():
+    program = exported("island")
+    aotstack.AotiCpuPartitioner(exclude_ops=["aten.sigmoid"], min_block_size=2).partition(program)
+
+    assert tag(program, "add") is None
+    assert {tag(program, "linear"), tag(program, "relu")} == {"aoti_cpu_0"}
+    assert {tag(program, "linear_1"), tag(program, "relu_1")} == {"aoti_cpu_1"}
+
+
+class ViewsAroundOneAdd(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        middle = torch.sigmoid(x).t() + 1
+        return torch.sigmoid(middle.unsqueeze(0))
+
+
+@pytest.mark.parametrize(("min_block_size", "claimed"), [(1, True), (2, False)])
+def test_views_and_getitems_do_not_count_towards_min_block_size(min_block_size, claimed):
+    program = aotstack.export(ViewsAroundOneAdd(), {"forward": (torch.randn(3, 4),)}).methods["forward"]
+    partitioner = aotstack.AotiCpuPartitioner(exclude_ops=["aten.sigmoid"], min_block_size=min_block_size)
+    result = partitioner.partition(program)
+
+    middle = [n for n in program.graph.nodes if n.op == "call_function" and n.target != torch.ops.aten.sigmoid.default]
+    assert len(middle) == 3  # t, add, unsqueeze: one compute node
+    assert bool(result.partition_tags) == claimed
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True])
+def test_min_block_size_must_be_a_positive_int(bad):
+    with pytest.raises(ValueError, match="min_block_size"):
+        aotstack.AotiCpuPartitioner(min_block_size=bad)
+
+
+def test_ort_claims_only_ops_the_exporter_translates():
+    class WithMedian(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(x).median() + 1
+
+    program = aotstack.export(WithMedian(), {"forward": (torch.randn(5),)}).methods["forward"]
+    result = aotstack.OrtPartitioner().partition(program)
+
+    assert tag(program, "median") is None
+    assert len(result.partition_tags) == 2
+
+
+def test_ort_ops_narrows_what_it_claims():
+    program = exported("stacked")
+    aotstack.OrtPartitioner(ops=["aten.linear", torch.ops.aten.tanh.default]).partition(program)
+
+    claimed = {str(n.target) for n in program.graph.nodes if n.op == "call_function" and DELEGATION_TAG in n.meta}
+    assert claimed == {"aten.linear.default", "aten.tanh.default"}
+
+
+def test_ort_rejects_an_unknown_op_name():
+    with pytest.raises(ValueError, match="'aten.no_such_op' in ops"):
+        aotstack.OrtPartitioner(ops=["aten.no_such_op"])
+
+
+def test_getitems_of_an_unclaimed_op_are_not_claimed():
+    program = exported("map")
+    aotstack.OrtPartitioner().partition(program)
+    items = [n for n in program.graph.nodes if n.target is operator.getitem]
+    assert items and all(DELEGATION_TAG not in n.meta for n in items)
