@@ -71,3 +71,23 @@ def test_demo_runs_end_to_end_in_a_fresh_process(tmp_path):
         assert f"delegate {method}.0: aoti_cpu on cpu" in result.stdout
         assert f"delegate {method}.1: aoti_cpu on cpu" in result.stdout
     assert (tmp_path / "demo.pt2").exists()
+
+
+def test_compile_with_onnx_runtime_first(tmp_path):
+    output = tmp_path / "demo-ort.pt2"
+    result = aotstack_command("compile", "aotstack.demo:demo_model", "-o", output, "--ort")
+
+    assert result.returncode == 0, result.stderr
+    assert "(onnxruntime," in result.stderr and "(aoti_cpu," not in result.stderr
+    listing = aotstack_command("inspect", output).stdout
+    assert "forward.0: onnxruntime on cpu" in listing
+    ran = aotstack_command("run", output, "--calls", "2")
+    assert ran.returncode == 0, ran.stderr
+
+
+def test_compile_names_a_bad_option_without_a_traceback(tmp_path):
+    result = aotstack_command("compile", "aotstack.demo:demo_model", "-o", tmp_path / "x.pt2", "--min-block-size", "0")
+
+    assert result.returncode == 1
+    assert "aotstack: error: min_block_size must be an int >= 1, got 0" in result.stderr
+    assert "Traceback" not in result.stderr

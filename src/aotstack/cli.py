@@ -10,11 +10,14 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .errors import AotstackError
+
+if TYPE_CHECKING:
+    from .partitioner import Partitioner
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     try:
         return args.command(args)
-    except AotstackError as exc:
+    except (AotstackError, ValueError) as exc:  # ValueError: a bad op name or option value
         print(f"aotstack: error: {exc}", file=sys.stderr)
         return 1
 
@@ -40,7 +43,13 @@ def argument_parser() -> argparse.ArgumentParser:
     compile_.add_argument("target", metavar="MODULE:FUNCTION", help="returns (model, {method: example args})")
     compile_.add_argument("-o", "--output", required=True, metavar="FILE.pt2")
     compile_.add_argument("--exclude-op", action="append", default=[], metavar="OP",
-                          help="leave OP (e.g. aten.gelu) to plain ATen; repeatable")
+                          help="leave OP (e.g. aten.gelu) out of AOTInductor's parts; repeatable")
+    compile_.add_argument("--ort", action="store_true",
+                          help="let ONNX Runtime claim what it can first; AOTInductor takes the rest")
+    compile_.add_argument("--ort-op", action="append", default=[], metavar="OP",
+                          help="like --ort, but ONNX Runtime claims only OP; repeatable")
+    compile_.add_argument("--min-block-size", type=int, default=1, metavar="N",
+                          help="leave parts with fewer than N compute ops to the next engine (default 1)")
     compile_.set_defaults(command=compile_command)
 
     run = commands.add_parser("run", help="run a method on random inputs of the recorded shapes")
@@ -67,12 +76,24 @@ def compile_command(args: argparse.Namespace) -> int:
     model, methods = model_from_target(args.target)
     started = time.perf_counter()
     program = aotstack.export(model, methods)
-    lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner(exclude_ops=args.exclude_op)])
+    lowered = aotstack.lower(program, cli_partitioners(args))
     lowered.save(args.output)
     count = sum(len(lowered.delegates(name)) for name in lowered.methods)
     print(f"wrote {args.output}: {len(lowered.methods)} method(s), {count} delegate(s), "
           f"{os.path.getsize(args.output) / 1e6:.2f} MB, in {time.perf_counter() - started:.1f} s")
     return 0
+
+
+def cli_partitioners(args: argparse.Namespace) -> list[Partitioner]:
+    """ONNX Runtime first when asked for, then AOTInductor for the CPU."""
+    from .backends.aoti import AotiCpuPartitioner
+    from .backends.ort import OrtPartitioner
+
+    partitioners: list[Partitioner] = []
+    if args.ort or args.ort_op:
+        partitioners.append(OrtPartitioner(ops=args.ort_op or None, min_block_size=args.min_block_size))
+    partitioners.append(AotiCpuPartitioner(exclude_ops=args.exclude_op, min_block_size=args.min_block_size))
+    return partitioners
 
 
 def model_from_target(target: str) -> tuple[torch.nn.Module, dict[str, tuple[Any, ...]]]:
