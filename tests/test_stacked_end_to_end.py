@@ -136,3 +136,17 @@ def test_a_providers_spec_that_names_no_provider_is_refused():
     program = aotstack.export(models.build("linear"), {"forward": models.example_inputs("linear")})
     with pytest.raises(aotstack.LoweringError, match="compile spec 'providers'"):
         aotstack.lower(program, [aotstack.OrtPartitioner(providers=["cpu"])])
+
+
+def test_onnx_runtime_keeps_a_dynamic_batch_dynamic(tmp_path):
+    model = models.build("stacked")
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = aotstack.export(
+        model, {"forward": models.example_inputs("stacked")}, dynamic_shapes={"forward": ({0: batch},)}
+    )
+    aotstack.lower(program, [aotstack.OrtPartitioner()]).save(tmp_path / "dynamic.pt2")
+
+    loaded = aotstack.load(tmp_path / "dynamic.pt2")
+    for size in (1, 5, 33):
+        x = torch.randn(size, 16)
+        torch.testing.assert_close(loaded.forward(x), model(x).detach())
