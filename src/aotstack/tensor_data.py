@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -37,3 +39,24 @@ def dtype_from_name(name: str) -> torch.dtype:
 def content_key(data: bytes) -> str:
     """The content hash under which a blob is stored."""
     return hashlib.sha256(data).hexdigest()
+
+
+WEIGHT_PREFIX = "weight:"
+
+
+def weights_as_named_data(weights: Mapping[str, torch.Tensor]) -> tuple[dict[str, bytes], dict[str, Any]]:
+    """Each weight as a named-data blob ``weight:<fqn>``, and the dtypes and shapes that read them back.
+
+    Blobs are keyed by content in the package, so a weight two backends hold is stored once.
+    """
+    blobs = {WEIGHT_PREFIX + fqn: tensor_bytes(tensor) for fqn, tensor in weights.items()}
+    meta = {fqn: {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)} for fqn, tensor in weights.items()}
+    return blobs, meta
+
+
+def weights_from_named_data(named_data: Mapping[str, bytes], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`weights_as_named_data`."""
+    return {
+        fqn: tensor_from_bytes(named_data[WEIGHT_PREFIX + fqn], dtype_from_name(entry["dtype"]), entry["shape"])
+        for fqn, entry in meta.items()
+    }

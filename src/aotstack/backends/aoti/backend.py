@@ -17,12 +17,11 @@ from torch.export import ExportedProgram
 from ...backend import Backend
 from ...errors import LoweringError
 from ...specs import CompileSpec, PreprocessResult, partition_label
-from ...tensor_data import dtype_from_name, dtype_name, tensor_bytes, tensor_from_bytes
+from ...tensor_data import weights_as_named_data, weights_from_named_data
 from .compile import GraphPass, compile_partition
 from .run import AotiHandle, bind_constants, open_runner, run
 
 LIBRARY_NAME = "model.so"
-WEIGHT_PREFIX = "weight:"
 
 
 class AotiBackend(Backend):
@@ -69,11 +68,8 @@ class AotiBackend(Backend):
             passes=self.custom_passes(),
             inductor_options=self.inductor_options(compile_specs),
         )
-        named_data = {LIBRARY_NAME: compiled.library}
-        weights = {}
-        for fqn, tensor in compiled.constants.items():
-            named_data[WEIGHT_PREFIX + fqn] = tensor_bytes(tensor)
-            weights[fqn] = {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
+        named_data, weights = weights_as_named_data(compiled.constants)
+        named_data[LIBRARY_NAME] = compiled.library
         processed = {
             "weights": weights,
             "input_strides": [static_stride(node) for node in user_input_nodes(exported_program)],
@@ -87,12 +83,7 @@ class AotiBackend(Backend):
     ) -> AotiHandle:
         label = partition_label(self.backend_id, compile_specs)
         processed = json.loads(processed_bytes)
-        weights = {
-            fqn: tensor_from_bytes(
-                named_data[WEIGHT_PREFIX + fqn], dtype_from_name(meta["dtype"]), meta["shape"]
-            )
-            for fqn, meta in processed["weights"].items()
-        }
+        weights = weights_from_named_data(named_data, processed["weights"])
         runner = open_runner(named_data[LIBRARY_NAME], self.device_name, label)
         bound = bind_constants(runner, weights, label)
         strides = [None if s is None else tuple(s) for s in processed["input_strides"]]

@@ -11,12 +11,11 @@ from torch.export import ExportedProgram
 from ...backend import Backend
 from ...errors import LoweringError
 from ...specs import CompileSpec, PreprocessResult, compile_spec_value, partition_label
-from ...tensor_data import dtype_from_name, dtype_name, tensor_bytes, tensor_from_bytes
+from ...tensor_data import weights_as_named_data, weights_from_named_data
 from .compile import export_partition
 from .run import DEFAULT_PROVIDERS, OrtHandle, open_session, run
 
 MODEL_NAME = "model.onnx"
-WEIGHT_PREFIX = "weight:"
 
 
 class OrtBackend(Backend):
@@ -35,11 +34,8 @@ class OrtBackend(Backend):
         providers(compile_specs)  # a bad spec fails here, not in the process that loads the package
         check_boundary_dtypes(exported_program, label)
         onnx_partition = export_partition(exported_program, label)
-        named_data = {MODEL_NAME: onnx_partition.model}
-        weights = {}
-        for fqn, tensor in onnx_partition.weights.items():
-            named_data[WEIGHT_PREFIX + fqn] = tensor_bytes(tensor)
-            weights[fqn] = {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
+        named_data, weights = weights_as_named_data(onnx_partition.weights)
+        named_data[MODEL_NAME] = onnx_partition.model
         processed = {
             "weights": weights,
             "inputs": onnx_partition.input_names,
@@ -51,10 +47,7 @@ class OrtBackend(Backend):
         self, processed_bytes: bytes, named_data: Mapping[str, bytes], compile_specs: list[CompileSpec]
     ) -> OrtHandle:
         processed = json.loads(processed_bytes)
-        weights = {
-            fqn: tensor_from_bytes(named_data[WEIGHT_PREFIX + fqn], dtype_from_name(meta["dtype"]), meta["shape"])
-            for fqn, meta in processed["weights"].items()
-        }
+        weights = weights_from_named_data(named_data, processed["weights"])
         return open_session(
             named_data[MODEL_NAME],
             weights,
