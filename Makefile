@@ -26,6 +26,7 @@ test: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(BIN)/python bench/latency.py
 	$(BIN)/python bench/load.py
+	$(BIN)/python bench/stacked.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -29,10 +29,17 @@ def use_private_aotstack_cache(directory: str) -> None:
 
 def build_aotstack(model: torch.nn.Module, args: tuple[Any, ...], path: str, exclude_ops: Sequence[str] = ()) -> int:
     """Lower ``model.forward`` with the AOTI CPU partitioner, save it to ``path``; the delegate count."""
+    return len(build_lowered(model, args, path, [aotstack.AotiCpuPartitioner(exclude_ops=list(exclude_ops))]))
+
+
+def build_lowered(
+    model: torch.nn.Module, args: tuple[Any, ...], path: str, partitioners: Sequence[aotstack.Partitioner]
+) -> list[aotstack.Delegate]:
+    """Lower ``model.forward`` with ``partitioners`` in order, save it to ``path``; its delegates."""
     program = aotstack.export(model, {"forward": args})
-    lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner(exclude_ops=list(exclude_ops))])
+    lowered = aotstack.lower(program, list(partitioners))
     lowered.save(path)
-    return len(lowered.delegates("forward"))
+    return lowered.delegates("forward")
 
 
 def build_raw_aoti(model: torch.nn.Module, args: tuple[Any, ...], path: str) -> None:

@@ -74,7 +74,7 @@ class LoweredProgram:
     delegate_table: dict[str, list[Delegate]]
 
     def delegates(self, method: str) -> list[Delegate]:
-        """The delegates of ``method``, in graph order."""
+        """The delegates of ``method``, in lowering order: partitioner by partitioner, each in graph order."""
         if method not in self.delegate_table:
             raise LoweringError(f"no method {method!r}; methods: {sorted(self.delegate_table)}")
         return list(self.delegate_table[method])

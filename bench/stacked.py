@@ -1,0 +1,165 @@
+"""Per-call latency of one block lowered with AOTInductor, with ONNX Runtime, and with both stacked.
+
+The block is linear, activation, normalization and an elementwise tail::
+
+    Linear(256, 512) -> GELU -> LayerNorm(512) -> Linear(512, 256) -> tanh * 2 + x
+
+Each package is lowered by aotstack, saved to a ``.pt2`` and loaded with ``aotstack.load``:
+
+- AOTInductor only: ``[AotiCpuPartitioner()]``
+- ONNX Runtime only: ``[OrtPartitioner()]``
+- stacked: ``[OrtPartitioner(ops=["aten.linear"]), AotiCpuPartitioner()]``, ONNX Runtime runs the linears
+  and AOTInductor the rest
+- stacked the other way: ``[AotiCpuPartitioner(exclude_ops=["aten.linear"]), OrtPartitioner()]``
+
+beside eager PyTorch (``no_grad``). Every variant is timed call by call (``time.perf_counter_ns``),
+round-robin (one call of each per round, in a shuffled order) in one process, so the ratios against
+AOTInductor only compare like with like; the absolute figures depend on the machine. One table per
+batch size. Nothing is asserted.
+
+    .venv/bin/python bench/stacked.py [--calls 2000] [--warmup 100] [--threads 1] [--batch 8 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+import aotstack
+from common import build_lowered, percentile, print_table, quiet_known_warnings, use_private_aotstack_cache
+from latency import Variant, eager_call, measure
+
+AOTI = "AOTInductor only"
+ORT = "ONNX Runtime only"
+STACKED = "stacked: ORT linears, AOTI rest"
+REVERSED = "stacked: AOTI but linears, ORT rest"
+EAGER = "eager (no_grad)"
+
+# Variant name -> the partitioners, made afresh for each lowering.
+LOWERINGS: dict[str, Callable[[], list[aotstack.Partitioner]]] = {
+    AOTI: lambda: [aotstack.AotiCpuPartitioner()],
+    ORT: lambda: [aotstack.OrtPartitioner()],
+    STACKED: lambda: [aotstack.OrtPartitioner(ops=["aten.linear"]), aotstack.AotiCpuPartitioner()],
+    REVERSED: lambda: [aotstack.AotiCpuPartitioner(exclude_ops=["aten.linear"]), aotstack.OrtPartitioner()],
+}
+
+BACKEND_NAMES = {"aoti_cpu": "AOTI", "onnxruntime": "ORT"}
+
+
+@dataclass
+class LoweredVariant(Variant):
+    engines: str = "-"  # delegates per backend, e.g. "2 ORT + 2 AOTI"
+
+
+class Block(torch.nn.Module):
+    def __init__(self, width: int = 256, hidden: int = 512) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(width, hidden)
+        self.norm = torch.nn.LayerNorm(hidden)
+        self.down = torch.nn.Linear(hidden, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(torch.nn.functional.gelu(self.up(x)))
+        return torch.tanh(self.down(y)) * 2 + x
+
+
+def block() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return Block().eval()
+
+
+def engines(delegates: Sequence[aotstack.Delegate]) -> str:
+    counts = Counter(BACKEND_NAMES.get(d.backend_id, d.backend_id) for d in delegates)
+    return " + ".join(f"{n} {name}" for name, n in counts.items())
+
+
+def lowered_variant(name: str, model: torch.nn.Module, args: tuple[torch.Tensor, ...], path: str) -> LoweredVariant:
+    delegates = build_lowered(model, args, path, LOWERINGS[name]())
+    loaded = aotstack.load(path)  # after torch.set_num_threads: ORT sessions take their thread count here
+    return LoweredVariant(name, lambda: loaded.forward(*args), len(delegates), engines=engines(delegates))
+
+
+def build_variants(model: torch.nn.Module, args: tuple[torch.Tensor, ...], directory: str) -> list[Variant]:
+    started = time.perf_counter()
+    batch = args[0].shape[0]
+    variants: list[Variant] = [
+        lowered_variant(name, model, args, os.path.join(directory, f"block-{batch}-{index}.pt2"))
+        for index, name in enumerate(LOWERINGS)
+    ]
+    print(f"  lowered and loaded {len(variants)} packages in {time.perf_counter() - started:.1f} s", flush=True)
+    variants.append(Variant(EAGER, eager_call(model, args)))
+    return variants
+
+
+def worst_difference(variants: Sequence[Variant], expected: torch.Tensor) -> float:
+    return max((v.call() - expected).abs().max().item() for v in variants)
+
+
+def report(variants: Sequence[Variant]) -> None:
+    by_name = {v.name: v for v in variants}
+    aoti, eager = by_name[AOTI], by_name[EAGER]
+    rows = [
+        [
+            v.name,
+            "-" if v.delegates is None else str(v.delegates),
+            getattr(v, "engines", "-"),
+            f"{v.median_us:.1f}",
+            f"{percentile(v.samples_ns, 0.9) / 1e3:.1f}",
+            f"{v.median_us / aoti.median_us:.3f}x",
+            f"{v.median_us / eager.median_us:.3f}x",
+        ]
+        for v in variants
+    ]
+    headers = ["variant", "delegates", "engines", "median µs", "p90 µs", "/ AOTI only", "/ eager"]
+    print_table(headers, rows)
+
+
+def run_batch(batch: int, directory: str, calls: int, warmup: int) -> None:
+    print(f"\nblock 256-512-256, batch {batch}", flush=True)
+    model = block()
+    args = (torch.randn(batch, 256),)
+    variants = build_variants(model, args, directory)
+    with torch.no_grad():
+        expected = model(*args)
+    print(f"  worst |variant - eager| = {worst_difference(variants, expected):.2e}")
+    measure(variants, calls, warmup)
+    report(variants)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=2000, help="timed rounds (one call per variant each)")
+    parser.add_argument("--warmup", type=int, default=100, help="untimed rounds first")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads, for compiling and running")
+    parser.add_argument("--batch", type=int, nargs="+", default=[8, 64], help="batch sizes, one table each")
+    args = parser.parse_args()
+    if args.calls < 200:
+        parser.error("--calls must be at least 200")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    quiet_known_warnings()
+    torch.set_num_threads(args.threads)  # before any load: ONNX Runtime sessions read it then
+    print(
+        f"torch {torch.__version__}, onnxruntime {importlib.metadata.version('onnxruntime')}, "
+        f"aotstack {aotstack.__version__}, torch.get_num_threads() = {args.threads}"
+    )
+    print(f"{args.calls} timed rounds after {args.warmup} warm-up rounds; one call per variant per round, shuffled")
+    with tempfile.TemporaryDirectory(prefix="aotstack-bench-") as directory:
+        use_private_aotstack_cache(directory)
+        for batch in args.batch:
+            run_batch(batch, directory, args.calls, args.warmup)
+
+
+if __name__ == "__main__":
+    main()
