@@ -143,6 +143,26 @@ def test_control_flow_a_backend_cannot_take_is_left_whole(backend_id):
     assert len(result.partition_tags) == 1
 
 
+@pytest.mark.parametrize(
+    "partitioner",
+    [
+        lambda: aotstack.AotiCpuPartitioner(exclude_ops=["higher_order.cond"]),
+        lambda: aotstack.AotiCpuPartitioner(exclude_ops=[torch.ops.higher_order.cond]),
+        lambda: aotstack.OrtPartitioner(ops=["aten.linear", "aten.sin", "aten.cos", "aten.mul", "aten.add"]),
+    ],
+    ids=["aoti-exclude-by-name", "aoti-exclude-op-object", "ort-ops-without-cond"],
+)
+def test_control_flow_can_be_excluded_like_any_op(partitioner):
+    program = exported("cond")
+    partitioner().partition(program)
+
+    [cond] = [n for n in program.graph.nodes if n.target is torch.ops.higher_order.cond]
+    branches = [n for n in program.graph.nodes if n.op == "get_attr"]
+    assert DELEGATION_TAG not in cond.meta
+    assert all(DELEGATION_TAG not in branch.meta for branch in branches)
+    assert tag(program, "linear") is not None
+
+
 def test_min_block_size_leaves_small_parts_unclaimed():
     program = exported("island")
     aotstack.AotiCpuPartitioner(exclude_ops=["aten.sigmoid"], min_block_size=2).partition(program)

@@ -30,6 +30,7 @@ from .backend import backend_class
 from .delegate_op import call_delegate
 from .errors import LoweringError
 from .export import Program
+from .op_names import op_name
 from .partitioner import DELEGATION_TAG, Partitioner, constant_placeholders, mutated_buffer_names
 from .specs import CompileSpec, DelegationSpec, compile_spec_value
 from .tensor_data import dtype_name
@@ -184,19 +185,12 @@ def delegate_partition(
         delegate_id=delegate_id,
         backend_id=spec.backend_id,
         compile_specs=compile_specs,
-        ops=sorted({op_label(n.target) for n in nodes if isinstance(n.target, torch._ops.OperatorBase)}),
+        ops=sorted({op_name(n.target) for n in nodes if isinstance(n.target, torch._ops.OperatorBase)}),
         inputs=[TensorSpec.of(n.meta["val"]) for n in user_inputs],
         outputs=[TensorSpec.of(n.meta["val"]) for n in outputs],
         processed_bytes=result.processed_bytes,
         named_data=dict(result.named_data),
     )
-
-
-def op_label(op: torch._ops.OperatorBase) -> str:
-    """``aten.add.Tensor``; ``higher_order.cond`` for a control-flow op."""
-    if isinstance(op, torch._ops.HigherOrderOperator):
-        return f"higher_order.{op.__name__}"
-    return str(op)
 
 
 def drop_unused_subgraphs(graph_module: GraphModule) -> None:

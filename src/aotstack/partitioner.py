@@ -62,8 +62,8 @@ class SupportedOpsPartitioner(Partitioner):
         self.compile_specs = list(compile_specs)
 
     @abstractmethod
-    def supports_op(self, op: torch._ops.OpOverload) -> bool:
-        """Whether the backend can run ``op``."""
+    def supports_op(self, op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> bool:
+        """Whether the backend can run ``op`` (for a control-flow op: the op itself, not its subgraphs)."""
 
     def default_target_device(self) -> str:
         return "cpu"
@@ -101,7 +101,7 @@ class SupportedOpsPartitioner(Partitioner):
             source = node.args[0]
             return isinstance(source, Node) and self.supports_node(source, owner)
         if isinstance(node.target, torch._ops.HigherOrderOperator):
-            return node.target.__name__ in self.control_flow and all(
+            return node.target.__name__ in self.control_flow and self.supports_op(node.target) and all(
                 self.supports_node(inner, body)
                 for body in subgraph_modules(node, owner)
                 for inner in body.graph.nodes

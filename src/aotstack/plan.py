@@ -18,6 +18,7 @@ from torch.fx import GraphModule, Node
 
 from .delegate_op import is_delegate_call, is_delegate_output
 from .errors import LoweringError, PackageError
+from .op_names import op_name
 from .tensor_data import dtype_from_name, dtype_name
 
 _MEMORY_FORMATS = {
@@ -77,10 +78,8 @@ def subgraph_plan(graph_module: GraphModule, node: Node) -> dict[str, Any]:
 
 def target_name(node: Node) -> str:
     target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}.{target._opname}.{target._overloadname}"
-    if isinstance(target, torch._ops.HigherOrderOperator):
-        return f"higher_order.{target.__name__}"
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+        return op_name(target)
     if getattr(operator, getattr(target, "__name__", ""), None) is target:
         return f"operator.{target.__name__}"
     raise LoweringError(f"node {node.name!r} calls {target!r}, which a package cannot store; only ops can run")

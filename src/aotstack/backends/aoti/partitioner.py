@@ -43,5 +43,5 @@ class AotiPartitioner(SupportedOpsPartitioner):
     def default_target_device(self) -> str:
         return self.backend.device_name
 
-    def supports_op(self, op: torch._ops.OpOverload) -> bool:
-        return op.namespace in ("aten", "prims") and not matches_any(op, self.exclude_ops)
+    def supports_op(self, op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> bool:
+        return op.namespace in ("aten", "prims", "higher_order") and not matches_any(op, self.exclude_ops)

@@ -57,14 +57,14 @@ class OrtPartitioner(SupportedOpsPartitioner):
             if hasattr(torch.ops.higher_order, name) and registry.is_registered(getattr(torch.ops.higher_order, name))
         )
 
-    def supports_op(self, op: torch._ops.OpOverload) -> bool:
+    def supports_op(self, op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> bool:
         if self.ops is not None and not matches_any(op, self.ops):
             return False
         return exporter_translates(op)
 
 
 @functools.cache
-def exporter_translates(op: torch._ops.OpOverload) -> bool:
+def exporter_translates(op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> bool:
     """Whether the ONNX exporter has a translation for ``op``, directly or by decomposing it.
 
     A decomposition counts only when everything it decomposes into has a translation
