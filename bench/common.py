@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import warnings
@@ -73,3 +74,19 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
 
 def verdict(value: float, limit: float) -> str:
     return "met" if value <= limit else "NOT met"
+
+
+def round_robin_parser(description: str | None) -> argparse.ArgumentParser:
+    """The options every round-robin benchmark takes: --calls, --warmup, --threads."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--calls", type=int, default=2000, help="timed rounds (one call per variant each)")
+    parser.add_argument("--warmup", type=int, default=100, help="untimed rounds first")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads, for compiling and running")
+    return parser
+
+
+def parsed_round_robin_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    args = parser.parse_args()
+    if args.calls < 200:
+        parser.error("--calls must be at least 200")
+    return args

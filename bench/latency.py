@@ -27,9 +27,11 @@ from common import (
     build_aotstack,
     build_raw_aoti,
     median,
+    parsed_round_robin_args,
     percentile,
     print_table,
     quiet_known_warnings,
+    round_robin_parser,
     use_private_aotstack_cache,
     verdict,
 )
@@ -230,15 +232,9 @@ def run_demo(directory: str, calls: int, warmup: int) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=int, default=2000, help="timed rounds (one call per variant each)")
-    parser.add_argument("--warmup", type=int, default=100, help="untimed rounds first")
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads, for compiling and running")
+    parser = round_robin_parser(__doc__)
     parser.add_argument("--model", choices=["mlp", "demo", "both"], default="both")
-    args = parser.parse_args()
-    if args.calls < 200:
-        parser.error("--calls must be at least 200")
-    return args
+    return parsed_round_robin_args(parser)
 
 
 def main() -> None:

@@ -34,7 +34,15 @@ from dataclasses import dataclass
 import torch
 
 import aotstack
-from common import build_lowered, percentile, print_table, quiet_known_warnings, use_private_aotstack_cache
+from common import (
+    build_lowered,
+    parsed_round_robin_args,
+    percentile,
+    print_table,
+    quiet_known_warnings,
+    round_robin_parser,
+    use_private_aotstack_cache,
+)
 from latency import Variant, eager_call, measure
 
 AOTI = "AOTInductor only"
@@ -135,15 +143,9 @@ def run_batch(batch: int, directory: str, calls: int, warmup: int) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=int, default=2000, help="timed rounds (one call per variant each)")
-    parser.add_argument("--warmup", type=int, default=100, help="untimed rounds first")
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads, for compiling and running")
+    parser = round_robin_parser(__doc__)
     parser.add_argument("--batch", type=int, nargs="+", default=[8, 64], help="batch sizes, one table each")
-    args = parser.parse_args()
-    if args.calls < 200:
-        parser.error("--calls must be at least 200")
-    return args
+    return parsed_round_robin_args(parser)
 
 
 def main() -> None:
