@@ -72,9 +72,10 @@ def test_an_already_lowered_graph_gets_no_new_tags(lowered_package):
     assert result.partition_tags == {}
 
 
-def test_lowering_twice_in_a_row_nests_nothing(lowered_package):
+def test_lowering_a_lowered_program_again_names_the_delegate_it_cannot_place(lowered_package):
     lowered, _ = lowered_package("split", exclude_ops=("aten.sigmoid",))
-    again = aotstack.lower(aotstack.Program(dict(lowered.methods)), [aotstack.AotiCpuPartitioner()])
-    # Only the sigmoid was left unclaimed; the second pass takes it alone and nothing else.
-    [delegate] = again.delegates("forward")
-    assert delegate.ops == ["aten.sigmoid.default"]
+    again = aotstack.Program(dict(lowered.methods))
+    # The second pass claims only the sigmoid; the delegates of the first pass are not its own.
+    sigmoid_only = aotstack.AotiCpuPartitioner(exclude_ops=["aten.linear", "aten.mul", "aten.add", "aten.sum"])
+    with pytest.raises(aotstack.LoweringError, match="delegate node 'call_delegate_default' calls 'forward.0'"):
+        aotstack.lower(again, [sigmoid_only])

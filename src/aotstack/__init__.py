@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 from .backend import Backend
 from .backends.aoti import AotiBackend, AotiCpuBackend, AotiCpuPartitioner, AotiPartitioner
 from .backends.ort import OrtBackend, OrtPartitioner
+from .devices import DeviceType, parse_device_spec, propagate_device_pass
 from .errors import (
     AotstackError,
     BackendNotFoundError,
@@ -49,6 +50,7 @@ __all__ = [
     "Delegate",
     "DelegateInitError",
     "DelegationSpec",
+    "DeviceType",
     "ExportError",
     "InputError",
     "LoadedProgram",
@@ -67,6 +69,8 @@ __all__ = [
     "get_non_lowered_nodes",
     "load",
     "lower",
+    "parse_device_spec",
+    "propagate_device_pass",
     "tag_constant_data",
     "tag_mutated_buffer",
 ]

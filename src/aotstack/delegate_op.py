@@ -1,7 +1,9 @@
-"""``torch.ops.aotstack.call_delegate``: the node that stands for a compiled partition.
+"""aotstack's own ops in a lowered graph.
 
-It is a custom op, so stock ``torch.export`` serialization keeps working on a lowered graph.
-It never runs eagerly: the runtime dispatches each call to its backend's run side.
+``torch.ops.aotstack.call_delegate`` stands for a compiled partition. It never runs eagerly:
+the runtime dispatches each call to its backend's run side. ``h2d_copy`` and ``d2h_copy`` move
+a tensor between the host and a device where a delegate boundary needs it. They are custom ops,
+so stock ``torch.export`` serialization keeps working on a lowered graph.
 """
 
 from __future__ import annotations
@@ -24,6 +26,24 @@ def _refuse_eager_call(delegate_id: str, inputs: list[torch.Tensor]) -> list[tor
 _LIB.impl("call_delegate", _refuse_eager_call, "CompositeExplicitAutograd")
 
 call_delegate = torch.ops.aotstack.call_delegate.default
+
+_LIB.define("h2d_copy(Tensor x, str device) -> Tensor")
+_LIB.define("d2h_copy(Tensor x) -> Tensor")
+
+
+def _host_to_device(x: torch.Tensor, device: str) -> torch.Tensor:
+    return x.to(device)
+
+
+def _device_to_host(x: torch.Tensor) -> torch.Tensor:
+    return x.to("cpu")
+
+
+_LIB.impl("h2d_copy", _host_to_device, "CompositeExplicitAutograd")
+_LIB.impl("d2h_copy", _device_to_host, "CompositeExplicitAutograd")
+
+h2d_copy = torch.ops.aotstack.h2d_copy.default
+d2h_copy = torch.ops.aotstack.d2h_copy.default
 
 
 def is_delegate_call(node: Node) -> bool:

@@ -8,7 +8,7 @@ import logging
 import operator
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +27,8 @@ from torch.fx.passes.utils.fuser_utils import validate_partition
 from torch.utils import _pytree as pytree
 
 from .backend import backend_class
-from .delegate_op import call_delegate
+from .delegate_op import call_delegate, is_delegate_call
+from .devices import propagate_device_pass
 from .errors import LoweringError
 from .export import Program
 from .op_names import op_name
@@ -92,8 +93,21 @@ logger = logging.getLogger("aotstack")
 PartitionerPlan = Sequence[Partitioner] | Mapping[str, Sequence[Partitioner]]
 
 
-def lower(program: Program, partitioners: PartitionerPlan) -> LoweredProgram:
+MethodOption = bool | Collection[str]
+
+
+def lower(
+    program: Program,
+    partitioners: PartitionerPlan,
+    *,
+    skip_h2d_for_method_inputs: MethodOption = False,
+    skip_d2h_for_method_outputs: MethodOption = False,
+) -> LoweredProgram:
     """Apply ``partitioners``, in order, to every method and compile what they claim.
+
+    Then every boundary tensor is given a device, with host-device copies where a delegate runs
+    elsewhere. The two ``skip_*`` options (True, or the names of the methods they apply to) keep
+    a method's inputs or outputs on the device instead of copying them.
 
     Example::
 
@@ -104,8 +118,19 @@ def lower(program: Program, partitioners: PartitionerPlan) -> LoweredProgram:
     methods: dict[str, ExportedProgram] = {}
     table: dict[str, list[Delegate]] = {}
     for name, exported in program.methods.items():
-        methods[name], table[name] = lower_method(name, exported, plan[name])
+        lowered, delegates = lower_method(name, exported, plan[name])
+        propagate_device_pass(
+            lowered,
+            {d.delegate_id: (d.backend_id, d.target_device) for d in delegates},
+            skip_h2d_for_method_inputs=applies_to(skip_h2d_for_method_inputs, name),
+            skip_d2h_for_method_outputs=applies_to(skip_d2h_for_method_outputs, name),
+        )
+        methods[name], table[name] = without_unused_constants(lowered, set()), delegates
     return LoweredProgram(methods, table)
+
+
+def applies_to(option: MethodOption, method: str) -> bool:
+    return option if isinstance(option, bool) else method in option
 
 
 def partitioners_by_method(program: Program, partitioners: PartitionerPlan) -> dict[str, list[Partitioner]]:
@@ -133,11 +158,13 @@ def lower_method(
     working = copied_program(exported)
     read_before = {node.name for node in constant_placeholders(working) if node.users}
     delegates: list[Delegate] = []
+    # Ids stay unique even in a graph that already calls delegates.
+    first_id = sum(1 for node in working.graph.nodes if is_delegate_call(node))
     for partitioner in partitioners:
         result = partitioner.partition(working)
         working = result.tagged_exported_program
         for tag, spec in result.partition_tags.items():
-            delegate_id = f"{name}.{len(delegates)}"
+            delegate_id = f"{name}.{first_id + len(delegates)}"
             delegates.append(delegate_partition(working, name, tag, spec, delegate_id))
         clear_tags(working.graph)
         working = without_unused_constants(working, read_before)
