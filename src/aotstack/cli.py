@@ -183,8 +183,23 @@ def inspect_command(args: argparse.Namespace) -> int:
             print(f"  {delegate['id']}: {delegate['backend_id']} on {delegate['target_device']}, "
                   f"{len(delegate['inputs'])} in / {len(delegate['outputs'])} out, {size / 1e3:.1f} kB")
             print(f"    ops: {', '.join(delegate['ops'])}")
+        copies = copies_text(method["plan"]["steps"])
+        if copies:
+            print(f"  copies: {copies}")
     print(f"\n{len(blobs)} blob(s), {sum(blobs.values()) / 1e6:.2f} MB, each stored once")
     return 0
+
+
+def copies_text(steps: list[dict[str, Any]]) -> str:
+    """``3 to cuda:0 (a, b, c), 1 to the host (getitem_1)``: the host-device copies in a run plan."""
+    moved: dict[str, list[str]] = {}
+    for step in steps:
+        if step.get("target") == "aotstack.h2d_copy.default":
+            source, device = step["args"]["list"]
+            moved.setdefault(f"to {device}", []).append(source["ref"])
+        elif step.get("target") == "aotstack.d2h_copy.default":
+            moved.setdefault("to the host", []).append(step["args"]["list"][0]["ref"])
+    return ", ".join(f"{len(names)} {where} ({', '.join(names)})" for where, names in moved.items())
 
 
 if __name__ == "__main__":
