@@ -13,6 +13,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 from torch.export import ExportedProgram
 from torch.fx import Graph, Node
 
@@ -175,6 +176,4 @@ def remove_round_trips(graph: Graph, device_of: dict[Node, Device]) -> None:
 
 
 def is_tensor(node: Node) -> bool:
-    import torch
-
     return isinstance(node.meta.get("val"), torch.Tensor)

@@ -125,6 +125,7 @@ def lower(
             skip_h2d_for_method_inputs=applies_to(skip_h2d_for_method_inputs, name),
             skip_d2h_for_method_outputs=applies_to(skip_d2h_for_method_outputs, name),
         )
+        # Rebuilt so the output specs name the copies that now feed the output.
         methods[name], table[name] = without_unused_constants(lowered, set()), delegates
     return LoweredProgram(methods, table)
 
