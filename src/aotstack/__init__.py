@@ -13,17 +13,29 @@ Example::
 __version__ = "0.1.0"
 
 from .backend import Backend
-from .backends.aoti import AotiBackend, AotiCpuBackend, AotiCpuPartitioner, AotiPartitioner
+from .backends.aoti import (
+    AotiBackend,
+    AotiCpuBackend,
+    AotiCpuPartitioner,
+    AotiPartitioner,
+    CudaBackend,
+    CudaPartitioner,
+    MetalBackend,
+    MetalPartitioner,
+    ReplaceViewCopyWithViewPass,
+)
 from .backends.ort import OrtBackend, OrtPartitioner
 from .devices import DeviceType, parse_device_spec, propagate_device_pass
 from .errors import (
     AotstackError,
     BackendNotFoundError,
+    CompileSpecError,
     DelegateInitError,
     ExportError,
     InputError,
     LoweringError,
     MethodNotFoundError,
+    MissingFallbackKernelsError,
     PackageError,
 )
 from .export import Program, export
@@ -47,6 +59,9 @@ __all__ = [
     "Backend",
     "BackendNotFoundError",
     "CompileSpec",
+    "CompileSpecError",
+    "CudaBackend",
+    "CudaPartitioner",
     "Delegate",
     "DelegateInitError",
     "DelegationSpec",
@@ -56,7 +71,10 @@ __all__ = [
     "LoadedProgram",
     "LoweredProgram",
     "LoweringError",
+    "MetalBackend",
+    "MetalPartitioner",
     "MethodNotFoundError",
+    "MissingFallbackKernelsError",
     "OrtBackend",
     "OrtPartitioner",
     "PackageError",
@@ -64,6 +82,7 @@ __all__ = [
     "Partitioner",
     "PreprocessResult",
     "Program",
+    "ReplaceViewCopyWithViewPass",
     "SupportedOpsPartitioner",
     "export",
     "get_non_lowered_nodes",

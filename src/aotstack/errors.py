@@ -15,6 +15,38 @@ class LoweringError(AotstackError):
     """A partition could not be lowered: bad partition, bad compile spec, failed compile."""
 
 
+class CompileSpecError(LoweringError, ValueError):
+    """A compile spec has a value its backend does not accept; the message names the spec."""
+
+
+class MissingFallbackKernelsError(LoweringError):
+    """A backend would need fallback kernels its target's runtime lacks (raised in strict mode).
+
+    ``kernels`` maps each missing kernel, as an op name like ``aten.median.default``, to the
+    nodes that need it; ``method`` names the method once it is known.
+    """
+
+    def __init__(self, backend_id: str, kernels: dict[str, list[str]], method: str | None = None) -> None:
+        self.backend_id = backend_id
+        self.kernels = {kernel: sorted(nodes) for kernel, nodes in sorted(kernels.items())}
+        self.method = method
+        super().__init__(self.message())
+
+    def message(self) -> str:
+        where = f"method {self.method!r}" if self.method else "the graph"
+        listed = "; ".join(
+            f"{kernel} (for {', '.join(nodes)})" if nodes else kernel for kernel, nodes in self.kernels.items()
+        )
+        return (
+            f"{where} needs {len(self.kernels)} fallback kernel(s) that {self.backend_id}'s runtime lacks: "
+            f"{listed}. Without strict=True these ops are left to plain ATen; the 'fallback_kernels' "
+            "compile spec lists the kernels a target has"
+        )
+
+    def in_method(self, method: str) -> MissingFallbackKernelsError:
+        return MissingFallbackKernelsError(self.backend_id, self.kernels, method)
+
+
 class BackendNotFoundError(AotstackError):
     """No backend is registered under the id a delegate asks for."""
 

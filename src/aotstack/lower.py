@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 from .backend import backend_class
 from .delegate_op import call_delegate, is_delegate_call
 from .devices import propagate_device_pass
-from .errors import LoweringError
+from .errors import LoweringError, MissingFallbackKernelsError
 from .export import Program
 from .op_names import op_name
 from .partitioner import DELEGATION_TAG, Partitioner, constant_placeholders, mutated_buffer_names
@@ -162,7 +162,10 @@ def lower_method(
     # Ids stay unique even in a graph that already calls delegates.
     first_id = sum(1 for node in working.graph.nodes if is_delegate_call(node))
     for partitioner in partitioners:
-        result = partitioner.partition(working)
+        try:
+            result = partitioner.partition(working)
+        except MissingFallbackKernelsError as exc:
+            raise exc.in_method(name) from None
         working = result.tagged_exported_program
         for tag, spec in result.partition_tags.items():
             delegate_id = f"{name}.{first_id + len(delegates)}"

@@ -13,21 +13,40 @@ from typing import Any, ClassVar
 
 import torch
 from torch.export import ExportedProgram
+from torch.fx import Node
 
 from ...backend import Backend
-from ...errors import LoweringError
-from ...specs import CompileSpec, PreprocessResult, partition_label
+from ...devices import HOST, Device, DeviceType
+from ...errors import CompileSpecError, LoweringError, MissingFallbackKernelsError
+from ...specs import CompileSpec, PreprocessResult, compile_spec_value, partition_label
 from ...tensor_data import weights_as_named_data, weights_from_named_data
-from .compile import GraphPass, compile_partition
+from .compile import CompileSteps, KernelCheck, compile_partition, generated_fallback_kernels
+from .kernels import (
+    FALLBACK_KERNELS_SPEC,
+    kernel_allowed,
+    parse_kernel_list,
+    signature_key,
+    single_op_program,
+)
+from .passes import GraphPass, ReplaceViewCopyWithViewPass
 from .run import AotiHandle, bind_constants, open_runner, run
 
 LIBRARY_NAME = "model.so"
 
 
 class AotiBackend(Backend):
-    """Shared base of the AOTInductor backends (CPU here; CUDA and Metal build on it too)."""
+    """Shared base of the AOTInductor backends: CPU, CUDA and Metal each answer the hooks.
+
+    Compile specs every AOTI backend reads:
+
+    - ``target_device``: ``cpu``, ``cuda:1``, ``mps``; its type must be the backend's.
+    - ``fallback_kernels``: the ATen kernels the target's runtime has, as op names separated
+      by commas (``aten.addmm.out,aten.convolution``); replaces the backend's own list.
+    """
 
     device_name: ClassVar[str]
+    # None: the target's runtime has every fallback kernel AOTInductor can call.
+    default_fallback_kernels: ClassVar[frozenset[str] | None] = None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         for base in cls.__mro__[1:]:
@@ -39,21 +58,77 @@ class AotiBackend(Backend):
 
     # Hooks -----------------------------------------------------------------------------------
 
-    def supported_fallback_kernels(self) -> frozenset[str] | None:
-        """ATen ops the target's runtime can run as fallback kernels; None means all of them."""
-        return None
-
     def decomposition_table(self) -> dict[Any, Callable[..., Any]]:
         """Decompositions applied before compiling (none by default)."""
         return {}
 
     def inductor_options(self, compile_specs: list[CompileSpec]) -> dict[str, Any]:
-        """AOTInductor options for this target."""
+        """AOTInductor options for this target; a bad compile spec raises ``CompileSpecError``."""
         return {}
 
     def custom_passes(self) -> list[GraphPass]:
-        """Graph passes run on each partition before compiling."""
+        """Graph passes this target runs after the view-copy pass, before decompositions."""
         return []
+
+    # What every AOTI backend shares ----------------------------------------------------------
+
+    def compile_options(self, compile_specs: list[CompileSpec]) -> dict[str, Any]:
+        """Every AOTInductor option a compile uses: the target's, with weights kept out of the library."""
+        return {**self.inductor_options(compile_specs), "aot_inductor.package_constants_in_so": False}
+
+    def default_target_device(self) -> Device:
+        return Device(DeviceType(self.device_name))
+
+    def target_device(self, compile_specs: list[CompileSpec]) -> Device:
+        value = compile_spec_value(compile_specs, "target_device")
+        if value is None:
+            return self.default_target_device()
+        try:
+            device = Device.parse(value.decode())
+        except ValueError as exc:
+            raise CompileSpecError(f"compile spec 'target_device': {exc}") from None
+        if device.type.value != self.device_name:
+            raise CompileSpecError(
+                f"compile spec 'target_device' is {value.decode()!r}, but {self.backend_id} "
+                f"compiles for {self.device_name} devices"
+            )
+        return device
+
+    def fallback_kernels(self, compile_specs: list[CompileSpec]) -> frozenset[str] | None:
+        """The fallback kernels the target's runtime has; None means every one."""
+        value = compile_spec_value(compile_specs, FALLBACK_KERNELS_SPEC)
+        return self.default_fallback_kernels if value is None else parse_kernel_list(value)
+
+    def validate_compile_specs(self, compile_specs: list[CompileSpec]) -> None:
+        """Raise ``CompileSpecError`` naming the first spec this backend cannot take."""
+        self.target_device(compile_specs)
+        self.fallback_kernels(compile_specs)
+        self.inductor_options(compile_specs)
+
+    def compile_steps(self, compile_specs: list[CompileSpec], device: Device | None = None) -> CompileSteps:
+        options = self.compile_options(compile_specs)
+        if device == HOST and self.device_name != "cpu":
+            # Standing in for a device this machine lacks: autotuning would tune for the host.
+            options = {key: value for key, value in options.items() if not key.startswith("max_autotune")}
+        return CompileSteps(
+            device=self.target_device(compile_specs) if device is None else device,
+            passes=[ReplaceViewCopyWithViewPass(), *self.custom_passes()],
+            decompositions=self.decomposition_table(),
+            options=options,
+        )
+
+    def needed_fallback_kernels(self, node: Node, compile_specs: list[CompileSpec]) -> frozenset[str]:
+        """The fallback kernels ``node``'s op needs on this target, asked of Inductor once per signature.
+
+        Where this machine lacks the target device, the op is probed on the host instead, which
+        can differ where Inductor lowers an op differently per device; the compile re-checks.
+        """
+        device = probe_device(self.target_device(compile_specs))
+        steps = self.compile_steps(compile_specs, device)
+        key = (self.backend_id, str(device), repr(sorted(steps.options.items())), signature_key(node))
+        if key not in _PROBED:
+            _PROBED[key] = generated_fallback_kernels(single_op_program(node), steps)
+        return _PROBED[key]
 
     # Compile side ----------------------------------------------------------------------------
 
@@ -61,12 +136,13 @@ class AotiBackend(Backend):
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
     ) -> PreprocessResult:
         label = partition_label(self.backend_id, compile_specs)
+        self.validate_compile_specs(compile_specs)
+        allowed = self.fallback_kernels(compile_specs)
         compiled = compile_partition(
             exported_program,
+            self.compile_steps(compile_specs),
             label=label,
-            decompositions=self.decomposition_table(),
-            passes=self.custom_passes(),
-            inductor_options=self.inductor_options(compile_specs),
+            kernel_check=None if allowed is None else self.kernel_check(allowed, compile_specs),
         )
         named_data, weights = weights_as_named_data(compiled.constants)
         named_data[LIBRARY_NAME] = compiled.library
@@ -76,21 +152,46 @@ class AotiBackend(Backend):
         }
         return PreprocessResult(json.dumps(processed).encode(), named_data)
 
+    def kernel_check(self, allowed: frozenset[str], compile_specs: list[CompileSpec]) -> KernelCheck:
+        method = compile_spec_value(compile_specs, "method_name")
+
+        def check(kernels: frozenset[str]) -> None:
+            missing = {kernel: [] for kernel in kernels if not kernel_allowed(kernel, allowed)}
+            if missing:
+                raise MissingFallbackKernelsError(self.backend_id, missing, method.decode() if method else None)
+
+        return check
+
     # Run side --------------------------------------------------------------------------------
 
     def init(
         self, processed_bytes: bytes, named_data: Mapping[str, bytes], compile_specs: list[CompileSpec]
     ) -> AotiHandle:
         label = partition_label(self.backend_id, compile_specs)
+        device = self.target_device(compile_specs)
         processed = json.loads(processed_bytes)
         weights = weights_from_named_data(named_data, processed["weights"])
-        runner = open_runner(named_data[LIBRARY_NAME], self.device_name, label)
+        runner = open_runner(named_data[LIBRARY_NAME], device, label)
+        if device != HOST:
+            weights = {fqn: tensor.to(str(device)) for fqn, tensor in weights.items()}
         bound = bind_constants(runner, weights, label)
         strides = [None if s is None else tuple(s) for s in processed["input_strides"]]
         return AotiHandle(runner=runner, input_strides=strides, constants=bound)
 
     def execute(self, handle: AotiHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         return run(handle, inputs)
+
+
+_PROBED: dict[tuple[str, ...], frozenset[str]] = {}
+
+
+def probe_device(target: Device) -> Device:
+    """``target`` if this machine has it, else the host."""
+    if target.type is DeviceType.CUDA and torch.cuda.is_available() and target.index < torch.cuda.device_count():
+        return target
+    if target.type is DeviceType.MPS and torch.backends.mps.is_available():
+        return target
+    return HOST
 
 
 def user_input_nodes(exported_program: ExportedProgram) -> list[torch.fx.Node]:

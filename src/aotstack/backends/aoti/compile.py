@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -13,17 +14,30 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
-from torch.fx import GraphModule
+from torch.export.passes import move_to_device_pass
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ... import __version__
+from ...devices import HOST, Device, DeviceType
 from ...errors import LoweringError
 from ...partitioner import program_weights
 from ...tensor_data import content_key, tensor_bytes
+from .kernels import recorded_fallback_kernels, stopped_before_cpp_compile, stopped_by_probe
+from .passes import GraphPass
 
 logger = logging.getLogger("aotstack")
 
-GraphPass = Callable[[GraphModule], None]
+KernelCheck = Callable[[frozenset[str]], None]
+
+
+@dataclass(frozen=True)
+class CompileSteps:
+    """What an AOTI backend does to a partition: move it to its device, rewrite it, compile it."""
+
+    device: Device
+    passes: list[GraphPass]
+    decompositions: dict[Any, Callable[..., Any]]
+    options: dict[str, Any]
 
 
 @dataclass
@@ -36,51 +50,82 @@ class CompiledPartition:
 
 def compile_partition(
     exported_program: ExportedProgram,
+    steps: CompileSteps,
     *,
     label: str,
-    decompositions: dict[Any, Callable[..., Any]] | None,
-    passes: list[GraphPass],
-    inductor_options: dict[str, Any],
+    kernel_check: KernelCheck | None = None,
 ) -> CompiledPartition:
-    """Compile one partition with AOTInductor, weights outside the library."""
-    program = prepared_program(exported_program, decompositions, passes)
-    options = {**inductor_options, "aot_inductor.package_constants_in_so": False}
+    """Compile one partition with AOTInductor, weights outside the library.
+
+    ``kernel_check`` is handed the fallback kernels the generated code calls, before the
+    library is cached; it raises to refuse them.
+    """
+    program = prepared_program(exported_program, steps)
     constants = program_weights(program)
-    key = cache_key(program, constants, options)
+    # Inductor's own cache skips code generation, where fallback kernels are recorded.
+    options = steps.options if kernel_check is None else {**steps.options, "fx_graph_cache": False}
+    key = cache_key(program, constants, {**options, "aotstack.device": str(steps.device)})
     library = cached_library(key)
     if library is not None:
         logger.info("  %s: reusing the library from the compile cache", label)
     else:
-        library = compiled_library(program, options, label)
+        library = compiled_library(program, steps.device, options, label, kernel_check)
         store_library(key, library)
     return CompiledPartition(library=library, constants=constants)
 
 
-def compiled_library(program: ExportedProgram, options: dict[str, Any], label: str) -> bytes:
+def compiled_library(
+    program: ExportedProgram, device: Device, options: dict[str, Any], label: str, kernel_check: KernelCheck | None
+) -> bytes:
     with tempfile.TemporaryDirectory(prefix="aotstack-aoti-") as workdir:
         package_path = os.path.join(workdir, "partition.pt2")
-        try:
-            # Inductor's SDPA lowering needs the math backend to trace a decomposable graph.
-            with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]):
-                torch._inductor.aoti_compile_and_package(
-                    program, package_path=package_path, inductor_configs=options
-                )
-        except Exception as exc:
-            raise LoweringError(f"AOTInductor failed to compile {label}: {exc}") from exc
+        with recorded_fallback_kernels() as kernels:
+            try:
+                aoti_package(program, package_path, device, options)
+            except Exception as exc:
+                raise LoweringError(f"AOTInductor failed to compile {label}: {exc}") from exc
+        if kernel_check is not None:
+            kernel_check(frozenset(kernels))
         return library_from_package(package_path, label)
 
 
-def prepared_program(
-    exported_program: ExportedProgram,
-    decompositions: dict[Any, Callable[..., Any]] | None,
-    passes: list[GraphPass],
-) -> ExportedProgram:
+def generated_fallback_kernels(exported_program: ExportedProgram, steps: CompileSteps) -> frozenset[str]:
+    """The fallback kernels AOTInductor's code for ``exported_program`` calls, found without a C++ compile."""
+    program = prepared_program(exported_program, steps)
+    options = {**steps.options, "fx_graph_cache": False}
+    with tempfile.TemporaryDirectory(prefix="aotstack-probe-") as workdir:
+        with recorded_fallback_kernels() as kernels, stopped_before_cpp_compile():
+            try:
+                aoti_package(program, os.path.join(workdir, "probe.pt2"), steps.device, options)
+            except Exception as exc:
+                if not stopped_by_probe(exc):
+                    raise
+    return frozenset(kernels)
+
+
+def aoti_package(program: ExportedProgram, package_path: str, device: Device, options: dict[str, Any]) -> None:
+    # Inductor's SDPA lowering needs the math backend to trace a decomposable graph.
+    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]), on_device(device):
+        torch._inductor.aoti_compile_and_package(program, package_path=package_path, inductor_configs=options)
+
+
+def on_device(device: Device) -> contextlib.AbstractContextManager[Any]:
+    """Make ``device`` current while compiling, so Inductor builds for that index."""
+    if device.type is DeviceType.CUDA:
+        return torch.cuda.device(device.index)
+    return contextlib.nullcontext()
+
+
+def prepared_program(exported_program: ExportedProgram, steps: CompileSteps) -> ExportedProgram:
+    """The partition on the target device, after the backend's passes and decompositions."""
     program = exported_program
-    if decompositions:
-        program = program.run_decompositions(decompositions)
-    for graph_pass in passes:
-        graph_pass(program.graph_module)
-        program.graph_module.recompile()
+    if steps.device != HOST:
+        program = move_to_device_pass(program, str(steps.device))
+    for graph_pass in steps.passes:
+        if graph_pass(program.graph_module):
+            program.graph_module.recompile()
+    if steps.decompositions:
+        program = program.run_decompositions(steps.decompositions)
     return program
 
 

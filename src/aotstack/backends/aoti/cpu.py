@@ -16,6 +16,9 @@ class AotiCpuBackend(AotiBackend):
 class AotiCpuPartitioner(AotiPartitioner):
     """Claims every ATen op AOTInductor can compile for the CPU, except ``exclude_ops``.
 
+    The package runs under libtorch, which has every fallback kernel; for a runtime without
+    Python, list the kernels it has in the ``fallback_kernels`` compile spec.
+
     Example::
 
         lowered = aotstack.lower(program, [AotiCpuPartitioner(exclude_ops=["aten.relu"])])

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
 from typing import ClassVar
 
 import torch
+from torch.export import ExportedProgram
+from torch.fx import GraphModule, Node
 
+from ...errors import MissingFallbackKernelsError
 from ...op_names import OpName, matches_any, normalized_op_name
-from ...partitioner import SupportedOpsPartitioner
-from ...specs import CompileSpec
+from ...partitioner import SupportedOpsPartitioner, subgraph_modules
+from ...specs import CompileSpec, PartitionResult
 from .backend import AotiBackend
+from .kernels import kernel_allowed
 
 
 class AotiPartitioner(SupportedOpsPartitioner):
@@ -19,6 +24,11 @@ class AotiPartitioner(SupportedOpsPartitioner):
     ``exclude_ops`` lists ops to leave to plain ATen (or to the next partitioner), as
     ``"aten.relu"`` (every overload), ``"aten.relu.default"`` or the op object itself.
     ``min_block_size`` leaves parts with fewer compute nodes than that unclaimed.
+
+    Where the target's runtime lacks some fallback kernels (the backend's list, or the
+    ``fallback_kernels`` compile spec), an op that would need one is not claimed: it runs as
+    plain ATen between delegates. With ``strict=True`` the partitioner raises
+    ``MissingFallbackKernelsError`` naming every such kernel instead.
     """
 
     backend: ClassVar[type[AotiBackend]]
@@ -36,12 +46,53 @@ class AotiPartitioner(SupportedOpsPartitioner):
         compile_specs: Iterable[CompileSpec] = (),
         *,
         min_block_size: int = 1,
+        strict: bool = False,
     ) -> None:
         super().__init__(min_block_size=min_block_size, compile_specs=compile_specs)
         self.exclude_ops = frozenset(normalized_op_name(op, "exclude_ops") for op in exclude_ops)
+        self.strict = strict
+        self.compiler = self.backend()
+        # A bad spec is refused here, before any partitioning or compiling.
+        self.compiler.validate_compile_specs(self.compile_specs)
+        self.fallback_kernels = self.compiler.fallback_kernels(self.compile_specs)
 
     def default_target_device(self) -> str:
-        return self.backend.device_name
+        return str(self.compiler.default_target_device())
 
     def supports_op(self, op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> bool:
         return op.namespace in ("aten", "prims", "higher_order") and not matches_any(op, self.exclude_ops)
+
+    def supports_node(self, node: Node, owner: GraphModule) -> bool:
+        return super().supports_node(node, owner) and not self.missing_kernels(node)
+
+    def missing_kernels(self, node: Node) -> frozenset[str]:
+        """The fallback kernels ``node`` would need that the target's runtime lacks."""
+        if self.fallback_kernels is None or not isinstance(node.target, torch._ops.OpOverload):
+            return frozenset()
+        needed = self.compiler.needed_fallback_kernels(node, self.compile_specs)
+        return frozenset(kernel for kernel in needed if not kernel_allowed(kernel, self.fallback_kernels))
+
+    def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+        if self.strict:
+            missing: dict[str, list[str]] = defaultdict(list)
+            for node in self.candidate_nodes(exported_program.graph_module):
+                for kernel in self.missing_kernels(node):
+                    missing[kernel].append(node.name)
+            if missing:
+                raise MissingFallbackKernelsError(self.backend_id, dict(missing))
+        return super().partition(exported_program)
+
+    def candidate_nodes(self, graph_module: GraphModule) -> Iterator[Node]:
+        """Every ATen node this backend would take but for its kernels, in control-flow bodies too."""
+        for node in graph_module.graph.nodes:
+            target = node.target
+            if node.op != "call_function" or not isinstance(target, torch._ops.OperatorBase):
+                continue
+            if not self.supports_op(target):
+                continue
+            if isinstance(target, torch._ops.HigherOrderOperator):
+                if target.__name__ in self.control_flow:
+                    for body in subgraph_modules(node, graph_module):
+                        yield from self.candidate_nodes(body)
+            else:
+                yield node

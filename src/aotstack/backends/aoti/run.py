@@ -7,11 +7,14 @@ import functools
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ...errors import PackageError
+from ...devices import Device, DeviceType
+from ...errors import DelegateInitError, PackageError
 from ...tensor_data import content_key
 
 
@@ -19,21 +22,39 @@ from ...tensor_data import content_key
 class AotiHandle:
     """A loaded AOTInductor model and the input strides it was compiled for."""
 
-    runner: torch._C._aoti.AOTIModelContainerRunnerCpu
+    # torch's AOTIModelContainerRunner for the delegate's device.
+    runner: Any
     # None where a dimension is dynamic: then the compiled code expects a contiguous tensor.
     input_strides: list[tuple[int, ...] | None]
     # The runner reads user-managed weights in place; they must live as long as it does.
     constants: dict[str, torch.Tensor]
 
 
-def open_runner(
-    library: bytes, device: str, label: str
-) -> torch._C._aoti.AOTIModelContainerRunnerCpu:
-    """A runner over ``library`` (already hash-verified), with its own weights slot."""
+def open_runner(library: bytes, device: Device, label: str) -> Any:
+    """A runner over ``library`` (already hash-verified) on ``device``, with its own weights slot."""
+    open_on_device = runner_factory(device, label)
     try:
-        return runner_class(device)(library_path(library), 1)
+        return open_on_device(library_path(library))
     except RuntimeError as exc:
         raise PackageError(f"cannot open the AOTInductor library of {label}: {exc}") from exc
+
+
+def runner_factory(device: Device, label: str) -> Callable[[str], Any]:
+    """How to open a library for ``device``; ``DelegateInitError`` where this machine cannot run it."""
+    runners = torch._C._aoti
+    if device.type is DeviceType.CPU:
+        return lambda path: runners.AOTIModelContainerRunnerCpu(path, 1)
+    if device.type is DeviceType.CUDA:
+        if not hasattr(runners, "AOTIModelContainerRunnerCuda") or not torch.cuda.is_available():
+            raise DelegateInitError(f"{label} runs on {device}, but this machine's torch has no CUDA device")
+        if device.index >= torch.cuda.device_count():
+            raise DelegateInitError(
+                f"{label} runs on {device}, but this machine has {torch.cuda.device_count()} CUDA device(s)"
+            )
+        return lambda path: runners.AOTIModelContainerRunnerCuda(path, 1, str(device))
+    if not hasattr(runners, "AOTIModelContainerRunnerMps") or not torch.backends.mps.is_available():
+        raise DelegateInitError(f"{label} runs on {device}, but this machine's torch has no MPS device")
+    return lambda path: runners.AOTIModelContainerRunnerMps(path, 1)
 
 
 _LIBRARY_PATHS: dict[str, str] = {}
@@ -62,14 +83,8 @@ def private_directory() -> str:
     return directory
 
 
-def runner_class(device: str) -> type:
-    if device == "cpu":
-        return torch._C._aoti.AOTIModelContainerRunnerCpu
-    raise PackageError(f"no AOTInductor runner for device {device!r} in this build of torch")
-
-
 def bind_constants(
-    runner: torch._C._aoti.AOTIModelContainerRunnerCpu,
+    runner: Any,
     constants_by_fqn: dict[str, torch.Tensor],
     label: str,
 ) -> dict[str, torch.Tensor]:

@@ -1,0 +1,91 @@
+"""The AOTInductor CUDA backend: partitions compiled to Triton kernels in a shared library.
+
+Compile specs beyond the shared ones (see ``AotiBackend``):
+
+- ``autotune``: ``ON`` (the default) or ``OFF``. ON benchmarks GEMM and convolution choices
+  while compiling: slower to build, faster to run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from ...errors import CompileSpecError
+from ...specs import CompileSpec, compile_spec_value
+from .backend import AotiBackend
+from .partitioner import AotiPartitioner
+
+AUTOTUNE_SPEC = "autotune"
+
+aten = torch.ops.aten
+
+
+class CudaBackend(AotiBackend):
+    backend_id = "aoti_cuda"
+    device_name = "cuda"
+
+    def decomposition_table(self) -> dict[Any, Callable[..., Any]]:
+        # Inductor's Triton convolution templates are two-dimensional.
+        return {aten.conv1d.default: conv1d_as_conv2d}
+
+    def inductor_options(self, compile_specs: list[CompileSpec]) -> dict[str, Any]:
+        options: dict[str, Any] = {
+            # The cubins go inside the library, which is the one file a delegate carries.
+            "aot_inductor.embed_kernel_binary": True,
+            # Round half-precision intermediates as eager does, so results match it closely.
+            "emulate_precision_casts": True,
+            "max_autotune": autotune_enabled(compile_specs),
+        }
+        if options["max_autotune"]:
+            # ATen's GEMMs are fallback kernels: only a runtime with all of them may pick one.
+            choices = "ATEN,TRITON" if self.fallback_kernels(compile_specs) is None else "TRITON"
+            options["max_autotune_gemm_backends"] = choices
+            options["max_autotune_conv_backends"] = choices
+        return options
+
+
+def autotune_enabled(compile_specs: list[CompileSpec]) -> bool:
+    """The ``autotune`` compile spec: ``ON`` (default) or ``OFF``, in any case; anything else raises."""
+    value = compile_spec_value(compile_specs, AUTOTUNE_SPEC)
+    if value is None:
+        return True
+    setting = value.decode(errors="replace").strip().upper()
+    if setting not in ("ON", "OFF"):
+        raise CompileSpecError(f"compile spec {AUTOTUNE_SPEC!r} must be ON or OFF, got {value!r}")
+    return setting == "ON"
+
+
+def conv1d_as_conv2d(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    stride: Sequence[int] = (1,),
+    padding: Sequence[int] = (0,),
+    dilation: Sequence[int] = (1,),
+    groups: int = 1,
+) -> torch.Tensor:
+    """``conv1d`` as a ``conv2d`` over a height of one, for batched and unbatched inputs alike."""
+    output = aten.conv2d.default(
+        input.unsqueeze(-2),
+        weight.unsqueeze(-2),
+        bias,
+        [1, stride[0]],
+        [0, padding[0]],
+        [1, dilation[0]],
+        groups,
+    )
+    return output.squeeze(-2)
+
+
+class CudaPartitioner(AotiPartitioner):
+    """Claims what AOTInductor compiles for a CUDA GPU; ``target_device`` defaults to ``cuda:0``.
+
+    Example::
+
+        partitioner = CudaPartitioner(compile_specs=[CompileSpec("target_device", b"cuda:1")])
+    """
+
+    backend: ClassVar[type[AotiBackend]] = CudaBackend
