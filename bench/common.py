@@ -34,11 +34,23 @@ def build_aotstack(model: torch.nn.Module, args: tuple[Any, ...], path: str, exc
 
 
 def build_lowered(
-    model: torch.nn.Module, args: tuple[Any, ...], path: str, partitioners: Sequence[aotstack.Partitioner]
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    path: str,
+    partitioners: Sequence[aotstack.Partitioner],
+    keep_on_device: bool = False,
 ) -> list[aotstack.Delegate]:
-    """Lower ``model.forward`` with ``partitioners`` in order, save it to ``path``; its delegates."""
+    """Lower ``model.forward`` with ``partitioners`` in order, save it to ``path``; its delegates.
+
+    ``keep_on_device``: the method takes and returns tensors on its delegates' device.
+    """
     program = aotstack.export(model, {"forward": args})
-    lowered = aotstack.lower(program, list(partitioners))
+    lowered = aotstack.lower(
+        program,
+        list(partitioners),
+        skip_h2d_for_method_inputs=keep_on_device,
+        skip_d2h_for_method_outputs=keep_on_device,
+    )
     lowered.save(path)
     return lowered.delegates("forward")
 

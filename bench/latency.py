@@ -4,7 +4,11 @@ Every variant is timed call by call (``time.perf_counter_ns``), round-robin (one
 round, in a shuffled order) in one process, so the ratios compare like with like; the absolute figures
 depend on the machine. Nothing is asserted.
 
-    .venv/bin/python bench/latency.py [--calls 2000] [--warmup 100] [--threads 1]
+    .venv/bin/python bench/latency.py [--calls 2000] [--warmup 100] [--threads 1] [--device cpu|cuda]
+
+On ``--device cuda`` the package is lowered with ``CudaPartitioner`` (autotuning off, as for the raw
+AOTInductor baseline) and takes and returns GPU tensors; each timed call ends with
+``torch.cuda.synchronize()``, so a figure is a call's latency, not its launch time.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import aotstack
 from aotstack.demo import DEMO_EXCLUDED_OPS, demo_model
 from common import (
     build_aotstack,
+    build_lowered,
     build_raw_aoti,
     median,
     parsed_round_robin_args,
@@ -83,44 +88,72 @@ def eager_call(model: torch.nn.Module, args: tuple[Any, ...]) -> Callable[[], An
     return call
 
 
+def synchronized(call: Callable[[], Any], device: str) -> Callable[[], Any]:
+    """``call``, finished on the GPU before it returns, where ``device`` is one."""
+    if device == "cpu":
+        return call
+
+    def finished() -> Any:
+        result = call()
+        torch.cuda.synchronize()
+        return result
+
+    return finished
+
+
 def aotstack_variant(
-    name: str, model: torch.nn.Module, args: tuple[Any, ...], path: str, exclude_ops: list[str]
+    name: str, model: torch.nn.Module, args: tuple[Any, ...], path: str, exclude_ops: list[str], device: str
 ) -> Variant:
-    delegates = build_aotstack(model, args, path, exclude_ops)
+    if device == "cpu":
+        delegates = build_aotstack(model, args, path, exclude_ops)
+    else:
+        # Exported on the host as usual; the package takes and returns GPU tensors.
+        quick = aotstack.CompileSpec("autotune", b"OFF")
+        partitioner = aotstack.CudaPartitioner(exclude_ops, [quick])
+        delegates = len(build_lowered(model, args, path, [partitioner], keep_on_device=True))
     loaded = aotstack.load(path)
-    return Variant(name, lambda: loaded.forward(*args), delegates)
+    on_device = tuple(arg.to(device) for arg in args)
+    return Variant(name, synchronized(lambda: loaded.forward(*on_device), device), delegates)
 
 
-def raw_aoti_variants(model: torch.nn.Module, args: tuple[Any, ...], path: str) -> list[Variant]:
+def raw_aoti_variants(model: torch.nn.Module, args: tuple[Any, ...], path: str, device: str) -> list[Variant]:
     """The package as loaded, and its loader's bare ``run`` (no per-call treespec parsing, no pytree)."""
+    model, args = model.to(device), tuple(arg.to(device) for arg in args)
     build_raw_aoti(model, args, path)
     compiled = torch._inductor.aoti_load_package(path)
     flat = list(args)
     return [
-        Variant(RAW, lambda: compiled(*args)),
-        Variant(RAW_RUNNER, lambda: compiled.loader.run(flat)[0]),
+        Variant(RAW, synchronized(lambda: compiled(*args), device)),
+        Variant(RAW_RUNNER, synchronized(lambda: compiled.loader.run(flat)[0], device)),
     ]
 
 
 def build_variants(
-    label: str, model: torch.nn.Module, args: tuple[Any, ...], exclude_ops: list[str], directory: str
+    label: str, model: torch.nn.Module, args: tuple[Any, ...], exclude_ops: list[str], directory: str, device: str
 ) -> dict[str, Variant]:
     """aotstack as asked, aotstack unsplit (where ops are excluded), raw AOTI (two ways), eager."""
     started = time.perf_counter()
-    variants = [aotstack_variant(AOTSTACK, model, args, os.path.join(directory, f"{label}.pt2"), exclude_ops)]
+    path = os.path.join(directory, f"{label}.pt2")
+    variants = [aotstack_variant(AOTSTACK, model, args, path, exclude_ops, device)]
     if exclude_ops:
-        variants.append(aotstack_variant(UNSPLIT, model, args, os.path.join(directory, f"{label}-unsplit.pt2"), []))
-    variants += raw_aoti_variants(model, args, os.path.join(directory, f"{label}-raw.pt2"))
+        path = os.path.join(directory, f"{label}-unsplit.pt2")
+        variants.append(aotstack_variant(UNSPLIT, model, args, path, [], device))
+    variants += raw_aoti_variants(model, args, os.path.join(directory, f"{label}-raw.pt2"), device)
     packages = len(variants) - 1  # the two raw AOTI variants share one package
     print(f"  compiled {packages} packages in {time.perf_counter() - started:.1f} s", flush=True)
-    variants.append(Variant(EAGER, eager_call(model, args)))
+    on_device = tuple(arg.to(device) for arg in args)
+    variants.append(Variant(EAGER, synchronized(eager_call(model.to(device), on_device), device)))
     return {v.name: v for v in variants}
 
 
 def check_outputs(variants: dict[str, Variant]) -> float:
     """The worst difference from eager over the other variants."""
-    expected = variants[EAGER].call()
-    return max((v.call() - expected).abs().max().item() for v in variants.values())
+    expected = first_output(variants[EAGER].call())
+    return max((first_output(v.call()) - expected).abs().max().item() for v in variants.values())
+
+
+def first_output(result: Any) -> torch.Tensor:
+    return result if isinstance(result, torch.Tensor) else result[0]
 
 
 def measure(variants: list[Variant], calls: int, warmup: int, seed: int = 0) -> None:
@@ -207,23 +240,25 @@ def summarize_split(variants: dict[str, Variant], excluded_op: Variant) -> None:
     )
 
 
-def run_mlp(directory: str, calls: int, warmup: int) -> None:
-    print("\n(a) all-supported MLP 64-256-256-10, batch 8, AotiCpuPartitioner()", flush=True)
+def run_mlp(directory: str, calls: int, warmup: int, device: str) -> None:
+    print(f"\n(a) all-supported MLP 64-256-256-10, batch 8, {partitioner_name(device)}()", flush=True)
     model, args = mlp()
-    variants = build_variants("mlp", model, args, [], directory)
+    variants = build_variants("mlp", model, args, [], directory, device)
     print(f"  worst |variant - eager| = {check_outputs(variants):.2e}")
     measure(list(variants.values()), calls, warmup)
     report(list(variants.values()), variants[RAW], variants[RAW_RUNNER], variants[EAGER])
     summarize_all_supported(variants)
 
 
-def run_demo(directory: str, calls: int, warmup: int) -> None:
-    print(f"\n(b) demo model forward, AotiCpuPartitioner(exclude_ops={DEMO_EXCLUDED_OPS})", flush=True)
+def run_demo(directory: str, calls: int, warmup: int, device: str) -> None:
+    print(f"\n(b) demo model forward, {partitioner_name(device)}(exclude_ops={DEMO_EXCLUDED_OPS})", flush=True)
+    if device != "cpu":
+        print("  the excluded op runs as plain ATen on the host, so its input and output cross to it and back")
     model, args = demo()
-    variants = build_variants("demo", model, args, DEMO_EXCLUDED_OPS, directory)
+    variants = build_variants("demo", model, args, DEMO_EXCLUDED_OPS, directory, device)
     print(f"  worst |variant - eager| = {check_outputs(variants):.2e}")
     # What the split package runs between its delegates, timed on its own in the same rounds.
-    gelu_input = torch.randn(args[0].shape[0], model.proj.out_features)
+    gelu_input = torch.randn(args[0].shape[0], model.proj.out_features)  # on the host, where it runs
     excluded_op = Variant("aten.gelu alone (4x64)", lambda: torch.ops.aten.gelu.default(gelu_input))
     timed = [*variants.values(), excluded_op]
     measure(timed, calls, warmup)
@@ -234,7 +269,15 @@ def run_demo(directory: str, calls: int, warmup: int) -> None:
 def parse_args() -> argparse.Namespace:
     parser = round_robin_parser(__doc__)
     parser.add_argument("--model", choices=["mlp", "demo", "both"], default="both")
-    return parsed_round_robin_args(parser)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    args = parsed_round_robin_args(parser)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU, and this machine has none")
+    return args
+
+
+def partitioner_name(device: str) -> str:
+    return "AotiCpuPartitioner" if device == "cpu" else "CudaPartitioner"
 
 
 def main() -> None:
@@ -242,13 +285,15 @@ def main() -> None:
     quiet_known_warnings()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, aotstack {aotstack.__version__}, torch.get_num_threads() = {args.threads}")
+    if args.device == "cuda":
+        print(f"device: {torch.cuda.get_device_name()}")
     print(f"{args.calls} timed rounds after {args.warmup} warm-up rounds; one call per variant per round, shuffled")
     with tempfile.TemporaryDirectory(prefix="aotstack-bench-") as directory:
         use_private_aotstack_cache(directory)
         if args.model in ("mlp", "both"):
-            run_mlp(directory, args.calls, args.warmup)
+            run_mlp(directory, args.calls, args.warmup, args.device)
         if args.model in ("demo", "both"):
-            run_demo(directory, args.calls, args.warmup)
+            run_demo(directory, args.calls, args.warmup, args.device)
 
 
 if __name__ == "__main__":

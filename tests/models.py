@@ -139,6 +139,37 @@ class BufferModel(torch.nn.Module):
         return torch.relu(shifted) + self.running
 
 
+class MedianModel(torch.nn.Module):
+    """A linear layer whose result also feeds ``median``, which needs a fallback kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = torch.relu(self.linear(x))
+        return hidden * 2, torch.median(hidden)
+
+
+class AttentionModel(torch.nn.Module):
+    """Convolutions (2-D and 1-D), linear layers, attention, and ``median`` for plain ATen."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv2d = torch.nn.Conv2d(3, 4, kernel_size=3, padding=1)
+        self.conv1d = torch.nn.Conv1d(4, 8, kernel_size=3, padding=1)
+        self.qkv = torch.nn.Linear(8, 24)
+        self.out = torch.nn.Linear(8, 8)
+
+    def forward(self, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = torch.relu(self.conv2d(image)).flatten(2)  # (N, 4, 64)
+        tokens = self.conv1d(features).transpose(1, 2)  # (N, 64, 8)
+        q, k, v = self.qkv(tokens).reshape(tokens.shape[0], tokens.shape[1], 3, 2, 4).permute(2, 0, 3, 1, 4)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        result = self.out(attended.transpose(1, 2).flatten(2)) + tokens
+        return result, torch.median(result)
+
+
 MODELS = {
     "add": (AddModel, [(4, 5), (4, 5)]),
     "conv": (ConvModel, [(2, 3, 8, 8)]),
@@ -152,6 +183,8 @@ MODELS = {
     "island": (IslandModel, [(2, 8)]),
     "shared_weight": (SharedWeightModel, [(64, 64)]),
     "buffer": (BufferModel, [(2, 6)]),
+    "median": (MedianModel, [(3, 8)]),
+    "attention": (AttentionModel, [(2, 3, 8, 8)]),
 }
 
 

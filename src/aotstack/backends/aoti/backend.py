@@ -123,7 +123,8 @@ class AotiBackend(Backend):
         Where this machine lacks the target device, the op is probed on the host instead, which
         can differ where Inductor lowers an op differently per device; the compile re-checks.
         """
-        device = probe_device(self.target_device(compile_specs))
+        target = self.target_device(compile_specs)
+        device = target if device_available(target) else HOST
         steps = self.compile_steps(compile_specs, device)
         key = (self.backend_id, str(device), repr(sorted(steps.options.items())), signature_key(node))
         if key not in _PROBED:
@@ -137,6 +138,12 @@ class AotiBackend(Backend):
     ) -> PreprocessResult:
         label = partition_label(self.backend_id, compile_specs)
         self.validate_compile_specs(compile_specs)
+        device = self.target_device(compile_specs)
+        if not device_available(device):
+            raise LoweringError(
+                f"{label} compiles for {device}, which this machine lacks; "
+                "AOTInductor builds device code on the device itself"
+            )
         allowed = self.fallback_kernels(compile_specs)
         compiled = compile_partition(
             exported_program,
@@ -185,13 +192,13 @@ class AotiBackend(Backend):
 _PROBED: dict[tuple[str, ...], frozenset[str]] = {}
 
 
-def probe_device(target: Device) -> Device:
-    """``target`` if this machine has it, else the host."""
-    if target.type is DeviceType.CUDA and torch.cuda.is_available() and target.index < torch.cuda.device_count():
-        return target
-    if target.type is DeviceType.MPS and torch.backends.mps.is_available():
-        return target
-    return HOST
+def device_available(device: Device) -> bool:
+    """Whether this machine has ``device``."""
+    if device.type is DeviceType.CUDA:
+        return torch.cuda.is_available() and device.index < torch.cuda.device_count()
+    if device.type is DeviceType.MPS:
+        return torch.backends.mps.is_available()
+    return True
 
 
 def user_input_nodes(exported_program: ExportedProgram) -> list[torch.fx.Node]:

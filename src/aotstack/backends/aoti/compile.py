@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.passes import move_to_device_pass
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ... import __version__
@@ -118,6 +117,8 @@ def on_device(device: Device) -> contextlib.AbstractContextManager[Any]:
 
 def prepared_program(exported_program: ExportedProgram, steps: CompileSteps) -> ExportedProgram:
     """The partition on the target device, after the backend's passes and decompositions."""
+    from torch.export.passes import move_to_device_pass
+
     program = exported_program
     if steps.device != HOST:
         program = move_to_device_pass(program, str(steps.device))

@@ -19,7 +19,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
-from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
 from torch.export import ExportedProgram
 from torch.fx import Graph, GraphModule, Node
 from torch.utils import _pytree as pytree
@@ -84,15 +83,17 @@ def kernel_list_spec(kernels: Iterable[str]) -> bytes:
 @contextlib.contextmanager
 def recorded_fallback_kernels() -> Iterator[set[str]]:
     """Record, as op names, every fallback kernel Inductor's C++ wrapper calls while this is open."""
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+
     kernels: set[str] = set()
     shim_call = CppWrapperCpu.generate_c_shim_extern_kernel_call
     lookup_call = CppWrapperCpu.generate_fallback_kernel_with_runtime_lookup_aot
 
-    def recording_shim_call(self: CppWrapperCpu, kernel: str, *args: Any, **kwargs: Any) -> Any:
+    def recording_shim_call(self: Any, kernel: str, *args: Any, **kwargs: Any) -> Any:
         kernels.add(kernel_op_name(kernel))
         return shim_call(self, kernel, *args, **kwargs)
 
-    def recording_lookup_call(self: CppWrapperCpu, op: Any, *args: Any, **kwargs: Any) -> Any:
+    def recording_lookup_call(self: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
         kernels.add(op_name(op) if isinstance(op, torch._ops.OperatorBase) else str(op))
         return lookup_call(self, op, *args, **kwargs)
 

@@ -1,0 +1,152 @@
+"""The graph passes and decompositions the AOTInductor backends run before compiling (no compiles)."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from torch.fx import Graph, GraphModule
+
+import aotstack
+from aotstack.backends.aoti.cuda import conv1d_as_conv2d
+from aotstack.backends.aoti.metal import LinearAsMatmulPass
+
+aten = torch.ops.aten
+
+
+def targets(graph_module: GraphModule) -> list:
+    return [node.target for node in graph_module.graph.nodes if node.op == "call_function"]
+
+
+def one_copy_graph(copy_op, args, then=None) -> GraphModule:
+    """``copy_op(x, *args)``, optionally followed by ``then(result)``, returned."""
+    graph = Graph()
+    x = graph.placeholder("x")
+    result = graph.call_function(copy_op, (x, *args))
+    if copy_op is aten.split_copy.Tensor:
+        result = graph.call_function(operator.getitem, (result, 0))
+    if then is not None:
+        result = then(graph, result)
+    graph.output(graph.call_function(aten.mul.Tensor, (result, 2)) if then is None else result)
+    return GraphModule(torch.nn.Module(), graph)
+
+
+@pytest.mark.parametrize(
+    ("copy_op", "args", "view_op"),
+    [
+        (aten.slice_copy.Tensor, (1, 1, 3), aten.slice.Tensor),
+        (aten.select_copy.int, (0, 1), aten.select.int),
+        (aten.split_copy.Tensor, (2, 1), aten.split.Tensor),
+    ],
+)
+def test_view_copy_pass_turns_each_copy_into_its_view(copy_op, args, view_op):
+    module = one_copy_graph(copy_op, args)
+    x = torch.randn(4, 5)
+    expected = module(x)
+
+    assert aotstack.ReplaceViewCopyWithViewPass()(module) is True
+
+    assert view_op in targets(module) and copy_op not in targets(module)
+    torch.testing.assert_close(module(x), expected)
+
+
+def test_view_copy_pass_keeps_a_copy_whose_result_is_mutated_in_place():
+    module = one_copy_graph(
+        aten.slice_copy.Tensor, (1, 1, 3), then=lambda g, r: g.call_function(aten.add_.Tensor, (r, 1))
+    )
+
+    assert aotstack.ReplaceViewCopyWithViewPass()(module) is False
+    assert aten.slice_copy.Tensor in targets(module)
+
+
+def test_view_copy_pass_keeps_a_copy_whose_result_is_viewed():
+    module = one_copy_graph(
+        aten.select_copy.int, (0, 1), then=lambda g, r: g.call_function(aten.unsqueeze.default, (r, 0))
+    )
+
+    assert aotstack.ReplaceViewCopyWithViewPass()(module) is False
+    assert aten.select_copy.int in targets(module)
+
+
+def test_view_copy_pass_keeps_a_split_whose_piece_is_mutated():
+    module = one_copy_graph(
+        aten.split_copy.Tensor, (2, 1), then=lambda g, r: g.call_function(aten.mul_.Tensor, (r, 3))
+    )
+
+    assert aotstack.ReplaceViewCopyWithViewPass()(module) is False
+    assert aten.split_copy.Tensor in targets(module)
+
+
+def test_view_copy_pass_keeps_a_copy_returned_from_the_partition():
+    graph = Graph()
+    graph.output(graph.call_function(aten.slice_copy.Tensor, (graph.placeholder("x"), 0, 0, 2)))
+    module = GraphModule(torch.nn.Module(), graph)
+
+    assert aotstack.ReplaceViewCopyWithViewPass()(module) is False
+
+
+class TwoLinears(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.flat = torch.nn.Linear(8, 6)
+        self.batched = torch.nn.Linear(6, 4, bias=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.flat(x), self.batched(y)
+
+
+def test_metal_linear_pass_rewrites_linear_as_matmul_and_keeps_the_numbers():
+    model = TwoLinears().eval()
+    x, y = torch.randn(3, 8), torch.randn(2, 5, 6)
+    exported = aotstack.export(model, {"forward": (x, y)}).methods["forward"]
+    module = exported.graph_module
+
+    assert LinearAsMatmulPass()(module) is True
+    module.recompile()
+
+    ops = targets(module)
+    assert aten.linear.default not in ops and aten.addmm.default not in ops
+    assert ops.count(aten.matmul.default) == 2
+    # The 2-D input goes through a leading dimension of one; the bias-free one has no add.
+    assert ops.count(aten.unsqueeze.default) == 1 and ops.count(aten.squeeze.dims) == 1
+    assert ops.count(aten.add.Tensor) == 1
+    flat = next(n for n in module.graph.nodes if n.target is aten.squeeze.dims)
+    assert tuple(flat.meta["val"].shape) == (3, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(exported.module()(x, y), model(x, y))
+
+
+def test_metal_linear_pass_means_inductor_calls_mm_not_addmm():
+    """Probed on the host (no Mac here): the rewritten linear needs ``mm``, which Metal has."""
+    program = aotstack.export(torch.nn.Linear(8, 6).eval(), {"forward": (torch.randn(3, 8),)})
+    node = next(n for n in program.methods["forward"].graph.nodes if n.target is aten.linear.default)
+
+    metal = aotstack.MetalBackend().needed_fallback_kernels(node, [])
+    cpu = aotstack.AotiCpuBackend().needed_fallback_kernels(node, [])
+
+    assert cpu == {"aten.addmm.out"}
+    assert metal == {"aten.mm.out"}
+
+
+def test_cuda_decomposes_conv1d_into_conv2d_with_the_same_numbers():
+    conv = torch.nn.Conv1d(4, 6, kernel_size=3, stride=2, padding=1, dilation=2).eval()
+    x = torch.randn(2, 4, 17)
+    exported = aotstack.export(conv, {"forward": (x,)}).methods["forward"]
+
+    decomposed = exported.run_decompositions(aotstack.CudaBackend().decomposition_table())
+
+    names = {str(node.target) for node in decomposed.graph.nodes if node.op == "call_function"}
+    assert "aten.conv1d.default" not in names
+    convolutions = [n for n in decomposed.graph.nodes if "conv" in str(n.target)]
+    assert convolutions and all(len(n.meta["val"].shape) == 4 for n in convolutions)
+    with torch.no_grad():
+        torch.testing.assert_close(decomposed.module()(x), conv(x))
+
+
+def test_conv1d_as_conv2d_takes_unbatched_inputs():
+    x, weight, bias = torch.randn(4, 9), torch.randn(6, 2, 3), torch.randn(6)
+
+    got = conv1d_as_conv2d(x, weight, bias, [1], [1], [1], 2)
+
+    torch.testing.assert_close(got, torch.nn.functional.conv1d(x, weight, bias, 1, 1, 1, 2))

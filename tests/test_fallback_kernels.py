@@ -1,0 +1,129 @@
+"""Ops a backend cannot take: an op that needs a fallback kernel the target lacks runs as plain ATen."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import aotstack
+from aotstack import CompileSpec
+from aotstack.backends.aoti.kernels import kernel_op_name
+from tests import models
+from tests.conftest import assert_matches_eager, run_in_fresh_process
+
+ONLY_ADDMM = [CompileSpec("fallback_kernels", b"aten.addmm")]
+
+
+def tags_by_op(partitioner: aotstack.Partitioner, name: str) -> dict[str, str | None]:
+    program = aotstack.export(models.build(name), {"forward": models.example_inputs(name)})
+    tagged = partitioner.partition(program.methods["forward"]).tagged_exported_program
+    return {
+        str(node.target): node.meta.get("delegation_tag")
+        for node in tagged.graph.nodes
+        if isinstance(node.target, torch._ops.OpOverload)
+    }
+
+
+@pytest.mark.parametrize(
+    ("kernel", "op"),
+    [
+        ("aoti_torch_cpu_addmm_out", "aten.addmm.out"),
+        ("aoti_torch_cuda_convolution", "aten.convolution.default"),
+        ("at::_ops::sort_stable::call", "aten.sort.stable"),
+        (
+            "aoti_torch_mps__scaled_dot_product_attention_math_for_mps",
+            "aten._scaled_dot_product_attention_math_for_mps.default",
+        ),
+        ("aoti_torch_cpu_no_such_kernel", "aoti_torch_cpu_no_such_kernel"),
+    ],
+)
+def test_inductor_kernel_calls_are_named_as_aten_ops(kernel, op):
+    assert kernel_op_name(kernel) == op
+
+
+def test_an_op_needing_a_missing_kernel_is_left_to_plain_aten():
+    tags = tags_by_op(aotstack.AotiCpuPartitioner(compile_specs=ONLY_ADDMM), "median")
+
+    assert tags["aten.median.default"] is None
+    assert tags["aten.linear.default"] == tags["aten.relu.default"] == tags["aten.mul.Tensor"] == "aoti_cpu_0"
+
+
+def test_by_default_the_cpu_backend_takes_every_kernel():
+    tags = tags_by_op(aotstack.AotiCpuPartitioner(), "median")
+
+    assert set(tags.values()) == {"aoti_cpu_0"}
+
+
+def test_strict_names_the_method_and_every_missing_kernel():
+    program = aotstack.export(models.build("median"), {"forward": models.example_inputs("median")})
+    partitioner = aotstack.AotiCpuPartitioner(compile_specs=[CompileSpec("fallback_kernels", b"")], strict=True)
+
+    with pytest.raises(aotstack.MissingFallbackKernelsError) as raised:
+        aotstack.lower(program, [partitioner])
+
+    assert raised.value.method == "forward"
+    assert raised.value.kernels == {"aten.addmm.out": ["linear"], "aten.median.default": ["median"]}
+    assert "method 'forward'" in str(raised.value) and "aten.median.default (for median)" in str(raised.value)
+
+
+def test_strict_passes_when_every_kernel_is_there():
+    partitioner = aotstack.AotiCpuPartitioner(
+        compile_specs=[CompileSpec("fallback_kernels", b"aten.addmm.out,aten.median")], strict=True
+    )
+
+    assert set(tags_by_op(partitioner, "median").values()) == {"aoti_cpu_0"}
+
+
+def test_non_strict_lowers_around_the_op_and_matches_eager(lowered_with):
+    lowered, path = lowered_with(
+        "median", "aoti_cpu only addmm", lambda: [aotstack.AotiCpuPartitioner(compile_specs=ONLY_ADDMM)]
+    )
+
+    (delegate,) = lowered.delegates("forward")
+    assert "aten.median.default" not in delegate.ops
+    assert_matches_eager(run_in_fresh_process(path, "forward", "median"), "median")
+
+
+def test_the_compile_refuses_a_kernel_the_partitioner_let_through():
+    class Unchecked(aotstack.AotiCpuPartitioner):
+        def missing_kernels(self, node):
+            return frozenset()
+
+    median_of_sum = aotstack.export(MedianOfSum(), {"forward": models.example_inputs("add")})
+
+    with pytest.raises(aotstack.MissingFallbackKernelsError, match="method 'forward'.*aten.median.default"):
+        aotstack.lower(median_of_sum, [Unchecked(compile_specs=ONLY_ADDMM)])
+
+
+class MedianOfSum(torch.nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.median(x + y)
+
+
+def test_metal_claims_linear_conv_and_attention_but_not_median():
+    """Probed on the host, as this machine has no Metal device."""
+    tags = tags_by_op(aotstack.MetalPartitioner(), "attention")
+
+    assert tags["aten.median.default"] is None
+    for op in ("aten.linear.default", "aten.conv2d.default", "aten.conv1d.default",
+               "aten.scaled_dot_product_attention.default"):
+        assert tags[op] == "aoti_metal_0", op
+
+
+def test_a_probe_is_asked_once_per_op_signature(monkeypatch):
+    from aotstack.backends.aoti import backend as aoti_backend
+
+    calls = []
+    real = aoti_backend.generated_fallback_kernels
+    monkeypatch.setattr(aoti_backend, "_PROBED", {})
+    monkeypatch.setattr(
+        aoti_backend, "generated_fallback_kernels", lambda *args: calls.append(1) or real(*args)
+    )
+    partitioner = aotstack.AotiCpuPartitioner(compile_specs=ONLY_ADDMM)
+
+    tags_by_op(partitioner, "median")
+    first = len(calls)
+    tags_by_op(partitioner, "median")
+
+    assert first == 4  # linear, relu, mul, median
+    assert len(calls) == first
