@@ -6,6 +6,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from tests.conftest import ROOT
 
 
@@ -91,3 +94,22 @@ def test_compile_names_a_bad_option_without_a_traceback(tmp_path):
     assert result.returncode == 1
     assert "aotstack: error: min_block_size must be an int >= 1, got 0" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_compile_names_a_bad_device_without_a_traceback(tmp_path):
+    result = aotstack_command("compile", "aotstack.demo:demo_model", "-o", tmp_path / "x.pt2", "--device", "tpu:0")
+
+    assert result.returncode == 1
+    assert "aotstack: error: unknown device type 'tpu' in 'tpu:0'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_compile_for_cuda_without_a_gpu_says_so_and_writes_nothing(tmp_path):
+    output = tmp_path / "x.pt2"
+
+    result = aotstack_command("compile", "aotstack.demo:demo_model", "-o", output, "--device", "cuda:1")
+
+    assert result.returncode == 1
+    assert "compiles for cuda:1, which this machine lacks" in result.stderr
+    assert not output.exists()

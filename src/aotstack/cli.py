@@ -42,6 +42,8 @@ def argument_parser() -> argparse.ArgumentParser:
     compile_ = commands.add_parser("compile", help="export, partition and compile a model into one .pt2")
     compile_.add_argument("target", metavar="MODULE:FUNCTION", help="returns (model, {method: example args})")
     compile_.add_argument("-o", "--output", required=True, metavar="FILE.pt2")
+    compile_.add_argument("--device", default="cpu", metavar="DEVICE",
+                          help="where AOTInductor's parts run: cpu (default), cuda[:N] or mps")
     compile_.add_argument("--exclude-op", action="append", default=[], metavar="OP",
                           help="leave OP (e.g. aten.gelu) out of AOTInductor's parts; repeatable")
     compile_.add_argument("--ort", action="store_true",
@@ -85,14 +87,24 @@ def compile_command(args: argparse.Namespace) -> int:
 
 
 def cli_partitioners(args: argparse.Namespace) -> list[Partitioner]:
-    """ONNX Runtime first when asked for, then AOTInductor for the CPU."""
-    from .backends.aoti import AotiCpuPartitioner
+    """ONNX Runtime first when asked for, then AOTInductor for ``--device``."""
+    from .backends.aoti import AotiCpuPartitioner, CudaPartitioner, MetalPartitioner
     from .backends.ort import OrtPartitioner
+    from .devices import DeviceType, parse_device_spec
+    from .specs import CompileSpec
 
+    device_type, _ = parse_device_spec(args.device)
+    aoti = {DeviceType.CPU: AotiCpuPartitioner, DeviceType.CUDA: CudaPartitioner, DeviceType.MPS: MetalPartitioner}
     partitioners: list[Partitioner] = []
     if args.ort or args.ort_op:
         partitioners.append(OrtPartitioner(ops=args.ort_op or None, min_block_size=args.min_block_size))
-    partitioners.append(AotiCpuPartitioner(exclude_ops=args.exclude_op, min_block_size=args.min_block_size))
+    partitioners.append(
+        aoti[device_type](
+            exclude_ops=args.exclude_op,
+            compile_specs=[CompileSpec("target_device", args.device.encode())],
+            min_block_size=args.min_block_size,
+        )
+    )
     return partitioners
 
 

@@ -8,6 +8,7 @@ options and its graph passes. Concrete backends are final.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
@@ -18,6 +19,7 @@ from torch.fx import Node
 from ...backend import Backend
 from ...devices import HOST, Device, DeviceType
 from ...errors import CompileSpecError, LoweringError, MissingFallbackKernelsError
+from ...op_names import op_name
 from ...specs import CompileSpec, PreprocessResult, compile_spec_value, partition_label
 from ...tensor_data import weights_as_named_data, weights_from_named_data
 from .compile import CompileSteps, KernelCheck, compile_partition, generated_fallback_kernels
@@ -32,6 +34,8 @@ from .passes import GraphPass, ReplaceViewCopyWithViewPass
 from .run import AotiHandle, bind_constants, open_runner, run
 
 LIBRARY_NAME = "model.so"
+
+logger = logging.getLogger("aotstack")
 
 
 class AotiBackend(Backend):
@@ -128,7 +132,11 @@ class AotiBackend(Backend):
         steps = self.compile_steps(compile_specs, device)
         key = (self.backend_id, str(device), repr(sorted(steps.options.items())), signature_key(node))
         if key not in _PROBED:
-            _PROBED[key] = generated_fallback_kernels(single_op_program(node), steps)
+            try:
+                _PROBED[key] = generated_fallback_kernels(single_op_program(node), steps)
+            except Exception as exc:  # an op Inductor cannot compile on its own needs ATen's own kernel
+                logger.info("%s: %s cannot be compiled on its own (%s)", self.backend_id, node.name, exc)
+                _PROBED[key] = frozenset({op_name(node.target)})
         return _PROBED[key]
 
     # Compile side ----------------------------------------------------------------------------
