@@ -143,3 +143,14 @@ def test_lowering_for_cuda_without_a_gpu_says_so():
 def test_concrete_aoti_backends_are_final(backend):
     with pytest.raises(TypeError, match="is final"):
         type("Derived", (backend,), {"backend_id": "derived_" + backend.backend_id})
+
+
+@needs_no_cuda
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="checks the error on a machine without MPS")
+@pytest.mark.parametrize("device", ["cuda:0", "mps"])
+def test_loading_a_gpu_delegate_where_there_is_no_gpu_names_the_device(device):
+    from aotstack.backends.aoti.run import runner_factory
+    from aotstack.devices import Device
+
+    with pytest.raises(aotstack.DelegateInitError, match=f"runs on {Device.parse(device)}, which this machine lacks"):
+        runner_factory(Device.parse(device), "a partition")

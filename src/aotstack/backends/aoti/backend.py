@@ -31,7 +31,7 @@ from .kernels import (
     single_op_program,
 )
 from .passes import GraphPass, ReplaceViewCopyWithViewPass
-from .run import AotiHandle, bind_constants, open_runner, run
+from .run import AotiHandle, bind_constants, device_available, open_runner, run
 
 LIBRARY_NAME = "model.so"
 
@@ -198,15 +198,6 @@ class AotiBackend(Backend):
 
 
 _PROBED: dict[tuple[str, ...], frozenset[str]] = {}
-
-
-def device_available(device: Device) -> bool:
-    """Whether this machine has ``device``."""
-    if device.type is DeviceType.CUDA:
-        return torch.cuda.is_available() and device.index < torch.cuda.device_count()
-    if device.type is DeviceType.MPS:
-        return torch.backends.mps.is_available()
-    return True
 
 
 def user_input_nodes(exported_program: ExportedProgram) -> list[torch.fx.Node]:

@@ -41,20 +41,27 @@ def open_runner(library: bytes, device: Device, label: str) -> Any:
 
 def runner_factory(device: Device, label: str) -> Callable[[str], Any]:
     """How to open a library for ``device``; ``DelegateInitError`` where this machine cannot run it."""
+    if not device_available(device):
+        raise DelegateInitError(f"{label} runs on {device}, which this machine lacks ({visible_devices()})")
     runners = torch._C._aoti
     if device.type is DeviceType.CPU:
         return lambda path: runners.AOTIModelContainerRunnerCpu(path, 1)
     if device.type is DeviceType.CUDA:
-        if not hasattr(runners, "AOTIModelContainerRunnerCuda") or not torch.cuda.is_available():
-            raise DelegateInitError(f"{label} runs on {device}, but this machine's torch has no CUDA device")
-        if device.index >= torch.cuda.device_count():
-            raise DelegateInitError(
-                f"{label} runs on {device}, but this machine has {torch.cuda.device_count()} CUDA device(s)"
-            )
         return lambda path: runners.AOTIModelContainerRunnerCuda(path, 1, str(device))
-    if not hasattr(runners, "AOTIModelContainerRunnerMps") or not torch.backends.mps.is_available():
-        raise DelegateInitError(f"{label} runs on {device}, but this machine's torch has no MPS device")
     return lambda path: runners.AOTIModelContainerRunnerMps(path, 1)
+
+
+def device_available(device: Device) -> bool:
+    """Whether this machine, and this build of torch, has ``device``."""
+    if device.type is DeviceType.CUDA:
+        return torch.cuda.is_available() and device.index < torch.cuda.device_count()
+    if device.type is DeviceType.MPS:
+        return torch.backends.mps.is_available() and device.index == 0
+    return True
+
+
+def visible_devices() -> str:
+    return f"CUDA devices: {torch.cuda.device_count()}, MPS: {'yes' if torch.backends.mps.is_available() else 'no'}"
 
 
 _LIBRARY_PATHS: dict[str, str] = {}
