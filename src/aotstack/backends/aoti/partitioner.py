@@ -51,13 +51,13 @@ class AotiPartitioner(SupportedOpsPartitioner):
         super().__init__(min_block_size=min_block_size, compile_specs=compile_specs)
         self.exclude_ops = frozenset(normalized_op_name(op, "exclude_ops") for op in exclude_ops)
         self.strict = strict
-        self.compiler = self.backend()
+        self.aoti_backend = self.backend()
         # A bad spec is refused here, before any partitioning or compiling.
-        self.compiler.validate_compile_specs(self.compile_specs)
-        self.fallback_kernels = self.compiler.fallback_kernels(self.compile_specs)
+        self.aoti_backend.validate_compile_specs(self.compile_specs)
+        self.fallback_kernels = self.aoti_backend.fallback_kernels(self.compile_specs)
 
     def default_target_device(self) -> str:
-        return str(self.compiler.default_target_device())
+        return str(self.aoti_backend.default_target_device())
 
     def supports_op(self, op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> bool:
         return op.namespace in ("aten", "prims", "higher_order") and not matches_any(op, self.exclude_ops)
@@ -69,7 +69,7 @@ class AotiPartitioner(SupportedOpsPartitioner):
         """The fallback kernels ``node`` would need that the target's runtime lacks."""
         if self.fallback_kernels is None or not isinstance(node.target, torch._ops.OpOverload):
             return frozenset()
-        needed = self.compiler.needed_fallback_kernels(node, self.compile_specs)
+        needed = self.aoti_backend.needed_fallback_kernels(node, self.compile_specs)
         return frozenset(kernel for kernel in needed if not kernel_allowed(kernel, self.fallback_kernels))
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
