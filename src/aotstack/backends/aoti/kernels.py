@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -73,11 +73,6 @@ def parse_kernel_list(value: bytes) -> frozenset[str]:
         return frozenset(normalized_op_name(name, f"compile spec {FALLBACK_KERNELS_SPEC!r}") for name in names)
     except ValueError as exc:
         raise CompileSpecError(str(exc)) from None
-
-
-def kernel_list_spec(kernels: Iterable[str]) -> bytes:
-    """The value of a ``fallback_kernels`` compile spec listing ``kernels``."""
-    return ",".join(sorted(kernels)).encode()
 
 
 @contextlib.contextmanager
