@@ -136,13 +136,16 @@ def run_command(args: argparse.Namespace) -> int:
     names = [args.method] if args.method else loaded.method_names
     for name in names:
         method = loaded.method(name)
-        inputs = [random_input(spec) for spec in manifest["methods"][name]["inputs"]]
+        records = manifest["methods"][name]["inputs"]
+        inputs = [random_argument(record) for record in records]
+        in_spec = torch.utils._pytree.treespec_loads(manifest["methods"][name]["in_spec"])
+        positional, keywords = torch.utils._pytree.tree_unflatten(inputs, in_spec)
         with torch.no_grad():
-            result = method(*inputs)
+            result = method(*positional, **keywords)
             times = []
             for _ in range(args.calls):
                 started = time.perf_counter()
-                method(*inputs)
+                method(*positional, **keywords)
                 times.append(time.perf_counter() - started)
         print(f"{name}({', '.join(describe_tensor(t) for t in inputs)})")
         for path, value in torch.utils._pytree.tree_flatten_with_path(result)[0]:
@@ -152,11 +155,17 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def random_input(spec: dict[str, Any]) -> torch.Tensor:
+def random_argument(record: dict[str, Any]) -> Any:
+    """A random value the input ``record`` accepts; each symbolic size at its smallest."""
     from .tensor_data import dtype_from_name
 
-    dtype = dtype_from_name(spec["dtype"])
-    shape = [1 if d is None else d for d in spec["shape"]]
+    kind = record["kind"]
+    if kind == "none":
+        return None
+    if kind != "tensor":
+        return record["value"] if record["value"] is not None else record.get("min", 1)
+    dtype = dtype_from_name(record["dtype"])
+    shape = [d if isinstance(d, int) else max(1, d["min"]) if isinstance(d, dict) else 1 for d in record["shape"]]
     if dtype.is_floating_point or dtype.is_complex:
         return torch.randn(shape, dtype=dtype)
     if dtype == torch.bool:
@@ -178,7 +187,7 @@ def summary(value: Any) -> str:
 
 def inspect_command(args: argparse.Namespace) -> int:
     from .package import read_manifest
-    from .runtime import shape_text
+    from .inputs import record_text
 
     _, manifest = read_manifest(args.package)
     blobs = manifest["blobs"]
@@ -186,7 +195,7 @@ def inspect_command(args: argparse.Namespace) -> int:
           f"{manifest['format_version']}, written by aotstack {manifest['aotstack_version']} "
           f"with torch {manifest['torch_version']}")
     for name, method in manifest["methods"].items():
-        inputs = ", ".join(f"{i['name']}: {i['dtype']}{shape_text(i['shape'])}" for i in method["inputs"])
+        inputs = ", ".join(record_text(record) for record in method["inputs"])
         weights = sum(blobs[w["blob"]] for w in method["weights"].values())
         print(f"\nmethod {name}({inputs}): {len(method['delegates'])} delegate(s), "
               f"{len(method['weights'])} weight(s) outside delegates ({weights / 1e3:.1f} kB)")

@@ -29,6 +29,12 @@ class Program:
                 raise ExportError(
                     f"method {name!r}: expected a torch.export.ExportedProgram, got {type(program).__name__}"
                 )
+        # A program exported elsewhere (transformers' export wrappers, say) may update its
+        # buffers in place; lowering needs those updates as outputs of a functional graph.
+        self.methods = {
+            name: functional(program) if mutates_in_place(program) else program
+            for name, program in self.methods.items()
+        }
 
 
 def export(
@@ -93,6 +99,15 @@ def functional(exported: ExportedProgram) -> ExportedProgram:
         # torch's TreeSpec warns about its own deprecated LeafSpec while being deep-copied.
         warnings.simplefilter("ignore", FutureWarning)
         return exported.run_decompositions({})
+
+
+def mutates_in_place(exported: ExportedProgram) -> bool:
+    """Whether any op of ``exported``'s graph writes to one of its arguments."""
+    return any(
+        isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable
+        for node in exported.graph.nodes
+        if node.op == "call_function"
+    )
 
 
 def module_calling(model: torch.nn.Module, name: str) -> torch.nn.Module:

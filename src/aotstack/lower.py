@@ -274,10 +274,11 @@ def partition_program(
     sub_constants = {}
     for node in owned:
         fqn = constants[node]
-        if kinds[node.name].kind == InputKind.CONSTANT_TENSOR:
-            sub_constants[fqn] = exported.constants[fqn]
-        else:
+        # Lifted constants and non-persistent buffers live in ``constants``, not the state dict.
+        if fqn in exported.state_dict and kinds[node.name].kind != InputKind.CONSTANT_TENSOR:
             state_dict[fqn] = exported.state_dict[fqn]
+        else:
+            sub_constants[fqn] = exported.constants[fqn]
     signature = ExportGraphSignature(
         input_specs=input_specs,
         output_specs=[

@@ -20,16 +20,17 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
 from . import __version__
-from .errors import PackageError
-from .lower import Delegate, LoweredProgram, TensorSpec
+from .errors import LoweringError, PackageError
+from .lower import Delegate, LoweredProgram
 from .partitioner import program_weights
 from .plan import method_plan
 from .tensor_data import content_key, dtype_name, tensor_bytes
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MANIFEST_PATH = "extra/aotstack_manifest.json"
 BLOB_DIR = "data/aotstack/"
 PROGRAM_PATH = "models/{}.json"
@@ -97,19 +98,65 @@ def method_manifest(
     name: str, program: ExportedProgram, delegates: list[Delegate], store: BlobStore
 ) -> dict[str, Any]:
     call_spec = program.call_spec
-    user_inputs = set(program.graph_signature.user_inputs)
-    input_nodes = [n for n in program.graph.nodes if n.op == "placeholder" and n.name in user_inputs]
     return {
         "program": PROGRAM_PATH.format(name),
-        "inputs": [
-            {"name": node.name, **asdict(TensorSpec.of(node.meta["val"]))} for node in input_nodes
-        ],
+        "inputs": input_records(name, program),
         "plan": method_plan(program),
         "in_spec": pytree.treespec_dumps(call_spec.in_spec),
         "out_spec": pytree.treespec_dumps(call_spec.out_spec),
         "weights": weights_manifest(program_weights(program), store),
         "delegates": [delegate_manifest(delegate, store) for delegate in delegates],
     }
+
+
+def input_records(method: str, program: ExportedProgram) -> list[dict[str, Any]]:
+    """What each user input of ``program`` must be (see ``inputs.py`` for the records)."""
+    placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
+    return [
+        input_record(method, spec.arg.name, placeholders[spec.arg.name].meta.get("val"), program.range_constraints)
+        for spec in program.graph_signature.input_specs
+        if spec.kind == InputKind.USER_INPUT
+    ]
+
+
+def input_record(method: str, name: str, value: Any, ranges: dict[Any, Any]) -> dict[str, Any]:
+    if isinstance(value, torch.Tensor):
+        shape = [dimension_record(d, ranges) for d in value.shape]
+        return {"name": name, "kind": "tensor", "dtype": dtype_name(value.dtype), "shape": shape}
+    if value is None:
+        return {"name": name, "kind": "none"}
+    for kind, python_type, symbolic_type in SCALAR_TYPES:
+        if isinstance(value, python_type):
+            return {"name": name, "kind": kind, "value": value}
+        if isinstance(value, symbolic_type):
+            symbol = dimension_record(value, ranges) if kind == "int" else None
+            return {"name": name, "kind": kind, "value": None, **(symbol or {})}
+    raise LoweringError(
+        f"method {method!r}: input {name!r} is a {type(value).__name__}; a package takes tensors, "
+        "ints, floats, bools and None"
+    )
+
+
+# bool before int: a bool is an int in Python.
+SCALAR_TYPES = (("bool", bool, torch.SymBool), ("int", int, torch.SymInt), ("float", float, torch.SymFloat))
+
+
+def dimension_record(size: Any, ranges: dict[Any, Any]) -> int | dict[str, Any] | None:
+    """A static size, a symbol with its range, or None for an expression of symbols."""
+    if isinstance(size, int):
+        return size
+    expr = size.node.expr
+    if expr.is_number:
+        return int(expr)
+    if not expr.is_symbol or expr not in ranges:
+        return None
+    bounds = ranges[expr]
+    return {"symbol": str(expr), "min": bound_or_none(bounds.lower) or 0, "max": bound_or_none(bounds.upper)}
+
+
+def bound_or_none(bound: Any) -> int | None:
+    """A range bound as an int; None where it is unbounded (sympy's integer infinities are not Integers)."""
+    return int(bound) if getattr(bound, "is_Integer", False) else None
 
 
 def weights_manifest(weights: dict[str, torch.Tensor], store: BlobStore) -> dict[str, dict[str, Any]]:

@@ -8,7 +8,7 @@ run side, the few ops nobody claimed run as plain ATen ops.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +16,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from .backend import Backend, backend_class
-from .errors import InputError, MethodNotFoundError
+from .errors import MethodNotFoundError
+from .inputs import InputCheck
 from .package import PackageContents, read_package
 from .plan import Slot, decoded, resolved_target
 from .specs import CompileSpec
@@ -31,61 +32,6 @@ class LoadedDelegate:
 
     backend: Backend
     handle: Any
-
-
-class InputCheck:
-    """The tensors a method takes, checked before any compiled code sees them."""
-
-    def __init__(self, method: str, inputs: list[dict[str, Any]], in_spec: pytree.TreeSpec) -> None:
-        self.method = method
-        self.names = [spec["name"] for spec in inputs]
-        self.dtypes = [dtype_from_name(spec["dtype"]) for spec in inputs]
-        self.shapes = [tuple(spec["shape"]) for spec in inputs]
-        self.in_spec = in_spec
-        # Plain positional tensors, the usual case, need no pytree walk.
-        self.flat_positional = in_spec == pytree.tree_flatten((tuple(range(len(inputs))), {}))[1]
-
-    def flat_arguments(self, args: tuple[Any, ...]) -> Sequence[Any]:
-        if self.flat_positional:
-            flat = args
-        else:
-            flat, spec = pytree.tree_flatten((args, {}))
-            if spec != self.in_spec:
-                raise InputError(
-                    f"{self.method}(): arguments structured as {spec}, expected {self.in_spec}"
-                )
-        if len(flat) != len(self.names):
-            raise InputError(
-                f"{self.method}() takes {len(self.names)} argument(s) ({', '.join(self.names)}), "
-                f"got {len(flat)}"
-            )
-        for index, value in enumerate(flat):
-            if not isinstance(value, torch.Tensor):
-                raise InputError(
-                    f"{self.method}(): argument {self.names[index]!r} must be a tensor, got {type(value).__name__}"
-                )
-            if value.dtype != self.dtypes[index]:
-                raise InputError(
-                    f"{self.method}(): argument {self.names[index]!r} has dtype {value.dtype}, "
-                    f"expected {self.dtypes[index]}"
-                )
-            if not shape_matches(value.shape, self.shapes[index]):
-                raise InputError(
-                    f"{self.method}(): argument {self.names[index]!r} has shape {list(value.shape)}, "
-                    f"expected {shape_text(self.shapes[index])}"
-                )
-        return flat
-
-
-def shape_matches(shape: torch.Size, expected: tuple[int | None, ...]) -> bool:
-    if len(shape) != len(expected):
-        return False
-    return all(want is None or have == want for have, want in zip(shape, expected))
-
-
-def shape_text(shape: Sequence[int | None]) -> str:
-    """``[4, *, 16]``, a star for each dynamic dimension."""
-    return "[" + ", ".join("*" if d is None else str(d) for d in shape) + "]"
 
 
 class Method:
@@ -111,8 +57,8 @@ class Method:
         self.outputs = [resolver(decoded(value, steps.slots)) for value in plan["outputs"]]
         self.mutations = [(weights[fqn], steps.slots[name]) for fqn, name in plan["mutations"]]
 
-    def __call__(self, *args: Any) -> Any:
-        flat = self.check.flat_arguments(args)
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        flat = self.check.flat_arguments(args, kwargs)
         env = self.template.copy()
         for slot, value in zip(self.user_slots, flat):
             env[slot] = value
@@ -216,9 +162,10 @@ def op_step(target: Callable[..., Any], args: list[Resolver], kwargs: dict[str, 
 class LoadedProgram:
     """A package opened by :func:`load`; each method is callable by name or as an attribute."""
 
-    def __init__(self, path: str, methods: dict[str, Method]) -> None:
+    def __init__(self, path: str, methods: dict[str, Method], state: ProgramState) -> None:
         self.path = path
         self._methods = methods
+        self._state = state
         # Methods become plain attributes, so a call skips __getattr__; names the class uses stay reachable by run().
         for name, method in methods.items():
             if not hasattr(type(self), name) and name not in vars(self):
@@ -236,9 +183,13 @@ class LoadedProgram:
                 f"{self.path} has no method {name!r}; it has: {', '.join(self._methods)}"
             ) from None
 
-    def run(self, method: str, *args: Any) -> Any:
+    def run(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` on ``args``, e.g. ``loaded.run("encode", x)``."""
-        return self.method(method)(*args)
+        return self.method(method)(*args, **kwargs)
+
+    def reset(self) -> None:
+        """Put every buffer the methods update (a KV cache, say) back to its value in the file."""
+        self._state.reset()
 
     def __getattr__(self, name: str) -> Method:
         if name.startswith("_"):
@@ -260,17 +211,43 @@ def load(path: str | os.PathLike[str]) -> LoadedProgram:
     Every blob is checked against its SHA-256 before any shared library is opened.
     """
     contents = read_package(path)
+    state = ProgramState(contents)
     methods = {}
     for name, manifest in contents.manifest["methods"].items():
-        methods[name] = load_method(contents, name, manifest)
-    return LoadedProgram(contents.path, methods)
+        methods[name] = load_method(contents, state, name, manifest)
+    return LoadedProgram(contents.path, methods, state)
 
 
-def load_method(contents: PackageContents, name: str, manifest: dict[str, Any]) -> Method:
-    weights = {
-        fqn: tensor_from_bytes(contents.blobs[meta["blob"]], dtype_from_name(meta["dtype"]), meta["shape"])
-        for fqn, meta in manifest["weights"].items()
-    }
+class ProgramState:
+    """The weights of every method, each held once in memory and shared by the methods that read it.
+
+    A weight is a read-only view of its verified blob. A buffer some method updates gets a
+    writable copy, one per FQN, which every method reads and updates: two methods that share
+    a KV cache share it here too.
+    """
+
+    def __init__(self, contents: PackageContents) -> None:
+        self.blobs = contents.blobs
+        self.mutable: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for method in contents.manifest["methods"].values():
+            for fqn, _ in method["plan"]["mutations"]:
+                if fqn not in self.mutable:
+                    initial = self.weight(method["weights"][fqn])
+                    self.mutable[fqn] = (initial.clone(), initial)
+
+    def weight(self, meta: dict[str, Any]) -> torch.Tensor:
+        return tensor_from_bytes(self.blobs[meta["blob"]], dtype_from_name(meta["dtype"]), meta["shape"])
+
+    def method_weights(self, weights: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
+        return {fqn: self.mutable[fqn][0] if fqn in self.mutable else self.weight(meta) for fqn, meta in weights.items()}
+
+    def reset(self) -> None:
+        for current, initial in self.mutable.values():
+            current.copy_(initial)
+
+
+def load_method(contents: PackageContents, state: ProgramState, name: str, manifest: dict[str, Any]) -> Method:
+    weights = state.method_weights(manifest["weights"])
     delegates = {d["id"]: loaded_delegate(contents, d) for d in manifest["delegates"]}
     check = InputCheck(name, manifest["inputs"], pytree.treespec_loads(manifest["in_spec"]))
     return Method(name, manifest["plan"], weights, delegates, check, pytree.treespec_loads(manifest["out_spec"]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,10 +19,17 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
 
 
 def tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    """A writable tensor holding ``data``, the inverse of :func:`tensor_bytes`."""
+    """A tensor over ``data`` itself, not a copy: the inverse of :func:`tensor_bytes`.
+
+    It must not be written to (``data`` is immutable); ``clone()`` it to get a tensor that may.
+    """
     if not data:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+    with warnings.catch_warnings():
+        # torch warns that the buffer is not writable; nothing writes to it.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(data, dtype=torch.uint8)
+    return flat.view(dtype).reshape(shape)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
+from torch.nn.attention import SDPBackend
 
 from ...backend import Backend
 from ...devices import HOST, Device, DeviceType
@@ -30,7 +31,7 @@ from .kernels import (
     signature_key,
     single_op_program,
 )
-from .passes import GraphPass, ReplaceViewCopyWithViewPass
+from .passes import GraphPass, ReplaceViewCopyWithViewPass, ReplaceViewWithReshapePass
 from .run import AotiHandle, bind_constants, device_available, open_runner, run
 
 LIBRARY_NAME = "model.so"
@@ -71,8 +72,12 @@ class AotiBackend(Backend):
         return {}
 
     def custom_passes(self) -> list[GraphPass]:
-        """Graph passes this target runs after the view-copy pass, before decompositions."""
+        """Graph passes this target runs after the view passes, before decompositions."""
         return []
+
+    def attention_kernels(self) -> list[SDPBackend] | None:
+        """The attention kernels Inductor may pick while compiling; None leaves the choice to it."""
+        return None
 
     # What every AOTI backend shares ----------------------------------------------------------
 
@@ -116,8 +121,9 @@ class AotiBackend(Backend):
             options = {key: value for key, value in options.items() if not key.startswith("max_autotune")}
         return CompileSteps(
             device=self.target_device(compile_specs) if device is None else device,
-            passes=[ReplaceViewCopyWithViewPass(), *self.custom_passes()],
+            passes=[ReplaceViewCopyWithViewPass(), ReplaceViewWithReshapePass(), *self.custom_passes()],
             decompositions=self.decomposition_table(),
+            attention_kernels=self.attention_kernels(),
             options=options,
         )
 

@@ -9,7 +9,7 @@ import os
 import tempfile
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -37,6 +37,8 @@ class CompileSteps:
     passes: list[GraphPass]
     decompositions: dict[Any, Callable[..., Any]]
     options: dict[str, Any]
+    # None: Inductor picks attention kernels as plain AOTInductor does.
+    attention_kernels: list[SDPBackend] | None = None
 
 
 @dataclass
@@ -68,19 +70,19 @@ def compile_partition(
     if library is not None:
         logger.info("  %s: reusing the library from the compile cache", label)
     else:
-        library = compiled_library(program, steps.device, options, label, kernel_check)
+        library = compiled_library(program, replace(steps, options=options), label, kernel_check)
         store_library(key, library)
     return CompiledPartition(library=library, constants=constants)
 
 
 def compiled_library(
-    program: ExportedProgram, device: Device, options: dict[str, Any], label: str, kernel_check: KernelCheck | None
+    program: ExportedProgram, steps: CompileSteps, label: str, kernel_check: KernelCheck | None
 ) -> bytes:
     with tempfile.TemporaryDirectory(prefix="aotstack-aoti-") as workdir:
         package_path = os.path.join(workdir, "partition.pt2")
         with recorded_fallback_kernels() as kernels:
             try:
-                aoti_package(program, package_path, device, options)
+                aoti_package(program, package_path, steps)
             except Exception as exc:
                 raise LoweringError(f"AOTInductor failed to compile {label}: {exc}") from exc
         if kernel_check is not None:
@@ -95,17 +97,17 @@ def generated_fallback_kernels(exported_program: ExportedProgram, steps: Compile
     with tempfile.TemporaryDirectory(prefix="aotstack-probe-") as workdir:
         with recorded_fallback_kernels() as kernels, stopped_before_cpp_compile():
             try:
-                aoti_package(program, os.path.join(workdir, "probe.pt2"), steps.device, options)
+                aoti_package(program, os.path.join(workdir, "probe.pt2"), replace(steps, options=options))
             except Exception as exc:
                 if not stopped_by_probe(exc):
                     raise
     return frozenset(kernels)
 
 
-def aoti_package(program: ExportedProgram, package_path: str, device: Device, options: dict[str, Any]) -> None:
-    # Inductor's SDPA lowering needs the math backend to trace a decomposable graph.
-    with torch.no_grad(), sdpa_kernel([SDPBackend.MATH]), on_device(device):
-        torch._inductor.aoti_compile_and_package(program, package_path=package_path, inductor_configs=options)
+def aoti_package(program: ExportedProgram, package_path: str, steps: CompileSteps) -> None:
+    kernels = contextlib.nullcontext() if steps.attention_kernels is None else sdpa_kernel(steps.attention_kernels)
+    with torch.no_grad(), kernels, on_device(steps.device):
+        torch._inductor.aoti_compile_and_package(program, package_path=package_path, inductor_configs=steps.options)
 
 
 def on_device(device: Device) -> contextlib.AbstractContextManager[Any]:

@@ -10,6 +10,7 @@ from typing import ClassVar
 
 import torch
 from torch.fx import GraphModule
+from torch.nn.attention import SDPBackend
 
 from .backend import AotiBackend
 from .partitioner import AotiPartitioner
@@ -32,6 +33,10 @@ class MetalBackend(AotiBackend):
 
     def custom_passes(self) -> list[GraphPass]:
         return [LinearAsMatmulPass()]
+
+    def attention_kernels(self) -> list[SDPBackend]:
+        # The math kernel is the attention ExecuTorch's Metal runtime implements.
+        return [SDPBackend.MATH]
 
 
 class LinearAsMatmulPass:
