@@ -42,6 +42,7 @@ def export(
     methods: Mapping[str, tuple[Any, ...]],
     *,
     dynamic_shapes: Mapping[str, Any] | None = None,
+    strict: bool = False,
 ) -> Program:
     """Export each named method of ``model`` with its example arguments.
 
@@ -50,7 +51,9 @@ def export(
         program = aotstack.export(model, {"forward": (x,), "encode": (x,)})
 
     ``dynamic_shapes`` maps a method name to the ``dynamic_shapes`` argument of
-    ``torch.export.export`` for that method.
+    ``torch.export.export`` for that method. ``strict=True`` traces with TorchDynamo, which a
+    module needs when it updates tensors it holds outside its registered buffers (transformers'
+    ``StaticCache`` does).
     """
     if not methods:
         raise ExportError("export needs at least one method, e.g. {'forward': (x,)}")
@@ -60,14 +63,14 @@ def export(
         raise ExportError(f"dynamic_shapes names methods that are not exported: {sorted(unknown)}")
     return Program(
         {
-            name: export_method(model, name, args, dynamic_shapes.get(name))
+            name: export_method(model, name, args, dynamic_shapes.get(name), strict)
             for name, args in methods.items()
         }
     )
 
 
 def export_method(
-    model: torch.nn.Module, name: str, args: tuple[Any, ...], dynamic_shapes: Any
+    model: torch.nn.Module, name: str, args: tuple[Any, ...], dynamic_shapes: Any, strict: bool = False
 ) -> ExportedProgram:
     method = getattr(model, name, None)
     if not isinstance(method, types.MethodType):
@@ -83,8 +86,10 @@ def export_method(
         raise ExportError(f"method {name!r}: example arguments must be a tuple, got {type(args).__name__}")
     module = model if name == "forward" else module_calling(model, name)
     try:
-        exported = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=False)
-        return functional(exported)
+        # An inference program: a buffer updated from a weight (a KV cache) must not ask for gradients.
+        with torch.no_grad():
+            exported = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=strict)
+            return functional(exported)
     except Exception as exc:
         raise ExportError(f"torch.export failed for method {name!r}: {exc}") from exc
 

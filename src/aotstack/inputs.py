@@ -91,7 +91,9 @@ def call_shape(in_spec: pytree.TreeSpec) -> tuple[int, list[str]]:
     """How many positional arguments a method takes, and its keyword arguments in order."""
     if in_spec.num_children != 2:
         return 0, []
-    positional, keywords = in_spec.children_specs
+    # torch 2.13 deprecates ``children_specs`` for ``children()``, which older releases lack.
+    children = in_spec.children() if callable(getattr(in_spec, "children", None)) else in_spec.children_specs
+    positional, keywords = children
     names = list(keywords.context) if keywords.type is dict else []
     return positional.num_children, names
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import heapq
 import logging
@@ -12,6 +13,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch._guards import detect_fake_mode
 from torch.export import ExportedProgram
 from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
 from torch.export.graph_signature import (
@@ -32,7 +34,13 @@ from .devices import propagate_device_pass
 from .errors import LoweringError, MissingFallbackKernelsError
 from .export import Program
 from .op_names import op_name
-from .partitioner import DELEGATION_TAG, Partitioner, constant_placeholders, mutated_buffer_names
+from .partitioner import (
+    DELEGATION_TAG,
+    Partitioner,
+    constant_placeholders,
+    is_size_computation,
+    mutated_buffer_names,
+)
 from .specs import CompileSpec, DelegationSpec, compile_spec_value
 from .tensor_data import dtype_name
 
@@ -171,6 +179,7 @@ def lower_method(
             delegate_id = f"{name}.{first_id + len(delegates)}"
             delegates.append(delegate_partition(working, name, tag, spec, delegate_id))
         clear_tags(working.graph)
+        drop_unused_size_computations(working.graph)
         working = without_unused_constants(working, read_before)
     return working, delegates
 
@@ -239,12 +248,20 @@ def partition_program(
 
     Returns it with the outer nodes that feed it at run time and the outer nodes it produces.
     """
-    members = set(nodes)
-    operands = list(dict.fromkeys(arg for n in nodes for arg in n.all_input_nodes if arg not in members))
+    body = with_size_computations(exported.graph, nodes)
+    members = set(body)
+    operands = list(dict.fromkeys(arg for n in body for arg in n.all_input_nodes if arg not in members))
     # Branches and loop bodies travel with their control-flow op; they are code, not inputs.
     subgraphs = [n for n in operands if n.op == "get_attr"]
     inputs = [n for n in operands if n.op != "get_attr"]
-    outputs = [n for n in nodes if any(user not in members for user in n.users)]
+    claimed = set(nodes)
+    outputs = [n for n in nodes if any(user not in claimed for user in n.users)]
+    for node in inputs:
+        if not isinstance(node.meta.get("val"), torch.Tensor):
+            raise LoweringError(
+                f"partition input {node.name!r} is a {type(node.meta.get('val')).__name__}, not a tensor; "
+                "a delegate takes tensors only"
+            )
     for node in outputs:
         if not isinstance(node.meta.get("val"), torch.Tensor):
             raise LoweringError(f"partition output {node.name!r} is not a tensor")
@@ -263,10 +280,13 @@ def partition_program(
         env[node] = placeholder
         # A mutated buffer is fed at run time like a user input; its state stays in the method.
         fqn = constants[node] if node in owned else None
+        if fqn is None:
+            placeholder.meta["val"] = contiguous_like(node.meta["val"])
         input_specs.append(input_spec_for(exported, node, placeholder.name, fqn))
-    for node in subgraphs + nodes:
+    for node in subgraphs + body:
         env[node] = graph.node_copy(node, lambda n: env[n])
     graph.output(tuple(env[n] for n in outputs))
+    views_as_reshapes(graph)
 
     module = GraphModule(exported.graph_module, graph)
     kinds = {spec.arg.name: spec for spec in exported.graph_signature.input_specs}
@@ -305,6 +325,36 @@ def partition_program(
     return sub_program, user_inputs, outputs
 
 
+def with_size_computations(graph: Graph, nodes: list[Node]) -> list[Node]:
+    """``nodes`` and the size computations they read, in graph order.
+
+    A delegate takes tensors only; with dynamic shapes, a partition reads sizes (``sym_size``
+    and arithmetic on it) that the method computes. The partition recomputes them from the
+    tensors they come from, which become its inputs instead.
+    """
+    members = set(nodes)
+    pending = [arg for node in nodes for arg in node.all_input_nodes]
+    while pending:
+        node = pending.pop()
+        if node not in members and is_size_computation(node):
+            members.add(node)
+            pending.extend(node.all_input_nodes)
+    return [node for node in graph.nodes if node in members]
+
+
+def views_as_reshapes(graph: Graph) -> None:
+    """Turn each ``view`` into ``reshape``: a view wherever the layout allows it, a copy elsewhere.
+
+    An exported ``view`` is valid for the layout its input had at export. A backend traces the
+    partition again and may pick another kernel whose output has another layout (attention's
+    output, transposed and flattened, is the common case), where the ``view`` would fail. A
+    partition is functional, so nothing can tell whether the result aliases its input.
+    """
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.view.default:
+            node.target = torch.ops.aten.reshape.default
+
+
 def input_spec_for(exported: ExportedProgram, node: Node, name: str, fqn: str | None) -> InputSpec:
     """The spec of partition input ``name``, fed by outer ``node`` (a weight when ``fqn`` is set)."""
     if fqn is None:
@@ -313,11 +363,22 @@ def input_spec_for(exported: ExportedProgram, node: Node, name: str, fqn: str | 
     return InputSpec(outer.kind, TensorArgument(name), fqn, outer.persistent)
 
 
+def contiguous_like(value: torch.Tensor) -> torch.Tensor:
+    """A fake tensor of ``value``'s shape, dtype and device, laid out contiguously.
+
+    A delegate is compiled for contiguous inputs whatever layout the exported graph gave them:
+    with a dynamic size, a compiled kernel's strides are expressions of the sizes, and only a
+    contiguous layout is one every producer (another engine, a plain ATen op) can be asked for.
+    """
+    fake_mode = detect_fake_mode([value])
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        return torch.empty(value.shape, dtype=value.dtype, device=value.device)
+
+
 def example_tensor(value: torch.Tensor) -> torch.Tensor:
-    """A real tensor shaped like a fake one (size hints stand in for dynamic dimensions)."""
+    """A real, contiguous tensor shaped like a fake one (size hints stand in for dynamic dimensions)."""
     shape = [int(d) if isinstance(d, int) else d.node.hint for d in value.shape]
-    stride = [int(s) if isinstance(s, int) else s.node.hint for s in value.stride()]
-    return torch.empty_strided(shape, stride, dtype=value.dtype).zero_()
+    return torch.zeros(shape, dtype=value.dtype)
 
 
 def splice_delegate_call(
@@ -362,6 +423,13 @@ def restore_topological_order(graph: Graph) -> None:
     for previous, node in zip(order, order[1:]):
         if previous.next is not node:
             previous.append(node)
+
+
+def drop_unused_size_computations(graph: Graph) -> None:
+    """Remove the sizes only delegates read: each delegate now computes its own."""
+    for node in reversed(list(graph.nodes)):
+        if is_size_computation(node) and not node.users:
+            graph.erase_node(node)
 
 
 def clear_tags(graph: Graph) -> None:

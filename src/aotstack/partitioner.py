@@ -97,6 +97,9 @@ class SupportedOpsPartitioner(Partitioner):
         """Whether ``node``, a node of ``owner``'s graph, can go to this backend."""
         if node.op != "call_function" or is_delegate_call(node) or is_delegate_output(node):
             return False
+        if is_size_computation(node):
+            # Sizes stay in the method; each partition recomputes the ones it reads (see lower).
+            return False
         if node.target is operator.getitem:
             source = node.args[0]
             return isinstance(source, Node) and self.supports_node(source, owner)
@@ -129,6 +132,13 @@ def subgraph_nodes(node: Node) -> list[Node]:
 def subgraph_modules(node: Node, owner: GraphModule) -> list[GraphModule]:
     modules = [getattr(owner, attr.target) for attr in subgraph_nodes(node)]
     return [module for module in modules if isinstance(module, GraphModule)]
+
+
+def is_size_computation(node: Node) -> bool:
+    """Whether ``node`` computes a size or another scalar (``sym_size``, arithmetic on sizes), not a tensor."""
+    return node.op == "call_function" and isinstance(
+        node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+    )
 
 
 def compute_node_count(nodes: Iterable[Node]) -> int:

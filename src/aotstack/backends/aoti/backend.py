@@ -31,7 +31,7 @@ from .kernels import (
     signature_key,
     single_op_program,
 )
-from .passes import GraphPass, ReplaceViewCopyWithViewPass, ReplaceViewWithReshapePass
+from .passes import GraphPass, ReplaceViewCopyWithViewPass
 from .run import AotiHandle, bind_constants, device_available, open_runner, run
 
 LIBRARY_NAME = "model.so"
@@ -72,7 +72,7 @@ class AotiBackend(Backend):
         return {}
 
     def custom_passes(self) -> list[GraphPass]:
-        """Graph passes this target runs after the view passes, before decompositions."""
+        """Graph passes this target runs after the view-copy pass, before decompositions."""
         return []
 
     def attention_kernels(self) -> list[SDPBackend] | None:
@@ -121,7 +121,7 @@ class AotiBackend(Backend):
             options = {key: value for key, value in options.items() if not key.startswith("max_autotune")}
         return CompileSteps(
             device=self.target_device(compile_specs) if device is None else device,
-            passes=[ReplaceViewCopyWithViewPass(), ReplaceViewWithReshapePass(), *self.custom_passes()],
+            passes=[ReplaceViewCopyWithViewPass(), *self.custom_passes()],
             decompositions=self.decomposition_table(),
             attention_kernels=self.attention_kernels(),
             options=options,

@@ -48,27 +48,6 @@ class ReplaceViewCopyWithViewPass:
         return changed
 
 
-class ReplaceViewWithReshapePass:
-    """Turn ``view`` into ``reshape``, which is a view wherever the layout allows and a copy elsewhere.
-
-    An exported ``view`` is valid for the layout its input had when the model was exported.
-    AOTInductor traces the partition again, and an op may then pick another kernel whose output
-    has another layout (attention's output, transposed and flattened, is the common case); a
-    ``view`` there fails to compile where plain AOTInductor, tracing once, succeeds. Partitions
-    are functional, so nothing can observe whether the result aliases its input.
-    """
-
-    def __call__(self, graph_module: GraphModule) -> bool:
-        changed = False
-        for node in graph_module.graph.nodes:
-            if node.op == "call_function" and node.target is aten.view.default:
-                node.target = aten.reshape.default
-                changed = True
-        if changed:
-            graph_module.recompile()
-        return changed
-
-
 def result_users(node: Node) -> list[Node]:
     """The nodes that read ``node``'s tensors; for a split, the users of each piece."""
     users = []
