@@ -20,13 +20,14 @@ demo: $(VENV)/.installed
 	$(BIN)/aotstack demo
 
 test: $(VENV)/.installed
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff check src tests bench examples
 	$(BIN)/python -m pytest tests
 
 bench: $(VENV)/.installed
 	$(BIN)/python bench/latency.py
 	$(BIN)/python bench/load.py
 	$(BIN)/python bench/stacked.py
+	$(BIN)/python bench/decode.py
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

@@ -17,6 +17,16 @@ from tests import models
 
 ROOT = Path(__file__).resolve().parent.parent
 
+# One line per real model and lowering: which engines ran it; printed after the run.
+CORPUS_REPORT: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if CORPUS_REPORT:
+        terminalreporter.section("real models: engines per lowering")
+        for line in CORPUS_REPORT:
+            terminalreporter.write_line(line)
+
 FRESH_PROCESS_RUN = """
 import json, sys
 import torch

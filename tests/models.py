@@ -170,6 +170,41 @@ class AttentionModel(torch.nn.Module):
         return result, torch.median(result)
 
 
+class AttentionBlock(torch.nn.Module):
+    """The attention pattern real models use: SDPA, then ``transpose(1, 2).reshape(b, t, d)``."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.up = torch.nn.Linear(dim, 2 * dim)
+        self.down = torch.nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).reshape(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        hidden = x + attended.transpose(1, 2).reshape(b, t, d)
+        return hidden + self.down(torch.nn.functional.gelu(self.up(hidden)))
+
+
+class StateKindsModel(torch.nn.Module):
+    """Every kind of state: a parameter, a persistent, a non-persistent and a mutated buffer, a lifted constant."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(6, 6)
+        self.register_buffer("offset", torch.linspace(-1, 1, 6))
+        self.register_buffer("positions", torch.arange(6.0), persistent=False)
+        self.register_buffer("calls", torch.zeros(1), persistent=False)
+        self.scale = torch.tensor([0.5, 2.0, 1.5, 1.0, 3.0, 0.25])  # a plain attribute: a lifted constant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        hidden = torch.sigmoid(self.linear(x) + self.offset) * self.scale
+        return torch.relu(hidden + self.positions) * self.calls
+
+
 MODELS = {
     "add": (AddModel, [(4, 5), (4, 5)]),
     "conv": (ConvModel, [(2, 3, 8, 8)]),
@@ -185,6 +220,8 @@ MODELS = {
     "buffer": (BufferModel, [(2, 6)]),
     "median": (MedianModel, [(3, 8)]),
     "attention": (AttentionModel, [(2, 3, 8, 8)]),
+    "attention_block": (AttentionBlock, [(2, 8, 32)]),
+    "state_kinds": (StateKindsModel, [(3, 6)]),
 }
 
 

@@ -113,5 +113,5 @@ def test_dynamic_batch_and_an_input_named_like_a_builtin(tmp_path):
         for rows in (1, 7, 33):
             x = torch.randn(rows, 16)
             torch.testing.assert_close(loaded.forward(x), model(x), rtol=1e-5, atol=1e-5)
-    with pytest.raises(aotstack.InputError, match=r"'input' has shape \[3, 15\], expected \[\*, 16\]"):
+    with pytest.raises(aotstack.InputError, match=r"'input' has shape \[3, 15\], expected \[s\d+ in \[1, 64\], 16\]"):
         loaded.forward(torch.randn(3, 15))

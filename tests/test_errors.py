@@ -159,7 +159,7 @@ def test_the_manifest_records_versions_devices_specs_and_hashes(linear_path):
     with zipfile.ZipFile(linear_path) as archive:
         [manifest_name] = [n for n in archive.namelist() if n.endswith(MANIFEST_PATH)]
         manifest = json.loads(archive.read(manifest_name))
-    assert manifest["format_version"] == 1
+    assert manifest["format_version"] == 2
     assert manifest["torch_version"] == torch.__version__
     [delegate] = manifest["methods"]["forward"]["delegates"]
     assert delegate["target_device"] == "cpu"

@@ -15,6 +15,7 @@ from torch.export import ExportedProgram
 
 from .errors import BackendNotFoundError
 from .specs import CompileSpec, PreprocessResult
+from .tensor_data import BytesLike
 
 _REGISTRY: dict[str, type[Backend]] = {}
 
@@ -55,9 +56,13 @@ class Backend:
         raise NotImplementedError
 
     def init(
-        self, processed_bytes: bytes, named_data: Mapping[str, bytes], compile_specs: list[CompileSpec]
+        self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
     ) -> Any:
-        """Turn what ``preprocess`` produced into a handle that ``execute`` can run."""
+        """Turn what ``preprocess`` produced into a handle that ``execute`` can run.
+
+        ``named_data`` holds read-only views into the loaded file, verified against their hashes;
+        ``bytes(view)`` copies one where an engine needs ``bytes``.
+        """
         raise NotImplementedError
 
     def execute(self, handle: Any, inputs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -186,8 +186,8 @@ def summary(value: Any) -> str:
 
 
 def inspect_command(args: argparse.Namespace) -> int:
-    from .package import read_manifest
     from .inputs import record_text
+    from .package import read_manifest
 
     _, manifest = read_manifest(args.package)
     blobs = manifest["blobs"]

@@ -13,6 +13,7 @@ Nothing here is pickled, and reading verifies every blob against its hash before
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import tempfile
 from dataclasses import asdict, dataclass
@@ -185,12 +186,16 @@ def delegate_manifest(delegate: Delegate, store: BlobStore) -> dict[str, Any]:
 
 @dataclass
 class PackageContents:
-    """A package's manifest, its method programs (schema JSON) and its verified blobs."""
+    """A package's manifest and its verified blobs.
+
+    Each blob is a read-only view into the file, mapped, not copied: weights built over it cost
+    no memory beyond the file's own pages. The file must not be changed in place while loaded
+    (``save`` replaces a file, which is safe).
+    """
 
     path: str
     manifest: dict[str, Any]
-    programs: dict[str, bytes]
-    blobs: dict[str, bytes]
+    blobs: dict[str, memoryview]
 
 
 class ArchiveReader:
@@ -232,31 +237,35 @@ def read_manifest(path: str | os.PathLike[str]) -> tuple[ArchiveReader, dict[str
 
 
 def read_package(path: str | os.PathLike[str]) -> PackageContents:
-    """Read and verify every blob of the package at ``path``."""
+    """Map the package at ``path`` and verify every blob against its hash."""
     path = os.fspath(path)
     reader, manifest = read_manifest(path)
     owners = blob_owners(manifest)
+    with open(path, "rb") as file:
+        mapped = memoryview(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ))
     blobs = {}
     for key, size in manifest["blobs"].items():
-        data = read_record(reader, path, BLOB_DIR + key, owners.get(key, key))
-        if len(data) != size or content_key(data) != key:
+        what = owners.get(key, "unreferenced")
+        data = mapped_record(reader, mapped, path, BLOB_DIR + key, size, what)
+        if content_key(data) != key:
             raise PackageError(
-                f"{path}: blob {key[:16]}… ({owners.get(key, 'unreferenced')}) does not match its "
-                "SHA-256; the file is corrupt or was altered"
+                f"{path}: blob {key[:16]}… ({what}) does not match its SHA-256; the file is corrupt or was altered"
             )
         blobs[key] = data
-    programs = {
-        name: read_record(reader, path, method["program"], f"the program of method {name!r}")
-        for name, method in manifest["methods"].items()
-    }
-    return PackageContents(path, manifest, programs, blobs)
+    return PackageContents(path, manifest, blobs)
 
 
-def read_record(reader: ArchiveReader, path: str, record: str, what: str) -> bytes:
+def mapped_record(
+    reader: ArchiveReader, mapped: memoryview, path: str, record: str, size: int, what: str
+) -> memoryview:
+    """The ``size`` bytes of ``record`` as a view into the mapped file (archives store records uncompressed)."""
     try:
-        return reader.read_bytes(record)
+        offset = reader.file.get_record_offset(record)
     except Exception as exc:
         raise PackageError(f"{path}: cannot read {what} ({record}): {first_line(exc)}") from exc
+    if not isinstance(size, int) or size < 0 or offset + size > len(mapped):
+        raise PackageError(f"{path}: {what} ({record}) claims {size!r} bytes past the end of the file")
+    return mapped[offset : offset + size]
 
 
 def blob_owners(manifest: dict[str, Any]) -> dict[str, str]:

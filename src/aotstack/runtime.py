@@ -239,7 +239,9 @@ class ProgramState:
         return tensor_from_bytes(self.blobs[meta["blob"]], dtype_from_name(meta["dtype"]), meta["shape"])
 
     def method_weights(self, weights: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
-        return {fqn: self.mutable[fqn][0] if fqn in self.mutable else self.weight(meta) for fqn, meta in weights.items()}
+        return {
+            fqn: self.mutable[fqn][0] if fqn in self.mutable else self.weight(meta) for fqn, meta in weights.items()
+        }
 
     def reset(self) -> None:
         for current, initial in self.mutable.values():
@@ -257,5 +259,5 @@ def loaded_delegate(contents: PackageContents, manifest: dict[str, Any]) -> Load
     backend = backend_class(manifest["backend_id"])()
     compile_specs = [CompileSpec(key, bytes.fromhex(value)) for key, value in manifest["compile_specs"]]
     named_data = {local: contents.blobs[key] for local, key in manifest["named_data"].items()}
-    handle = backend.init(contents.blobs[manifest["processed"]], named_data, compile_specs)
+    handle = backend.init(bytes(contents.blobs[manifest["processed"]]), named_data, compile_specs)
     return LoadedDelegate(backend, handle)

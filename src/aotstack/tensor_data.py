@@ -9,6 +9,9 @@ from typing import Any
 
 import torch
 
+# A blob as loaded: a read-only view into the mapped file, or bytes.
+BytesLike = bytes | bytearray | memoryview
+
 
 def tensor_bytes(tensor: torch.Tensor) -> bytes:
     """The tensor's elements, contiguous, in native byte order."""
@@ -18,15 +21,15 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes()
 
 
-def tensor_from_bytes(data: bytes, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+def tensor_from_bytes(data: BytesLike, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     """A tensor over ``data`` itself, not a copy: the inverse of :func:`tensor_bytes`.
 
-    It must not be written to (``data`` is immutable); ``clone()`` it to get a tensor that may.
+    It must not be written to (``data`` is read-only); ``clone()`` it to get a tensor that may.
     """
     if not data:
         return torch.empty(shape, dtype=dtype)
     with warnings.catch_warnings():
-        # torch warns that the buffer is not writable; nothing writes to it.
+        # torch warns that the buffer is read-only; nothing writes to it.
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(data, dtype=torch.uint8)
     return flat.view(dtype).reshape(shape)
@@ -44,7 +47,7 @@ def dtype_from_name(name: str) -> torch.dtype:
     return dtype
 
 
-def content_key(data: bytes) -> str:
+def content_key(data: BytesLike) -> str:
     """The content hash under which a blob is stored."""
     return hashlib.sha256(data).hexdigest()
 
@@ -62,7 +65,7 @@ def weights_as_named_data(weights: Mapping[str, torch.Tensor]) -> tuple[dict[str
     return blobs, meta
 
 
-def weights_from_named_data(named_data: Mapping[str, bytes], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def weights_from_named_data(named_data: Mapping[str, BytesLike], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The inverse of :func:`weights_as_named_data`."""
     return {
         fqn: tensor_from_bytes(named_data[WEIGHT_PREFIX + fqn], dtype_from_name(entry["dtype"]), entry["shape"])

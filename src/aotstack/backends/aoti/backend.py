@@ -22,7 +22,7 @@ from ...devices import HOST, Device, DeviceType
 from ...errors import CompileSpecError, LoweringError, MissingFallbackKernelsError
 from ...op_names import op_name
 from ...specs import CompileSpec, PreprocessResult, compile_spec_value, partition_label
-from ...tensor_data import weights_as_named_data, weights_from_named_data
+from ...tensor_data import BytesLike, weights_as_named_data, weights_from_named_data
 from .compile import CompileSteps, KernelCheck, compile_partition, generated_fallback_kernels
 from .kernels import (
     FALLBACK_KERNELS_SPEC,
@@ -186,7 +186,7 @@ class AotiBackend(Backend):
     # Run side --------------------------------------------------------------------------------
 
     def init(
-        self, processed_bytes: bytes, named_data: Mapping[str, bytes], compile_specs: list[CompileSpec]
+        self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
     ) -> AotiHandle:
         label = partition_label(self.backend_id, compile_specs)
         device = self.target_device(compile_specs)

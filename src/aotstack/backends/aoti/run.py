@@ -15,7 +15,7 @@ import torch
 
 from ...devices import Device, DeviceType
 from ...errors import DelegateInitError, PackageError
-from ...tensor_data import content_key
+from ...tensor_data import BytesLike, content_key
 
 
 @dataclass
@@ -30,7 +30,7 @@ class AotiHandle:
     constants: dict[str, torch.Tensor]
 
 
-def open_runner(library: bytes, device: Device, label: str) -> Any:
+def open_runner(library: BytesLike, device: Device, label: str) -> Any:
     """A runner over ``library`` (already hash-verified) on ``device``, with its own weights slot."""
     open_on_device = runner_factory(device, label)
     try:
@@ -67,7 +67,7 @@ def visible_devices() -> str:
 _LIBRARY_PATHS: dict[str, str] = {}
 
 
-def library_path(library: bytes) -> str:
+def library_path(library: BytesLike) -> str:
     """A private file holding ``library``, written once per process for each distinct library.
 
     Delegates compiled to the same code share it, so the dynamic loader opens it once; each

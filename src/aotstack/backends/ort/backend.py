@@ -11,7 +11,7 @@ from torch.export import ExportedProgram
 from ...backend import Backend
 from ...errors import LoweringError
 from ...specs import CompileSpec, PreprocessResult, compile_spec_value, partition_label
-from ...tensor_data import weights_as_named_data, weights_from_named_data
+from ...tensor_data import BytesLike, weights_as_named_data, weights_from_named_data
 from .compile import export_partition
 from .run import DEFAULT_PROVIDERS, OrtHandle, open_session, run
 
@@ -44,12 +44,12 @@ class OrtBackend(Backend):
         return PreprocessResult(json.dumps(processed).encode(), named_data)
 
     def init(
-        self, processed_bytes: bytes, named_data: Mapping[str, bytes], compile_specs: list[CompileSpec]
+        self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
     ) -> OrtHandle:
         processed = json.loads(processed_bytes)
         weights = weights_from_named_data(named_data, processed["weights"])
         return open_session(
-            named_data[MODEL_NAME],
+            bytes(named_data[MODEL_NAME]),
             weights,
             providers(compile_specs),
             processed["inputs"],

@@ -1,0 +1,93 @@
+"""What a loaded method accepts: keywords, scalars and dynamic sizes, checked before compiled code runs.
+
+These packages hold no compiled code (no partitioner claims anything), so they build in
+milliseconds; the checks are the same for any package.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.export import Dim
+
+import aotstack
+
+
+class KeywordModel(torch.nn.Module):
+    def forward(self, x: torch.Tensor, *, scale: torch.Tensor, steps: int = 2) -> torch.Tensor:
+        return x * scale * steps
+
+
+class TwoInputs(torch.nn.Module):
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x + y
+
+
+def saved(tmp_path, program: aotstack.Program) -> aotstack.LoadedProgram:
+    path = tmp_path / "plain.pt2"
+    aotstack.lower(program, []).save(path)
+    return aotstack.load(path)
+
+
+@pytest.fixture
+def keyword_program(tmp_path) -> aotstack.LoadedProgram:
+    exported = torch.export.export(KeywordModel(), (torch.ones(2, 3),), {"scale": torch.ones(3), "steps": 3})
+    return saved(tmp_path, aotstack.Program({"forward": exported}))
+
+
+def test_keyword_arguments_in_any_order_or_by_position(keyword_program):
+    x, scale = torch.randn(2, 3), torch.randn(3)
+    expected = x * scale * 3
+    torch.testing.assert_close(keyword_program.forward(x, scale=scale, steps=3), expected)
+    torch.testing.assert_close(keyword_program.forward(x, steps=3, scale=scale), expected)
+    torch.testing.assert_close(keyword_program.forward(x, scale, 3), expected)
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda f, x, s: f(x, scale=s, steps=3, extra=1), "unknown keyword(s) ['extra']"),
+        (lambda f, x, s: f(x, scale=s), "missing keyword(s) ['steps']"),
+        (lambda f, x, s: f(x, s, scale=s, steps=3), "got argument 'scale' twice"),
+        (lambda f, x, s: f(x, scale=s, steps=4), "argument 'steps' is 4, but the method was exported for 3"),
+        (lambda f, x, s: f(x, scale=s, steps=True), "argument 'steps' must be int, got bool"),
+        (lambda f, x, s: f(x, scale=s.double(), steps=3), "argument 'scale' has dtype torch.float64"),
+    ],
+)
+def test_bad_calls_raise_input_error_naming_the_argument(keyword_program, call, message):
+    with pytest.raises(aotstack.InputError) as raised:
+        call(keyword_program.forward, torch.randn(2, 3), torch.randn(3))
+    assert message in str(raised.value)
+
+
+@pytest.fixture
+def dynamic_program(tmp_path) -> aotstack.LoadedProgram:
+    batch = Dim("batch", min=2, max=8)
+    program = aotstack.export(
+        TwoInputs(), {"forward": (torch.randn(4, 3), torch.randn(4, 3))},
+        dynamic_shapes={"forward": {"x": {0: batch}, "y": {0: batch}}},
+    )
+    return saved(tmp_path, program)
+
+
+def test_a_size_inside_its_range_runs(dynamic_program):
+    for batch in (2, 5, 8):
+        x, y = torch.randn(batch, 3), torch.randn(batch, 3)
+        torch.testing.assert_close(dynamic_program.forward(x, y), x + y)
+
+
+@pytest.mark.parametrize("batch", [1, 9])
+def test_a_size_outside_its_range_names_argument_dimension_and_range(dynamic_program, batch):
+    with pytest.raises(aotstack.InputError) as raised:
+        dynamic_program.forward(torch.randn(batch, 3), torch.randn(batch, 3))
+    assert f"argument 'x' dimension 0 is {batch}, outside the range [2, 8]" in str(raised.value)
+
+
+def test_one_symbol_means_one_size_across_arguments(dynamic_program):
+    with pytest.raises(aotstack.InputError, match="argument 'y' dimension 0 is 3.*size 4; they must be equal"):
+        dynamic_program.forward(torch.randn(4, 3), torch.randn(3, 3))
+
+
+def test_a_static_dimension_is_checked_too(dynamic_program):
+    with pytest.raises(aotstack.InputError, match=r"argument 'x' has shape \[4, 5\], expected \[s\d+ in \[2, 8\], 3\]"):
+        dynamic_program.forward(torch.randn(4, 5), torch.randn(4, 3))

@@ -1,0 +1,163 @@
+"""Language models the way they are shipped: a static KV cache in buffers, token by token, from one file."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import aotstack
+from tests.conftest import ROOT
+
+CACHE = 32
+PROMPT = [3, 7, 11]
+STEPS = 16
+
+
+def run_child(script: str, *args: str) -> dict:
+    child = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False,
+    )
+    assert child.returncode == 0, child.stderr[-4000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
+def small_llama() -> torch.nn.Module:
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval()
+    model.generation_config = GenerationConfig(use_cache=True, cache_implementation="static")
+    return model
+
+
+def token_by_token(step, prompt: list[int], steps: int) -> list[int]:
+    """Greedy generation feeding one token per call, as transformers' own export helper does."""
+    logits, position, generated = None, 0, []
+    with torch.no_grad():
+        for token in prompt:
+            logits = step(torch.tensor([[token]]), torch.tensor([position]))
+            position += 1
+        for _ in range(steps):
+            generated.append(int(logits[0, -1].argmax()))
+            logits = step(torch.tensor([[generated[-1]]]), torch.tensor([position]))
+            position += 1
+    return generated
+
+
+GENERATE_FROM_FILE = """
+import json, sys
+import torch
+import aotstack
+from tests.test_language_models import PROMPT, STEPS, token_by_token
+
+loaded = aotstack.load(sys.argv[1])
+first = token_by_token(lambda ids, pos: loaded.forward(input_ids=ids, cache_position=pos), PROMPT, STEPS)
+loaded.reset()
+again = token_by_token(lambda ids, pos: loaded.forward(ids, pos), PROMPT, STEPS)
+print(json.dumps({"first": first, "again": again}))
+"""
+
+
+def test_static_cache_lm_from_transformers_wrapper_generates_eager_tokens(tmp_path):
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    model = small_llama()
+    exported = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE).export(
+        input_ids=torch.tensor([[1]]), cache_position=torch.tensor([0])
+    )
+    lowered = aotstack.lower(aotstack.Program({"forward": exported}), [aotstack.AotiCpuPartitioner()])
+    assert [d.backend_id for d in lowered.delegates("forward")] == ["aoti_cpu"]
+    path = tmp_path / "lm.pt2"
+    lowered.save(path)
+
+    # The same wrapper, eager: its inner module is what export traced (the outer one drops cache_position).
+    eager = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE).model
+    expected = token_by_token(lambda ids, pos: eager(input_ids=ids, cache_position=pos), PROMPT, STEPS)
+
+    tokens = run_child(GENERATE_FROM_FILE, str(path))
+    assert tokens["first"] == expected
+    assert tokens["again"] == expected, "reset() puts the KV cache back to its saved state"
+
+
+def decoder_lm_example():
+    spec = importlib.util.spec_from_file_location("decoder_lm", ROOT / "examples" / "decoder_lm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+PREFILL_AND_GENERATE = """
+import json, sys
+import torch
+import aotstack
+from tests.test_language_models import decoder_lm_example
+
+example = decoder_lm_example()
+loaded = aotstack.load(sys.argv[1])
+prompts = json.loads(sys.argv[2])
+logits = []
+for prompt in prompts:
+    loaded.reset()
+    logits.append(loaded.prefill(torch.tensor([prompt])).flatten().tolist())
+loaded.reset()
+tokens = example.generate(loaded, prompts[0], 16)
+try:
+    loaded.prefill(torch.zeros(1, int(sys.argv[3]), dtype=torch.long))
+    error = None
+except aotstack.InputError as exc:
+    error = str(exc)
+print(json.dumps({"logits": logits, "tokens": tokens, "error": error}))
+"""
+
+
+@pytest.fixture(scope="module")
+def two_method_lm(tmp_path_factory) -> tuple[aotstack.LoweredProgram, Path]:
+    example = decoder_lm_example()
+    program = example.exported(example.small_llama(), CACHE)
+    lowered = aotstack.lower(program, [aotstack.OrtPartitioner(), aotstack.AotiCpuPartitioner()])
+    path = tmp_path_factory.mktemp("lm") / "prefill_decode.pt2"
+    lowered.save(path)
+    return lowered, path
+
+
+def test_prefill_and_decode_share_weights_and_cache_in_one_file(two_method_lm):
+    example = decoder_lm_example()
+    lowered, path = two_method_lm
+    prompts = [[5, 17, 42], [9, 1, 4, 4, 30, 2, 8]]
+    result = run_child(PREFILL_AND_GENERATE, str(path), json.dumps(prompts), str(CACHE + 1))
+
+    for prompt, got in zip(prompts, result["logits"], strict=True):
+        with torch.no_grad():
+            want = example.PrefillDecode(example.small_llama(), CACHE).prefill(torch.tensor([prompt]))
+        torch.testing.assert_close(torch.tensor(got), want.flatten(), rtol=1e-4, atol=1e-5)
+    eager = example.PrefillDecode(example.small_llama(), CACHE)
+    assert result["tokens"] == example.generate(eager, prompts[0], 16)
+    assert "argument 'tokens' dimension 1 is 33, outside the range [1, 32]" in result["error"]
+    for method in ("prefill", "decode"):
+        assert any(d.backend_id == "onnxruntime" for d in lowered.delegates(method))
+
+
+def test_each_weight_is_stored_once_for_both_methods(two_method_lm):
+    from aotstack.package import read_manifest
+
+    _, manifest = read_manifest(two_method_lm[1])
+    blob_of: dict[str, set[str]] = {}
+    for method in manifest["methods"].values():
+        for fqn, weight in method["weights"].items():
+            blob_of.setdefault(fqn, set()).add(weight["blob"])
+        for delegate in method["delegates"]:
+            for local, key in delegate["named_data"].items():
+                if local.startswith("weight:"):
+                    blob_of.setdefault(local.removeprefix("weight:"), set()).add(key)
+    assert "lm.model.lm_head.weight" in blob_of
+    assert all(len(keys) == 1 for keys in blob_of.values()), "a weight read by both methods is one blob"

@@ -1,0 +1,128 @@
+"""Real ``transformers`` architectures, lowered as a user would, run in a fresh process, compared with eager.
+
+Every corpus model is lowered twice (AOTInductor alone; ONNX Runtime stacked first), and all
+packages of one lowering are loaded and run in one child process, so the suite pays one
+interpreter start per lowering, not per model.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+import aotstack
+from aotstack.delegate_op import is_delegate_call
+from tests import hf_models
+from tests.conftest import CORPUS_REPORT, ROOT
+
+LOWERINGS: dict[str, Callable[[], list[aotstack.Partitioner]]] = {
+    "aoti": lambda: [aotstack.AotiCpuPartitioner()],
+    "ort+aoti": lambda: [aotstack.OrtPartitioner(), aotstack.AotiCpuPartitioner()],
+}
+
+RUN_CORPUS = """
+import json, sys
+import torch
+import aotstack
+from aotstack.delegate_op import is_delegate_call
+from tests import hf_models
+
+for line in sys.stdin:
+    name, path, out = json.loads(line)
+    try:
+        result = aotstack.load(path).forward(*hf_models.example_inputs(name))
+        torch.save(list(torch.utils._pytree.tree_leaves(result)), out)
+    except Exception as exc:
+        with open(out + ".error", "w") as file:
+            file.write(f"{type(exc).__name__}: {exc}")
+"""
+
+
+@dataclass
+class CorpusResult:
+    engines: str
+    outputs: list[torch.Tensor] | None
+    error: str | None
+
+
+def engines_text(lowered: aotstack.LoweredProgram) -> str:
+    counts: dict[str, int] = {}
+    for delegate in lowered.delegates("forward"):
+        counts[delegate.backend_id] = counts.get(delegate.backend_id, 0) + 1
+    plain = sum(
+        1
+        for node in lowered.methods["forward"].graph.nodes
+        if node.op == "call_function" and not is_delegate_call(node) and node.target is not operator.getitem
+    )
+    parts = [f"{backend} x{count}" for backend, count in counts.items()]
+    return ", ".join(parts + ([f"{plain} plain ATen op(s)"] if plain else []))
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, CorpusResult]]:
+    """``corpus(lowering)``: every corpus model lowered that way, saved, then run in one fresh process."""
+    done: dict[str, dict[str, CorpusResult]] = {}
+
+    def run(lowering: str) -> dict[str, CorpusResult]:
+        if lowering in done:
+            return done[lowering]
+        directory = tmp_path_factory.mktemp(f"corpus-{lowering.replace('+', '-')}")
+        results: dict[str, CorpusResult] = {}
+        jobs = []
+        for name in hf_models.CORPUS:
+            try:
+                program = aotstack.export(hf_models.build(name), {"forward": hf_models.example_inputs(name)})
+                lowered = aotstack.lower(program, LOWERINGS[lowering]())
+                path = directory / f"{name}.pt2"
+                lowered.save(path)
+            except aotstack.AotstackError as exc:
+                results[name] = CorpusResult("", None, f"{type(exc).__name__}: {exc}")
+                continue
+            results[name] = CorpusResult(engines_text(lowered), None, None)
+            jobs.append(json.dumps([name, str(path), str(directory / f"{name}.out")]))
+        child = subprocess.run(
+            [sys.executable, "-c", RUN_CORPUS], input="\n".join(jobs), capture_output=True, text=True,
+            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False,
+        )
+        assert child.returncode == 0, child.stderr[-4000:]
+        for name, result in results.items():
+            out = directory / f"{name}.out"
+            if result.error is None and Path(f"{out}.error").exists():
+                result.error = Path(f"{out}.error").read_text()
+            elif result.error is None:
+                result.outputs = torch.load(out, weights_only=True)
+        done[lowering] = results
+        return results
+
+    return run
+
+
+@pytest.mark.parametrize("lowering", list(LOWERINGS))
+@pytest.mark.parametrize("name", list(hf_models.CORPUS))
+def test_corpus_model_matches_eager_from_a_fresh_process(corpus, name, lowering):
+    result = corpus(lowering)[name]
+    CORPUS_REPORT.append(
+        f"{name:<10} {hf_models.CORPUS[name].kind:<26} {lowering:<9} "
+        + (f"FAILED: {result.error.splitlines()[0][:80]}" if result.error else result.engines)
+    )
+    assert result.error is None, result.error
+
+    with torch.no_grad():
+        expected = torch.utils._pytree.tree_leaves(hf_models.build(name)(*hf_models.example_inputs(name)))
+    assert len(result.outputs) == len(expected)
+    for got, want in zip(result.outputs, expected, strict=True):
+        assert got.shape == want.shape and got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    if lowering == "aoti":
+        assert result.engines == "aoti_cpu x1", "AOTInductor alone takes the whole model as one delegate"
+    else:
+        assert "onnxruntime" in result.engines
