@@ -55,6 +55,15 @@ class Backend:
         """Compile one partition ahead of time."""
         raise NotImplementedError
 
+    def updates_buffers_in_place(self, compile_specs: list[CompileSpec]) -> bool:
+        """Whether a partition may own the buffers it updates, changing them in place at run time.
+
+        Such a buffer is stored as the partition's named data ``weight:<fqn>``
+        (``tensor_data.weights_as_named_data``); at load, ``init`` gets a writable view of the
+        buffer's one shared state in its place, which it must update without copying.
+        """
+        return False
+
     def init(
         self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
     ) -> Any:

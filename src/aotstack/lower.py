@@ -42,7 +42,7 @@ from .partitioner import (
     mutated_buffer_names,
 )
 from .specs import CompileSpec, DelegationSpec, compile_spec_value
-from .tensor_data import dtype_name
+from .tensor_data import WEIGHT_PREFIX, dtype_name
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,8 @@ class Delegate:
     outputs: list[TensorSpec]
     processed_bytes: bytes
     named_data: dict[str, bytes] = field(repr=False)
+    # Buffers the delegate updates in place (their state is its named data ``weight:<fqn>``).
+    updated_buffers: list[str] = field(default_factory=list)
 
     @property
     def target_device(self) -> str:
@@ -211,26 +213,50 @@ def delegate_partition(
         raise LoweringError(
             f"method {method!r}: partition {tag!r} is not convex (it would create a dependency cycle)"
         )
-    sub_program, user_inputs, outputs = partition_program(exported, nodes)
     backend = backend_class(spec.backend_id)()
     compile_specs = [s for s in spec.compile_specs if s.key != "method_name"]
     compile_specs.append(CompileSpec("method_name", method.encode()))
+    part = partition_program(exported, nodes, in_place=backend.updates_buffers_in_place(compile_specs))
     logger.info("%s: compiling delegate %s (%s, %d nodes) ...", method, delegate_id, spec.backend_id, len(nodes))
     started = time.perf_counter()
-    result = backend.preprocess(sub_program, compile_specs)
+    result = backend.preprocess(part.program, compile_specs)
     logger.info("%s: delegate %s ready in %.1f s", method, delegate_id, time.perf_counter() - started)
-    splice_delegate_call(graph, nodes, delegate_id, user_inputs, outputs)
+    for fqn in part.updated_buffers:
+        if WEIGHT_PREFIX + fqn not in result.named_data:
+            raise LoweringError(
+                f"method {method!r}: {spec.backend_id} updates buffer {fqn!r} in place but stores no named data "
+                f"{WEIGHT_PREFIX + fqn!r} for it"
+            )
+    drop_buffer_mutations(exported, part.updated_buffers)
+    splice_delegate_call(graph, nodes, delegate_id, part.inputs, part.outputs)
     drop_unused_subgraphs(exported.graph_module)
     return Delegate(
         delegate_id=delegate_id,
         backend_id=spec.backend_id,
         compile_specs=compile_specs,
         ops=sorted({op_name(n.target) for n in nodes if isinstance(n.target, torch._ops.OperatorBase)}),
-        inputs=[TensorSpec.of(n.meta["val"]) for n in user_inputs],
-        outputs=[TensorSpec.of(n.meta["val"]) for n in outputs],
+        inputs=[TensorSpec.of(n.meta["val"]) for n in part.inputs],
+        outputs=[TensorSpec.of(n.meta["val"]) for n in part.outputs],
         processed_bytes=result.processed_bytes,
         named_data=dict(result.named_data),
+        updated_buffers=list(part.updated_buffers),
     )
+
+
+def drop_buffer_mutations(exported: ExportedProgram, fqns: Collection[str]) -> None:
+    """Take the updates of ``fqns`` out of the method: a delegate now makes them in place."""
+    if not fqns:
+        return
+    output_node = exported.graph.output_node()
+    specs = exported.graph_signature.output_specs
+    kept = [
+        index
+        for index, spec in enumerate(specs)
+        if not (spec.kind == OutputKind.BUFFER_MUTATION and spec.target in fqns)
+    ]
+    values = output_node.args[0]
+    output_node.args = (tuple(values[index] for index in kept),)
+    specs[:] = [specs[index] for index in kept]
 
 
 def drop_unused_subgraphs(graph_module: GraphModule) -> None:
@@ -241,12 +267,24 @@ def drop_unused_subgraphs(graph_module: GraphModule) -> None:
     graph_module.delete_all_unused_submodules()
 
 
-def partition_program(
-    exported: ExportedProgram, nodes: list[Node]
-) -> tuple[ExportedProgram, list[Node], list[Node]]:
+@dataclass
+class PartitionProgram:
+    """One partition as a standalone program, and how it connects to the method around it."""
+
+    program: ExportedProgram
+    # Outer nodes that feed it at run time, in its input order.
+    inputs: list[Node]
+    # Outer nodes it produces for the method, in its output order.
+    outputs: list[Node]
+    # FQNs of the buffers it updates in place: they are its own state, not inputs or outputs.
+    updated_buffers: list[str]
+
+
+def partition_program(exported: ExportedProgram, nodes: list[Node], *, in_place: bool = False) -> PartitionProgram:
     """A standalone ExportedProgram for ``nodes``, with the weights they read.
 
-    Returns it with the outer nodes that feed it at run time and the outer nodes it produces.
+    With ``in_place``, a buffer the method updates that only this partition reads, and whose
+    new value only the update uses, becomes the partition's own mutable buffer.
     """
     body = with_size_computations(exported.graph, nodes)
     members = set(body)
@@ -255,7 +293,9 @@ def partition_program(
     subgraphs = [n for n in operands if n.op == "get_attr"]
     inputs = [n for n in operands if n.op != "get_attr"]
     claimed = set(nodes)
-    outputs = [n for n in nodes if any(user not in claimed for user in n.users)]
+    updated = buffers_updated_only_by(exported, claimed, members) if in_place else {}
+    producers = {producer for _, producer in updated.values()}
+    outputs = [n for n in nodes if n not in producers and any(user not in claimed for user in n.users)]
     for node in inputs:
         if not isinstance(node.meta.get("val"), torch.Tensor):
             raise LoweringError(
@@ -268,7 +308,7 @@ def partition_program(
 
     constants = constant_placeholders(exported)
     mutated = mutated_buffer_names(exported)
-    owned = [n for n in inputs if n in constants and n.name not in mutated]
+    owned = [n for n in inputs if n in constants and (n.name not in mutated or n in updated)]
     user_inputs = [n for n in inputs if n not in owned]
 
     graph = Graph()
@@ -285,7 +325,8 @@ def partition_program(
         input_specs.append(input_spec_for(exported, node, placeholder.name, fqn))
     for node in subgraphs + body:
         env[node] = graph.node_copy(node, lambda n: env[n])
-    graph.output(tuple(env[n] for n in outputs))
+    # An ExportedProgram lists buffer updates before user outputs.
+    graph.output(tuple(env[producer] for _, producer in updated.values()) + tuple(env[n] for n in outputs))
     views_as_reshapes(graph)
 
     module = GraphModule(exported.graph_module, graph)
@@ -302,8 +343,10 @@ def partition_program(
     signature = ExportGraphSignature(
         input_specs=input_specs,
         output_specs=[
-            OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(env[n].name), None) for n in outputs
-        ],
+            OutputSpec(OutputKind.BUFFER_MUTATION, TensorArgument(env[producer].name), fqn)
+            for fqn, producer in updated.values()
+        ]
+        + [OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(env[n].name), None) for n in outputs],
     )
     example_inputs = tuple(example_tensor(n.meta["val"]) for n in user_inputs)
     call_signature = ModuleCallSignature(
@@ -322,7 +365,37 @@ def partition_program(
         example_inputs=(example_inputs, {}),
         constants=sub_constants,
     )
-    return sub_program, user_inputs, outputs
+    return PartitionProgram(sub_program, user_inputs, outputs, [fqn for fqn, _ in updated.values()])
+
+
+def buffers_updated_only_by(
+    exported: ExportedProgram, claimed: set[Node], members: set[Node]
+) -> dict[Node, tuple[str, Node]]:
+    """Buffer placeholder -> (FQN, node computing its new value), for the updates a partition can own.
+
+    Only where nothing outside the partition reads the buffer or its new value: an update made
+    in place is then seen by no one who expected the old value.
+    """
+    graph = exported.graph
+    by_name = {node.name: node for node in graph.nodes}
+    output_node = graph.output_node()
+    returned = [value for value in output_node.args[0] if isinstance(value, Node)]
+    placeholder_of = {
+        spec.target: spec.arg.name for spec in exported.graph_signature.input_specs if spec.kind == InputKind.BUFFER
+    }
+    updated = {}
+    for value_name, fqn in exported.graph_signature.buffers_to_mutate.items():
+        producer = by_name.get(value_name)
+        placeholder = by_name.get(placeholder_of.get(fqn, ""))
+        if (
+            producer in claimed
+            and placeholder is not None
+            and all(user in members for user in placeholder.users)
+            and all(user in members or user is output_node for user in producer.users)
+            and returned.count(producer) == 1
+        ):
+            updated[placeholder] = (fqn, producer)
+    return updated
 
 
 def with_size_computations(graph: Graph, nodes: list[Node]) -> list[Node]:

@@ -178,6 +178,7 @@ def delegate_manifest(delegate: Delegate, store: BlobStore) -> dict[str, Any]:
         "outputs": [asdict(spec) for spec in delegate.outputs],
         "processed": store.put(delegate.processed_bytes),
         "named_data": {name: store.put(data) for name, data in delegate.named_data.items()},
+        "updates": list(delegate.updated_buffers),
     }
 
 

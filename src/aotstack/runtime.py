@@ -21,7 +21,7 @@ from .inputs import InputCheck
 from .package import PackageContents, read_package
 from .plan import Slot, decoded, resolved_target
 from .specs import CompileSpec
-from .tensor_data import dtype_from_name, tensor_from_bytes
+from .tensor_data import WEIGHT_PREFIX, BytesLike, dtype_from_name, tensor_from_bytes
 
 Step = Callable[[list[Any]], None]
 
@@ -221,43 +221,55 @@ def load(path: str | os.PathLike[str]) -> LoadedProgram:
 class ProgramState:
     """The weights of every method, each held once in memory and shared by the methods that read it.
 
-    A weight is a read-only view of its verified blob. A buffer some method updates gets a
-    writable copy, one per FQN, which every method reads and updates: two methods that share
-    a KV cache share it here too.
+    A weight is a read-only view of its verified blob. A buffer that a method or a delegate
+    updates (a KV cache) gets one writable copy per FQN, which every method and delegate reads
+    and updates: two methods that share a cache share it here too.
     """
 
     def __init__(self, contents: PackageContents) -> None:
         self.blobs = contents.blobs
-        self.mutable: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.mutable: dict[str, tuple[bytearray, memoryview]] = {}
         for method in contents.manifest["methods"].values():
             for fqn, _ in method["plan"]["mutations"]:
-                if fqn not in self.mutable:
-                    initial = self.weight(method["weights"][fqn])
-                    self.mutable[fqn] = (initial.clone(), initial)
+                self.add_mutable(fqn, method["weights"][fqn]["blob"])
+            for delegate in method["delegates"]:
+                for fqn in delegate["updates"]:
+                    self.add_mutable(fqn, delegate["named_data"][WEIGHT_PREFIX + fqn])
 
-    def weight(self, meta: dict[str, Any]) -> torch.Tensor:
-        return tensor_from_bytes(self.blobs[meta["blob"]], dtype_from_name(meta["dtype"]), meta["shape"])
+    def add_mutable(self, fqn: str, key: str) -> None:
+        if fqn not in self.mutable:
+            initial = self.blobs[key]
+            self.mutable[fqn] = (bytearray(initial), initial)
 
     def method_weights(self, weights: dict[str, dict[str, Any]]) -> dict[str, torch.Tensor]:
-        return {
-            fqn: self.mutable[fqn][0] if fqn in self.mutable else self.weight(meta) for fqn, meta in weights.items()
-        }
+        return {fqn: self.weight(fqn, meta) for fqn, meta in weights.items()}
+
+    def weight(self, fqn: str, meta: dict[str, Any]) -> torch.Tensor:
+        data = self.mutable[fqn][0] if fqn in self.mutable else self.blobs[meta["blob"]]
+        return tensor_from_bytes(data, dtype_from_name(meta["dtype"]), meta["shape"])
+
+    def delegate_named_data(self, delegate: dict[str, Any]) -> dict[str, BytesLike]:
+        """The delegate's named data; a buffer it updates in place is the shared, writable state."""
+        named_data: dict[str, BytesLike] = {local: self.blobs[key] for local, key in delegate["named_data"].items()}
+        for fqn in delegate["updates"]:
+            named_data[WEIGHT_PREFIX + fqn] = memoryview(self.mutable[fqn][0])
+        return named_data
 
     def reset(self) -> None:
         for current, initial in self.mutable.values():
-            current.copy_(initial)
+            current[:] = initial
 
 
 def load_method(contents: PackageContents, state: ProgramState, name: str, manifest: dict[str, Any]) -> Method:
     weights = state.method_weights(manifest["weights"])
-    delegates = {d["id"]: loaded_delegate(contents, d) for d in manifest["delegates"]}
+    delegates = {d["id"]: loaded_delegate(contents, state, d) for d in manifest["delegates"]}
     check = InputCheck(name, manifest["inputs"], pytree.treespec_loads(manifest["in_spec"]))
     return Method(name, manifest["plan"], weights, delegates, check, pytree.treespec_loads(manifest["out_spec"]))
 
 
-def loaded_delegate(contents: PackageContents, manifest: dict[str, Any]) -> LoadedDelegate:
+def loaded_delegate(contents: PackageContents, state: ProgramState, manifest: dict[str, Any]) -> LoadedDelegate:
     backend = backend_class(manifest["backend_id"])()
     compile_specs = [CompileSpec(key, bytes.fromhex(value)) for key, value in manifest["compile_specs"]]
-    named_data = {local: contents.blobs[key] for local, key in manifest["named_data"].items()}
+    named_data = state.delegate_named_data(manifest)
     handle = backend.init(bytes(contents.blobs[manifest["processed"]]), named_data, compile_specs)
     return LoadedDelegate(backend, handle)

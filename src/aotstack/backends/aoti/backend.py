@@ -145,6 +145,10 @@ class AotiBackend(Backend):
                 _PROBED[key] = frozenset({op_name(node.target)})
         return _PROBED[key]
 
+    def updates_buffers_in_place(self, compile_specs: list[CompileSpec]) -> bool:
+        # The runner writes into the user-managed buffer it is given; a device copy would not be the shared state.
+        return self.target_device(compile_specs) == HOST
+
     # Compile side ----------------------------------------------------------------------------
 
     def preprocess(
