@@ -55,8 +55,8 @@ class Backend:
         """Compile one partition ahead of time."""
         raise NotImplementedError
 
-    def updates_buffers_in_place(self, compile_specs: list[CompileSpec]) -> bool:
-        """Whether a partition may own the buffers it updates, changing them in place at run time.
+    def updates_in_place(self, buffer: torch.Tensor, compile_specs: list[CompileSpec]) -> bool:
+        """Whether a partition may own ``buffer``, which it updates, changing it in place at run time.
 
         Such a buffer is stored as the partition's named data ``weight:<fqn>``
         (``tensor_data.weights_as_named_data``); at load, ``init`` gets a writable view of the

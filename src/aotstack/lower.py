@@ -9,7 +9,7 @@ import logging
 import operator
 import time
 import warnings
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +40,7 @@ from .partitioner import (
     constant_placeholders,
     is_size_computation,
     mutated_buffer_names,
+    program_weights,
 )
 from .specs import CompileSpec, DelegationSpec, compile_spec_value
 from .tensor_data import WEIGHT_PREFIX, dtype_name
@@ -216,7 +217,7 @@ def delegate_partition(
     backend = backend_class(spec.backend_id)()
     compile_specs = [s for s in spec.compile_specs if s.key != "method_name"]
     compile_specs.append(CompileSpec("method_name", method.encode()))
-    part = partition_program(exported, nodes, in_place=backend.updates_buffers_in_place(compile_specs))
+    part = partition_program(exported, nodes, in_place=lambda buffer: backend.updates_in_place(buffer, compile_specs))
     logger.info("%s: compiling delegate %s (%s, %d nodes) ...", method, delegate_id, spec.backend_id, len(nodes))
     started = time.perf_counter()
     result = backend.preprocess(part.program, compile_specs)
@@ -280,11 +281,13 @@ class PartitionProgram:
     updated_buffers: list[str]
 
 
-def partition_program(exported: ExportedProgram, nodes: list[Node], *, in_place: bool = False) -> PartitionProgram:
+def partition_program(
+    exported: ExportedProgram, nodes: list[Node], *, in_place: Callable[[torch.Tensor], bool] = lambda buffer: False
+) -> PartitionProgram:
     """A standalone ExportedProgram for ``nodes``, with the weights they read.
 
-    With ``in_place``, a buffer the method updates that only this partition reads, and whose
-    new value only the update uses, becomes the partition's own mutable buffer.
+    A buffer the method updates that only this partition reads, and whose new value only the
+    update uses, becomes the partition's own mutable buffer where ``in_place(buffer)`` says so.
     """
     body = with_size_computations(exported.graph, nodes)
     members = set(body)
@@ -293,7 +296,9 @@ def partition_program(exported: ExportedProgram, nodes: list[Node], *, in_place:
     subgraphs = [n for n in operands if n.op == "get_attr"]
     inputs = [n for n in operands if n.op != "get_attr"]
     claimed = set(nodes)
-    updated = buffers_updated_only_by(exported, claimed, members) if in_place else {}
+    candidates = buffers_updated_only_by(exported, claimed, members)
+    weights = program_weights(exported) if candidates else {}
+    updated = {placeholder: update for placeholder, update in candidates.items() if in_place(weights[update[0]])}
     producers = {producer for _, producer in updated.values()}
     outputs = [n for n in nodes if n not in producers and any(user not in claimed for user in n.users)]
     for node in inputs:

@@ -145,9 +145,11 @@ class AotiBackend(Backend):
                 _PROBED[key] = frozenset({op_name(node.target)})
         return _PROBED[key]
 
-    def updates_buffers_in_place(self, compile_specs: list[CompileSpec]) -> bool:
-        # The runner writes into the user-managed buffer it is given; a device copy would not be the shared state.
-        return self.target_device(compile_specs) == HOST
+    def updates_in_place(self, buffer: torch.Tensor, compile_specs: list[CompileSpec]) -> bool:
+        # The runner writes into the user-managed buffer it is given; a device copy would not be the
+        # shared state. Inductor folds a one-element buffer into the code as a constant, update and all
+        # (plain AOTInductor packages get such a counter wrong too), so one stays an input.
+        return self.target_device(compile_specs) == HOST and buffer.numel() > 1
 
     # Compile side ----------------------------------------------------------------------------
 
