@@ -166,3 +166,32 @@ def test_the_manifest_records_versions_devices_specs_and_hashes(linear_path):
     assert delegate["inputs"] == [{"dtype": "float32", "shape": [4, 16]}]
     assert delegate["outputs"] == [{"dtype": "float32", "shape": [4, 8]}]
     assert all(len(key) == 64 for key in manifest["blobs"])
+
+
+class SizeOnlyPartitioner(aotstack.Partitioner):
+    """Claims the ``sym_size`` nodes alone: a partition whose output is a size, not a tensor."""
+
+    def partition(self, exported_program):
+        tags = {}
+        for node in aotstack.get_non_lowered_nodes(exported_program.graph):
+            if node.target == torch.ops.aten.sym_size.int:
+                node.meta["delegation_tag"] = "sizes"
+                tags["sizes"] = aotstack.DelegationSpec(aotstack.AotiCpuBackend.backend_id, [])
+        return aotstack.PartitionResult(exported_program, tags)
+
+
+class Flatten(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(x.shape[0], -1) * 2
+
+
+def test_a_partition_that_cannot_be_a_delegate_names_method_partition_and_node():
+    program = aotstack.export(
+        Flatten(), {"forward": (torch.randn(4, 3, 2),)},
+        dynamic_shapes={"forward": {"x": {0: torch.export.Dim("batch", min=2, max=16)}}},
+    )
+    with pytest.raises(aotstack.LoweringError) as raised:
+        aotstack.lower(program, [SizeOnlyPartitioner()])
+    message = str(raised.value)
+    assert "method 'forward', partition 'sizes' (aoti_cpu)" in message
+    assert "node 'sym_size_int" in message and "gives a SymInt to nodes outside its partition" in message

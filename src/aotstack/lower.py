@@ -217,7 +217,12 @@ def delegate_partition(
     backend = backend_class(spec.backend_id)()
     compile_specs = [s for s in spec.compile_specs if s.key != "method_name"]
     compile_specs.append(CompileSpec("method_name", method.encode()))
-    part = partition_program(exported, nodes, in_place=lambda buffer: backend.updates_in_place(buffer, compile_specs))
+    try:
+        part = partition_program(
+            exported, nodes, in_place=lambda buffer: backend.updates_in_place(buffer, compile_specs)
+        )
+    except LoweringError as exc:
+        raise LoweringError(f"method {method!r}, partition {tag!r} ({spec.backend_id}): {exc}") from None
     logger.info("%s: compiling delegate %s (%s, %d nodes) ...", method, delegate_id, spec.backend_id, len(nodes))
     started = time.perf_counter()
     result = backend.preprocess(part.program, compile_specs)
@@ -303,13 +308,17 @@ def partition_program(
     outputs = [n for n in nodes if n not in producers and any(user not in claimed for user in n.users)]
     for node in inputs:
         if not isinstance(node.meta.get("val"), torch.Tensor):
+            reader = next(user for user in node.users if user in members)
             raise LoweringError(
-                f"partition input {node.name!r} is a {type(node.meta.get('val')).__name__}, not a tensor; "
-                "a delegate takes tensors only"
+                f"node {reader.name!r} reads {node.name!r}, a {type(node.meta.get('val')).__name__}, from outside "
+                "its partition; a delegate takes tensors only, so leave that node to plain ATen"
             )
     for node in outputs:
         if not isinstance(node.meta.get("val"), torch.Tensor):
-            raise LoweringError(f"partition output {node.name!r} is not a tensor")
+            raise LoweringError(
+                f"node {node.name!r} gives a {type(node.meta.get('val')).__name__} to nodes outside its partition; "
+                "a delegate returns tensors only"
+            )
 
     constants = constant_placeholders(exported)
     mutated = mutated_buffer_names(exported)

@@ -43,6 +43,8 @@ def open_session(
             f"(available: {', '.join(available)})"
         )
     options = onnxruntime.SessionOptions()
+    # Warnings about graph optimisations it skips are not the user's to act on; errors still show.
+    options.log_severity_level = 3
     options.intra_op_num_threads = torch.get_num_threads()
     options.inter_op_num_threads = 1
     names = list(weights)
