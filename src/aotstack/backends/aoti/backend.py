@@ -22,7 +22,7 @@ from ...devices import HOST, Device, DeviceType
 from ...errors import CompileSpecError, LoweringError, MissingFallbackKernelsError
 from ...op_names import op_name
 from ...specs import CompileSpec, PreprocessResult, compile_spec_value, partition_label
-from ...tensor_data import BytesLike, weights_as_named_data, weights_from_named_data
+from ...tensor_data import BytesLike, content_key, weights_as_named_data, weights_from_named_data
 from .compile import CompileSteps, KernelCheck, compile_partition, generated_fallback_kernels
 from .kernels import (
     FALLBACK_KERNELS_SPEC,
@@ -174,6 +174,7 @@ class AotiBackend(Backend):
         named_data, weights = weights_as_named_data(compiled.constants)
         named_data[LIBRARY_NAME] = compiled.library
         processed = {
+            "library": content_key(compiled.library),
             "weights": weights,
             "input_strides": [static_stride(node) for node in user_input_nodes(exported_program)],
         }
@@ -198,7 +199,7 @@ class AotiBackend(Backend):
         device = self.target_device(compile_specs)
         processed = json.loads(processed_bytes)
         weights = weights_from_named_data(named_data, processed["weights"])
-        runner = open_runner(named_data[LIBRARY_NAME], device, label)
+        runner = open_runner(named_data[LIBRARY_NAME], processed["library"], device, label)
         if device != HOST:
             weights = {fqn: tensor.to(str(device)) for fqn, tensor in weights.items()}
         bound = bind_constants(runner, weights, label)

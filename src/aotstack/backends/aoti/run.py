@@ -15,7 +15,7 @@ import torch
 
 from ...devices import Device, DeviceType
 from ...errors import DelegateInitError, PackageError
-from ...tensor_data import BytesLike, content_key
+from ...tensor_data import BytesLike
 
 
 @dataclass
@@ -30,11 +30,11 @@ class AotiHandle:
     constants: dict[str, torch.Tensor]
 
 
-def open_runner(library: BytesLike, device: Device, label: str) -> Any:
-    """A runner over ``library`` (already hash-verified) on ``device``, with its own weights slot."""
+def open_runner(library: BytesLike, key: str, device: Device, label: str) -> Any:
+    """A runner over ``library`` (already verified, ``key`` its SHA-256) on ``device``, with its own weights slot."""
     open_on_device = runner_factory(device, label)
     try:
-        return open_on_device(library_path(library))
+        return open_on_device(library_path(library, key))
     except RuntimeError as exc:
         raise PackageError(f"cannot open the AOTInductor library of {label}: {exc}") from exc
 
@@ -67,13 +67,13 @@ def visible_devices() -> str:
 _LIBRARY_PATHS: dict[str, str] = {}
 
 
-def library_path(library: BytesLike) -> str:
+def library_path(library: BytesLike, key: str) -> str:
     """A private file holding ``library``, written once per process for each distinct library.
 
     Delegates compiled to the same code share it, so the dynamic loader opens it once; each
-    runner still keeps its own weights.
+    runner still keeps its own weights. ``key`` is the library's hash, recorded when it was
+    compiled, so loading does not hash it a second time.
     """
-    key = content_key(library)
     if key not in _LIBRARY_PATHS:
         directory = private_directory()
         fd, path = tempfile.mkstemp(prefix=key[:16] + "-", suffix=".so", dir=directory)
