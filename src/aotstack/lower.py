@@ -332,7 +332,8 @@ def partition_program(
         placeholder = graph.placeholder(node.name)
         placeholder.meta = copy.copy(node.meta)
         env[node] = placeholder
-        # A mutated buffer is fed at run time like a user input; its state stays in the method.
+        # A mutated buffer the partition does not own is fed at run time like a user input; its
+        # state stays in the method.
         fqn = constants[node] if node in owned else None
         if fqn is None:
             placeholder.meta["val"] = contiguous_like(node.meta["val"])
