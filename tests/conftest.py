@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -42,14 +43,19 @@ print(json.dumps([{"dtype": str(t.dtype), "shape": list(t.shape), "values": t.fl
 """
 
 
+def run_child(script: str, *args: str, stdin: str | None = None) -> Any:
+    """Run ``script`` in a new Python process at the repository root; the JSON its last line prints."""
+    child = subprocess.run(
+        [sys.executable, "-c", script, *args], input=stdin, capture_output=True, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False,
+    )
+    assert child.returncode == 0, child.stderr[-4000:]
+    return json.loads(child.stdout.strip().splitlines()[-1])
+
+
 def run_in_fresh_process(path: Path, method: str, model_name: str) -> list[torch.Tensor]:
     """Load ``path`` in a new Python process and run ``method`` on the model's example inputs."""
-    child = subprocess.run(
-        [sys.executable, "-c", FRESH_PROCESS_RUN, str(path), method, model_name],
-        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False,
-    )
-    assert child.returncode == 0, child.stderr
-    leaves = json.loads(child.stdout.strip().splitlines()[-1])
+    leaves = run_child(FRESH_PROCESS_RUN, str(path), method, model_name)
     return [
         torch.tensor(leaf["values"], dtype=getattr(torch, leaf["dtype"].removeprefix("torch."))).reshape(leaf["shape"])
         for leaf in leaves

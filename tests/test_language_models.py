@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,20 +11,11 @@ import pytest
 import torch
 
 import aotstack
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_child
 
 CACHE = 32
 PROMPT = [3, 7, 11]
 STEPS = 16
-
-
-def run_child(script: str, *args: str) -> dict:
-    child = subprocess.run(
-        [sys.executable, "-c", script, *args], capture_output=True, text=True, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False,
-    )
-    assert child.returncode == 0, child.stderr[-4000:]
-    return json.loads(child.stdout.strip().splitlines()[-1])
 
 
 def small_llama() -> torch.nn.Module:

@@ -9,9 +9,6 @@ from __future__ import annotations
 
 import json
 import operator
-import os
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +19,7 @@ import torch
 import aotstack
 from aotstack.delegate_op import is_delegate_call
 from tests import hf_models
-from tests.conftest import CORPUS_REPORT, ROOT
+from tests.conftest import CORPUS_REPORT, run_child
 
 LOWERINGS: dict[str, Callable[[], list[aotstack.Partitioner]]] = {
     "aoti": lambda: [aotstack.AotiCpuPartitioner()],
@@ -33,7 +30,6 @@ RUN_CORPUS = """
 import json, sys
 import torch
 import aotstack
-from aotstack.delegate_op import is_delegate_call
 from tests import hf_models
 
 for line in sys.stdin:
@@ -44,6 +40,7 @@ for line in sys.stdin:
     except Exception as exc:
         with open(out + ".error", "w") as file:
             file.write(f"{type(exc).__name__}: {exc}")
+print(json.dumps("done"))
 """
 
 
@@ -89,11 +86,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str
                 continue
             results[name] = CorpusResult(engines_text(lowered), None, None)
             jobs.append(json.dumps([name, str(path), str(directory / f"{name}.out")]))
-        child = subprocess.run(
-            [sys.executable, "-c", RUN_CORPUS], input="\n".join(jobs), capture_output=True, text=True,
-            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False,
-        )
-        assert child.returncode == 0, child.stderr[-4000:]
+        run_child(RUN_CORPUS, stdin="\n".join(jobs))
         for name, result in results.items():
             out = directory / f"{name}.out"
             if result.error is None and Path(f"{out}.error").exists():

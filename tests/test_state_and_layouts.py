@@ -8,8 +8,7 @@ from torch.export import Dim
 import aotstack
 from aotstack.package import read_manifest
 from tests import models
-from tests.conftest import assert_matches_eager, run_in_fresh_process
-from tests.test_language_models import run_child
+from tests.conftest import assert_matches_eager, run_child, run_in_fresh_process
 
 
 def test_attention_then_reshape_with_an_op_excluded_matches_eager(lowered_package):
