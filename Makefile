@@ -1,7 +1,7 @@
 # Two commands on a fresh machine: `make demo` and `make test`.
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
-VENV := .venv
+VENV ?= .venv
 BIN := $(VENV)/bin
 
 .PHONY: demo test lint bench clean

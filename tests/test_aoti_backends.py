@@ -10,6 +10,7 @@ import torch
 
 import aotstack
 from aotstack import CompileSpec
+from aotstack.format.specs import compile_spec_value
 from tests import models
 
 needs_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
@@ -109,7 +110,7 @@ def test_cuda_partitioner_claims_conv_linear_and_attention_for_its_device(specs,
 
     (spec,) = result.partition_tags.values()
     assert spec.backend_id == "aoti_cuda"
-    assert aotstack.specs.compile_spec_value(spec.compile_specs, "target_device") == device.encode()
+    assert compile_spec_value(spec.compile_specs, "target_device") == device.encode()
     untagged = [
         node.name
         for node in result.tagged_exported_program.graph.nodes
@@ -150,7 +151,7 @@ def test_concrete_aoti_backends_are_final(backend):
 @pytest.mark.parametrize("device", ["cuda:0", "mps"])
 def test_loading_a_gpu_delegate_where_there_is_no_gpu_names_the_device(device):
     from aotstack.backends.aoti.run import runner_factory
-    from aotstack.devices import Device
+    from aotstack.format.devices import Device
 
     with pytest.raises(aotstack.DelegateInitError, match=f"runs on {Device.parse(device)}, which this machine lacks"):
         runner_factory(Device.parse(device), "a partition")

@@ -6,7 +6,7 @@ import torch
 
 import aotstack
 from aotstack.backends.aoti import compile as aoti_compile
-from aotstack.partitioner import program_weights
+from aotstack.compile.program_parts import program_weights
 from tests import models
 
 

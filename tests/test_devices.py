@@ -11,10 +11,10 @@ import torch
 
 import aotstack
 from aotstack import CompileSpec, DelegationSpec, Partitioner, PartitionResult, PreprocessResult
-from aotstack.delegate_op import call_delegate, d2h_copy, h2d_copy
-from aotstack.devices import Device
-from aotstack.package import read_manifest
-from aotstack.partitioner import DELEGATION_TAG
+from aotstack.compile.partitioner import DELEGATION_TAG
+from aotstack.format.archive import read_manifest
+from aotstack.format.devices import Device
+from aotstack.format.ops import call_delegate, d2h_copy, h2d_copy
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -201,10 +201,10 @@ def test_save_and_load_keep_the_copies_and_inspect_shows_them(tmp_path):
     aotstack.lower(program, [NodesOnDevice("cuda:0", "add", "add_1")]).save(tmp_path / "cuda.pt2")
 
     _, manifest = read_manifest(tmp_path / "cuda.pt2")
-    targets = [step.get("target") for step in manifest["methods"]["forward"]["plan"]["steps"]]
+    targets = [getattr(step, "target", None) for step in manifest.methods["forward"].plan.steps]
     assert targets.count("aotstack.h2d_copy.default") == 3
     assert targets.count("aotstack.d2h_copy.default") == 1
-    assert len(aotstack.load(tmp_path / "cuda.pt2").method("forward").steps) == 6
+    assert len(aotstack.load(tmp_path / "cuda.pt2").method("forward").body.actions) == 6
     listing = aotstack_command("inspect", tmp_path / "cuda.pt2").stdout
     assert "forward.0: test_add_on_device on cuda:0" in listing
     assert "copies: 3 to cuda:0 (a, b, c), 1 to the host (getitem_1)" in listing

@@ -9,7 +9,7 @@ import torch
 from torch.fx.passes.utils.fuser_utils import validate_partition
 
 import aotstack
-from aotstack.delegate_op import is_delegate_call
+from aotstack.format.ops import is_delegate_call
 from tests import models
 from tests.conftest import assert_matches_eager, run_in_fresh_process
 

@@ -10,8 +10,8 @@ import torch
 from torch.export.pt2_archive import PT2ArchiveReader, PT2ArchiveWriter
 
 import aotstack
-from aotstack.backends.aoti import backend as aoti_backend
-from aotstack.package import MANIFEST_PATH
+from aotstack.backends.aoti import run as aoti_run
+from aotstack.format.archive import MANIFEST_PATH
 from tests import models
 
 
@@ -65,11 +65,11 @@ def rewritten_archive(source, target, change):
 
 
 def test_a_library_changed_by_one_byte_is_refused_before_it_is_opened(linear_path, tmp_path, monkeypatch):
-    from aotstack.package import read_manifest
+    from aotstack.format.archive import read_manifest
 
     _, manifest = read_manifest(linear_path)
-    [delegate] = manifest["methods"]["forward"]["delegates"]
-    library_key = delegate["named_data"]["model.so"]
+    [delegate] = manifest.methods["forward"].delegates
+    library_key = delegate.named_data["model.so"]
 
     def flip_one_byte(name, data):
         if name.endswith(library_key):
@@ -79,7 +79,7 @@ def test_a_library_changed_by_one_byte_is_refused_before_it_is_opened(linear_pat
     tampered = tmp_path / "tampered.pt2"
     rewritten_archive(linear_path, tampered, flip_one_byte)
     opened = []
-    monkeypatch.setattr(aoti_backend, "open_runner", lambda *args: opened.append(args))
+    monkeypatch.setattr(aoti_run, "open_runner", lambda *args: opened.append(args))
 
     with pytest.raises(aotstack.PackageError, match=f"tampered.pt2.*{library_key[:16]}.*model.so.*SHA-256"):
         aotstack.load(tampered)
@@ -107,7 +107,7 @@ def test_the_untampered_copy_loads(linear_path, tmp_path):
 def test_bad_inputs_are_refused_before_compiled_code_runs(linear_path, monkeypatch, args, message):
     loaded = aotstack.load(linear_path)
     executed = []
-    monkeypatch.setattr(aoti_backend, "run", lambda handle, inputs: executed.append(inputs))
+    monkeypatch.setattr(aoti_run, "run", lambda handle, inputs: executed.append(inputs))
 
     with pytest.raises(aotstack.InputError, match=message):
         loaded.forward(*args)
@@ -159,7 +159,7 @@ def test_the_manifest_records_versions_devices_specs_and_hashes(linear_path):
     with zipfile.ZipFile(linear_path) as archive:
         [manifest_name] = [n for n in archive.namelist() if n.endswith(MANIFEST_PATH)]
         manifest = json.loads(archive.read(manifest_name))
-    assert manifest["format_version"] == 2
+    assert manifest["format_version"] == 3
     assert manifest["torch_version"] == torch.__version__
     [delegate] = manifest["methods"]["forward"]["delegates"]
     assert delegate["target_device"] == "cpu"

@@ -111,14 +111,12 @@ def test_metal_claims_linear_conv_and_attention_but_not_median():
 
 
 def test_a_probe_is_asked_once_per_op_signature(monkeypatch):
-    from aotstack.backends.aoti import backend as aoti_backend
+    from aotstack.backends.aoti import probe
 
     calls = []
-    real = aoti_backend.generated_fallback_kernels
-    monkeypatch.setattr(aoti_backend, "_PROBED", {})
-    monkeypatch.setattr(
-        aoti_backend, "generated_fallback_kernels", lambda *args: calls.append(1) or real(*args)
-    )
+    real = probe.generated_fallback_kernels
+    monkeypatch.setattr(probe, "_PROBED", {})
+    monkeypatch.setattr(probe, "generated_fallback_kernels", lambda *args: calls.append(1) or real(*args))
     partitioner = aotstack.AotiCpuPartitioner(compile_specs=ONLY_ADDMM)
 
     tags_by_op(partitioner, "median")

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import aotstack
-from aotstack.delegate_op import call_delegate
-from aotstack.partitioner import DELEGATION_TAG
+from aotstack.compile.partitioner import DELEGATION_TAG
+from aotstack.format.ops import call_delegate
 from tests import models
 
 

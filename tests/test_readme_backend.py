@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import aotstack
-from aotstack.backend import _REGISTRY
-from aotstack.package import read_manifest
+from aotstack.backends import registry
+from aotstack.format.archive import read_manifest
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -27,15 +27,15 @@ def test_readme_backend_example_runs(tmp_path, monkeypatch):
     exec(compile(code, str(README), "exec"), {"__name__": "readme_example"})
 
     _, manifest = read_manifest("add.pt2")
-    [delegate] = manifest["methods"]["forward"]["delegates"]
-    assert delegate["backend_id"] == "example_add"
-    assert delegate["ops"] == ["aten.add.Tensor"]
+    [delegate] = manifest.methods["forward"].delegates
+    assert delegate.backend_id == "example_add"
+    assert delegate.ops == ["aten.add.Tensor"]
 
 
 def test_loading_without_the_backend_names_it(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     exec(compile(readme_backend_example(), str(README), "exec"), {"__name__": "readme_example"})
-    monkeypatch.delitem(_REGISTRY, "example_add")
+    monkeypatch.delitem(registry._RUNTIMES, "example_add")
 
     with pytest.raises(aotstack.BackendNotFoundError, match="example_add"):
         aotstack.load("add.pt2")

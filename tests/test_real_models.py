@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import aotstack
-from aotstack.delegate_op import is_delegate_call
+from aotstack.format.ops import is_delegate_call
 from tests import hf_models
 from tests.conftest import CORPUS_REPORT, run_child
 

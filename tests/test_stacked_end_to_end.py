@@ -6,8 +6,10 @@ import pytest
 import torch
 
 import aotstack
-from aotstack.package import read_manifest
-from aotstack.tensor_data import content_key, tensor_bytes
+from aotstack.backends.ort.run import OrtHandle
+from aotstack.format.archive import read_manifest
+from aotstack.format.ops import call_delegate
+from aotstack.format.tensor_data import content_key, tensor_bytes
 from tests import models
 from tests.conftest import assert_matches_eager, run_in_fresh_process
 
@@ -27,7 +29,7 @@ def plain_ops(lowered: aotstack.LoweredProgram) -> list[str]:
 
 
 def is_boundary(node: torch.fx.Node) -> bool:
-    return node.target is aotstack.delegate_op.call_delegate or node.target.__name__ == "getitem"
+    return node.target is call_delegate or node.target.__name__ == "getitem"
 
 
 @pytest.mark.parametrize("order", [ORT_THEN_AOTI, AOTI_THEN_ORT], ids=["ort-then-aoti", "aoti-then-ort"])
@@ -108,10 +110,10 @@ def test_a_buffer_updated_inside_a_delegate_persists_between_calls(lowered_with)
 def test_ort_feeds_contiguous_inputs_without_a_copy(lowered_with, monkeypatch):
     _, path = lowered_with("linear", "ort", lambda: [aotstack.OrtPartitioner()])
     loaded = aotstack.load(path)
-    [delegate_step] = loaded.method("forward").steps
+    [delegate_step] = loaded.method("forward").body.actions
     session = next(
         cell.cell_contents.session for cell in delegate_step.__closure__
-        if isinstance(cell.cell_contents, aotstack.backends.ort.run.OrtHandle)
+        if isinstance(cell.cell_contents, OrtHandle)
     )
     seen = []
     real_run = session.run

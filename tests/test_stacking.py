@@ -12,8 +12,9 @@ import torch
 from torch.fx.passes.utils.fuser_utils import validate_partition
 
 import aotstack
-from aotstack.lower import splice_delegate_call
-from aotstack.partitioner import DELEGATION_TAG
+from aotstack.compile.partitioner import DELEGATION_TAG
+from aotstack.compile.splice import splice_delegate_call
+from aotstack.format.ops import call_delegate
 from tests import models
 
 PARTITIONERS = {
@@ -42,7 +43,7 @@ def lower_by_hand(program: torch.export.ExportedProgram, names: list[str], input
     """Put the nodes called ``names`` behind a delegate call, as an earlier partitioner would."""
     nodes = [node(program, name) for name in names]
     splice_delegate_call(program.graph, nodes, "forward.0", [node(program, n) for n in inputs], nodes[-1:])
-    return next(n for n in program.graph.nodes if n.target is aotstack.delegate_op.call_delegate)
+    return next(n for n in program.graph.nodes if n.target is call_delegate)
 
 
 @pytest.mark.parametrize("backend_id", PARTITIONERS)

@@ -8,88 +8,77 @@ Example::
     lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner()])
     lowered.save("model.pt2")
     y = aotstack.load("model.pt2").forward(x)
+
+Public names are imported when first used, so ``from aotstack import load`` brings in the
+runtime alone, never the compiler.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-from .backend import Backend
-from .backends.aoti import (
-    AotiBackend,
-    AotiCpuBackend,
-    AotiCpuPartitioner,
-    AotiPartitioner,
-    CudaBackend,
-    CudaPartitioner,
-    MetalBackend,
-    MetalPartitioner,
-    ReplaceViewCopyWithViewPass,
-)
-from .backends.ort import OrtBackend, OrtPartitioner
-from .devices import DeviceType, parse_device_spec, propagate_device_pass
-from .errors import (
-    AotstackError,
-    BackendNotFoundError,
-    CompileSpecError,
-    DelegateInitError,
-    ExportError,
-    InputError,
-    LoweringError,
-    MethodNotFoundError,
-    MissingFallbackKernelsError,
-    PackageError,
-)
-from .export import Program, export
-from .lower import Delegate, LoweredProgram, lower
-from .partitioner import (
-    Partitioner,
-    SupportedOpsPartitioner,
-    get_non_lowered_nodes,
-    tag_constant_data,
-    tag_mutated_buffer,
-)
-from .runtime import LoadedProgram, load
-from .specs import CompileSpec, DelegationSpec, PartitionResult, PreprocessResult
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "AotiBackend": "backends.aoti.backend",
+    "AotiCpuBackend": "backends.aoti.cpu",
+    "AotiCpuPartitioner": "backends.aoti.cpu",
+    "AotiPartitioner": "backends.aoti.partitioner",
+    "CudaBackend": "backends.aoti.cuda",
+    "CudaPartitioner": "backends.aoti.cuda",
+    "MetalBackend": "backends.aoti.metal",
+    "MetalPartitioner": "backends.aoti.metal",
+    "ReplaceViewCopyWithViewPass": "backends.aoti.passes",
+    "OrtBackend": "backends.ort.backend",
+    "OrtPartitioner": "backends.ort.partitioner",
+    "Backend": "backends.base",
+    "BackendRuntime": "backends.base",
+    "AotstackError": "errors",
+    "BackendNotFoundError": "errors",
+    "CompileSpecError": "errors",
+    "DelegateInitError": "errors",
+    "ExportError": "errors",
+    "InputError": "errors",
+    "LoweringError": "errors",
+    "MethodNotFoundError": "errors",
+    "MissingFallbackKernelsError": "errors",
+    "PackageError": "errors",
+    "CompileSpec": "format.specs",
+    "DelegationSpec": "format.specs",
+    "PreprocessResult": "format.specs",
+    "SpecKey": "format.specs",
+    "DeviceType": "format.devices",
+    "parse_device_spec": "format.devices",
+    "Delegate": "format.records",
+    "Program": "compile.export",
+    "export": "compile.export",
+    "LoweredProgram": "compile.lower",
+    "lower": "compile.lower",
+    "propagate_device_pass": "compile.devices",
+    "Partitioner": "compile.partitioner",
+    "PartitionResult": "compile.partitioner",
+    "SupportedOpsPartitioner": "compile.partitioner",
+    "get_non_lowered_nodes": "compile.partitioner",
+    "tag_constant_data": "compile.partitioner",
+    "tag_mutated_buffer": "compile.partitioner",
+    "LoadedProgram": "runtime.load",
+    "load": "runtime.load",
+}
 
-__all__ = [
-    "AotiBackend",
-    "AotiCpuBackend",
-    "AotiCpuPartitioner",
-    "AotiPartitioner",
-    "AotstackError",
-    "Backend",
-    "BackendNotFoundError",
-    "CompileSpec",
-    "CompileSpecError",
-    "CudaBackend",
-    "CudaPartitioner",
-    "Delegate",
-    "DelegateInitError",
-    "DelegationSpec",
-    "DeviceType",
-    "ExportError",
-    "InputError",
-    "LoadedProgram",
-    "LoweredProgram",
-    "LoweringError",
-    "MetalBackend",
-    "MetalPartitioner",
-    "MethodNotFoundError",
-    "MissingFallbackKernelsError",
-    "OrtBackend",
-    "OrtPartitioner",
-    "PackageError",
-    "PartitionResult",
-    "Partitioner",
-    "PreprocessResult",
-    "Program",
-    "ReplaceViewCopyWithViewPass",
-    "SupportedOpsPartitioner",
-    "export",
-    "get_non_lowered_nodes",
-    "load",
-    "lower",
-    "parse_device_spec",
-    "propagate_device_pass",
-    "tag_constant_data",
-    "tag_mutated_buffer",
-]
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aotstack' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+

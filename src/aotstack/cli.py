@@ -17,7 +17,9 @@ import torch
 from .errors import AotstackError
 
 if TYPE_CHECKING:
-    from .partitioner import Partitioner
+    from .compile.partitioner import Partitioner
+    from .format.manifest import InputRecord
+    from .format.plan import Step
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,10 +90,12 @@ def compile_command(args: argparse.Namespace) -> int:
 
 def cli_partitioners(args: argparse.Namespace) -> list[Partitioner]:
     """ONNX Runtime first when asked for, then AOTInductor for ``--device``."""
-    from .backends.aoti import AotiCpuPartitioner, CudaPartitioner, MetalPartitioner
-    from .backends.ort import OrtPartitioner
-    from .devices import DeviceType, parse_device_spec
-    from .specs import CompileSpec
+    from .backends.aoti.cpu import AotiCpuPartitioner
+    from .backends.aoti.cuda import CudaPartitioner
+    from .backends.aoti.metal import MetalPartitioner
+    from .backends.ort.partitioner import OrtPartitioner
+    from .format.devices import DeviceType, parse_device_spec
+    from .format.specs import CompileSpec, SpecKey
 
     device_type, _ = parse_device_spec(args.device)
     aoti = {DeviceType.CPU: AotiCpuPartitioner, DeviceType.CUDA: CudaPartitioner, DeviceType.MPS: MetalPartitioner}
@@ -101,7 +105,7 @@ def cli_partitioners(args: argparse.Namespace) -> list[Partitioner]:
     partitioners.append(
         aoti[device_type](
             exclude_ops=args.exclude_op,
-            compile_specs=[CompileSpec("target_device", args.device.encode())],
+            compile_specs=[CompileSpec(SpecKey.TARGET_DEVICE, args.device.encode())],
             min_block_size=args.min_block_size,
         )
     )
@@ -127,7 +131,7 @@ def model_from_target(target: str) -> tuple[torch.nn.Module, dict[str, tuple[Any
 def run_command(args: argparse.Namespace) -> int:
     import aotstack
 
-    from .package import read_manifest
+    from .format.archive import read_manifest
 
     _, manifest = read_manifest(args.package)
     started = time.perf_counter()
@@ -136,9 +140,9 @@ def run_command(args: argparse.Namespace) -> int:
     names = [args.method] if args.method else loaded.method_names
     for name in names:
         method = loaded.method(name)
-        records = manifest["methods"][name]["inputs"]
-        inputs = [random_argument(record) for record in records]
-        in_spec = torch.utils._pytree.treespec_loads(manifest["methods"][name]["in_spec"])
+        record = manifest.methods[name]
+        inputs = [random_argument(argument) for argument in record.inputs]
+        in_spec = torch.utils._pytree.treespec_loads(record.in_spec)
         positional, keywords = torch.utils._pytree.tree_unflatten(inputs, in_spec)
         with torch.no_grad():
             result = method(*positional, **keywords)
@@ -155,17 +159,17 @@ def run_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def random_argument(record: dict[str, Any]) -> Any:
+def random_argument(record: InputRecord) -> Any:
     """A random value the input ``record`` accepts; each symbolic size at its smallest."""
-    from .tensor_data import dtype_from_name
+    from .format.manifest import Dim
+    from .format.tensor_data import dtype_from_name
 
-    kind = record["kind"]
-    if kind == "none":
+    if record.kind == "none":
         return None
-    if kind != "tensor":
-        return record["value"] if record["value"] is not None else record.get("min", 1)
-    dtype = dtype_from_name(record["dtype"])
-    shape = [d if isinstance(d, int) else max(1, d["min"]) if isinstance(d, dict) else 1 for d in record["shape"]]
+    if record.kind != "tensor":
+        return record.value if record.value is not None else record.dim.min if record.dim else 1
+    dtype = dtype_from_name(record.dtype or "")
+    shape = [d if isinstance(d, int) else max(1, d.min) if isinstance(d, Dim) else 1 for d in record.shape or []]
     if dtype.is_floating_point or dtype.is_complex:
         return torch.randn(shape, dtype=dtype)
     if dtype == torch.bool:
@@ -186,40 +190,46 @@ def summary(value: Any) -> str:
 
 
 def inspect_command(args: argparse.Namespace) -> int:
-    from .inputs import record_text
-    from .package import read_manifest
+    from .format.archive import read_manifest
+    from .runtime.inputs import record_text
 
     _, manifest = read_manifest(args.package)
-    blobs = manifest["blobs"]
+    blobs = manifest.blobs
     print(f"{args.package}: {os.path.getsize(args.package) / 1e6:.2f} MB, aotstack format "
-          f"{manifest['format_version']}, written by aotstack {manifest['aotstack_version']} "
-          f"with torch {manifest['torch_version']}")
-    for name, method in manifest["methods"].items():
-        inputs = ", ".join(record_text(record) for record in method["inputs"])
-        weights = sum(blobs[w["blob"]] for w in method["weights"].values())
-        print(f"\nmethod {name}({inputs}): {len(method['delegates'])} delegate(s), "
-              f"{len(method['weights'])} weight(s) outside delegates ({weights / 1e3:.1f} kB)")
-        for delegate in method["delegates"]:
-            size = sum(blobs[key] for key in delegate["named_data"].values())
-            print(f"  {delegate['id']}: {delegate['backend_id']} on {delegate['target_device']}, "
-                  f"{len(delegate['inputs'])} in / {len(delegate['outputs'])} out, {size / 1e3:.1f} kB")
-            print(f"    ops: {', '.join(delegate['ops'])}")
-        copies = copies_text(method["plan"]["steps"])
+          f"{manifest.format_version}, written by aotstack {manifest.aotstack_version} "
+          f"with torch {manifest.torch_version}")
+    for name, method in manifest.methods.items():
+        inputs = ", ".join(record_text(record) for record in method.inputs)
+        weights = sum(blobs[w.blob] for w in method.weights.values())
+        print(f"\nmethod {name}({inputs}): {len(method.delegates)} delegate(s), "
+              f"{len(method.weights)} weight(s) outside delegates ({weights / 1e3:.1f} kB)")
+        for delegate in method.delegates:
+            size = sum(blobs[key] for key in delegate.named_data.values())
+            print(f"  {delegate.id}: {delegate.backend_id} on {delegate.target_device}, "
+                  f"{len(delegate.inputs)} in / {len(delegate.outputs)} out, {size / 1e3:.1f} kB")
+            print(f"    ops: {', '.join(delegate.ops)}")
+        copies = copies_text(method.plan.steps)
         if copies:
             print(f"  copies: {copies}")
     print(f"\n{len(blobs)} blob(s), {sum(blobs.values()) / 1e6:.2f} MB, each stored once")
     return 0
 
 
-def copies_text(steps: list[dict[str, Any]]) -> str:
+def copies_text(steps: list[Step]) -> str:
     """``3 to cuda:0 (a, b, c), 1 to the host (getitem_1)``: the host-device copies in a run plan."""
+    from .format.op_names import op_name
+    from .format.ops import d2h_copy, h2d_copy
+    from .format.plan import OpStep
+
     moved: dict[str, list[str]] = {}
     for step in steps:
-        if step.get("target") == "aotstack.h2d_copy.default":
-            source, device = step["args"]["list"]
-            moved.setdefault(f"to {device}", []).append(source["ref"])
-        elif step.get("target") == "aotstack.d2h_copy.default":
-            moved.setdefault("to the host", []).append(step["args"]["list"][0]["ref"])
+        if not isinstance(step, OpStep):
+            continue
+        if step.target == op_name(h2d_copy):
+            source, device = step.args
+            moved.setdefault(f"to {device}", []).append(source.name)
+        elif step.target == op_name(d2h_copy):
+            moved.setdefault("to the host", []).append(step.args[0].name)
     return ", ".join(f"{len(names)} {where} ({', '.join(names)})" for where, names in moved.items())
 
 

@@ -1,6 +1,6 @@
-"""``AotiBackend``: the one base every AOTInductor backend builds on.
+"""``AotiBackend``: the compile side every AOTInductor backend builds on (the run side is ``run.py``).
 
-The compile steps and the run side live here, once. A concrete backend only answers the
+The compile steps live here, once. A concrete backend only answers the
 hooks: its device, the fallback kernels its runtime has, its decompositions, its Inductor
 options and its graph passes. Concrete backends are final.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -17,24 +17,16 @@ from torch.export import ExportedProgram
 from torch.fx import Node
 from torch.nn.attention import SDPBackend
 
-from ...backend import Backend
-from ...devices import HOST, Device, DeviceType
-from ...errors import CompileSpecError, LoweringError, MissingFallbackKernelsError
-from ...op_names import op_name
-from ...specs import CompileSpec, PreprocessResult, compile_spec_value, partition_label
-from ...tensor_data import BytesLike, content_key, weights_as_named_data, weights_from_named_data
-from .compile import CompileSteps, KernelCheck, compile_partition, generated_fallback_kernels
-from .kernels import (
-    FALLBACK_KERNELS_SPEC,
-    kernel_allowed,
-    parse_kernel_list,
-    signature_key,
-    single_op_program,
-)
+from ...errors import LoweringError, MissingFallbackKernelsError
+from ...format.devices import HOST, Device
+from ...format.specs import CompileSpec, PreprocessResult, SpecKey, compile_spec_value, partition_label
+from ...format.tensor_data import content_key, weights_as_named_data
+from ..base import Backend
+from .compile import CompileSteps, KernelCheck, compile_partition
+from .kernels import kernel_allowed, parse_kernel_list
 from .passes import GraphPass, ReplaceViewCopyWithViewPass
-from .run import AotiHandle, bind_constants, device_available, open_runner, run
-
-LIBRARY_NAME = "model.so"
+from .probe import needed_fallback_kernels
+from .run import LIBRARY_NAME, device_available, target_device
 
 logger = logging.getLogger("aotstack")
 
@@ -85,27 +77,12 @@ class AotiBackend(Backend):
         """Every AOTInductor option a compile uses: the target's, with weights kept out of the library."""
         return {**self.inductor_options(compile_specs), "aot_inductor.package_constants_in_so": False}
 
-    def default_target_device(self) -> Device:
-        return Device(DeviceType(self.device_name))
-
     def target_device(self, compile_specs: list[CompileSpec]) -> Device:
-        value = compile_spec_value(compile_specs, "target_device")
-        if value is None:
-            return self.default_target_device()
-        try:
-            device = Device.parse(value.decode())
-        except ValueError as exc:
-            raise CompileSpecError(f"compile spec 'target_device': {exc}") from None
-        if device.type.value != self.device_name:
-            raise CompileSpecError(
-                f"compile spec 'target_device' is {value.decode()!r}, but {self.backend_id} "
-                f"compiles for {self.device_name} devices"
-            )
-        return device
+        return target_device(compile_specs, self.backend_id, self.device_name)
 
     def fallback_kernels(self, compile_specs: list[CompileSpec]) -> frozenset[str] | None:
         """The fallback kernels the target's runtime has; None means every one."""
-        value = compile_spec_value(compile_specs, FALLBACK_KERNELS_SPEC)
+        value = compile_spec_value(compile_specs, SpecKey.FALLBACK_KERNELS)
         return self.default_fallback_kernels if value is None else parse_kernel_list(value)
 
     def validate_compile_specs(self, compile_specs: list[CompileSpec]) -> None:
@@ -135,15 +112,7 @@ class AotiBackend(Backend):
         """
         target = self.target_device(compile_specs)
         device = target if device_available(target) else HOST
-        steps = self.compile_steps(compile_specs, device)
-        key = (self.backend_id, str(device), repr(sorted(steps.options.items())), signature_key(node))
-        if key not in _PROBED:
-            try:
-                _PROBED[key] = generated_fallback_kernels(single_op_program(node), steps)
-            except Exception as exc:  # an op Inductor cannot compile on its own needs ATen's own kernel
-                logger.info("%s: %s cannot be compiled on its own (%s)", self.backend_id, node.name, exc)
-                _PROBED[key] = frozenset({op_name(node.target)})
-        return _PROBED[key]
+        return needed_fallback_kernels(self.backend_id, node, self.compile_steps(compile_specs, device))
 
     def updates_in_place(self, buffer: torch.Tensor, compile_specs: list[CompileSpec]) -> bool:
         # The runner writes into the user-managed buffer it is given; a device copy would not be the
@@ -181,7 +150,7 @@ class AotiBackend(Backend):
         return PreprocessResult(json.dumps(processed).encode(), named_data)
 
     def kernel_check(self, allowed: frozenset[str], compile_specs: list[CompileSpec]) -> KernelCheck:
-        method = compile_spec_value(compile_specs, "method_name")
+        method = compile_spec_value(compile_specs, SpecKey.METHOD_NAME)
 
         def check(kernels: frozenset[str]) -> None:
             missing = {kernel: [] for kernel in kernels if not kernel_allowed(kernel, allowed)}
@@ -190,27 +159,7 @@ class AotiBackend(Backend):
 
         return check
 
-    # Run side --------------------------------------------------------------------------------
 
-    def init(
-        self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
-    ) -> AotiHandle:
-        label = partition_label(self.backend_id, compile_specs)
-        device = self.target_device(compile_specs)
-        processed = json.loads(processed_bytes)
-        weights = weights_from_named_data(named_data, processed["weights"])
-        runner = open_runner(named_data[LIBRARY_NAME], processed["library"], device, label)
-        if device != HOST:
-            weights = {fqn: tensor.to(str(device)) for fqn, tensor in weights.items()}
-        bound = bind_constants(runner, weights, label)
-        strides = [None if s is None else tuple(s) for s in processed["input_strides"]]
-        return AotiHandle(runner=runner, input_strides=strides, constants=bound)
-
-    def execute(self, handle: AotiHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return run(handle, inputs)
-
-
-_PROBED: dict[tuple[str, ...], frozenset[str]] = {}
 
 
 def user_input_nodes(exported_program: ExportedProgram) -> list[torch.fx.Node]:

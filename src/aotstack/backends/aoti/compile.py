@@ -17,11 +17,11 @@ from torch.export import ExportedProgram
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ... import __version__
-from ...devices import HOST, Device, DeviceType
+from ...compile.program_parts import program_weights
 from ...errors import LoweringError
-from ...partitioner import program_weights
-from ...tensor_data import content_key, tensor_bytes
-from .kernels import recorded_fallback_kernels, stopped_before_cpp_compile, stopped_by_probe
+from ...format.devices import HOST, Device, DeviceType
+from ...format.tensor_data import content_key, tensor_bytes
+from .kernels import recorded_fallback_kernels
 from .passes import GraphPass
 
 logger = logging.getLogger("aotstack")
@@ -88,20 +88,6 @@ def compiled_library(
         if kernel_check is not None:
             kernel_check(frozenset(kernels))
         return library_from_package(package_path, label)
-
-
-def generated_fallback_kernels(exported_program: ExportedProgram, steps: CompileSteps) -> frozenset[str]:
-    """The fallback kernels AOTInductor's code for ``exported_program`` calls, found without a C++ compile."""
-    program = prepared_program(exported_program, steps)
-    options = {**steps.options, "fx_graph_cache": False}
-    with tempfile.TemporaryDirectory(prefix="aotstack-probe-") as workdir:
-        with recorded_fallback_kernels() as kernels, stopped_before_cpp_compile():
-            try:
-                aoti_package(program, os.path.join(workdir, "probe.pt2"), replace(steps, options=options))
-            except Exception as exc:
-                if not stopped_by_probe(exc):
-                    raise
-    return frozenset(kernels)
 
 
 def aoti_package(program: ExportedProgram, package_path: str, steps: CompileSteps) -> None:

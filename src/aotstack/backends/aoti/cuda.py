@@ -14,11 +14,9 @@ from typing import Any, ClassVar
 import torch
 
 from ...errors import CompileSpecError
-from ...specs import CompileSpec, compile_spec_value
+from ...format.specs import CompileSpec, SpecKey, compile_spec_value
 from .backend import AotiBackend
 from .partitioner import AotiPartitioner
-
-AUTOTUNE_SPEC = "autotune"
 
 aten = torch.ops.aten
 
@@ -49,12 +47,12 @@ class CudaBackend(AotiBackend):
 
 def autotune_enabled(compile_specs: list[CompileSpec]) -> bool:
     """The ``autotune`` compile spec: ``ON`` (default) or ``OFF``, in any case; anything else raises."""
-    value = compile_spec_value(compile_specs, AUTOTUNE_SPEC)
+    value = compile_spec_value(compile_specs, SpecKey.AUTOTUNE)
     if value is None:
         return True
     setting = value.decode(errors="replace").strip().upper()
     if setting not in ("ON", "OFF"):
-        raise CompileSpecError(f"compile spec {AUTOTUNE_SPEC!r} must be ON or OFF, got {value!r}")
+        raise CompileSpecError(f"compile spec {SpecKey.AUTOTUNE.value!r} must be ON or OFF, got {value!r}")
     return setting == "ON"
 
 

@@ -6,9 +6,8 @@ four, a runtime without Python perhaps none. A kernel is named here as the ATen 
 ``aoti_torch_<device>_addmm_out`` or, for ops outside its C shim, ``at::_ops::<op>::call``.
 
 Two places ask which kernels a graph needs, and both ask Inductor itself, by recording its
-C++ wrapper's kernel calls: a partitioner, per op, before claiming it (the op alone goes
-through the backend's compile steps and Inductor's code generation, stopped before the C++
-compile), and the real compile of a whole partition.
+C++ wrapper's kernel calls: a partitioner, per op, before claiming it (``probe.py``), and the
+real compile of a whole partition (``compile.py``).
 """
 
 from __future__ import annotations
@@ -19,14 +18,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.export import ExportedProgram
-from torch.fx import Graph, GraphModule, Node
-from torch.utils import _pytree as pytree
 
 from ...errors import CompileSpecError
-from ...op_names import normalized_op_name, op_name
-
-FALLBACK_KERNELS_SPEC = "fallback_kernels"
+from ...format.op_names import normalized_op_name, op_name
+from ...format.specs import SpecKey
 
 _SHIM_PREFIX = re.compile(r"^aoti_torch_(?:cpu|cuda|mps|xpu)_")
 
@@ -70,7 +65,7 @@ def parse_kernel_list(value: bytes) -> frozenset[str]:
     """The ``fallback_kernels`` compile spec: op names separated by commas; empty allows none."""
     names = [name.strip() for name in value.decode().split(",") if name.strip()]
     try:
-        return frozenset(normalized_op_name(name, f"compile spec {FALLBACK_KERNELS_SPEC!r}") for name in names)
+        return frozenset(normalized_op_name(name, f"compile spec {SpecKey.FALLBACK_KERNELS.value!r}") for name in names)
     except ValueError as exc:
         raise CompileSpecError(str(exc)) from None
 
@@ -137,44 +132,3 @@ def stopped_by_probe(exc: BaseException) -> bool:
     return False
 
 
-def single_op_program(node: Node) -> ExportedProgram:
-    """An exported program that runs ``node``'s op alone, on host tensors shaped like its inputs."""
-    graph = Graph()
-    placeholders = {source: graph.placeholder(f"input_{i}") for i, source in enumerate(node.all_input_nodes)}
-    args, kwargs = pytree.tree_map_only(Node, placeholders.__getitem__, (node.args, node.kwargs))
-    graph.output(graph.call_function(node.target, tuple(args), dict(kwargs)))
-    module = GraphModule(torch.nn.Module(), graph)
-    examples = tuple(example_value(source.meta.get("val")) for source in placeholders)
-    return torch.export.export(module, examples, strict=False)
-
-
-def example_value(value: Any) -> Any:
-    """A real value standing in for a node's fake one; symbolic sizes take their hints."""
-    if isinstance(value, torch.Tensor):
-        shape = [size_hint(s) for s in value.shape]
-        stride = [size_hint(s) for s in value.stride()]
-        return torch.empty_strided(shape, stride, dtype=value.dtype).zero_()
-    if isinstance(value, torch.SymInt):
-        return size_hint(value)
-    return value
-
-
-def size_hint(size: int | torch.SymInt) -> int:
-    if isinstance(size, int):
-        return size
-    hint = size.node.hint
-    return int(hint) if hint is not None else 2
-
-
-def signature_key(node: Node) -> str:
-    """What a probe of ``node``'s op depends on: the op and the shapes, strides and values it gets."""
-
-    def described(value: Any) -> Any:
-        if isinstance(value, Node):
-            value = value.meta.get("val")
-        if isinstance(value, torch.Tensor):
-            sizes, strides = tuple(map(size_hint, value.shape)), tuple(map(size_hint, value.stride()))
-            return ("tensor", str(value.dtype), sizes, strides)
-        return repr(value)
-
-    return repr((op_name(node.target), pytree.tree_map(described, (node.args, node.kwargs))))

@@ -10,10 +10,11 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
+from ...compile.partitioner import PartitionResult, SupportedOpsPartitioner
+from ...compile.program_parts import subgraph_modules
 from ...errors import MissingFallbackKernelsError
-from ...op_names import OpName, matches_any, normalized_op_name
-from ...partitioner import SupportedOpsPartitioner, subgraph_modules
-from ...specs import CompileSpec, PartitionResult
+from ...format.op_names import OpName, matches_any, normalized_op_name
+from ...format.specs import CompileSpec
 from .backend import AotiBackend
 from .kernels import kernel_allowed
 
@@ -57,7 +58,7 @@ class AotiPartitioner(SupportedOpsPartitioner):
         self.fallback_kernels = self.aoti_backend.fallback_kernels(self.compile_specs)
 
     def default_target_device(self) -> str:
-        return str(self.aoti_backend.default_target_device())
+        return str(self.aoti_backend.target_device([]))
 
     def supports_op(self, op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> bool:
         return op.namespace in ("aten", "prims", "higher_order") and not matches_any(op, self.exclude_ops)

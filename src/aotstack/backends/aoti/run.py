@@ -4,18 +4,78 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from ...devices import Device, DeviceType
-from ...errors import DelegateInitError, PackageError
-from ...tensor_data import BytesLike
+from ...errors import CompileSpecError, DelegateInitError, PackageError
+from ...format.devices import HOST, Device, DeviceType
+from ...format.specs import CompileSpec, SpecKey, compile_spec_value, partition_label
+from ...format.tensor_data import BytesLike, weights_from_named_data
+from ..base import BackendRuntime
+
+# The named data holding a partition's shared library.
+LIBRARY_NAME = "model.so"
+
+
+class AotiRuntime(BackendRuntime):
+    """The run side every AOTInductor backend shares; each device type registers its own."""
+
+    device_name: ClassVar[str]
+
+    def init(
+        self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
+    ) -> AotiHandle:
+        label = partition_label(self.backend_id, compile_specs)
+        device = target_device(compile_specs, self.backend_id, self.device_name)
+        processed = json.loads(processed_bytes)
+        weights = weights_from_named_data(named_data, processed["weights"])
+        runner = open_runner(named_data[LIBRARY_NAME], processed["library"], device, label)
+        if device != HOST:
+            weights = {fqn: tensor.to(str(device)) for fqn, tensor in weights.items()}
+        bound = bind_constants(runner, weights, label)
+        strides = [None if s is None else tuple(s) for s in processed["input_strides"]]
+        return AotiHandle(runner=runner, input_strides=strides, constants=bound)
+
+    def execute(self, handle: AotiHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return run(handle, inputs)
+
+
+class AotiCpuRuntime(AotiRuntime):
+    backend_id = "aoti_cpu"
+    device_name = "cpu"
+
+
+class CudaRuntime(AotiRuntime):
+    backend_id = "aoti_cuda"
+    device_name = "cuda"
+
+
+class MetalRuntime(AotiRuntime):
+    backend_id = "aoti_metal"
+    device_name = "mps"
+
+
+def target_device(compile_specs: list[CompileSpec], backend_id: str, device_name: str) -> Device:
+    """The device the ``target_device`` spec names, the backend's own type where it names none."""
+    value = compile_spec_value(compile_specs, SpecKey.TARGET_DEVICE)
+    if value is None:
+        return Device(DeviceType(device_name))
+    try:
+        device = Device.parse(value.decode())
+    except ValueError as exc:
+        raise CompileSpecError(f"compile spec 'target_device': {exc}") from None
+    if device.type.value != device_name:
+        raise CompileSpecError(
+            f"compile spec 'target_device' is {value.decode()!r}, but {backend_id} compiles for {device_name} devices"
+        )
+    return device
 
 
 @dataclass

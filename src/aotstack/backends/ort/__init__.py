@@ -1,6 +1,1 @@
-"""ONNX Runtime backend: partitions exported to ONNX, run in an InferenceSession."""
-
-from .backend import OrtBackend
-from .partitioner import OrtPartitioner
-
-__all__ = ["OrtBackend", "OrtPartitioner"]
+"""ONNX Runtime backend: partitioner, compile side (ONNX export), run side (an InferenceSession)."""

@@ -1,21 +1,18 @@
-"""``OrtBackend``: partitions exported to ONNX and run in an ONNX Runtime session."""
+"""``OrtBackend``: the compile side of ONNX Runtime, partitions exported to ONNX (the run side is ``run.py``)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 
 import torch
 from torch.export import ExportedProgram
 
-from ...backend import Backend
 from ...errors import LoweringError
-from ...specs import CompileSpec, PreprocessResult, compile_spec_value, partition_label
-from ...tensor_data import BytesLike, weights_as_named_data, weights_from_named_data
+from ...format.specs import CompileSpec, PreprocessResult, partition_label
+from ...format.tensor_data import weights_as_named_data
+from ..base import Backend
 from .compile import export_partition
-from .run import DEFAULT_PROVIDERS, OrtHandle, open_session, run
-
-MODEL_NAME = "model.onnx"
+from .run import MODEL_NAME, providers
 
 
 class OrtBackend(Backend):
@@ -42,37 +39,6 @@ class OrtBackend(Backend):
             "outputs": onnx_partition.output_names,
         }
         return PreprocessResult(json.dumps(processed).encode(), named_data)
-
-    def init(
-        self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
-    ) -> OrtHandle:
-        processed = json.loads(processed_bytes)
-        weights = weights_from_named_data(named_data, processed["weights"])
-        return open_session(
-            bytes(named_data[MODEL_NAME]),
-            weights,
-            providers(compile_specs),
-            processed["inputs"],
-            processed["outputs"],
-            partition_label(self.backend_id, compile_specs),
-        )
-
-    def execute(self, handle: OrtHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return run(handle, inputs)
-
-
-def providers(compile_specs: list[CompileSpec]) -> list[str]:
-    """The execution providers named by the ``providers`` compile spec."""
-    value = compile_spec_value(compile_specs, "providers")
-    if value is None:
-        return list(DEFAULT_PROVIDERS)
-    names = [name.strip() for name in value.decode().split(",") if name.strip()]
-    if not names or not all(name.endswith("ExecutionProvider") for name in names):
-        raise LoweringError(
-            f"compile spec 'providers' must list ONNX Runtime execution providers, such as "
-            f"'CUDAExecutionProvider,CPUExecutionProvider'; got {value!r}"
-        )
-    return names
 
 
 # numpy carries the tensors across without a copy, so the boundary takes the dtypes it has.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,8 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch.export import ExportedProgram
 
-from ...errors import AotstackError, LoweringError
-from ...partitioner import program_weights
+from ...compile.program_parts import program_weights
+from ...errors import LoweringError
+from .packages import require_packages
 
 
 @dataclass(frozen=True)
@@ -100,8 +100,3 @@ def quiet_exporter() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def require_packages(modules: tuple[str, ...], message: str, error: type[AotstackError]) -> None:
-    """Raise ``error`` naming the packages of ``modules`` that are not installed."""
-    missing = [name for name in modules if importlib.util.find_spec(name) is None]
-    if missing:
-        raise error(message.format(missing=", ".join(missing)) + "; install them with: pip install 'aotstack[onnx]'")

@@ -8,12 +8,13 @@ from typing import Any
 
 import torch
 
+from ...compile.partitioner import CONTROL_FLOW_OPS, SupportedOpsPartitioner
 from ...errors import LoweringError
-from ...op_names import OpName, matches_any, normalized_op_name
-from ...partitioner import CONTROL_FLOW_OPS, SupportedOpsPartitioner
-from ...specs import CompileSpec
+from ...format.op_names import OpName, matches_any, normalized_op_name
+from ...format.specs import CompileSpec
 from .backend import OrtBackend
-from .compile import quiet_exporter, require_packages
+from .compile import quiet_exporter
+from .packages import require_packages
 
 # Nodes the exporter drops instead of translating.
 _DROPPED_BY_EXPORTER = frozenset({

@@ -2,16 +2,59 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ...errors import DelegateInitError
-from .compile import require_packages
+from ...errors import DelegateInitError, LoweringError
+from ...format.specs import CompileSpec, SpecKey, compile_spec_value, partition_label
+from ...format.tensor_data import BytesLike, weights_from_named_data
+from ..base import BackendRuntime
+from .packages import require_packages
 
 DEFAULT_PROVIDERS = ("CPUExecutionProvider",)
+# The named data holding a partition's ONNX model.
+MODEL_NAME = "model.onnx"
+
+
+class OrtRuntime(BackendRuntime):
+    """ONNX Runtime's run side: one ``InferenceSession`` per delegate."""
+
+    backend_id = "onnxruntime"
+
+    def init(
+        self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
+    ) -> OrtHandle:
+        processed = json.loads(processed_bytes)
+        weights = weights_from_named_data(named_data, processed["weights"])
+        return open_session(
+            bytes(named_data[MODEL_NAME]),
+            weights,
+            providers(compile_specs),
+            processed["inputs"],
+            processed["outputs"],
+            partition_label(self.backend_id, compile_specs),
+        )
+
+    def execute(self, handle: OrtHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return run(handle, inputs)
+
+
+def providers(compile_specs: list[CompileSpec]) -> list[str]:
+    """The execution providers named by the ``providers`` compile spec."""
+    value = compile_spec_value(compile_specs, SpecKey.PROVIDERS)
+    if value is None:
+        return list(DEFAULT_PROVIDERS)
+    names = [name.strip() for name in value.decode().split(",") if name.strip()]
+    if not names or not all(name.endswith("ExecutionProvider") for name in names):
+        raise LoweringError(
+            f"compile spec 'providers' must list ONNX Runtime execution providers, such as "
+            f"'CUDAExecutionProvider,CPUExecutionProvider'; got {value!r}"
+        )
+    return names
 
 
 @dataclass(frozen=True)

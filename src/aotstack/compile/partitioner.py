@@ -9,6 +9,7 @@ from __future__ import annotations
 import operator
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -17,10 +18,16 @@ from torch.export.graph_signature import InputKind
 from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partition
 from torch.fx.passes.operator_support import OperatorSupportBase
-from torch.utils import _pytree as pytree
 
-from .delegate_op import is_delegate_call, is_delegate_output
-from .specs import CompileSpec, DelegationSpec, PartitionResult
+from ..format.ops import is_delegate_call, is_delegate_output
+from ..format.specs import CompileSpec, DelegationSpec, SpecKey
+from .program_parts import (
+    constant_placeholders,
+    is_size_computation,
+    mutated_buffer_names,
+    subgraph_modules,
+    subgraph_nodes,
+)
 
 DELEGATION_TAG = "delegation_tag"
 
@@ -31,7 +38,13 @@ CONTROL_FLOW_OPS = ("cond", "while_loop", "scan", "map_impl")
 # Ops that only reinterpret memory; they do not count towards ``min_block_size``.
 _NON_COMPUTE_OPS = frozenset({"aten._unsafe_view.default"})
 
-_CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+
+@dataclass
+class PartitionResult:
+    """What a partitioner returns: the program with ``delegation_tag`` set on claimed nodes."""
+
+    tagged_exported_program: ExportedProgram
+    partition_tags: dict[str, DelegationSpec]
 
 
 class Partitioner(ABC):
@@ -70,8 +83,8 @@ class SupportedOpsPartitioner(Partitioner):
 
     def delegation_spec(self) -> DelegationSpec:
         specs = list(self.compile_specs)
-        if not any(spec.key == "target_device" for spec in specs):
-            specs.insert(0, CompileSpec("target_device", self.default_target_device().encode()))
+        if not any(spec.key == SpecKey.TARGET_DEVICE for spec in specs):
+            specs.insert(0, CompileSpec(SpecKey.TARGET_DEVICE, self.default_target_device().encode()))
         return DelegationSpec(self.backend_id, specs)
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
@@ -123,24 +136,6 @@ class NodeSupport(OperatorSupportBase):
         return self.supported(node)
 
 
-def subgraph_nodes(node: Node) -> list[Node]:
-    """The get_attr nodes among ``node``'s operands: the branches and bodies of a control-flow op."""
-    leaves = pytree.tree_leaves((node.args, node.kwargs))
-    return [leaf for leaf in leaves if isinstance(leaf, Node) and leaf.op == "get_attr"]
-
-
-def subgraph_modules(node: Node, owner: GraphModule) -> list[GraphModule]:
-    modules = [getattr(owner, attr.target) for attr in subgraph_nodes(node)]
-    return [module for module in modules if isinstance(module, GraphModule)]
-
-
-def is_size_computation(node: Node) -> bool:
-    """Whether ``node`` computes a size or another scalar (``sym_size``, arithmetic on sizes), not a tensor."""
-    return node.op == "call_function" and isinstance(
-        node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
-    )
-
-
 def compute_node_count(nodes: Iterable[Node]) -> int:
     """Nodes that compute something: not getitems, not views."""
     return sum(1 for node in nodes if is_compute_node(node))
@@ -170,39 +165,6 @@ def get_non_lowered_nodes(graph: Graph) -> list[Node]:
         for node in graph.nodes
         if node.op == "call_function" and not is_delegate_call(node) and not is_delegate_output(node)
     ]
-
-
-def constant_placeholders(exported_program: ExportedProgram) -> dict[Node, str]:
-    """Placeholders holding parameters, buffers and lifted constants, with their FQNs."""
-    targets = {
-        spec.arg.name: spec.target
-        for spec in exported_program.graph_signature.input_specs
-        if spec.kind in _CONSTANT_KINDS and spec.target is not None
-    }
-    return {
-        node: targets[node.name]
-        for node in exported_program.graph.nodes
-        if node.op == "placeholder" and node.name in targets
-    }
-
-
-def program_weights(exported_program: ExportedProgram) -> dict[str, torch.Tensor]:
-    """Every parameter, buffer and lifted constant tensor of the program, by FQN."""
-    weights = dict(exported_program.state_dict)
-    weights.update(
-        (name, value) for name, value in exported_program.constants.items() if isinstance(value, torch.Tensor)
-    )
-    return weights
-
-
-def mutated_buffer_names(exported_program: ExportedProgram) -> set[str]:
-    """Names of the placeholders whose buffers the method mutates."""
-    mutated_targets = set(exported_program.graph_signature.buffers_to_mutate.values())
-    return {
-        spec.arg.name
-        for spec in exported_program.graph_signature.input_specs
-        if spec.kind == InputKind.BUFFER and spec.target in mutated_targets
-    }
 
 
 def tag_constant_data(exported_program: ExportedProgram) -> None:

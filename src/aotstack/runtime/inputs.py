@@ -1,14 +1,8 @@
-"""What a loaded method accepts: its arguments checked before any compiled code sees them.
+"""What a loaded method accepts: its arguments checked against the package's input records
+(``format/manifest.py``) before any compiled code sees them.
 
-The package records, per user input of a method, one of::
-
-    {"name": "x", "kind": "tensor", "dtype": "float32", "shape": [4, {"symbol": "s0", "min": 1, "max": 64}]}
-    {"name": "n", "kind": "int", "value": 3}          # specialised when exported: must be 3
-    {"name": "n", "kind": "int", "value": null, "min": 1, "max": 8}   # a symbolic int
-    {"name": "mask", "kind": "none"}
-
-A dimension is an int, a symbol with its range (the same symbol means the same size wherever it
-appears), or null where it is an expression of symbols that is not checked here.
+A dimension is an int, a ``Dim`` (a symbol with its range: the same symbol means the same size
+wherever it appears), or None where it is an expression of symbols that is not checked here.
 """
 
 from __future__ import annotations
@@ -19,8 +13,9 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from .errors import InputError
-from .tensor_data import dtype_from_name
+from ..errors import InputError
+from ..format.manifest import Dim, InputRecord
+from ..format.tensor_data import dtype_from_name
 
 SCALAR_KINDS: dict[str, type] = {"bool": bool, "int": int, "float": float}
 
@@ -31,9 +26,9 @@ Check = Callable[[Any, dict[str, int]], None]
 class InputCheck:
     """The arguments a method takes, positional and keyword, checked against what was exported."""
 
-    def __init__(self, method: str, inputs: list[dict[str, Any]], in_spec: pytree.TreeSpec) -> None:
+    def __init__(self, method: str, inputs: list[InputRecord], in_spec: pytree.TreeSpec) -> None:
         self.method = method
-        self.names = [record["name"] for record in inputs]
+        self.names = [record.name for record in inputs]
         self.in_spec = in_spec
         self.positional_count, self.keywords = call_shape(in_spec)
         # Plain positional arguments, the usual case, need no pytree walk.
@@ -98,19 +93,17 @@ def call_shape(in_spec: pytree.TreeSpec) -> tuple[int, list[str]]:
     return positional.num_children, names
 
 
-def argument_check(method: str, record: dict[str, Any]) -> Check:
-    name = record["name"]
-    kind = record["kind"]
-    if kind == "tensor":
-        return tensor_check(method, name, dtype_from_name(record["dtype"]), record["shape"])
-    if kind == "none":
-        return none_check(method, name)
-    return scalar_check(method, name, SCALAR_KINDS[kind], record)
+def argument_check(method: str, record: InputRecord) -> Check:
+    if record.kind == "tensor":
+        return tensor_check(method, record.name, dtype_from_name(record.dtype or ""), record.shape or [])
+    if record.kind == "none":
+        return none_check(method, record.name)
+    return scalar_check(method, record.name, SCALAR_KINDS[record.kind], record)
 
 
-def tensor_check(method: str, name: str, dtype: torch.dtype, shape: list[Any]) -> Check:
+def tensor_check(method: str, name: str, dtype: torch.dtype, shape: list[int | Dim | None]) -> Check:
     static = [d if isinstance(d, int) else None for d in shape]
-    symbols = [(axis, d) for axis, d in enumerate(shape) if isinstance(d, dict)]
+    symbols = [(axis, d) for axis, d in enumerate(shape) if isinstance(d, Dim)]
 
     def check(value: Any, sizes: dict[str, int]) -> None:
         if not isinstance(value, torch.Tensor):
@@ -128,20 +121,19 @@ def tensor_check(method: str, name: str, dtype: torch.dtype, shape: list[Any]) -
     return check
 
 
-def check_size(method: str, what: str, size: int, dim: dict[str, Any], sizes: dict[str, int]) -> None:
-    low, high = dim["min"], dim["max"]
-    if size < low or (high is not None and size > high):
+def check_size(method: str, what: str, size: int, dim: Dim, sizes: dict[str, int]) -> None:
+    if size < dim.min or (dim.max is not None and size > dim.max):
         raise InputError(f"{method}(): {what} is {size}, outside the range {range_text(dim)} it was exported for")
-    bound = sizes.setdefault(dim["symbol"], size)
+    bound = sizes.setdefault(dim.symbol, size)
     if bound != size:
         raise InputError(
             f"{method}(): {what} is {size}, but an earlier argument gave the same dimension "
-            f"({dim['symbol']}) the size {bound}; they must be equal"
+            f"({dim.symbol}) the size {bound}; they must be equal"
         )
 
 
-def scalar_check(method: str, name: str, kind: type, record: dict[str, Any]) -> Check:
-    value_wanted = record.get("value")
+def scalar_check(method: str, name: str, kind: type, record: InputRecord) -> Check:
+    value_wanted, dim = record.value, record.dim
 
     def check(value: Any, sizes: dict[str, int]) -> None:
         # bool is an int in Python; an int argument must not take one, nor a bool an int.
@@ -152,8 +144,8 @@ def scalar_check(method: str, name: str, kind: type, record: dict[str, Any]) -> 
                 f"{method}(): argument {name!r} is {value!r}, but the method was exported for {value_wanted!r} "
                 "only; export it with a dynamic value to vary it"
             )
-        if value_wanted is None and "min" in record:
-            check_size(method, f"argument {name!r}", value, record, sizes)
+        if value_wanted is None and dim is not None:
+            check_size(method, f"argument {name!r}", value, dim, sizes)
 
     return check
 
@@ -166,28 +158,27 @@ def none_check(method: str, name: str) -> Check:
     return check
 
 
-def record_text(record: dict[str, Any]) -> str:
+def record_text(record: InputRecord) -> str:
     """``x: float32[4, s0 in [1, 64]]``, ``n: int = 3``: one input as ``aotstack inspect`` shows it."""
-    kind = record["kind"]
-    if kind == "tensor":
-        return f"{record['name']}: {record['dtype']}{shape_text(record['shape'])}"
-    if kind == "none":
-        return f"{record['name']}: None"
-    if record["value"] is not None:
-        return f"{record['name']}: {kind} = {record['value']!r}"
-    return f"{record['name']}: {kind}" + (f" in {range_text(record)}" if "min" in record else "")
+    if record.kind == "tensor":
+        return f"{record.name}: {record.dtype}{shape_text(record.shape or [])}"
+    if record.kind == "none":
+        return f"{record.name}: None"
+    if record.value is not None:
+        return f"{record.name}: {record.kind} = {record.value!r}"
+    return f"{record.name}: {record.kind}" + (f" in {range_text(record.dim)}" if record.dim else "")
 
 
-def range_text(dim: dict[str, Any]) -> str:
-    return f"[{dim['min']}, {'∞' if dim['max'] is None else dim['max']}]"
+def range_text(dim: Dim) -> str:
+    return f"[{dim.min}, {'∞' if dim.max is None else dim.max}]"
 
 
-def shape_text(shape: Sequence[Any]) -> str:
+def shape_text(shape: Sequence[int | Dim | None]) -> str:
     """``[4, s0 in [1, 64], *]``: a symbol with its range, a star for an unchecked expression."""
     parts = []
     for d in shape:
-        if isinstance(d, dict):
-            parts.append(f"{d['symbol']} in {range_text(d)}")
+        if isinstance(d, Dim):
+            parts.append(f"{d.symbol} in {range_text(d)}")
         else:
             parts.append("*" if d is None else str(d))
     return "[" + ", ".join(parts) + "]"

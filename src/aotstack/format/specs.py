@@ -1,12 +1,24 @@
-"""The small records passed between partitioners, the lowering pass and backends."""
+"""Backend options and the records a backend's compile side hands to the package."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from torch.export import ExportedProgram
+
+class SpecKey(enum.StrEnum):
+    """The compile spec keys aotstack and its backends read; a ``CompileSpec`` key may be any str."""
+
+    # Where a delegate runs: ``cpu``, ``cuda:1``, ``mps``.
+    TARGET_DEVICE = "target_device"
+    # The method a partition belongs to; lowering sets it, for messages and the kernel check.
+    METHOD_NAME = "method_name"
+    # AOTInductor: the ATen fallback kernels the target's runtime has, comma-separated.
+    FALLBACK_KERNELS = "fallback_kernels"
+    # AOTInductor on CUDA: ``ON`` or ``OFF``.
+    AUTOTUNE = "autotune"
+    # ONNX Runtime: execution providers in priority order, comma-separated.
+    PROVIDERS = "providers"
 
 
 @dataclass(frozen=True)
@@ -32,14 +44,6 @@ class DelegationSpec:
 
 
 @dataclass
-class PartitionResult:
-    """What a partitioner returns: the program with ``delegation_tag`` set on claimed nodes."""
-
-    tagged_exported_program: ExportedProgram
-    partition_tags: dict[str, DelegationSpec]
-
-
-@dataclass
 class PreprocessResult:
     """What a backend's compile side returns for one partition.
 
@@ -62,7 +66,7 @@ def compile_spec_value(compile_specs: list[CompileSpec], key: str) -> bytes | No
 
 def partition_label(backend_id: str, compile_specs: list[CompileSpec]) -> str:
     """``an onnxruntime partition of method 'forward'``, for error messages."""
-    method = compile_spec_value(compile_specs, "method_name")
+    method = compile_spec_value(compile_specs, SpecKey.METHOD_NAME)
     where = f" of method {method.decode()!r}" if method else ""
     article = "an" if backend_id[:1].lower() in "aeiou" else "a"
     return f"{article} {backend_id} partition{where}"

@@ -9,62 +9,16 @@ delegate to another on the same device stays there.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 import torch
 from torch.export import ExportedProgram
 from torch.fx import Graph, Node
 
-from .backend import backend_class
-from .delegate_op import d2h_copy, h2d_copy, is_delegate_call, is_delegate_output
-from .errors import BackendNotFoundError, LoweringError
-
-
-class DeviceType(enum.Enum):
-    """Where a tensor lives; aotstack's own, so the pipeline need not ask torch about hardware."""
-
-    CPU = "cpu"
-    CUDA = "cuda"
-    MPS = "mps"
-
-
-@dataclass(frozen=True)
-class Device:
-    type: DeviceType
-    index: int = 0
-
-    def __str__(self) -> str:
-        return "cpu" if self.type is DeviceType.CPU else f"{self.type.value}:{self.index}"
-
-    @classmethod
-    def parse(cls, spec: str) -> Device:
-        return cls(*parse_device_spec(spec))
-
-
-HOST = Device(DeviceType.CPU)
-
-
-def parse_device_spec(spec: str) -> tuple[DeviceType, int]:
-    """``"cuda:1"`` -> ``(DeviceType.CUDA, 1)``; case-insensitive, index 0 when absent.
-
-    Example::
-
-        >>> parse_device_spec("Cuda")
-        (<DeviceType.CUDA: 'cuda'>, 0)
-    """
-    kind, _, index = spec.strip().lower().partition(":")
-    try:
-        device_type = DeviceType(kind)
-    except ValueError:
-        valid = ", ".join(t.value for t in DeviceType)
-        raise ValueError(f"unknown device type {kind!r} in {spec!r}; valid types: {valid}") from None
-    if not index:
-        return device_type, 0
-    if not index.isdigit():
-        raise ValueError(f"device index in {spec!r} must be a non-negative integer")
-    return device_type, int(index)
+from ..backends.registry import backend_class
+from ..errors import BackendNotFoundError, LoweringError
+from ..format.devices import HOST, Device
+from ..format.ops import d2h_copy, h2d_copy, is_delegate_call, is_delegate_output
 
 
 def propagate_device_pass(

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from .errors import ExportError
+from ..errors import ExportError
 
 
 @dataclass

@@ -1,0 +1,96 @@
+"""The per-op probe: which fallback kernels one op needs on a target, asked of Inductor once per signature.
+
+A partitioner asks before claiming an op: the op alone goes through the backend's compile steps
+and Inductor's code generation, stopped before the C++ compile (``kernels.py`` records the calls).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.fx import Graph, GraphModule, Node
+from torch.utils import _pytree as pytree
+
+from ...format.op_names import op_name
+from .compile import CompileSteps, aoti_package, prepared_program
+from .kernels import recorded_fallback_kernels, stopped_before_cpp_compile, stopped_by_probe
+
+logger = logging.getLogger("aotstack")
+
+# (backend id, device, options, op signature) -> the kernels its code calls; one probe per process.
+_PROBED: dict[tuple[str, ...], frozenset[str]] = {}
+
+
+def needed_fallback_kernels(backend_id: str, node: Node, steps: CompileSteps) -> frozenset[str]:
+    """The fallback kernels ``node``'s op needs when compiled with ``steps``, probed once per signature."""
+    key = (backend_id, str(steps.device), repr(sorted(steps.options.items())), signature_key(node))
+    if key not in _PROBED:
+        try:
+            _PROBED[key] = generated_fallback_kernels(single_op_program(node), steps)
+        except Exception as exc:  # an op Inductor cannot compile on its own needs ATen's own kernel
+            logger.info("%s: %s cannot be compiled on its own (%s)", backend_id, node.name, exc)
+            _PROBED[key] = frozenset({op_name(node.target)})
+    return _PROBED[key]
+
+
+def single_op_program(node: Node) -> ExportedProgram:
+    """An exported program that runs ``node``'s op alone, on host tensors shaped like its inputs."""
+    graph = Graph()
+    placeholders = {source: graph.placeholder(f"input_{i}") for i, source in enumerate(node.all_input_nodes)}
+    args, kwargs = pytree.tree_map_only(Node, placeholders.__getitem__, (node.args, node.kwargs))
+    graph.output(graph.call_function(node.target, tuple(args), dict(kwargs)))
+    module = GraphModule(torch.nn.Module(), graph)
+    examples = tuple(example_value(source.meta.get("val")) for source in placeholders)
+    return torch.export.export(module, examples, strict=False)
+
+
+def example_value(value: Any) -> Any:
+    """A real value standing in for a node's fake one; symbolic sizes take their hints."""
+    if isinstance(value, torch.Tensor):
+        shape = [size_hint(s) for s in value.shape]
+        stride = [size_hint(s) for s in value.stride()]
+        return torch.empty_strided(shape, stride, dtype=value.dtype).zero_()
+    if isinstance(value, torch.SymInt):
+        return size_hint(value)
+    return value
+
+
+def size_hint(size: int | torch.SymInt) -> int:
+    if isinstance(size, int):
+        return size
+    hint = size.node.hint
+    return int(hint) if hint is not None else 2
+
+
+def signature_key(node: Node) -> str:
+    """What a probe of ``node``'s op depends on: the op and the shapes, strides and values it gets."""
+
+    def described(value: Any) -> Any:
+        if isinstance(value, Node):
+            value = value.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            sizes, strides = tuple(map(size_hint, value.shape)), tuple(map(size_hint, value.stride()))
+            return ("tensor", str(value.dtype), sizes, strides)
+        return repr(value)
+
+    return repr((op_name(node.target), pytree.tree_map(described, (node.args, node.kwargs))))
+
+
+def generated_fallback_kernels(exported_program: ExportedProgram, steps: CompileSteps) -> frozenset[str]:
+    """The fallback kernels AOTInductor's code for ``exported_program`` calls, found without a C++ compile."""
+    program = prepared_program(exported_program, steps)
+    options = {**steps.options, "fx_graph_cache": False}
+    with tempfile.TemporaryDirectory(prefix="aotstack-probe-") as workdir:
+        with recorded_fallback_kernels() as kernels, stopped_before_cpp_compile():
+            try:
+                aoti_package(program, os.path.join(workdir, "probe.pt2"), replace(steps, options=options))
+            except Exception as exc:
+                if not stopped_by_probe(exc):
+                    raise
+    return frozenset(kernels)

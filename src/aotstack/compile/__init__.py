@@ -1,0 +1,2 @@
+"""The compiler: export, partitioning, building each partition's program, splicing, device copies,
+lowering, and writing the package."""

@@ -1,0 +1,56 @@
+"""Dropping the weights that delegates took from the method that no longer reads them."""
+
+from __future__ import annotations
+
+from torch.export import ExportedProgram
+from torch.export.graph_signature import (
+    ExportGraphSignature,
+    OutputSpec,
+    TensorArgument,
+)
+from torch.fx import Node
+
+from .program_parts import constant_placeholders
+
+
+def without_unused_constants(exported: ExportedProgram, read_before: set[str]) -> ExportedProgram:
+    """The program minus the weights that delegates took and nothing else reads.
+
+    Weights unused from the start are kept: they are part of the model's state.
+    """
+    graph = exported.graph
+    gone = {
+        node.name
+        for node in constant_placeholders(exported)
+        if not node.users and node.name in read_before
+    }
+    for node in list(graph.nodes):
+        if node.op == "placeholder" and node.name in gone:
+            graph.erase_node(node)
+    exported.graph_module.recompile()
+    signature = ExportGraphSignature(
+        input_specs=[s for s in exported.graph_signature.input_specs if s.arg.name not in gone],
+        output_specs=renamed_output_specs(exported),
+    )
+    kept_targets = {s.target for s in signature.input_specs}
+    return ExportedProgram(
+        root=exported.graph_module,
+        graph=graph,
+        graph_signature=signature,
+        state_dict={k: v for k, v in exported.state_dict.items() if k in kept_targets},
+        range_constraints=exported.range_constraints,
+        module_call_graph=exported.module_call_graph,
+        example_inputs=exported.example_inputs,
+        constants={k: v for k, v in exported.constants.items() if k in kept_targets},
+    )
+
+
+def renamed_output_specs(exported: ExportedProgram) -> list[OutputSpec]:
+    """Output specs naming the nodes the output now reads (a getitem where a delegate took over)."""
+    output_node = exported.graph.output_node()
+    specs = []
+    for spec, value in zip(exported.graph_signature.output_specs, output_node.args[0]):
+        if isinstance(spec.arg, TensorArgument) and isinstance(value, Node):
+            spec = OutputSpec(spec.kind, TensorArgument(value.name), spec.target)
+        specs.append(spec)
+    return specs

@@ -1,0 +1,85 @@
+"""Writing the run plan (``format/plan.py``) of a lowered method's graph."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.fx import GraphModule, Node
+from torch.utils import _pytree as pytree
+
+from ..errors import LoweringError
+from ..format.op_names import op_name
+from ..format.ops import is_delegate_call, is_delegate_output
+from ..format.plan import (
+    DelegateStep,
+    InputStep,
+    MethodPlan,
+    OpStep,
+    Ref,
+    Step,
+    SubgraphPlan,
+    SubgraphStep,
+    WeightStep,
+    value_to_json,
+)
+
+
+def method_plan(program: ExportedProgram) -> MethodPlan:
+    """The steps that run ``program``'s graph, in graph order."""
+    specs = {spec.arg.name: spec for spec in program.graph_signature.input_specs}
+    weights = {name: spec.target for name, spec in specs.items() if spec.kind != InputKind.USER_INPUT}
+    output_values = program.graph.output_node().args[0]
+    pairs = list(zip(program.graph_signature.output_specs, output_values))
+    return MethodPlan(
+        steps=graph_steps(program.graph_module, weights),
+        outputs=[plan_value(value, None) for spec, value in pairs if spec.kind == OutputKind.USER_OUTPUT],
+        mutations=[(spec.target, value.name) for spec, value in pairs if spec.kind == OutputKind.BUFFER_MUTATION],
+    )
+
+
+def graph_steps(graph_module: GraphModule, weights: dict[str, str]) -> list[Step]:
+    """The steps of one graph; placeholders named in ``weights`` read that weight's FQN."""
+    steps: list[Step] = []
+    for node in graph_module.graph.nodes:
+        if node.op == "placeholder":
+            steps.append(WeightStep(node.name, weights[node.name]) if node.name in weights else InputStep(node.name))
+        elif node.op == "get_attr":
+            steps.append(SubgraphStep(node.name, subgraph_plan(graph_module, node)))
+        elif is_delegate_call(node):
+            outputs = [(user.args[1], user.name) for user in node.users if is_delegate_output(user)]
+            steps.append(DelegateStep(node.args[0], [n.name for n in node.args[1]], outputs))
+        elif node.op == "call_function" and not is_delegate_output(node):
+            args, kwargs = plan_value(list(node.args), node), plan_value(dict(node.kwargs), node)
+            steps.append(OpStep(node.name, target_name(node), args, kwargs))
+    return steps
+
+
+def subgraph_plan(graph_module: GraphModule, node: Node) -> SubgraphPlan:
+    body = getattr(graph_module, str(node.target))
+    if not isinstance(body, GraphModule):
+        raise LoweringError(f"node {node.name!r} reads {node.target!r}, which is not a subgraph a package can store")
+    return SubgraphPlan(graph_steps(body, {}), plan_value(body.graph.output_node().args[0], None))
+
+
+def target_name(node: Node) -> str:
+    target = node.target
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
+        return op_name(target)
+    if getattr(operator, getattr(target, "__name__", ""), None) is target:
+        return f"operator.{target.__name__}"
+    raise LoweringError(f"node {node.name!r} calls {target!r}, which a package cannot store; only ops can run")
+
+
+def plan_value(value: Any, node: Node | None) -> Any:
+    """``value`` with node references as ``Ref``, checked to be storable in JSON."""
+    value = pytree.tree_map_only(Node, lambda n: Ref(n.name), value)
+    try:
+        value_to_json(value)
+    except TypeError as exc:
+        where = f"node {node.name!r}" if node is not None else "the method's output"
+        raise LoweringError(f"{where} takes {exc}, which a package cannot store") from None
+    return value

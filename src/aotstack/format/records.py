@@ -1,0 +1,43 @@
+"""The records that describe a lowered program's compiled parts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .specs import CompileSpec, SpecKey, compile_spec_value
+from .tensor_data import dtype_name
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """dtype and shape of a tensor crossing a boundary; None for a dynamic dimension."""
+
+    dtype: str
+    shape: list[int | None]
+
+    @classmethod
+    def of(cls, value: torch.Tensor) -> TensorSpec:
+        return cls(dtype_name(value.dtype), [d if isinstance(d, int) else None for d in value.shape])
+
+
+@dataclass
+class Delegate:
+    """One compiled partition, as a delegate call in a lowered method."""
+
+    delegate_id: str
+    backend_id: str
+    compile_specs: list[CompileSpec]
+    ops: list[str]
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    processed_bytes: bytes
+    named_data: dict[str, bytes] = field(repr=False)
+    # Buffers the delegate updates in place (their state is its named data ``weight:<fqn>``).
+    updated_buffers: list[str] = field(default_factory=list)
+
+    @property
+    def target_device(self) -> str:
+        value = compile_spec_value(self.compile_specs, SpecKey.TARGET_DEVICE)
+        return value.decode() if value else "cpu"

@@ -1,0 +1,139 @@
+"""Running a run plan: its steps turned once into closures over one list of slots.
+
+A method and a branch or loop body run the same way (``StepProgram.run``), so a call costs
+little more than the compiled code it runs: delegate calls go to their backend's run side, the
+few ops nobody claimed run as plain ATen ops.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..backends.base import BackendRuntime
+from ..errors import PackageError
+from ..format import ops  # noqa: F401  (registers the torch.ops.aotstack ops a plan may call)
+from ..format.plan import DelegateStep, InputStep, Ref, Step, SubgraphPlan, SubgraphStep, WeightStep
+
+Slots = list[Any]
+# One step: reads some slots, fills others.
+Action = Callable[[Slots], None]
+# Reads one value out of the slots.
+Resolver = Callable[[Slots], Any]
+
+
+@dataclass(frozen=True)
+class LoadedDelegate:
+    """A delegate's run side, initialised once; its steps call ``runtime.execute(handle, ...)``."""
+
+    runtime: BackendRuntime
+    handle: Any
+
+
+class StepProgram:
+    """A plan's steps as closures over one list of slots, ``template`` holding the weights and subgraphs."""
+
+    def __init__(
+        self, steps: Sequence[Step], weights: Mapping[str, torch.Tensor], delegates: Mapping[str, LoadedDelegate]
+    ) -> None:
+        self.slots: dict[str, int] = {}
+        self.template: Slots = []
+        self.input_slots: list[int] = []
+        self.actions: list[Action] = []
+        for step in steps:
+            self.add(step, weights, delegates)
+
+    def add(self, step: Step, weights: Mapping[str, torch.Tensor], delegates: Mapping[str, LoadedDelegate]) -> None:
+        if isinstance(step, InputStep):
+            self.input_slots.append(self.new_slot(step.name))
+        elif isinstance(step, WeightStep):
+            self.new_slot(step.name, weights.get(step.fqn))
+        elif isinstance(step, SubgraphStep):
+            self.new_slot(step.name, subgraph_function(step.plan))
+        elif isinstance(step, DelegateStep):
+            inputs = [self.slot(name) for name in step.inputs]
+            outputs = [(index, self.new_slot(name)) for index, name in step.outputs]
+            self.actions.append(delegate_action(delegates[step.delegate], inputs, outputs))
+        else:
+            args = [self.resolver(arg) for arg in step.args]
+            kwargs = {key: self.resolver(value) for key, value in step.kwargs.items()}
+            self.actions.append(op_action(resolved_target(step.target), args, kwargs, self.new_slot(step.name)))
+
+    def new_slot(self, name: str, value: Any = None) -> int:
+        self.slots[name] = len(self.template)
+        self.template.append(value)
+        return self.slots[name]
+
+    def slot(self, name: str) -> int:
+        try:
+            return self.slots[name]
+        except KeyError:
+            raise PackageError(f"a plan step reads {name!r} before any step computes it") from None
+
+    def resolver(self, value: Any) -> Resolver:
+        """A function reading ``value`` out of the slots, built once so calls do no tree walks."""
+        if isinstance(value, Ref):
+            index = self.slot(value.name)
+            return lambda slots: slots[index]
+        if isinstance(value, (list, tuple)) and has_ref(value):
+            parts = [self.resolver(item) for item in value]
+            kind = type(value)
+            return lambda slots: kind([part(slots) for part in parts])
+        return lambda slots: value
+
+    def run(self, args: Sequence[Any]) -> Slots:
+        """Every step run on ``args``; the slots afterwards."""
+        slots = self.template.copy()
+        for index, value in zip(self.input_slots, args):
+            slots[index] = value
+        for action in self.actions:
+            action(slots)
+        return slots
+
+
+def subgraph_function(plan: SubgraphPlan) -> Callable[..., Any]:
+    """A branch or loop body, callable the way a control-flow op calls it."""
+    body = StepProgram(plan.steps, {}, {})
+    output = body.resolver(plan.output)
+    return lambda *args: output(body.run(args))
+
+
+def has_ref(value: Any) -> bool:
+    if isinstance(value, Ref):
+        return True
+    return isinstance(value, (list, tuple)) and any(has_ref(item) for item in value)
+
+
+def delegate_action(delegate: LoadedDelegate, inputs: list[int], outputs: list[tuple[int, int]]) -> Action:
+    execute, handle = delegate.runtime.execute, delegate.handle
+
+    def run_delegate(slots: Slots) -> None:
+        results = execute(handle, [slots[i] for i in inputs])
+        for index, out in outputs:
+            slots[out] = results[index]
+
+    return run_delegate
+
+
+def op_action(target: Callable[..., Any], args: list[Resolver], kwargs: dict[str, Resolver], out: int) -> Action:
+    def run_op(slots: Slots) -> None:
+        slots[out] = target(*[arg(slots) for arg in args], **{key: value(slots) for key, value in kwargs.items()})
+
+    return run_op
+
+
+def resolved_target(name: str) -> Any:
+    namespace, _, rest = name.partition(".")
+    try:
+        if namespace == "operator":
+            return getattr(operator, rest)
+        if namespace == "higher_order":
+            return getattr(torch.ops.higher_order, rest)
+        op, _, overload = rest.rpartition(".")
+        return getattr(getattr(getattr(torch.ops, namespace), op), overload)
+    except AttributeError:
+        raise PackageError(f"the package calls op {name!r}, which this torch does not have") from None

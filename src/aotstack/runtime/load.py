@@ -1,0 +1,161 @@
+"""Loading a package: its weights mapped once, its delegates initialised, its methods ready to call."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ..backends.registry import runtime_class
+from ..errors import MethodNotFoundError
+from ..format.archive import PackageContents, read_package
+from ..format.manifest import DelegateRecord, MethodRecord, WeightRecord
+from ..format.plan import MethodPlan
+from ..format.tensor_data import WEIGHT_PREFIX, BytesLike, dtype_from_name, tensor_from_bytes
+from .inputs import InputCheck
+from .interpreter import LoadedDelegate, StepProgram
+
+
+class Method:
+    """One loaded method: call it with the same arguments as the eager method."""
+
+    def __init__(
+        self,
+        name: str,
+        plan: MethodPlan,
+        weights: Mapping[str, torch.Tensor],
+        delegates: Mapping[str, LoadedDelegate],
+        check: InputCheck,
+        out_spec: pytree.TreeSpec,
+    ) -> None:
+        self.name = name
+        self.check = check
+        self.out_spec = out_spec
+        self.single_output = out_spec.is_leaf()
+        self.body = StepProgram(plan.steps, weights, delegates)
+        self.outputs = [self.body.resolver(value) for value in plan.outputs]
+        self.mutations = [(weights[fqn], self.body.slot(name)) for fqn, name in plan.mutations]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        slots = self.body.run(self.check.flat_arguments(args, kwargs))
+        for target, slot in self.mutations:
+            target.copy_(slots[slot])
+        if self.single_output:
+            return self.outputs[0](slots)
+        return pytree.tree_unflatten([output(slots) for output in self.outputs], self.out_spec)
+
+
+class LoadedProgram:
+    """A package opened by :func:`load`; each method is callable by name or as an attribute."""
+
+    def __init__(self, path: str, methods: dict[str, Method], state: ProgramState) -> None:
+        self.path = path
+        self._methods = methods
+        self._state = state
+        # Methods become plain attributes, so a call skips __getattr__; names the class uses stay reachable by run().
+        for name, method in methods.items():
+            if not hasattr(type(self), name) and name not in vars(self):
+                setattr(self, name, method)
+
+    @property
+    def method_names(self) -> list[str]:
+        return list(self._methods)
+
+    def method(self, name: str) -> Method:
+        try:
+            return self._methods[name]
+        except KeyError:
+            raise MethodNotFoundError(
+                f"{self.path} has no method {name!r}; it has: {', '.join(self._methods)}"
+            ) from None
+
+    def run(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run ``method`` on ``args``, e.g. ``loaded.run("encode", x)``."""
+        return self.method(method)(*args, **kwargs)
+
+    def reset(self) -> None:
+        """Put every buffer the methods update (a KV cache, say) back to its value in the file."""
+        self._state.reset()
+
+    def __getattr__(self, name: str) -> Method:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return self.method(name)
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(self._methods))
+
+
+def load(path: str | os.PathLike[str]) -> LoadedProgram:
+    """Open a ``.pt2`` written by :meth:`LoweredProgram.save` and get it ready to run.
+
+    Example::
+
+        loaded = aotstack.load("model.pt2")
+        y = loaded.forward(x)
+
+    Every blob is checked against its SHA-256 before any shared library is opened.
+    """
+    contents = read_package(path)
+    state = ProgramState(contents)
+    methods = {name: load_method(state, name, record) for name, record in contents.manifest.methods.items()}
+    return LoadedProgram(contents.path, methods, state)
+
+
+class ProgramState:
+    """The weights of every method, each held once in memory and shared by the methods that read it.
+
+    A weight is a read-only view of its verified blob. A buffer that a method or a delegate
+    updates (a KV cache) gets one writable copy per FQN, which every method and delegate reads
+    and updates: two methods that share a cache share it here too.
+    """
+
+    def __init__(self, contents: PackageContents) -> None:
+        self.blobs = contents.blobs
+        self.mutable: dict[str, tuple[bytearray, memoryview]] = {}
+        for method in contents.manifest.methods.values():
+            for fqn, _ in method.plan.mutations:
+                self.add_mutable(fqn, method.weights[fqn].blob)
+            for delegate in method.delegates:
+                for fqn in delegate.updates:
+                    self.add_mutable(fqn, delegate.named_data[WEIGHT_PREFIX + fqn])
+
+    def add_mutable(self, fqn: str, key: str) -> None:
+        if fqn not in self.mutable:
+            initial = self.blobs[key]
+            self.mutable[fqn] = (bytearray(initial), initial)
+
+    def method_weights(self, weights: Mapping[str, WeightRecord]) -> dict[str, torch.Tensor]:
+        return {fqn: self.weight(fqn, record) for fqn, record in weights.items()}
+
+    def weight(self, fqn: str, record: WeightRecord) -> torch.Tensor:
+        data = self.mutable[fqn][0] if fqn in self.mutable else self.blobs[record.blob]
+        return tensor_from_bytes(data, dtype_from_name(record.dtype), record.shape)
+
+    def delegate_named_data(self, delegate: DelegateRecord) -> dict[str, BytesLike]:
+        """The delegate's named data; a buffer it updates in place is the shared, writable state."""
+        named_data: dict[str, BytesLike] = {local: self.blobs[key] for local, key in delegate.named_data.items()}
+        for fqn in delegate.updates:
+            named_data[WEIGHT_PREFIX + fqn] = memoryview(self.mutable[fqn][0])
+        return named_data
+
+    def reset(self) -> None:
+        for current, initial in self.mutable.values():
+            current[:] = initial
+
+
+def load_method(state: ProgramState, name: str, record: MethodRecord) -> Method:
+    weights = state.method_weights(record.weights)
+    delegates = {delegate.id: loaded_delegate(state, delegate) for delegate in record.delegates}
+    check = InputCheck(name, record.inputs, pytree.treespec_loads(record.in_spec))
+    return Method(name, record.plan, weights, delegates, check, pytree.treespec_loads(record.out_spec))
+
+
+def loaded_delegate(state: ProgramState, record: DelegateRecord) -> LoadedDelegate:
+    runtime = runtime_class(record.backend_id)()
+    named_data = state.delegate_named_data(record)
+    handle = runtime.init(bytes(state.blobs[record.processed]), named_data, list(record.compile_specs))
+    return LoadedDelegate(runtime, handle)
