@@ -23,7 +23,7 @@ class SpecKey(enum.StrEnum):
 
 @dataclass(frozen=True)
 class CompileSpec:
-    """One backend option, e.g. ``CompileSpec("target_device", b"cpu")``."""
+    """One backend option, e.g. ``CompileSpec(SpecKey.TARGET_DEVICE, b"cpu")``."""
 
     key: str
     value: bytes

@@ -83,7 +83,7 @@ class CudaPartitioner(AotiPartitioner):
 
     Example::
 
-        partitioner = CudaPartitioner(compile_specs=[CompileSpec("target_device", b"cuda:1")])
+        partitioner = CudaPartitioner(compile_specs=[CompileSpec(SpecKey.TARGET_DEVICE, b"cuda:1")])
     """
 
     backend: ClassVar[type[AotiBackend]] = CudaBackend

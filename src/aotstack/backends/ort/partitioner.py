@@ -11,7 +11,7 @@ import torch
 from ...compile.partitioner import CONTROL_FLOW_OPS, SupportedOpsPartitioner
 from ...errors import LoweringError
 from ...format.op_names import OpName, matches_any, normalized_op_name
-from ...format.specs import CompileSpec
+from ...format.specs import CompileSpec, SpecKey
 from .backend import OrtBackend
 from .compile import quiet_exporter
 from .packages import require_packages
@@ -48,7 +48,7 @@ class OrtPartitioner(SupportedOpsPartitioner):
     ) -> None:
         specs = list(compile_specs)
         if providers is not None:
-            specs.append(CompileSpec("providers", ",".join(providers).encode()))
+            specs.append(CompileSpec(SpecKey.PROVIDERS, ",".join(providers).encode()))
         super().__init__(min_block_size=min_block_size, compile_specs=specs)
         require_packages(("onnx", "onnxscript"), "OrtPartitioner needs {missing}", LoweringError)
         self.ops = None if ops is None else frozenset(normalized_op_name(op, "ops") for op in ops)
