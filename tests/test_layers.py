@@ -3,7 +3,7 @@
 The rules, from the bottom up (README, "How it fits together"):
 - ``errors``: nothing of aotstack.
 - ``format``: only ``errors``.
-- ``backends/base.py``, ``backends/registry.py``: only ``format`` and ``errors``.
+- ``backends/base.py`` (the interface and the registry): only ``format`` and ``errors``.
 - a backend's run side (``run.py``, ``packages.py``): only the above, never its compile side.
 - ``runtime``: only the above; a backend's run side is found through the registry, by name.
 - ``compile`` and the backends' compile sides: anything but ``runtime``, the CLI and the demo.
@@ -27,13 +27,12 @@ from tests.test_stacked_end_to_end import ORT_THEN_AOTI
 PACKAGE = Path(aotstack.__file__).resolve().parent
 
 RUN_SIDE = {"aotstack.backends.aoti.run", "aotstack.backends.ort.run", "aotstack.backends.ort.packages"}
-BELOW_RUNTIME = ("aotstack.errors", "aotstack.format", "aotstack.backends.base", "aotstack.backends.registry")
+BELOW_RUNTIME = ("aotstack.errors", "aotstack.format", "aotstack.backends.base")
 # Module (or package prefix) -> the aotstack modules it may import (prefixes).
 ALLOWED = {
     "aotstack.errors": (),
     "aotstack.format": ("aotstack.errors", "aotstack.format"),
-    "aotstack.backends.base": ("aotstack.errors", "aotstack.format", "aotstack.backends.registry"),
-    "aotstack.backends.registry": ("aotstack.errors", "aotstack.format", "aotstack.backends.base"),
+    "aotstack.backends.base": ("aotstack.errors", "aotstack.format"),
     "aotstack.runtime": (*BELOW_RUNTIME, "aotstack.runtime"),
     **{module: (*BELOW_RUNTIME, *RUN_SIDE) for module in RUN_SIDE},
 }
@@ -44,7 +43,7 @@ NEVER_FROM_THE_COMPILER = ("aotstack.runtime", *TOOLS)
 # What a process that only loads and runs a package may import of aotstack.
 RUNTIME_MODULES = {
     "aotstack", "aotstack.errors", "aotstack.format", "aotstack.runtime", "aotstack.backends",
-    "aotstack.backends.base", "aotstack.backends.registry", "aotstack.backends.aoti", "aotstack.backends.ort",
+    "aotstack.backends.base", "aotstack.backends.aoti", "aotstack.backends.ort",
     *RUN_SIDE,
 }
 RUNTIME_PACKAGES = ("aotstack.format.", "aotstack.runtime.")

@@ -1,22 +1,24 @@
-"""The backend interface: a compile side that lowering calls, a run side that loading calls.
+"""The backend interface, and the registry that finds a backend's sides by its id.
 
 A backend's run side (``BackendRuntime``: ``init`` then ``execute``) runs in the process that
 loads a package; its compile side (``Backend``: ``preprocess``) runs once, ahead of time. A
-built-in backend keeps the two in separate modules, so loading a package imports no compiler;
-a user's backend may be one ``Backend`` subclass that does both. Defining a subclass with a
-``backend_id`` registers it (``registry.py``).
+built-in backend keeps the two in separate modules, and loading imports the module of a run side
+only when a package names its backend, so a process that only loads imports no compiler. A
+user's backend may be one ``Backend`` subclass that does both. Defining a subclass with a
+``backend_id`` registers it; import its module before lowering or loading.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ..errors import BackendNotFoundError
 from ..format.specs import CompileSpec, PreprocessResult
 from ..format.tensor_data import BytesLike
-from . import registry
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
@@ -35,10 +37,10 @@ class BackendRuntime:
         if not isinstance(backend_id, str) or not backend_id:
             raise TypeError(f"{cls.__qualname__}.backend_id must be a non-empty str")
         if issubclass(cls, Backend):
-            registry.register_backend(backend_id, cls)
+            register_backend(backend_id, cls)
         # A compile side that inherits the base's run side leaves running to its runtime class.
         if cls.init is not BackendRuntime.init:
-            registry.register_runtime(backend_id, cls)
+            register_runtime(backend_id, cls)
 
     def init(
         self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
@@ -87,3 +89,58 @@ class Backend(BackendRuntime):
         buffer's one shared state in its place, which it must update without copying.
         """
         return False
+
+
+# Built-in backend id -> (module defining its run side, module defining its compile side).
+BUILT_IN = {
+    "aoti_cpu": ("aotstack.backends.aoti.run", "aotstack.backends.aoti.cpu"),
+    "aoti_cuda": ("aotstack.backends.aoti.run", "aotstack.backends.aoti.cuda"),
+    "aoti_metal": ("aotstack.backends.aoti.run", "aotstack.backends.aoti.metal"),
+    "onnxruntime": ("aotstack.backends.ort.run", "aotstack.backends.ort.backend"),
+}
+
+_BACKENDS: dict[str, type[Backend]] = {}
+_RUNTIMES: dict[str, type[BackendRuntime]] = {}
+
+
+def register_backend(backend_id: str, cls: type[Backend]) -> None:
+    _register(_BACKENDS, backend_id, cls)
+
+
+def register_runtime(backend_id: str, cls: type[BackendRuntime]) -> None:
+    _register(_RUNTIMES, backend_id, cls)
+
+
+def _register(table: dict[str, type], backend_id: str, cls: type) -> None:
+    existing = table.get(backend_id)
+    # Re-running the same definition (a reloaded module, a notebook cell) replaces it; a second,
+    # different class claiming the id is a mistake worth stopping.
+    if existing is not None and (existing.__module__, existing.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise TypeError(
+            f"backend id {backend_id!r} is already registered by {existing.__module__}.{existing.__qualname__}"
+        )
+    table[backend_id] = cls
+
+
+def backend_class(backend_id: str) -> type[Backend]:
+    """The compile side registered under ``backend_id``."""
+    return _lookup(_BACKENDS, backend_id, 1)
+
+
+def runtime_class(backend_id: str) -> type[BackendRuntime]:
+    """The run side registered under ``backend_id``."""
+    return _lookup(_RUNTIMES, backend_id, 0)
+
+
+def _lookup(table: dict[str, type], backend_id: str, side: int) -> type:
+    if backend_id not in table and backend_id in BUILT_IN:
+        importlib.import_module(BUILT_IN[backend_id][side])
+    try:
+        return table[backend_id]
+    except KeyError:
+        known = ", ".join(sorted(set(table) | set(BUILT_IN))) or "none"
+        raise BackendNotFoundError(
+            f"no backend registered as {backend_id!r} (known: {known}); "
+            "import the module that defines it before lowering or loading"
+        ) from None
+

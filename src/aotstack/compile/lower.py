@@ -13,7 +13,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx.passes.utils.fuser_utils import validate_partition
 
-from ..backends.registry import backend_class
+from ..backends.base import backend_class
 from ..errors import LoweringError, MissingFallbackKernelsError
 from ..format.op_names import op_name
 from ..format.ops import is_delegate_call

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..backends.registry import runtime_class
+from ..backends.base import runtime_class
 from ..errors import MethodNotFoundError
 from ..format.archive import PackageContents, read_package
 from ..format.manifest import DelegateRecord, MethodRecord, WeightRecord
