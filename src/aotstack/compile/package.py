@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -55,7 +56,11 @@ def serialized_program(program: ExportedProgram) -> bytes:
     from torch._export.serde.serialize import serialize
 
     # Weights go to content-keyed blobs; the schema JSON carries only the graph and signature.
-    return serialize(program, serialize_state_dict=False, serialize_constants=False).exported_program
+    # Older torch (2.11) cannot leave them out: it pickles them, and they are dropped here.
+    skip_weights = {"serialize_state_dict": False, "serialize_constants": False}
+    if not set(skip_weights) <= set(inspect.signature(serialize).parameters):
+        skip_weights = {}
+    return serialize(program, **skip_weights).exported_program
 
 
 def method_record(name: str, program: ExportedProgram, delegates: list[Delegate], store: BlobStore) -> MethodRecord:
