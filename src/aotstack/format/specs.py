@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 
-class SpecKey(enum.StrEnum):
+class SpecKey:
     """The compile spec keys aotstack and its backends read; a ``CompileSpec`` key may be any str."""
 
     # Where a delegate runs: ``cpu``, ``cuda:1``, ``mps``.

@@ -52,7 +52,7 @@ def autotune_enabled(compile_specs: list[CompileSpec]) -> bool:
         return True
     setting = value.decode(errors="replace").strip().upper()
     if setting not in ("ON", "OFF"):
-        raise CompileSpecError(f"compile spec {SpecKey.AUTOTUNE.value!r} must be ON or OFF, got {value!r}")
+        raise CompileSpecError(f"compile spec {SpecKey.AUTOTUNE!r} must be ON or OFF, got {value!r}")
     return setting == "ON"
 
 

@@ -65,7 +65,7 @@ def parse_kernel_list(value: bytes) -> frozenset[str]:
     """The ``fallback_kernels`` compile spec: op names separated by commas; empty allows none."""
     names = [name.strip() for name in value.decode().split(",") if name.strip()]
     try:
-        return frozenset(normalized_op_name(name, f"compile spec {SpecKey.FALLBACK_KERNELS.value!r}") for name in names)
+        return frozenset(normalized_op_name(name, f"compile spec {SpecKey.FALLBACK_KERNELS!r}") for name in names)
     except ValueError as exc:
         raise CompileSpecError(str(exc)) from None
 
