@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 from torch.export import ExportedProgram
-from torch.export.graph_signature import (
-    ExportGraphSignature,
-    OutputSpec,
-    TensorArgument,
-)
+from torch.export.graph_signature import ExportGraphSignature, OutputSpec, TensorArgument
 from torch.fx import Node
 
 from .program_parts import constant_placeholders

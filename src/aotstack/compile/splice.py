@@ -7,9 +7,7 @@ import operator
 from collections.abc import Collection
 
 from torch.export import ExportedProgram
-from torch.export.graph_signature import (
-    OutputKind,
-)
+from torch.export.graph_signature import OutputKind
 from torch.fx import Graph, GraphModule, Node
 
 from ..format.ops import call_delegate
