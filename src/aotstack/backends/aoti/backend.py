@@ -8,7 +8,6 @@ options and its graph passes. Concrete backends are final.
 from __future__ import annotations
 
 import json
-import logging
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -27,8 +26,6 @@ from .kernels import kernel_allowed, parse_kernel_list
 from .passes import GraphPass, ReplaceViewCopyWithViewPass
 from .probe import needed_fallback_kernels
 from .run import LIBRARY_NAME, device_available, target_device
-
-logger = logging.getLogger("aotstack")
 
 
 class AotiBackend(Backend):
