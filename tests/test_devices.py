@@ -200,7 +200,7 @@ def test_save_and_load_keep_the_copies_and_inspect_shows_them(tmp_path):
     program = aotstack.export(AddAdd(), {"forward": tuple(torch.randn(4) for _ in range(3))})
     aotstack.lower(program, [NodesOnDevice("cuda:0", "add", "add_1")]).save(tmp_path / "cuda.pt2")
 
-    _, manifest = read_manifest(tmp_path / "cuda.pt2")
+    manifest = read_manifest(tmp_path / "cuda.pt2")
     targets = [getattr(step, "target", None) for step in manifest.methods["forward"].plan.steps]
     assert targets.count("aotstack.h2d_copy.default") == 3
     assert targets.count("aotstack.d2h_copy.default") == 1

@@ -145,7 +145,7 @@ def test_prefill_and_decode_share_weights_and_cache_in_one_file(two_method_lm):
 def test_each_weight_is_stored_once_for_both_methods(two_method_lm):
     from aotstack.format.archive import read_manifest
 
-    _, manifest = read_manifest(two_method_lm[1])
+    manifest = read_manifest(two_method_lm[1])
     blob_of: dict[str, set[str]] = {}
     for method in manifest.methods.values():
         for fqn, weight in method.weights.items():

@@ -26,7 +26,7 @@ def test_readme_backend_example_runs(tmp_path, monkeypatch):
 
     exec(compile(code, str(README), "exec"), {"__name__": "readme_example"})
 
-    _, manifest = read_manifest("add.pt2")
+    manifest = read_manifest("add.pt2")
     [delegate] = manifest.methods["forward"].delegates
     assert delegate.backend_id == "example_add"
     assert delegate.ops == ["aten.add.Tensor"]

@@ -45,7 +45,7 @@ def test_every_kind_of_state_goes_with_its_partition_and_comes_back_at_load(lowe
     for have, want in zip(got, expected + expected[:1], strict=True):
         torch.testing.assert_close(have, want, rtol=1e-5, atol=1e-5)
 
-    _, manifest = read_manifest(path)
+    manifest = read_manifest(path)
     method = manifest.methods["forward"]
     delegated = {
         local.removeprefix("weight:") for d in method.delegates for local in d.named_data if "weight:" in local
@@ -73,5 +73,5 @@ def test_a_non_contiguous_dynamic_input_reaches_a_delegate_intact(tmp_path):
     for size in (2, 7, 64):
         x = torch.randn(2, size, 3)
         torch.testing.assert_close(loaded.forward(x), TransposedInput()(x))
-    [record] = read_manifest(tmp_path / "transposed.pt2")[1].methods["forward"].inputs
+    [record] = read_manifest(tmp_path / "transposed.pt2").methods["forward"].inputs
     assert record.shape[1].min == 2 and record.shape[1].max == 64

@@ -1,4 +1,4 @@
-"""The ``aotstack`` command: demo, compile, run, inspect."""
+"""The ``aotstack`` command: demo, compile, run, inspect, and keygen, sign, verify."""
 
 from __future__ import annotations
 
@@ -54,18 +54,72 @@ def argument_parser() -> argparse.ArgumentParser:
                           help="like --ort, but ONNX Runtime claims only OP; repeatable")
     compile_.add_argument("--min-block-size", type=int, default=1, metavar="N",
                           help="leave parts with fewer than N compute ops to the next engine (default 1)")
+    compile_.add_argument("--on-compile-error", choices=("raise", "fallback"), default="raise",
+                          help="when an engine fails to compile a part: stop with an error (raise, the default), "
+                               "or warn and leave the part to the next engine or plain ATen (fallback)")
     compile_.set_defaults(command=compile_command)
 
     run = commands.add_parser("run", help="run a method on random inputs of the recorded shapes")
     run.add_argument("package", metavar="FILE.pt2")
     run.add_argument("--method", help="method to run (default: every method)")
     run.add_argument("--calls", type=int, default=100, help="timed calls per method (default 100)")
+    run.add_argument("--public-key", action="append", metavar="PUB",
+                     help="refuse the file unless a key in PUB (PEM) signed it; repeatable")
     run.set_defaults(command=run_command)
 
     inspect = commands.add_parser("inspect", help="list methods, delegates, backends, devices, ops and sizes")
     inspect.add_argument("package", metavar="FILE.pt2")
     inspect.set_defaults(command=inspect_command)
+
+    keygen = commands.add_parser("keygen", help="make an Ed25519 key pair for signing packages")
+    keygen.add_argument("key", metavar="KEY", help="write the private key to KEY and the public key to KEY.pub")
+    keygen.set_defaults(command=keygen_command)
+
+    sign = commands.add_parser("sign", help="sign a package in place with a private key")
+    sign.add_argument("package", metavar="FILE.pt2")
+    sign.add_argument("--key", required=True, metavar="KEY", help="the private key (PEM) from aotstack keygen")
+    sign.set_defaults(command=sign_command)
+
+    verify = commands.add_parser("verify", help="check a package is intact and signed by a trusted key")
+    verify.add_argument("package", metavar="FILE.pt2")
+    verify.add_argument("--public-key", required=True, action="append", metavar="PUB",
+                        help="a trusted public key (PEM); repeatable")
+    verify.set_defaults(command=verify_command)
     return parser
+
+
+def keygen_command(args: argparse.Namespace) -> int:
+    from .format.seal import new_key_pair
+
+    public_path = args.key + ".pub"
+    for path in (args.key, public_path):
+        if os.path.exists(path):
+            raise AotstackError(f"{path} exists; aotstack keygen does not overwrite a key")
+    private_pem, public_pem = new_key_pair()
+    # The private key is readable by its owner only, from the moment it exists.
+    fd = os.open(args.key, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as file:
+        file.write(private_pem)
+    with open(public_path, "wb") as file:
+        file.write(public_pem)
+    print(f"wrote {args.key} (private: keep it secret) and {public_path} (public: give it to loaders)")
+    return 0
+
+
+def sign_command(args: argparse.Namespace) -> int:
+    from .format.archive import sign
+
+    key = sign(args.package, args.key)
+    print(f"signed {args.package} with key {key}")
+    return 0
+
+
+def verify_command(args: argparse.Namespace) -> int:
+    from .format.archive import verify
+
+    key = verify(args.package, args.public_key)
+    print(f"{args.package}: intact, signed by trusted key {key}")
+    return 0
 
 
 def demo_command(args: argparse.Namespace) -> int:
@@ -80,7 +134,7 @@ def compile_command(args: argparse.Namespace) -> int:
     model, methods = model_from_target(args.target)
     started = time.perf_counter()
     program = aotstack.export(model, methods)
-    lowered = aotstack.lower(program, cli_partitioners(args))
+    lowered = aotstack.lower(program, cli_partitioners(args), on_compile_error=args.on_compile_error)
     lowered.save(args.output)
     count = sum(len(lowered.delegates(name)) for name in lowered.methods)
     print(f"wrote {args.output}: {len(lowered.methods)} method(s), {count} delegate(s), "
@@ -133,9 +187,9 @@ def run_command(args: argparse.Namespace) -> int:
 
     from .format.archive import read_manifest
 
-    _, manifest = read_manifest(args.package)
     started = time.perf_counter()
-    loaded = aotstack.load(args.package)
+    loaded = aotstack.load(args.package, public_key=args.public_key)
+    manifest = read_manifest(args.package)
     print(f"loaded {args.package} in {(time.perf_counter() - started) * 1e3:.1f} ms")
     names = [args.method] if args.method else loaded.method_names
     for name in names:
@@ -193,7 +247,7 @@ def inspect_command(args: argparse.Namespace) -> int:
     from .format.archive import read_manifest
     from .runtime.inputs import record_text
 
-    _, manifest = read_manifest(args.package)
+    manifest = read_manifest(args.package)
     blobs = manifest.blobs
     print(f"{args.package}: {os.path.getsize(args.package) / 1e6:.2f} MB, aotstack format "
           f"{manifest.format_version}, written by aotstack {manifest.aotstack_version} "

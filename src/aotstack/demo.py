@@ -78,7 +78,7 @@ def check_package(path: str, calls: int = 200) -> float:
 def describe_method(path: str, method: str) -> list[str]:
     from .format.archive import read_manifest
 
-    _, manifest = read_manifest(path)
+    manifest = read_manifest(path)
     return [
         f"delegate {d.id}: {d.backend_id} on {d.target_device}, runs {', '.join(d.ops)}"
         for d in manifest.methods[method].delegates

@@ -59,8 +59,16 @@ class PackageError(AotstackError):
     """A file is not an aotstack package, is truncated, or holds a blob whose hash does not match."""
 
 
+class SignatureError(PackageError):
+    """A package is unsigned, signed by a key that is not trusted, or its signature does not verify."""
+
+
 class InputError(AotstackError, TypeError):
     """A method was called with the wrong number, dtype or shape of arguments."""
+
+
+class RunError(AotstackError, RuntimeError):
+    """A step of a loaded method failed while it ran; the message names the step or delegate."""
 
 
 class MethodNotFoundError(AotstackError, AttributeError):

@@ -93,7 +93,7 @@ SCALAR_TYPES = (("bool", bool, torch.SymBool), ("int", int, torch.SymInt), ("flo
 def input_record(method: str, name: str, value: Any, ranges: dict[Any, Any]) -> InputRecord:
     if isinstance(value, torch.Tensor):
         shape = [dimension(d, ranges) for d in value.shape]
-        return InputRecord(name, "tensor", dtype=dtype_name(value.dtype), shape=shape)
+        return InputRecord(name, "tensor", dtype=dtype_name(value.dtype), shape=shape, device=value.device.type)
     if value is None:
         return InputRecord(name, "none")
     for kind, python_type, symbolic_type in SCALAR_TYPES:

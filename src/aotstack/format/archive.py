@@ -1,14 +1,19 @@
-"""The ``.pt2`` file: a PT2 archive holding every method, every blob once, and a manifest.
+"""The ``.pt2`` file: a zip of uncompressed, aligned entries, every one covered by a sealed manifest.
 
-Layout inside the archive::
+Layout inside the archive (all under one root folder, as in torch's PT2 archives)::
 
+    archive_format, archive_version, byteorder, .data/version    what torch's own readers expect
     models/<method>.json            the lowered ExportedProgram (stock torch.export schema, for tools)
     data/aotstack/<sha256>          named data and weights, stored once under their content hash
     extra/aotstack_manifest.json    versions, methods (with their run plans), delegates, weights,
-                                    and every blob's size
+                                    each blob's size and each other entry's SHA-256
+    extra/aotstack_seal.json        the manifest's SHA-256, and any signatures of it
 
-Nothing here is pickled, and reading verifies every blob against its hash before returning it.
-This module and the manifest it writes depend on nothing of aotstack above the format layer.
+Reading trusts nothing before it is checked: the zip directory is read by its own bounded rules
+(entries stored, not compressed, inside the file, not overlapping, each named once), the seal
+before the manifest, any signature before the manifest is parsed, and every entry against its
+hash before a loader sees it. Nothing is unpickled. This module depends on nothing of aotstack
+above the format layer.
 """
 
 from __future__ import annotations
@@ -16,49 +21,96 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import struct
+import sys
 import tempfile
-from collections.abc import Mapping
-from dataclasses import dataclass
-
-import torch
+import zipfile
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from typing import Any
 
 from ..errors import PackageError
 from .manifest import Manifest
-from .tensor_data import content_key
+from .seal import Seal, TrustedKeys, key_id, public_keys, seal_from_bytes, seal_to_bytes, signed, verified_signer
+from .seal import private_key as seal_private_key
+from .tensor_data import BytesLike, content_key
 
+ROOT = "package/"
 MANIFEST_PATH = "extra/aotstack_manifest.json"
+SEAL_PATH = "extra/aotstack_seal.json"
 BLOB_DIR = "data/aotstack/"
 PROGRAM_PATH = "models/{}.json"
 ARCHIVE_FORMAT_RECORD = "archive_format"
+# The records torch's PT2 readers look for; written with fixed values so a package is reproducible.
+TORCH_RECORDS = {
+    ARCHIVE_FORMAT_RECORD: b"pt2",
+    "archive_version": b"0",
+    "byteorder": sys.byteorder.encode(),
+    ".data/version": b"6\n",
+}
+
+# Bounds a hostile file cannot push reading past: the manifest and seal are read into memory.
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_SEAL_BYTES = 64 << 10
+# Data starts on a 64-byte boundary, so weights mapped from the file are aligned for every dtype.
+ALIGNMENT = 64
+# A fixed timestamp: the same program saved twice gives the same bytes, and the same signature.
+ENTRY_TIME = (1980, 1, 1, 0, 0, 0)
+
+
+# Writing -------------------------------------------------------------------------------------
 
 
 def write_package(
-    path: str | os.PathLike[str], manifest: Manifest, programs: Mapping[str, bytes], blobs: Mapping[str, bytes]
+    path: str | os.PathLike[str], manifest: Manifest, programs: Mapping[str, bytes], blobs: Mapping[str, BytesLike]
 ) -> None:
-    """Write a package atomically: a failed write leaves no file behind.
+    """Write a sealed package atomically: a failed write leaves no file behind.
 
     ``programs`` maps each method to its stock ``ExportedProgram`` JSON; ``blobs`` maps each
     content key the manifest names to its bytes.
     """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    # Imported here: torch.export.pt2_archive pulls in torch._export.serde (about 1.5 s), which
-    # loading never needs.
-    from torch.export.pt2_archive import PT2ArchiveWriter
+    records = {**TORCH_RECORDS, **{PROGRAM_PATH.format(name): data for name, data in programs.items()}}
+    manifest = replace(manifest, records={name: content_key(data) for name, data in records.items()})
+    manifest_bytes = json.dumps(manifest.to_json(), indent=1).encode()
+    seal = Seal(content_key(manifest_bytes), [])
+    entries = [
+        *records.items(),
+        *((BLOB_DIR + key, data) for key, data in blobs.items()),
+        (MANIFEST_PATH, manifest_bytes),
+        (SEAL_PATH, seal_to_bytes(seal)),
+    ]
+    write_archive(path, entries)
 
-    fd, temporary = tempfile.mkstemp(prefix=".aotstack-", suffix=".pt2", dir=directory)
-    os.close(fd)
+
+def write_archive(path: str | os.PathLike[str], entries: Iterable[tuple[str, BytesLike]]) -> None:
+    """Write ``entries`` (name, bytes) as a zip of stored, aligned entries, atomically."""
+    path = os.fspath(path)
+    fd, temporary = tempfile.mkstemp(prefix=".aotstack-", suffix=".pt2", dir=os.path.dirname(os.path.abspath(path)))
     try:
-        with PT2ArchiveWriter(temporary) as archive:
-            for name, program in programs.items():
-                archive.write_bytes(PROGRAM_PATH.format(name), program)
-            for key, data in blobs.items():
-                archive.write_bytes(BLOB_DIR + key, data)
-            archive.write_string(MANIFEST_PATH, json.dumps(manifest.to_json(), indent=1))
+        with os.fdopen(fd, "wb") as file, zipfile.ZipFile(file, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
+            for name, data in entries:
+                write_entry(archive, file.tell(), ROOT + name, data)
         os.replace(temporary, path)
     except BaseException:
         os.unlink(temporary)
         raise
+
+
+def write_entry(archive: zipfile.ZipFile, position: int, name: str, data: BytesLike) -> None:
+    info = zipfile.ZipInfo(name, date_time=ENTRY_TIME)
+    info.compress_type = zipfile.ZIP_STORED
+    size = memoryview(data).nbytes
+    # zipfile adds a 20-byte zip64 field to the local header of an entry this large.
+    zip64 = 20 if size * 1.05 > zipfile.ZIP64_LIMIT else 0
+    header = 30 + len(name.encode()) + zip64
+    padding = -(position + header) % ALIGNMENT
+    if padding:
+        padding += ALIGNMENT if padding < 4 else 0
+        # An extra field of an id no reader knows, which readers skip: padding that moves the data.
+        info.extra = struct.pack("<HH", 0xA11A, padding - 4) + bytes(padding - 4)
+    with archive.open(info, "w", force_zip64=bool(zip64)) as entry:
+        entry.write(data)
 
 
 # Reading -------------------------------------------------------------------------------------
@@ -70,82 +122,228 @@ class PackageContents:
 
     Each blob is a read-only view into the file, mapped, not copied: weights built over it cost
     no memory beyond the file's own pages. The file must not be changed in place while loaded
-    (``save`` replaces a file, which is safe).
+    (``save`` and ``sign`` replace a file, which is safe).
     """
 
     path: str
     manifest: Manifest
     blobs: dict[str, memoryview]
+    # The id of the trusted key whose signature was verified; None for an unsigned load.
+    signer: str | None = None
 
 
-class ArchiveReader:
-    """The records of a PT2 archive (the zip layout torch's PT2ArchiveReader reads)."""
+@dataclass
+class Archive:
+    """A package's entries as views into the mapped file, by name below the root folder."""
 
-    def __init__(self, path: str) -> None:
-        self.file = torch._C.PyTorchFileReader(path)
-        if self.file.get_record(ARCHIVE_FORMAT_RECORD) != b"pt2":
-            raise ValueError("its archive_format record is not 'pt2'")
+    path: str
+    mapped: memoryview
+    entries: dict[str, memoryview]
 
-    def get_file_names(self) -> list[str]:
-        return self.file.get_all_records()
-
-    def read_bytes(self, name: str) -> bytes:
-        return self.file.get_record(name)
+    def entry(self, name: str, what: str) -> memoryview:
+        if name not in self.entries:
+            raise PackageError(f"{self.path}: {what} ({name}) is missing")
+        return self.entries[name]
 
 
-def read_manifest(path: str | os.PathLike[str]) -> tuple[ArchiveReader, Manifest]:
-    """Open ``path`` as an aotstack package and return its reader and manifest."""
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """The manifest of the package at ``path``, checked against its seal (its blobs are not read)."""
+    return sealed_manifest(opened_archive(path), None)[0]
+
+
+def read_package(path: str | os.PathLike[str], trusted_keys: TrustedKeys | None = None) -> PackageContents:
+    """Map the package at ``path`` and verify its seal, its signature if keys are given, and every entry.
+
+    With ``trusted_keys``, a package not signed by one of them is refused before its manifest is parsed.
+    """
+    archive = opened_archive(path)
+    manifest, signer = sealed_manifest(archive, trusted_keys)
+    check_entries(archive, manifest)
+    return PackageContents(archive.path, manifest, verified_blobs(archive, manifest), signer)
+
+
+def opened_archive(path: str | os.PathLike[str]) -> Archive:
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise PackageError(f"{path}: no such file")
-    try:
-        reader = ArchiveReader(path)
-    except Exception as exc:
-        raise PackageError(f"{path}: not a PT2 archive ({first_line(exc)})") from exc
-    if MANIFEST_PATH not in reader.get_file_names():
+    with open(path, "rb") as file:
+        try:
+            mapped = memoryview(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ))
+        except (ValueError, OSError) as exc:
+            raise PackageError(f"{path}: not a PT2 archive ({first_line(exc)})") from None
+        try:
+            infos = zipfile.ZipFile(file).infolist()
+        except Exception as exc:
+            # zipfile raises many types for a damaged directory; each means the same here.
+            raise PackageError(f"{path}: not a PT2 archive ({first_line(exc)})") from None
+    entries = archive_entries(path, mapped, infos)
+    if entries.get(ARCHIVE_FORMAT_RECORD) != b"pt2":
+        raise PackageError(f"{path}: not a PT2 archive (its archive_format record is not 'pt2')")
+    if MANIFEST_PATH not in entries:
         raise PackageError(f"{path}: a PT2 archive, but not one written by aotstack (no {MANIFEST_PATH})")
+    return Archive(path, mapped, entries)
+
+
+def archive_entries(path: str, mapped: memoryview, infos: Sequence[zipfile.ZipInfo]) -> dict[str, memoryview]:
+    """Each entry's data as a view into the file, by name below the archive's one root folder."""
+    if not infos:
+        raise PackageError(f"{path}: not a PT2 archive (an empty zip)")
+    root = infos[0].filename.partition("/")[0] + "/"
+    entries: dict[str, memoryview] = {}
+    spans: list[tuple[int, int, str]] = []
+    for info in infos:
+        name = info.filename
+        if not name.startswith(root) or name == root:
+            raise PackageError(f"{path}: entry {name!r} is outside the archive's root folder {root!r}")
+        relative = name[len(root) :]
+        if relative in entries:
+            raise PackageError(f"{path}: entry {relative!r} appears twice; the file is damaged or was altered")
+        start = data_offset(path, mapped, info)
+        entries[relative] = mapped[start : start + info.file_size]
+        spans.append((start, start + info.file_size, relative))
+    spans.sort()
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise PackageError(f"{path}: entries {first!r} and {second!r} overlap; the file is damaged or was altered")
+    return entries
+
+
+def data_offset(path: str, mapped: memoryview, info: zipfile.ZipInfo) -> int:
+    """Where ``info``'s bytes start, checked: stored, not encrypted, and inside the file."""
+    where = f"{path}: entry {info.filename!r}"
+    if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1 or info.compress_size != info.file_size:
+        raise PackageError(f"{where} is compressed or encrypted; aotstack stores every entry as is")
+    header = bytes(mapped[info.header_offset : info.header_offset + 30])
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise PackageError(f"{where} has no local header where the directory says; the file is damaged")
+    name_length, extra_length = struct.unpack("<HH", header[26:30])
+    start = info.header_offset + 30
     try:
-        data = json.loads(reader.read_bytes(MANIFEST_PATH))
-    except Exception as exc:
-        raise PackageError(f"{path}: unreadable manifest ({first_line(exc)})") from exc
+        # zipfile decodes a name as utf-8 where the entry says so, else as cp437.
+        name = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+    except UnicodeEncodeError:
+        name = b""
+    if bytes(mapped[start : start + name_length]) != name:
+        raise PackageError(f"{where}: its local header names another entry; the file is damaged")
+    start += name_length + extra_length
+    if start + info.file_size > len(mapped):
+        raise PackageError(f"{where} claims {info.file_size} bytes past the end of the file; it is truncated")
+    return start
+
+
+def sealed_manifest(archive: Archive, trusted_keys: TrustedKeys | None) -> tuple[Manifest, str | None]:
+    """The manifest, parsed only after it matched its seal and, with keys, a trusted signature."""
+    path = archive.path
+    if SEAL_PATH not in archive.entries:
+        raise PackageError(
+            f"{path}: no seal ({SEAL_PATH}); it was written by an aotstack older than format 4, or damaged"
+        )
+    seal_bytes = archive.entries[SEAL_PATH]
+    if len(seal_bytes) > MAX_SEAL_BYTES:
+        raise PackageError(f"{path}: the seal is {len(seal_bytes)} bytes, more than the {MAX_SEAL_BYTES} allowed")
     try:
-        return reader, Manifest.from_json(data)
+        seal = seal_from_bytes(bytes(seal_bytes))
+    except PackageError as exc:
+        raise PackageError(f"{path}: {exc}") from None
+    signer = verified_signer(seal, trusted_keys, path) if trusted_keys is not None else None
+    manifest_bytes = archive.entries[MANIFEST_PATH]
+    if len(manifest_bytes) > MAX_MANIFEST_BYTES:
+        raise PackageError(
+            f"{path}: the manifest is {len(manifest_bytes)} bytes, more than the {MAX_MANIFEST_BYTES} allowed"
+        )
+    if content_key(manifest_bytes) != seal.manifest_sha256:
+        raise PackageError(f"{path}: the manifest does not match its seal; the file is damaged or was altered")
+    try:
+        data = json.loads(bytes(manifest_bytes))
+    except (ValueError, RecursionError) as exc:
+        raise PackageError(f"{path}: unreadable manifest ({first_line(exc)})") from None
+    try:
+        return Manifest.from_json(data), signer
     except PackageError as exc:
         raise PackageError(f"{path}: {exc}") from None
 
 
-def read_package(path: str | os.PathLike[str]) -> PackageContents:
-    """Map the package at ``path`` and verify every blob against its hash."""
-    path = os.fspath(path)
-    reader, manifest = read_manifest(path)
+def check_entries(archive: Archive, manifest: Manifest) -> None:
+    """Every entry is one the manifest covers, and every record matches its recorded hash."""
+    covered = {MANIFEST_PATH, SEAL_PATH, *manifest.records, *(BLOB_DIR + key for key in manifest.blobs)}
+    unexpected = sorted(set(archive.entries) - covered)
+    if unexpected:
+        raise PackageError(f"{archive.path}: entries the manifest does not cover: {unexpected[:5]}; it was altered")
+    for name, key in manifest.records.items():
+        if content_key(archive.entry(name, "a record")) != key:
+            raise PackageError(f"{archive.path}: entry {name!r} does not match its SHA-256; the file is damaged")
+
+
+def verified_blobs(archive: Archive, manifest: Manifest) -> dict[str, memoryview]:
     owners = manifest.blob_owners()
-    with open(path, "rb") as file:
-        mapped = memoryview(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ))
     blobs = {}
     for key, size in manifest.blobs.items():
         what = owners.get(key, "unreferenced")
-        data = mapped_record(reader, mapped, path, BLOB_DIR + key, size, what)
-        if content_key(data) != key:
-            raise PackageError(
-                f"{path}: blob {key[:16]}… ({what}) does not match its SHA-256; the file is corrupt or was altered"
-            )
+        data = archive.entry(BLOB_DIR + key, what)
+        if len(data) != size:
+            raise PackageError(f"{archive.path}: {what} is {len(data)} bytes, but the manifest says {size}")
         blobs[key] = data
-    return PackageContents(path, manifest, blobs)
+    for key, actual in zip(blobs, hashes(list(blobs.values()))):
+        if actual != key:
+            raise PackageError(
+                f"{archive.path}: blob {key[:16]}… ({owners.get(key, 'unreferenced')}) does not match its SHA-256; "
+                "the file is corrupt or was altered"
+            )
+    return blobs
 
 
-def mapped_record(
-    reader: ArchiveReader, mapped: memoryview, path: str, record: str, size: int, what: str
-) -> memoryview:
-    """The ``size`` bytes of ``record`` as a view into the mapped file (archives store records uncompressed)."""
-    try:
-        offset = reader.file.get_record_offset(record)
-    except Exception as exc:
-        raise PackageError(f"{path}: cannot read {what} ({record}): {first_line(exc)}") from exc
-    if not isinstance(size, int) or size < 0 or offset + size > len(mapped):
-        raise PackageError(f"{path}: {what} ({record}) claims {size!r} bytes past the end of the file")
-    return mapped[offset : offset + size]
+# Large blobs are hashed on every core: hashlib releases the GIL while it hashes.
+PARALLEL_HASH_BYTES = 4 << 20
+
+
+def hashes(blobs: list[memoryview]) -> list[str]:
+    if sum(len(blob) for blob in blobs) < PARALLEL_HASH_BYTES or (os.cpu_count() or 1) == 1:
+        return [content_key(blob) for blob in blobs]
+    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
+        return list(pool.map(content_key, blobs))
+
+
+# Signing -------------------------------------------------------------------------------------
+
+
+def resealed(path: str | os.PathLike[str], change: Any) -> None:
+    """Rewrite the package at ``path`` with ``change(seal)`` as its seal; every other entry is copied as is.
+
+    The package is checked first (seal and every entry), so a damaged file is never signed.
+    """
+    archive = opened_archive(path)
+    manifest, _ = sealed_manifest(archive, None)
+    check_entries(archive, manifest)
+    verified_blobs(archive, manifest)
+    seal = change(seal_from_bytes(bytes(archive.entries[SEAL_PATH])))
+    entries = [(name, data) for name, data in archive.entries.items() if name != SEAL_PATH]
+    write_archive(path, [*entries, (SEAL_PATH, seal_to_bytes(seal))])
 
 
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def sign(path: str | os.PathLike[str], private_key: Any) -> str:
+    """Sign the package at ``path`` in place with an Ed25519 key; returns the key's id.
+
+    ``private_key`` is a key, PEM bytes or a PEM file's path (see ``aotstack keygen``).
+    Example::
+
+        aotstack.sign("model.pt2", "release.key")
+        aotstack.load("model.pt2", public_key="release.key.pub")
+    """
+    key = seal_private_key(private_key)
+    resealed(path, lambda seal: signed(seal, key))
+    return key_id(key.public_key())
+
+
+def verify(path: str | os.PathLike[str], public_key: Any) -> str:
+    """Check that ``path`` is intact and signed by one of ``public_key``; returns the signer's key id.
+
+    Raises ``SignatureError`` (unsigned, untrusted or bad signature) or ``PackageError`` (damaged).
+    """
+    signer = read_package(path, public_keys(public_key)).signer
+    assert signer is not None
+    return signer

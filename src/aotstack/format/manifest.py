@@ -1,9 +1,11 @@
 """The manifest of a package: typed records for its methods, delegates, weights and inputs.
 
 The manifest is the one JSON document in a package that aotstack reads; every other entry is a
-blob it names by content hash. ``Manifest.to_json`` and ``Manifest.from_json`` are its codec;
-reading checks each field's type, so a damaged manifest is a ``PackageError`` naming the field,
-never a ``KeyError`` from deep inside the runtime.
+blob it names by content hash, or a record whose hash it holds. ``Manifest.to_json`` and
+``Manifest.from_json`` are its codec. Reading checks every field before anything uses it: its
+type, its range, the blobs, weights, delegates and steps it refers to, and bounds on sizes and
+counts; a bad manifest is a ``PackageError`` naming the field, never a ``KeyError`` from deep
+inside the runtime, and never a reason to allocate more than the file holds.
 """
 
 from __future__ import annotations
@@ -12,12 +14,30 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import PackageError
-from .plan import MethodPlan, expect, method_plan_from_json, method_plan_to_json
+from .plan import (
+    DelegateStep,
+    InputStep,
+    MethodPlan,
+    WeightStep,
+    check_reads,
+    checked_names,
+    expect,
+    method_plan_from_json,
+    method_plan_to_json,
+    refs,
+)
 from .records import TensorSpec
 from .specs import CompileSpec
+from .tensor_data import WEIGHT_PREFIX, dtype_from_name
 
 FORMAT_NAME = "aotstack"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+
+# Bounds on counts and sizes; each is far past any real model.
+MAX_METHODS = 1024
+MAX_ITEMS = 1 << 20
+MAX_RANK = 64
+MAX_SIZE = 1 << 48
 
 
 @dataclass(frozen=True)
@@ -33,9 +53,9 @@ class Dim:
 class InputRecord:
     """What one user input of a method must be.
 
-    ``kind`` is ``tensor`` (with ``dtype`` and ``shape``: ints, ``Dim`` for a symbol, None for an
-    expression of symbols), ``int``, ``float`` or ``bool`` (``value`` when specialised, else
-    None, with ``dim`` for a symbolic int), or ``none``.
+    ``kind`` is ``tensor`` (with ``dtype``, ``shape``: ints, ``Dim`` for a symbol, None for an
+    expression of symbols, and ``device``, its type such as ``cpu``), ``int``, ``float`` or
+    ``bool`` (``value`` when specialised, else None, with ``dim`` for a symbolic int), or ``none``.
     """
 
     name: str
@@ -44,6 +64,7 @@ class InputRecord:
     shape: list[int | Dim | None] | None = None
     value: Any = None
     dim: Dim | None = None
+    device: str | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +111,8 @@ class Manifest:
     methods: dict[str, MethodRecord]
     # Blob key -> size in bytes.
     blobs: dict[str, int]
+    # Every other entry the archive holds (programs, torch's records) -> its SHA-256.
+    records: dict[str, str] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -100,6 +123,7 @@ class Manifest:
             "torch_version": self.torch_version,
             "methods": {name: method_to_json(method) for name, method in self.methods.items()},
             "blobs": dict(self.blobs),
+            "records": dict(self.records),
         }
 
     @classmethod
@@ -110,17 +134,27 @@ class Manifest:
                 f"package format {data.get('format')!r} version {data.get('format_version')!r}; "
                 f"this aotstack reads {FORMAT_NAME!r} version {FORMAT_VERSION}"
             )
-        methods = expect(data.get("methods"), dict, "the manifest's methods")
-        blobs = expect(data.get("blobs"), dict, "the manifest's blobs")
+        methods = bounded_dict(data.get("methods"), "the manifest's methods", MAX_METHODS)
+        blobs = bounded_dict(data.get("blobs"), "the manifest's blobs", MAX_ITEMS)
         for key, size in blobs.items():
+            if not is_sha256(key):
+                raise PackageError(f"blob key {key[:80]!r} is not a SHA-256 in hex")
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise PackageError(f"blob {key!r} has size {size!r}; expected a non-negative int")
-        return cls(
+        records = bounded_dict(data.get("records"), "the manifest's records", MAX_ITEMS)
+        for name, key in records.items():
+            if not is_sha256(key):
+                raise PackageError(f"record {name[:80]!r} has hash {str(key)[:80]!r}; expected a SHA-256 in hex")
+        manifest = cls(
             aotstack_version=str(data.get("aotstack_version")),
             torch_version=str(data.get("torch_version")),
             methods={name: within(f"method {name!r}", method_from_json, method) for name, method in methods.items()},
             blobs=blobs,
+            records=records,
         )
+        for name, method in manifest.methods.items():
+            within(f"method {name!r}", lambda m: check_method(m, manifest.blobs), method)
+        return manifest
 
     def blob_owners(self) -> dict[str, str]:
         """Blob key -> what uses it, for messages."""
@@ -133,6 +167,24 @@ class Manifest:
                 for local, key in delegate.named_data.items():
                     owners.setdefault(key, f"{local!r} of delegate {delegate.id}")
         return owners
+
+
+def is_sha256(key: Any) -> bool:
+    return isinstance(key, str) and len(key) == 64 and all(c in "0123456789abcdef" for c in key)
+
+
+def bounded_dict(value: Any, what: str, limit: int) -> dict[str, Any]:
+    value = expect(value, dict, what)
+    if len(value) > limit:
+        raise PackageError(f"{what} number {len(value)}, more than the {limit} allowed")
+    return value
+
+
+def bounded_list(value: Any, what: str, limit: int = MAX_ITEMS) -> list[Any]:
+    value = expect(value, list, what)
+    if len(value) > limit:
+        raise PackageError(f"{what} number {len(value)}, more than the {limit} allowed")
+    return value
 
 
 def within(where: str, read: Any, data: Any) -> Any:
@@ -160,15 +212,15 @@ def method_to_json(method: MethodRecord) -> dict[str, Any]:
 
 def method_from_json(data: Any) -> MethodRecord:
     data = expect(data, dict, "a method")
-    weights = expect(data.get("weights"), dict, "weights")
+    weights = bounded_dict(data.get("weights"), "weights", MAX_ITEMS)
     return MethodRecord(
         program=expect(data.get("program"), str, "program"),
-        inputs=[input_from_json(record) for record in expect(data.get("inputs"), list, "inputs")],
+        inputs=[input_from_json(record) for record in bounded_list(data.get("inputs"), "inputs")],
         plan=within("plan", method_plan_from_json, data.get("plan")),
         in_spec=expect(data.get("in_spec"), str, "in_spec"),
         out_spec=expect(data.get("out_spec"), str, "out_spec"),
         weights={fqn: within(f"weight {fqn!r}", weight_from_json, weight) for fqn, weight in weights.items()},
-        delegates=[delegate_from_json(delegate) for delegate in expect(data.get("delegates"), list, "delegates")],
+        delegates=[delegate_from_json(delegate) for delegate in bounded_list(data.get("delegates"), "delegates")],
     )
 
 
@@ -176,15 +228,29 @@ def weight_from_json(data: Any) -> WeightRecord:
     data = expect(data, dict, "a weight")
     return WeightRecord(
         blob=expect(data.get("blob"), str, "blob"),
-        dtype=expect(data.get("dtype"), str, "dtype"),
+        dtype=dtype_text(data.get("dtype"), "dtype"),
         shape=sizes(data.get("shape"), "shape"),
     )
 
 
 def sizes(value: Any, what: str) -> list[int]:
-    value = expect(value, list, what)
-    if not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
-        raise PackageError(f"{what} must list non-negative ints, got {value!r}")
+    value = bounded_list(value, what, MAX_RANK)
+    if not all(is_size(d) for d in value):
+        raise PackageError(f"{what} must list ints in [0, 2**48], got {value!r}")
+    return value
+
+
+def is_size(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SIZE
+
+
+def dtype_text(value: Any, what: str) -> str:
+    """A dtype's name, checked to be one of torch's."""
+    value = expect(value, str, what)
+    try:
+        dtype_from_name(value)
+    except ValueError:
+        raise PackageError(f"{what} {value[:40]!r} is not a torch dtype") from None
     return value
 
 
@@ -213,21 +279,27 @@ def delegate_from_json(data: Any) -> DelegateRecord:
 
 
 def delegate_fields(data: dict[str, Any]) -> DelegateRecord:
-    named_data = expect(data.get("named_data"), dict, "named_data")
-    if not all(isinstance(key, str) for key in named_data.values()):
+    named_data = bounded_dict(data.get("named_data"), "named_data", MAX_ITEMS)
+    if not all(is_sha256(key) for key in named_data.values()):
         raise PackageError("named_data must map names to blob keys")
     return DelegateRecord(
         id=data["id"],
         backend_id=expect(data.get("backend_id"), str, "backend_id"),
         target_device=expect(data.get("target_device"), str, "target_device"),
-        compile_specs=[compile_spec_from_json(s) for s in expect(data.get("compile_specs"), list, "compile_specs")],
-        ops=[expect(op, str, "an op") for op in expect(data.get("ops"), list, "ops")],
-        inputs=[tensor_spec_from_json(spec) for spec in expect(data.get("inputs"), list, "inputs")],
-        outputs=[tensor_spec_from_json(spec) for spec in expect(data.get("outputs"), list, "outputs")],
-        processed=expect(data.get("processed"), str, "processed"),
+        compile_specs=[compile_spec_from_json(s) for s in bounded_list(data.get("compile_specs"), "specs", 256)],
+        ops=[expect(op, str, "an op") for op in bounded_list(data.get("ops"), "ops")],
+        inputs=[tensor_spec_from_json(spec) for spec in bounded_list(data.get("inputs"), "inputs")],
+        outputs=[tensor_spec_from_json(spec) for spec in bounded_list(data.get("outputs"), "outputs")],
+        processed=blob_key(data.get("processed"), "processed"),
         named_data=named_data,
-        updates=[expect(fqn, str, "an updated buffer") for fqn in expect(data.get("updates"), list, "updates")],
+        updates=[expect(fqn, str, "an updated buffer") for fqn in bounded_list(data.get("updates"), "updates")],
     )
+
+
+def blob_key(value: Any, what: str) -> str:
+    if not is_sha256(value):
+        raise PackageError(f"{what} must be a blob key (a SHA-256 in hex)")
+    return value
 
 
 def compile_spec_from_json(data: Any) -> CompileSpec:
@@ -242,10 +314,10 @@ def compile_spec_from_json(data: Any) -> CompileSpec:
 
 def tensor_spec_from_json(data: Any) -> TensorSpec:
     data = expect(data, dict, "a tensor spec")
-    shape = expect(data.get("shape"), list, "a tensor spec's shape")
-    if not all(d is None or (isinstance(d, int) and not isinstance(d, bool)) for d in shape):
-        raise PackageError(f"a tensor spec's shape must hold ints or null, got {shape!r}")
-    return TensorSpec(expect(data.get("dtype"), str, "a tensor spec's dtype"), shape)
+    shape = bounded_list(data.get("shape"), "a tensor spec's shape", MAX_RANK)
+    if not all(d is None or is_size(d) for d in shape):
+        raise PackageError(f"a tensor spec's shape must hold sizes or null, got {shape!r}")
+    return TensorSpec(dtype_text(data.get("dtype"), "a tensor spec's dtype"), shape)
 
 
 # Inputs ------------------------------------------------------------------------------------------
@@ -257,6 +329,7 @@ def input_to_json(record: InputRecord) -> dict[str, Any]:
     data: dict[str, Any] = {"name": record.name, "kind": record.kind}
     if record.kind == "tensor":
         data["dtype"] = record.dtype
+        data["device"] = record.device
         data["shape"] = [vars(d).copy() if isinstance(d, Dim) else d for d in record.shape or []]
     elif record.kind != "none":
         data["value"] = record.value
@@ -274,16 +347,94 @@ def input_from_json(data: Any) -> InputRecord:
     if kind == "none":
         return InputRecord(name, kind)
     if kind == "tensor":
-        shape = expect(data.get("shape"), list, "shape")
-        shape = [d if d is None or isinstance(d, int) else dim_from_json(d) for d in shape]
-        return InputRecord(name, kind, dtype=expect(data.get("dtype"), str, "dtype"), shape=shape)
-    dim = data.get("dim")
-    return InputRecord(name, kind, value=data.get("value"), dim=None if dim is None else dim_from_json(dim))
+        shape = bounded_list(data.get("shape"), "shape", MAX_RANK)
+        shape = [d if d is None or is_size(d) else dim_from_json(d) for d in shape]
+        dtype, device = dtype_text(data.get("dtype"), "dtype"), expect(data.get("device"), str, "device")
+        return InputRecord(name, kind, dtype=dtype, shape=shape, device=device)
+    value, dim = data.get("value"), data.get("dim")
+    if value is not None and not scalar_fits(kind, value):
+        raise PackageError(f"input {name!r} is a {kind} with value {value!r}")
+    return InputRecord(name, kind, value=value, dim=None if dim is None else dim_from_json(dim))
+
+
+def scalar_fits(kind: str, value: Any) -> bool:
+    if kind == "bool":
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, int) or (kind == "float" and isinstance(value, float))
 
 
 def dim_from_json(data: Any) -> Dim:
     data = expect(data, dict, "a symbolic size")
     low, high = data.get("min"), data.get("max")
-    if not isinstance(low, int) or not (high is None or isinstance(high, int)):
-        raise PackageError(f"a symbolic size's range must be ints, got [{low!r}, {high!r}]")
+    if not is_size(low) or not (high is None or (is_size(high) and high >= low)):
+        raise PackageError(f"a symbolic size's range must be sizes with min <= max, got [{low!r}, {high!r}]")
     return Dim(expect(data.get("symbol"), str, "a symbol"), low, high)
+
+
+# References --------------------------------------------------------------------------------------
+
+
+def check_method(method: MethodRecord, blobs: dict[str, int]) -> None:
+    """Every blob, weight, delegate and step ``method`` refers to exists, with sizes that agree."""
+    for fqn, weight in method.weights.items():
+        check_weight(fqn, weight, blobs)
+    delegates = {}
+    for delegate in method.delegates:
+        if delegate.id in delegates:
+            raise PackageError(f"two delegates have the id {delegate.id!r}")
+        delegates[delegate.id] = within(f"delegate {delegate.id}", lambda d: check_delegate(d, blobs), delegate)
+    plan = method.plan
+    names = within("plan", lambda steps: checked_names(steps, "plan"), plan.steps)
+    check_reads(refs(plan.outputs), names, "the plan's outputs")
+    inputs = [step for step in plan.steps if isinstance(step, InputStep)]
+    if len(inputs) != len(method.inputs):
+        raise PackageError(f"the plan reads {len(inputs)} input(s), but the method records {len(method.inputs)}")
+    for step in plan.steps:
+        if isinstance(step, WeightStep) and step.fqn not in method.weights:
+            raise PackageError(f"plan step {step.name!r} reads weight {step.fqn!r}, which the method lacks")
+        if isinstance(step, DelegateStep):
+            check_delegate_step(step, delegates)
+    for fqn, name in plan.mutations:
+        if fqn not in method.weights or name not in names:
+            raise PackageError(f"the plan updates {fqn!r} from {name!r}, but the method lacks one of them")
+
+
+def check_weight(fqn: str, weight: WeightRecord, blobs: dict[str, int]) -> None:
+    if weight.blob not in blobs:
+        raise PackageError(f"weight {fqn!r} names blob {weight.blob[:16]}…, which the package lacks")
+    count = 1
+    for size in weight.shape:
+        count *= size
+    expected = count * dtype_from_name(weight.dtype).itemsize
+    if expected != blobs[weight.blob]:
+        raise PackageError(
+            f"weight {fqn!r} is {weight.dtype}{weight.shape}, {expected} bytes, but its blob holds {blobs[weight.blob]}"
+        )
+
+
+def check_delegate(delegate: DelegateRecord, blobs: dict[str, int]) -> DelegateRecord:
+    for name, key in [("processed", delegate.processed), *delegate.named_data.items()]:
+        if key not in blobs:
+            raise PackageError(f"{name!r} names blob {key[:16]}…, which the package lacks")
+    for fqn in delegate.updates:
+        if WEIGHT_PREFIX + fqn not in delegate.named_data:
+            raise PackageError(f"it updates buffer {fqn!r}, but its named data lacks {WEIGHT_PREFIX + fqn!r}")
+    return delegate
+
+
+def check_delegate_step(step: DelegateStep, delegates: dict[str, DelegateRecord]) -> None:
+    delegate = delegates.get(step.delegate)
+    if delegate is None:
+        raise PackageError(f"the plan calls delegate {step.delegate!r}, which the method lacks")
+    if len(step.inputs) != len(delegate.inputs):
+        raise PackageError(
+            f"the plan passes {len(step.inputs)} input(s) to delegate {step.delegate}, "
+            f"which takes {len(delegate.inputs)}"
+        )
+    for index, name in step.outputs:
+        if not 0 <= index < len(delegate.outputs):
+            raise PackageError(
+                f"step {name!r} reads output {index} of delegate {step.delegate}, which has {len(delegate.outputs)}"
+            )

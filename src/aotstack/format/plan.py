@@ -15,11 +15,18 @@ In JSON a step is an object with a ``kind``::
 and a value an op takes is a JSON scalar, ``{"ref": name}`` for another step's value, or a
 tagged object for lists, tuples, dicts, non-finite floats and torch's dtypes, devices, memory
 formats and layouts.
+
+The plan is closed: a step may call only what a lowered program contains (ATen and prims ops that
+write into none of their arguments, aotstack's copies, the control-flow ops, and the ``operator``
+functions export emits), so an edited manifest cannot reach arbitrary Python. Reading checks
+that every name a step reads was computed before it, and bounds sizes and nesting.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +103,64 @@ class MethodPlan:
     mutations: list[tuple[str, str]]
 
 
+# Bounds on what a manifest may hold, so that a hostile one cannot make reading loop or recurse deep.
+MAX_STEPS = 1 << 20
+MAX_VALUE_DEPTH = 32
+MAX_SUBGRAPH_DEPTH = 16
+
+
+# What a step may call ----------------------------------------------------------------------------
+
+# The functions export emits besides ops: arithmetic and comparisons on sizes, and getitem.
+OPERATOR_FUNCTIONS = frozenset(
+    {
+        "getitem", "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "neg", "pos", "abs",
+        "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "xor", "not_", "invert", "lshift", "rshift",
+    }
+)  # fmt: skip
+CONTROL_FLOW_OPS = frozenset({"cond", "while_loop", "map_impl", "scan"})
+OP_NAMESPACES = frozenset({"aten", "prims"})
+AOTSTACK_OPS = frozenset({"aotstack.h2d_copy.default", "aotstack.d2h_copy.default"})
+# ATen ops that reach outside the program: a file, the console.
+OUTSIDE_OPS = frozenset({"aten.from_file", "aten._print"})
+
+
+@functools.cache
+def resolved_op(name: str) -> Any:
+    """What a step named ``name`` calls, if a lowered program may call it; else ``PackageError``.
+
+    >>> resolved_op("aten.relu.default")
+    <OpOverload(op='aten.relu', overload='default')>
+    """
+    namespace, _, rest = name.partition(".")
+    if namespace == "operator":
+        if rest not in OPERATOR_FUNCTIONS:
+            raise PackageError(f"calls {name!r}, which is not one of the operator functions a lowered program uses")
+        return getattr(operator, rest)
+    if namespace == "higher_order":
+        if rest not in CONTROL_FLOW_OPS:
+            raise PackageError(f"calls {name!r}, which is not one of the control-flow ops {sorted(CONTROL_FLOW_OPS)}")
+        return torch_op(name, lambda: getattr(torch.ops.higher_order, rest))
+    packet, _, overload = rest.rpartition(".")
+    if name in AOTSTACK_OPS:
+        from . import ops  # noqa: F401  (registers torch.ops.aotstack)
+    elif namespace not in OP_NAMESPACES or f"{namespace}.{packet}" in OUTSIDE_OPS:
+        raise PackageError(f"calls {name!r}; a run plan may call only ATen and prims ops and aotstack's copies")
+    op = torch_op(name, lambda: getattr(getattr(getattr(torch.ops, namespace), packet), overload))
+    if not isinstance(op, torch._ops.OpOverload):
+        raise PackageError(f"calls {name!r}, which is not an op overload")
+    if op._schema.is_mutable:
+        raise PackageError(f"calls {name!r}, which writes into its arguments; a lowered program is functional")
+    return op
+
+
+def torch_op(name: str, find: Any) -> Any:
+    try:
+        return find()
+    except (AttributeError, RuntimeError):
+        raise PackageError(f"calls op {name!r}, which this torch does not have") from None
+
+
 # JSON --------------------------------------------------------------------------------------------
 
 
@@ -110,7 +175,7 @@ def method_plan_to_json(plan: MethodPlan) -> dict[str, Any]:
 def method_plan_from_json(data: Any) -> MethodPlan:
     data = expect(data, dict, "a method plan")
     return MethodPlan(
-        steps=[step_from_json(step) for step in expect(data.get("steps"), list, "a plan's steps")],
+        steps=[step_from_json(step) for step in bounded(data.get("steps"), "a plan's steps")],
         outputs=[value_from_json(value) for value in expect(data.get("outputs"), list, "a plan's outputs")],
         mutations=[name_pair(pair) for pair in expect(data.get("mutations"), list, "a plan's mutations")],
     )
@@ -136,7 +201,7 @@ def step_to_json(step: Step) -> dict[str, Any]:
     }
 
 
-def step_from_json(data: Any) -> Step:
+def step_from_json(data: Any, depth: int = 0) -> Step:
     data = expect(data, dict, "a plan step")
     kind = data.get("kind")
     if kind == "input":
@@ -144,8 +209,10 @@ def step_from_json(data: Any) -> Step:
     if kind == "weight":
         return WeightStep(text(data, "name"), text(data, "fqn"))
     if kind == "subgraph":
+        if depth >= MAX_SUBGRAPH_DEPTH:
+            raise PackageError(f"subgraphs in a run plan are nested deeper than {MAX_SUBGRAPH_DEPTH} levels")
         plan = expect(data.get("plan"), dict, "a subgraph's plan")
-        steps = [step_from_json(step) for step in expect(plan.get("steps"), list, "a subgraph's steps")]
+        steps = [step_from_json(step, depth + 1) for step in bounded(plan.get("steps"), "a subgraph's steps")]
         return SubgraphStep(text(data, "name"), SubgraphPlan(steps, value_from_json(plan.get("output"))))
     if kind == "delegate":
         inputs = [expect(name, str, "a delegate input") for name in expect(data.get("inputs"), list, "inputs")]
@@ -156,7 +223,12 @@ def step_from_json(data: Any) -> Step:
         kwargs = value_from_json(data.get("kwargs"))
         if not isinstance(args, list) or not isinstance(kwargs, dict):
             raise PackageError(f"plan step {data.get('name')!r} has malformed arguments")
-        return OpStep(text(data, "name"), text(data, "target"), args, kwargs)
+        name, target = text(data, "name"), text(data, "target")
+        try:
+            resolved_op(target)
+        except PackageError as exc:
+            raise PackageError(f"plan step {name!r}: {exc}") from None
+        return OpStep(name, target, args, kwargs)
     raise PackageError(f"unknown plan step kind {kind!r}")
 
 
@@ -190,8 +262,10 @@ def value_to_json(value: Any) -> Any:
     raise TypeError(f"a {type(value).__name__} ({value!r})")
 
 
-def value_from_json(value: Any) -> Any:
+def value_from_json(value: Any, depth: int = 0) -> Any:
     """The inverse of :func:`value_to_json`, with references as ``Ref``."""
+    if depth > MAX_VALUE_DEPTH:
+        raise PackageError(f"a value in a run plan is nested deeper than {MAX_VALUE_DEPTH} levels")
     if not isinstance(value, dict):
         if isinstance(value, list):
             raise PackageError("a bare list in a run plan; lists are tagged")
@@ -200,10 +274,11 @@ def value_from_json(value: Any) -> Any:
         if "ref" in value:
             return Ref(expect(value["ref"], str, "a reference"))
         if "list" in value:
-            items = [value_from_json(item) for item in expect(value["list"], list, "a list")]
+            items = [value_from_json(item, depth + 1) for item in expect(value["list"], list, "a list")]
             return tuple(items) if value.get("tuple") else items
         if "dict" in value:
-            return {key: value_from_json(item) for key, item in expect(value["dict"], dict, "a dict").items()}
+            items = expect(value["dict"], dict, "a dict")
+            return {key: value_from_json(item, depth + 1) for key, item in items.items()}
         if "float" in value:
             return float(expect(value["float"], str, "a float"))
         if "dtype" in value:
@@ -217,6 +292,13 @@ def value_from_json(value: Any) -> Any:
     except (KeyError, ValueError, TypeError, RuntimeError) as exc:
         raise PackageError(f"malformed value {value!r} in a run plan ({exc})") from None
     raise PackageError(f"unknown value {value!r} in a run plan")
+
+
+def bounded(value: Any, what: str) -> list[Any]:
+    value = expect(value, list, what)
+    if len(value) > MAX_STEPS:
+        raise PackageError(f"{what} number {len(value)}, more than the {MAX_STEPS} allowed")
+    return value
 
 
 def expect(value: Any, kind: type, what: str) -> Any:
@@ -241,3 +323,60 @@ def index_name(pair: Any) -> tuple[int, str]:
     if len(pair) != 2 or isinstance(pair[0], bool) or not isinstance(pair[0], int) or not isinstance(pair[1], str):
         raise PackageError(f"expected [index, name], got {pair!r}")
     return pair[0], pair[1]
+
+
+# References --------------------------------------------------------------------------------------
+
+
+def checked_names(steps: list[Step], what: str) -> set[str]:
+    """The names ``steps`` compute, each computed once and none read before it is computed.
+
+    A subgraph is its own scope: it reads only what its own steps compute.
+    """
+    names: set[str] = set()
+    for step in steps:
+        reads = step_reads(step)
+        if isinstance(step, SubgraphStep):
+            inner = checked_names(step.plan.steps, f"subgraph {step.name!r}")
+            check_reads(refs(step.plan.output), inner, f"subgraph {step.name!r}'s output")
+        check_reads(reads, names, f"{what}: step {step_label(step)!r}")
+        for name in step_writes(step):
+            if name in names:
+                raise PackageError(f"{what}: two steps compute {name!r}")
+            names.add(name)
+    return names
+
+
+def check_reads(reads: list[str], names: set[str], where: str) -> None:
+    for name in reads:
+        if name not in names:
+            raise PackageError(f"{where} reads {name!r} before any step computes it")
+
+
+def step_reads(step: Step) -> list[str]:
+    if isinstance(step, OpStep):
+        return refs([step.args, step.kwargs])
+    if isinstance(step, DelegateStep):
+        return list(step.inputs)
+    return []
+
+
+def step_writes(step: Step) -> list[str]:
+    if isinstance(step, DelegateStep):
+        return [name for _, name in step.outputs]
+    return [step.name]
+
+
+def step_label(step: Step) -> str:
+    return step.delegate if isinstance(step, DelegateStep) else step.name
+
+
+def refs(value: Any) -> list[str]:
+    """The names ``value`` reads, in order."""
+    if isinstance(value, Ref):
+        return [value.name]
+    if isinstance(value, (list, tuple)):
+        return [name for item in value for name in refs(item)]
+    if isinstance(value, dict):
+        return [name for item in value.values() for name in refs(item)]
+    return []

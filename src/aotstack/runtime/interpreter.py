@@ -7,7 +7,6 @@ few ops nobody claimed run as plain ATen ops.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,9 +14,8 @@ from typing import Any
 import torch
 
 from ..backends.base import BackendRuntime
-from ..errors import PackageError
-from ..format import ops  # noqa: F401  (registers the torch.ops.aotstack ops a plan may call)
-from ..format.plan import DelegateStep, InputStep, Ref, Step, SubgraphPlan, SubgraphStep, WeightStep
+from ..errors import AotstackError, PackageError, RunError
+from ..format.plan import DelegateStep, InputStep, Ref, Step, SubgraphPlan, SubgraphStep, WeightStep, resolved_op
 
 Slots = list[Any]
 # One step: reads some slots, fills others.
@@ -44,6 +42,8 @@ class StepProgram:
         self.template: Slots = []
         self.input_slots: list[int] = []
         self.actions: list[Action] = []
+        # What each action runs, for the message when it fails.
+        self.labels: dict[Action, str] = {}
         for step in steps:
             self.add(step, weights, delegates)
 
@@ -57,11 +57,15 @@ class StepProgram:
         elif isinstance(step, DelegateStep):
             inputs = [self.slot(name) for name in step.inputs]
             outputs = [(index, self.new_slot(name)) for index, name in step.outputs]
+            if step.delegate not in delegates:
+                raise PackageError(f"the plan calls delegate {step.delegate!r}, which the package lacks")
             self.actions.append(delegate_action(delegates[step.delegate], inputs, outputs))
+            self.labels[self.actions[-1]] = f"delegate {step.delegate}"
         else:
             args = [self.resolver(arg) for arg in step.args]
             kwargs = {key: self.resolver(value) for key, value in step.kwargs.items()}
-            self.actions.append(op_action(resolved_target(step.target), args, kwargs, self.new_slot(step.name)))
+            self.actions.append(op_action(resolved_op(step.target), args, kwargs, self.new_slot(step.name)))
+            self.labels[self.actions[-1]] = f"step {step.name!r} ({step.target})"
 
     def new_slot(self, name: str, value: Any = None) -> int:
         self.slots[name] = len(self.template)
@@ -90,8 +94,15 @@ class StepProgram:
         slots = self.template.copy()
         for index, value in zip(self.input_slots, args):
             slots[index] = value
-        for action in self.actions:
-            action(slots)
+        try:
+            for action in self.actions:
+                action(slots)
+        except AotstackError:
+            raise
+        except Exception as exc:
+            # Zero-cost until raised; the error names the step rather than a line in this loop.
+            text = str(exc).strip().splitlines()
+            raise RunError(f"{self.labels[action]} failed: {type(exc).__name__}: {text[0] if text else ''}") from exc
         return slots
 
 
@@ -124,16 +135,3 @@ def op_action(target: Callable[..., Any], args: list[Resolver], kwargs: dict[str
         slots[out] = target(*[arg(slots) for arg in args], **{key: value(slots) for key, value in kwargs.items()})
 
     return run_op
-
-
-def resolved_target(name: str) -> Any:
-    namespace, _, rest = name.partition(".")
-    try:
-        if namespace == "operator":
-            return getattr(operator, rest)
-        if namespace == "higher_order":
-            return getattr(torch.ops.higher_order, rest)
-        op, _, overload = rest.rpartition(".")
-        return getattr(getattr(getattr(torch.ops, namespace), op), overload)
-    except AttributeError:
-        raise PackageError(f"the package calls op {name!r}, which this torch does not have") from None

@@ -10,10 +10,11 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..backends.base import runtime_class
-from ..errors import MethodNotFoundError
+from ..errors import AotstackError, DelegateInitError, MethodNotFoundError, PackageError
 from ..format.archive import PackageContents, read_package
 from ..format.manifest import DelegateRecord, MethodRecord, WeightRecord
 from ..format.plan import MethodPlan
+from ..format.seal import PublicKeyLike, keys_from_environment, public_keys
 from ..format.tensor_data import WEIGHT_PREFIX, BytesLike, dtype_from_name, tensor_from_bytes
 from .inputs import InputCheck
 from .interpreter import LoadedDelegate, StepProgram
@@ -89,7 +90,7 @@ class LoadedProgram:
         return sorted(set(super().__dir__()) | set(self._methods))
 
 
-def load(path: str | os.PathLike[str]) -> LoadedProgram:
+def load(path: str | os.PathLike[str], public_key: PublicKeyLike = None) -> LoadedProgram:
     """Open a ``.pt2`` written by :meth:`LoweredProgram.save` and get it ready to run.
 
     Example::
@@ -97,9 +98,13 @@ def load(path: str | os.PathLike[str]) -> LoadedProgram:
         loaded = aotstack.load("model.pt2")
         y = loaded.forward(x)
 
-    Every blob is checked against its SHA-256 before any shared library is opened.
+    The file's seal and every entry's SHA-256 are checked before any shared library is opened.
+    With ``public_key`` (a key, a PEM file's path or PEM bytes, or a list of them), or with
+    ``AOTSTACK_TRUSTED_KEYS`` set to such paths, a file not signed by one of those keys is
+    refused before its manifest is parsed.
     """
-    contents = read_package(path)
+    trusted = public_keys(public_key) if public_key is not None else keys_from_environment()
+    contents = read_package(path, trusted)
     state = ProgramState(contents)
     methods = {name: load_method(state, name, record) for name, record in contents.manifest.methods.items()}
     return LoadedProgram(contents.path, methods, state)
@@ -150,12 +155,33 @@ class ProgramState:
 def load_method(state: ProgramState, name: str, record: MethodRecord) -> Method:
     weights = state.method_weights(record.weights)
     delegates = {delegate.id: loaded_delegate(state, delegate) for delegate in record.delegates}
-    check = InputCheck(name, record.inputs, pytree.treespec_loads(record.in_spec))
-    return Method(name, record.plan, weights, delegates, check, pytree.treespec_loads(record.out_spec))
+    in_spec, out_spec = treespec(name, "in_spec", record.in_spec), treespec(name, "out_spec", record.out_spec)
+    if in_spec.num_leaves != len(record.inputs) or out_spec.num_leaves != len(record.plan.outputs):
+        raise PackageError(f"method {name!r}: its pytree specs do not match its inputs and outputs")
+    try:
+        return Method(name, record.plan, weights, delegates, InputCheck(name, record.inputs, in_spec), out_spec)
+    except PackageError as exc:
+        raise PackageError(f"method {name!r}: {exc}") from None
+
+
+def treespec(method: str, what: str, text: str) -> pytree.TreeSpec:
+    try:
+        return pytree.treespec_loads(text)
+    except Exception as exc:
+        # treespec_loads raises what its JSON and its registry raise; each means a bad spec.
+        raise PackageError(f"method {method!r}: unreadable {what} ({type(exc).__name__}: {exc})") from None
 
 
 def loaded_delegate(state: ProgramState, record: DelegateRecord) -> LoadedDelegate:
     runtime = runtime_class(record.backend_id)()
     named_data = state.delegate_named_data(record)
-    handle = runtime.init(bytes(state.blobs[record.processed]), named_data, list(record.compile_specs))
+    try:
+        handle = runtime.init(bytes(state.blobs[record.processed]), named_data, list(record.compile_specs))
+    except AotstackError:
+        raise
+    except Exception as exc:
+        # A run side's own failure, from a built-in engine or a user's, named for the person loading.
+        raise DelegateInitError(
+            f"delegate {record.id} ({record.backend_id}) could not start: {type(exc).__name__}: {exc}"
+        ) from exc
     return LoadedDelegate(runtime, handle)
