@@ -69,3 +69,14 @@ def test_a_resealed_manifest_with_a_bad_field_is_refused_naming_it(
     source = plain_package if edit is loosen_weight else lowered_package("split", exclude_ops=("aten.sigmoid",))[1]
     with pytest.raises(aotstack.PackageError, match=message):
         aotstack.load(tamper.manifest_edited(source, tmp_path / "edited.pt2", edit))
+
+
+def test_a_step_that_fails_while_running_is_named(lowered_package, tmp_path):
+    def extra_argument(manifest):
+        step = tamper.op_steps(manifest)[0]
+        step["args"]["list"].append(3)
+
+    source = lowered_package("split", exclude_ops=("aten.sigmoid",))[1]
+    loaded = aotstack.load(tamper.manifest_edited(source, tmp_path / "edited.pt2", extra_argument))
+    with pytest.raises(aotstack.RunError, match=r"step 'sigmoid\w*' \(aten.sigmoid.default\) failed: "):
+        loaded.forward(*models.example_inputs("split"))

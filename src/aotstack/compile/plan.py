@@ -11,7 +11,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
-from ..errors import LoweringError
+from ..errors import LoweringError, PackageError
 from ..format.op_names import op_name
 from ..format.ops import is_delegate_call, is_delegate_output
 from ..format.plan import (
@@ -24,6 +24,7 @@ from ..format.plan import (
     SubgraphPlan,
     SubgraphStep,
     WeightStep,
+    resolved_op,
     value_to_json,
 )
 
@@ -66,12 +67,22 @@ def subgraph_plan(graph_module: GraphModule, node: Node) -> SubgraphPlan:
 
 
 def target_name(node: Node) -> str:
+    """The name a step calls ``node``'s target by; one the loader's closed list refuses is refused here."""
     target = node.target
     if isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
-        return op_name(target)
-    if getattr(operator, getattr(target, "__name__", ""), None) is target:
-        return f"operator.{target.__name__}"
-    raise LoweringError(f"node {node.name!r} calls {target!r}, which a package cannot store; only ops can run")
+        name = op_name(target)
+    elif getattr(operator, getattr(target, "__name__", ""), None) is target:
+        name = f"operator.{target.__name__}"
+    else:
+        raise LoweringError(f"node {node.name!r} calls {target!r}, which a package cannot store; only ops can run")
+    try:
+        resolved_op(name)
+    except PackageError as exc:
+        raise LoweringError(
+            f"node {node.name!r} {exc}; claim it with a backend's partitioner, as a loaded package runs only "
+            "the ops on that list"
+        ) from None
+    return name
 
 
 def plan_value(value: Any, node: Node | None) -> Any:
