@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 from collections.abc import Mapping
@@ -15,6 +16,7 @@ from torch.utils import _pytree as pytree
 from .. import __version__
 from ..errors import LoweringError
 from ..format.archive import PROGRAM_PATH, write_package
+from ..format.devices import Device
 from ..format.manifest import DelegateRecord, Dim, InputRecord, Manifest, MethodRecord, WeightRecord
 from ..format.records import Delegate
 from ..format.tensor_data import content_key, dtype_name, tensor_bytes
@@ -79,11 +81,17 @@ def method_record(name: str, program: ExportedProgram, delegates: list[Delegate]
 def input_records(method: str, program: ExportedProgram) -> list[InputRecord]:
     """What each user input of ``program`` must be."""
     placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
-    return [
-        input_record(method, spec.arg.name, placeholders[spec.arg.name].meta.get("val"), program.range_constraints)
-        for spec in program.graph_signature.input_specs
-        if spec.kind == InputKind.USER_INPUT
-    ]
+    records = []
+    for spec in program.graph_signature.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            node = placeholders[spec.arg.name]
+            record = input_record(method, spec.arg.name, node.meta.get("val"), program.range_constraints)
+            # Where the device pass left the input (on a delegate's device, with skip_h2d_for_method_inputs).
+            placed = node.meta.get("device")
+            if record.kind == "tensor" and isinstance(placed, Device):
+                record = dataclasses.replace(record, device=placed.type.value)
+            records.append(record)
+    return records
 
 
 # bool before int: a bool is an int in Python.

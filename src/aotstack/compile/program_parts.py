@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
+
+from ..errors import LoweringError
+from ..format.boundary import Boundary, BoundaryInput
+from ..format.tensor_data import dtype_name
 
 _CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
@@ -60,3 +66,45 @@ def mutated_buffer_names(exported_program: ExportedProgram) -> set[str]:
         for spec in exported_program.graph_signature.input_specs
         if spec.kind == InputKind.BUFFER and spec.target in mutated_targets
     }
+
+
+def user_input_placeholders(exported_program: ExportedProgram) -> list[Node]:
+    """The placeholders of the program's user inputs, in the order a call passes them."""
+    user_inputs = set(exported_program.graph_signature.user_inputs)
+    return [n for n in exported_program.graph.nodes if n.op == "placeholder" and n.name in user_inputs]
+
+
+def partition_boundary(exported_program: ExportedProgram, label: str, device: str | None = None) -> Boundary:
+    """What a partition's compiled code takes: each user input's dtype, device type and sizes, with symbol ranges.
+
+    Read from the placeholders' fake tensors; a size is an int, a symbol or an expression's text.
+    ``device`` is the device type the compiled code takes its inputs on, where that is not the
+    one the program was exported on (a partition exported on the CPU, compiled for CUDA).
+    """
+    inputs = []
+    symbols: dict[str, tuple[int, int | None]] = {}
+    ranges = {str(symbol): bounds for symbol, bounds in exported_program.range_constraints.items()}
+    for node in user_input_placeholders(exported_program):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            raise LoweringError(f"{label}: partition input {node.name!r} is a {type(value).__name__}, not a tensor")
+        sizes: list[int | str] = []
+        for size in value.shape:
+            expr = size.node.expr if isinstance(size, torch.SymInt) else size
+            if isinstance(expr, int) or expr.is_number:
+                sizes.append(int(expr))
+                continue
+            sizes.append(str(expr))
+            for symbol in expr.free_symbols:
+                symbols.setdefault(str(symbol), symbol_bounds(ranges.get(str(symbol))))
+        inputs.append(BoundaryInput(dtype_name(value.dtype), device or value.device.type, sizes))
+    return Boundary(inputs, symbols)
+
+
+def symbol_bounds(bounds: Any) -> tuple[int, int | None]:
+    """A symbol's range as ints; unbounded above (sympy's integer infinity) is None, and below is 0."""
+    if bounds is None:
+        return 0, None
+    low, high = bounds.lower, bounds.upper
+    low = int(low) if getattr(low, "is_Integer", False) and int(low) >= 0 else 0
+    return low, int(high) if getattr(high, "is_Integer", False) else None

@@ -39,11 +39,25 @@ class Method:
         self.body = StepProgram(plan.steps, weights, delegates)
         self.outputs = [self.body.resolver(value) for value in plan.outputs]
         self.mutations = [(weights[fqn], self.body.slot(name)) for fqn, name in plan.mutations]
+        import threading
+
+        # The program's one state lock (ProgramState.lock) where this method reads or updates a
+        # buffer that some method or delegate updates; LoadedProgram sets it. None: nothing this
+        # method reads changes, so calls run concurrently, from any number of threads.
+        self.lock: threading.Lock | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        slots = self.body.run(self.check.flat_arguments(args, kwargs))
-        for target, slot in self.mutations:
-            target.copy_(slots[slot])
+        # Checked outside the lock: a bad call never waits for, or holds up, another thread.
+        flat = self.check.flat_arguments(args, kwargs)
+        if self.lock is None:
+            slots = self.body.run(flat)
+            for target, slot in self.mutations:
+                target.copy_(slots[slot])
+        else:
+            with self.lock:
+                slots = self.body.run(flat)
+                for target, slot in self.mutations:
+                    target.copy_(slots[slot])
         if self.single_output:
             return self.outputs[0](slots)
         return pytree.tree_unflatten([output(slots) for output in self.outputs], self.out_spec)
@@ -56,6 +70,8 @@ class LoadedProgram:
         self.path = path
         self._methods = methods
         self._state = state
+        for name in state.locked_methods & set(methods):
+            methods[name].lock = state.lock
         # Methods become plain attributes, so a call skips __getattr__; names the class uses stay reachable by run().
         for name, method in methods.items():
             if not hasattr(type(self), name) and name not in vars(self):
@@ -78,8 +94,12 @@ class LoadedProgram:
         return self.method(method)(*args, **kwargs)
 
     def reset(self) -> None:
-        """Put every buffer the methods update (a KV cache, say) back to its value in the file."""
-        self._state.reset()
+        """Put every buffer the methods update (a KV cache, say) back to its value in the file.
+
+        It waits for a running call of a method that reads or updates those buffers to end.
+        """
+        with self._state.lock:
+            self._state.reset()
 
     def __getattr__(self, name: str) -> Method:
         if name.startswith("_"):
@@ -127,6 +147,31 @@ class ProgramState:
             for delegate in method.delegates:
                 for fqn in delegate.updates:
                     self.add_mutable(fqn, delegate.named_data[WEIGHT_PREFIX + fqn])
+        import threading
+
+        from ..format.plan import DelegateStep, OpStep, Ref, WeightStep
+
+        def refs(value: Any) -> set[str]:
+            if isinstance(value, Ref):
+                return {value.name}
+            if isinstance(value, (list, tuple)):
+                return set().union(*map(refs, value))
+            return refs(list(value.values())) if isinstance(value, dict) else set()
+
+        def reads_state(method: MethodRecord) -> bool:
+            """Whether the method's plan or delegates read or update a buffer in ``mutable``."""
+            state = {s.name for s in method.plan.steps if isinstance(s, WeightStep) and s.fqn in self.mutable}
+            read = refs(method.plan.outputs)
+            for step in method.plan.steps:
+                read |= set(step.inputs) if isinstance(step, DelegateStep) else set()
+                read |= refs([step.args, step.kwargs]) if isinstance(step, OpStep) else set()
+            held = {local.removeprefix(WEIGHT_PREFIX) for d in method.delegates for local in d.named_data}
+            return bool(method.plan.mutations or state & read or held & set(self.mutable))
+
+        # One lock guards the state: a call of a method that reads or updates a buffer in
+        # ``mutable`` holds it while it runs, and so does reset(); other methods take none.
+        self.lock = threading.Lock()
+        self.locked_methods = {name for name, method in contents.manifest.methods.items() if reads_state(method)}
 
     def add_mutable(self, fqn: str, key: str) -> None:
         if fqn not in self.mutable:

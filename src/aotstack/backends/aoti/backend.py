@@ -16,6 +16,7 @@ from torch.export import ExportedProgram
 from torch.fx import Node
 from torch.nn.attention import SDPBackend
 
+from ...compile.program_parts import partition_boundary, user_input_placeholders
 from ...errors import LoweringError, MissingFallbackKernelsError
 from ...format.devices import HOST, Device
 from ...format.specs import CompileSpec, PreprocessResult, SpecKey, compile_spec_value, partition_label
@@ -25,7 +26,7 @@ from .compile import CompileSteps, KernelCheck, compile_partition
 from .kernels import kernel_allowed, parse_kernel_list
 from .passes import GraphPass, ReplaceViewCopyWithViewPass
 from .probe import needed_fallback_kernels
-from .run import LIBRARY_NAME, device_available, target_device
+from .run import LIBRARY_NAME, PROCESSED_VERSION, device_available, target_device
 
 
 class AotiBackend(Backend):
@@ -140,9 +141,12 @@ class AotiBackend(Backend):
         named_data, weights = weights_as_named_data(compiled.constants)
         named_data[LIBRARY_NAME] = compiled.library
         processed = {
+            "version": PROCESSED_VERSION,
             "library": content_key(compiled.library),
             "weights": weights,
-            "input_strides": [static_stride(node) for node in user_input_nodes(exported_program)],
+            "input_strides": [static_stride(node) for node in user_input_placeholders(exported_program)],
+            # What the library's code takes; its run side checks every call against it.
+            "boundary": partition_boundary(exported_program, label, device.type.value).to_json(),
         }
         return PreprocessResult(json.dumps(processed).encode(), named_data)
 
@@ -156,12 +160,6 @@ class AotiBackend(Backend):
 
         return check
 
-
-
-
-def user_input_nodes(exported_program: ExportedProgram) -> list[torch.fx.Node]:
-    user_inputs = set(exported_program.graph_signature.user_inputs)
-    return [n for n in exported_program.graph.nodes if n.op == "placeholder" and n.name in user_inputs]
 
 
 def static_stride(node: torch.fx.Node) -> list[int] | None:

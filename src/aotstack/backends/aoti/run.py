@@ -1,13 +1,18 @@
-"""The AOTInductor run side: open a verified library, hand it its weights, run it."""
+"""The AOTInductor run side: open a verified library, hand it its weights, run it.
+
+The generated code trusts its inputs' sizes, strides and devices, so every call is checked
+against the boundary the compile side recorded (``format/boundary.py``) and every input is put in
+the layout the code indexes with before the library sees its pointer.
+"""
 
 from __future__ import annotations
 
 import atexit
 import functools
-import json
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -15,13 +20,17 @@ from typing import Any, ClassVar
 import torch
 
 from ...errors import CompileSpecError, DelegateInitError, PackageError
+from ...format import processed as processed_json
+from ...format.boundary import BoundaryCheck
 from ...format.devices import HOST, Device, DeviceType
 from ...format.specs import CompileSpec, SpecKey, compile_spec_value, partition_label
-from ...format.tensor_data import BytesLike, weights_from_named_data
+from ...format.tensor_data import BytesLike
 from ..base import BackendRuntime
 
 # The named data holding a partition's shared library.
 LIBRARY_NAME = "model.so"
+# The processed JSON this run side reads; version 2 added the boundary. Older files are refused by name.
+PROCESSED_VERSION = 2
 
 
 class AotiRuntime(BackendRuntime):
@@ -34,14 +43,27 @@ class AotiRuntime(BackendRuntime):
     ) -> AotiHandle:
         label = partition_label(self.backend_id, compile_specs)
         device = target_device(compile_specs, self.backend_id, self.device_name)
-        processed = json.loads(processed_bytes)
-        weights = weights_from_named_data(named_data, processed["weights"])
-        runner = open_runner(named_data[LIBRARY_NAME], processed["library"], device, label)
+        processed = processed_json.read_processed(processed_bytes, label, PROCESSED_VERSION)
+        boundary = processed_json.boundary(processed, label)
+        strides = input_strides(processed, [item.sizes for item in boundary.inputs], label)
+        key = processed_json.field(processed, "library", str, label)
+        if len(key) != 64 or not set(key) <= set("0123456789abcdef"):
+            # It names the library's file on disk, and which opened library delegates share.
+            raise PackageError(f"{label}: processed field 'library' must be a SHA-256 in hex, got {key[:80]!r}")
+        weights = processed_json.weights(processed, named_data, label)
+        if LIBRARY_NAME not in named_data:
+            raise PackageError(f"{label}: the package holds no named data {LIBRARY_NAME!r}")
+        runner = open_runner(named_data[LIBRARY_NAME], key, device, label)
         if device != HOST:
             weights = {fqn: tensor.to(str(device)) for fqn, tensor in weights.items()}
         bound = bind_constants(runner, weights, label)
-        strides = [None if s is None else tuple(s) for s in processed["input_strides"]]
-        return AotiHandle(runner=runner, input_strides=strides, constants=bound)
+        handle = AotiHandle(
+            runner=runner, input_strides=strides, constants=bound, check=boundary.checker(label), label=label
+        )
+        if device != HOST:
+            # The device's context does not survive os.fork; in a child, calls say so (see after_fork).
+            DEVICE_HANDLES.add(handle)
+        return handle
 
     def execute(self, handle: AotiHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         return run(handle, inputs)
@@ -78,9 +100,9 @@ def target_device(compile_specs: list[CompileSpec], backend_id: str, device_name
     return device
 
 
-@dataclass
+@dataclass(eq=False)
 class AotiHandle:
-    """A loaded AOTInductor model and the input strides it was compiled for."""
+    """A loaded AOTInductor model, the input strides it was compiled for, and its inputs' check."""
 
     # torch's AOTIModelContainerRunner for the delegate's device.
     runner: Any
@@ -88,6 +110,49 @@ class AotiHandle:
     input_strides: list[tuple[int, ...] | None]
     # The runner reads user-managed weights in place; they must live as long as it does.
     constants: dict[str, torch.Tensor]
+    # Every call's inputs against what the library was compiled for (format/boundary.py).
+    check: BoundaryCheck
+    label: str
+
+
+def input_strides(
+    processed: Mapping[str, Any], shapes: list[list[int | str]], label: str
+) -> list[tuple[int, ...] | None]:
+    """The processed ``input_strides``: one per input, None or one int per dimension.
+
+    A stride is the layout each input is copied into before the library reads it, so it must
+    not overlap: a copy smaller than the compiled code's reads would be read past its end.
+    """
+    strides = processed_json.field(processed, "input_strides", list, label)
+    if len(strides) != len(shapes):
+        raise PackageError(f"{label}: processed input_strides lists {len(strides)} inputs, its boundary {len(shapes)}")
+    for index, (stride, sizes) in enumerate(zip(strides, shapes)):
+        if stride is not None and not (
+            isinstance(stride, list)
+            and len(stride) == len(sizes)
+            and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in stride)
+            and non_overlapping(stride, sizes)
+        ):
+            raise PackageError(
+                f"{label}: processed input_strides[{index}] must be null or a layout of sizes {sizes}, got {stride!r}"
+            )
+    return [None if stride is None else tuple(stride) for stride in strides]
+
+
+def non_overlapping(stride: list[int], sizes: list[int | str]) -> bool:
+    """Whether no two elements of a tensor of ``sizes`` laid out with ``stride`` share memory.
+
+    Innermost first, each dimension's stride must reach past the dimensions inside it; a dynamic
+    size can only be the outermost, as a static stride cannot step over it.
+    """
+    reach: int | None = 1
+    for step, size in sorted(zip(stride, sizes), key=lambda pair: pair[0]):
+        if size == 1 or size == 0:
+            continue
+        if reach is None or step < reach:
+            return False
+        reach = step * size if isinstance(size, int) else None
+    return True
 
 
 def open_runner(library: BytesLike, key: str, device: Device, label: str) -> Any:
@@ -146,8 +211,14 @@ def library_path(library: BytesLike, key: str) -> str:
 @functools.cache
 def private_directory() -> str:
     directory = tempfile.mkdtemp(prefix="aotstack-libraries-")
-    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    atexit.register(remove_directory, directory, os.getpid())
     return directory
+
+
+def remove_directory(directory: str, owner: int) -> None:
+    # A child made by os.fork inherits this exit hook; the directory stays its parent's to remove.
+    if os.getpid() == owner:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def bind_constants(
@@ -167,10 +238,16 @@ def bind_constants(
 
 
 def run(handle: AotiHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Check the inputs against the boundary, lay each out as the code indexes it, run the library."""
+    handle.check(inputs)
     strides = handle.input_strides
     for index, tensor in enumerate(inputs):
+        # The code reads memory, not the view: a negated view would be read unnegated.
+        if tensor.is_neg() or tensor.is_conj():
+            tensor = inputs[index] = tensor.resolve_neg().resolve_conj()
         expected = strides[index]
         if expected is None:
+            # Overlapping memory (an expand's stride 0) is not contiguous either, so it is copied too.
             if not tensor.is_contiguous():
                 inputs[index] = tensor.contiguous()
         elif tensor.stride() != expected:
@@ -181,3 +258,39 @@ def run(handle: AotiHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 def restrided(tensor: torch.Tensor, stride: tuple[int, ...]) -> torch.Tensor:
     """A copy of ``tensor`` in the layout the compiled code indexes with."""
     return torch.empty_strided(tensor.shape, stride, dtype=tensor.dtype, device=tensor.device).copy_(tensor)
+
+
+# Handles of libraries on a device (CUDA, Metal), whose context a child made by os.fork cannot use.
+DEVICE_HANDLES: weakref.WeakSet[AotiHandle] = weakref.WeakSet()
+
+
+class ForkedRunner:
+    """Stands in for a device runner in a child made by os.fork: every call says why it cannot run."""
+
+    def __init__(self, runner: Any, label: str) -> None:
+        # Kept, never freed here: freeing device memory from a forked child is itself unsafe.
+        self.parent_runner = runner
+        self.label = label
+
+    def run(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        raise DelegateInitError(
+            f"{self.label} was loaded before os.fork, and a device's context does not survive fork; "
+            "load the package in the child, or start children with the 'spawn' method"
+        )
+
+
+def after_fork() -> None:
+    """In a child made by os.fork: GNU OpenMP's threads are gone, device contexts are unusable.
+
+    The generated CPU code, like torch's own ops, runs OpenMP parallel regions, and a region with
+    more than one thread waits forever in a child whose parent had used them; as torch's
+    DataLoader does for its workers, the child runs on one thread. Device runners are replaced
+    by one that raises (no cost per call for the others).
+    """
+    if _LIBRARY_PATHS and torch.get_num_threads() > 1:
+        torch.set_num_threads(1)
+    for handle in list(DEVICE_HANDLES):
+        handle.runner = ForkedRunner(handle.runner, handle.label)
+
+
+os.register_at_fork(after_in_child=after_fork)

@@ -7,12 +7,13 @@ import json
 import torch
 from torch.export import ExportedProgram
 
+from ...compile.program_parts import partition_boundary
 from ...errors import LoweringError
 from ...format.specs import CompileSpec, PreprocessResult, partition_label
 from ...format.tensor_data import weights_as_named_data
 from ..base import Backend
 from .compile import export_partition
-from .run import MODEL_NAME, providers
+from .run import MODEL_NAME, PROCESSED_VERSION, providers
 
 
 class OrtBackend(Backend):
@@ -33,10 +34,20 @@ class OrtBackend(Backend):
         onnx_partition = export_partition(exported_program, label)
         named_data, weights = weights_as_named_data(onnx_partition.weights)
         named_data[MODEL_NAME] = onnx_partition.model
+        # ONNX Runtime is handed numpy arrays: host memory, whatever its execution providers.
+        boundary = partition_boundary(exported_program, label, "cpu")
+        if len(boundary.inputs) != len(onnx_partition.input_names):
+            raise LoweringError(
+                f"{label}: the ONNX model takes {len(onnx_partition.input_names)} inputs, the partition "
+                f"{len(boundary.inputs)}"
+            )
         processed = {
+            "version": PROCESSED_VERSION,
             "weights": weights,
             "inputs": onnx_partition.input_names,
             "outputs": onnx_partition.output_names,
+            # What the model takes; its run side checks every call against it.
+            "boundary": boundary.to_json(),
         }
         return PreprocessResult(json.dumps(processed).encode(), named_data)
 

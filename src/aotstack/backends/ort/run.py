@@ -1,23 +1,35 @@
-"""ONNX Runtime run side: one session per delegate, tensors passed as views, not copies."""
+"""ONNX Runtime run side: one session per delegate, tensors passed as views, not copies.
+
+Every call is checked against the boundary the compile side recorded (``format/boundary.py``)
+before ONNX Runtime sees it, and each tensor is made one numpy can share: detached, its negation
+or conjugation applied, contiguous. An argument ONNX Runtime still refuses is an ``InputError``.
+
+After ``os.fork`` a session keeps working in the child (ONNX Runtime's parallel loops do not
+wait on the threads fork leaves behind), but its own exit-time teardown waits forever on them:
+a forked child that used it should end with ``os._exit``, as multiprocessing's children do.
+"""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ...errors import DelegateInitError, LoweringError
+from ...errors import DelegateInitError, InputError, LoweringError, PackageError
+from ...format import processed as processed_json
+from ...format.boundary import BoundaryCheck
 from ...format.specs import CompileSpec, SpecKey, compile_spec_value, partition_label
-from ...format.tensor_data import BytesLike, weights_from_named_data
+from ...format.tensor_data import BytesLike
 from ..base import BackendRuntime
 from .packages import require_packages
 
 DEFAULT_PROVIDERS = ("CPUExecutionProvider",)
 # The named data holding a partition's ONNX model.
 MODEL_NAME = "model.onnx"
+# The processed JSON this run side reads; version 2 added the boundary. Older files are refused by name.
+PROCESSED_VERSION = 2
 
 
 class OrtRuntime(BackendRuntime):
@@ -28,15 +40,21 @@ class OrtRuntime(BackendRuntime):
     def init(
         self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
     ) -> OrtHandle:
-        processed = json.loads(processed_bytes)
-        weights = weights_from_named_data(named_data, processed["weights"])
+        label = partition_label(self.backend_id, compile_specs)
+        processed = processed_json.read_processed(processed_bytes, label, PROCESSED_VERSION)
+        boundary = processed_json.boundary(processed, label)
+        input_names = processed_json.string_list(processed, "inputs", label)
+        output_names = processed_json.string_list(processed, "outputs", label)
+        if len(input_names) != len(boundary.inputs):
+            raise PackageError(
+                f"{label}: processed data names {len(input_names)} inputs, its boundary {len(boundary.inputs)}"
+            )
+        weights = processed_json.weights(processed, named_data, label)
+        if MODEL_NAME not in named_data:
+            raise PackageError(f"{label}: the package holds no named data {MODEL_NAME!r}")
         return open_session(
-            bytes(named_data[MODEL_NAME]),
-            weights,
-            providers(compile_specs),
-            processed["inputs"],
-            processed["outputs"],
-            partition_label(self.backend_id, compile_specs),
+            bytes(named_data[MODEL_NAME]), weights, providers(compile_specs), input_names, output_names, label,
+            check=boundary.checker(label),
         )
 
     def execute(self, handle: OrtHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -64,6 +82,11 @@ class OrtHandle:
     output_names: list[str]
     # ONNX Runtime documents that the buffers behind external initializers must outlive the session.
     keep_alive: list[Any]
+    label: str = "an onnxruntime partition"
+    # Every call's inputs against what the model was exported for; None checks nothing (a bare session).
+    check: BoundaryCheck | None = None
+    # The exceptions ONNX Runtime raises for arguments it refuses.
+    argument_errors: tuple[type[BaseException], ...] = ()
 
 
 def open_session(
@@ -73,6 +96,7 @@ def open_session(
     input_names: list[str],
     output_names: list[str],
     label: str,
+    check: BoundaryCheck | None = None,
 ) -> OrtHandle:
     """An ``InferenceSession`` for ``model``, its external initializers taken from ``weights``."""
     require_packages(("onnxruntime",), f"{label} needs {{missing}} to run", DelegateInitError)
@@ -98,10 +122,31 @@ def open_session(
         session = onnxruntime.InferenceSession(model, options, providers=providers)
     except Exception as error:
         raise DelegateInitError(f"{label}: ONNX Runtime could not open the model: {error}") from error
-    return OrtHandle(session, input_names, output_names, keep_alive=[weights, values])
+    return OrtHandle(
+        session, input_names, output_names, keep_alive=[weights, values], label=label, check=check,
+        argument_errors=argument_errors(),
+    )
+
+
+def argument_errors() -> tuple[type[BaseException], ...]:
+    """ONNX Runtime's exception classes for a refused argument (its module moves between releases)."""
+    from onnxruntime.capi import onnxruntime_pybind11_state as state
+
+    return tuple(getattr(state, name) for name in ("InvalidArgument",) if hasattr(state, name))
 
 
 def run(handle: OrtHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Run one call. Contiguous inputs and every output are shared with ONNX Runtime, not copied."""
-    feeds = {name: value.detach().contiguous().numpy() for name, value in zip(handle.input_names, inputs)}
-    return [torch.from_numpy(array) for array in handle.session.run(handle.output_names, feeds)]
+    if handle.check is not None:
+        handle.check(inputs)
+    # numpy() refuses a tensor that asks for gradients or carries a negation or conjugation bit; a
+    # view ONNX Runtime would read as laid out (strided, expanded) is copied to contiguous memory.
+    feeds = {
+        name: value.detach().resolve_neg().resolve_conj().contiguous().numpy()
+        for name, value in zip(handle.input_names, inputs)
+    }
+    try:
+        outputs = handle.session.run(handle.output_names, feeds)
+    except handle.argument_errors as error:
+        raise InputError(f"{handle.label}: ONNX Runtime refused the inputs: {error}") from None
+    return [torch.from_numpy(array) for array in outputs]

@@ -1,0 +1,90 @@
+"""Reading a built-in backend's processed JSON: every field its run side uses, checked, with clear errors.
+
+A run side reads what its compile side wrote, but the bytes come from a file: a field that is
+missing, of the wrong type, or from an older aotstack is a ``PackageError`` naming the delegate
+and the field, never a ``KeyError`` or ``TypeError`` from deep inside ``init``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..errors import PackageError
+from .boundary import Boundary
+from .tensor_data import WEIGHT_PREFIX, BytesLike, dtype_from_name, tensor_from_bytes
+
+
+def read_processed(processed_bytes: bytes, label: str, version: int) -> dict[str, Any]:
+    """The processed JSON of ``label`` as a dict, refused unless it is ``version`` (what this run side reads)."""
+    try:
+        data = json.loads(processed_bytes)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PackageError(f"{label}: its processed data is not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise PackageError(f"{label}: its processed data must be a JSON object, got {type(data).__name__}")
+    found = data.get("version")
+    if found != version:
+        raise PackageError(
+            f"{label}: its processed data is version {found!r} (none means written before versions); this "
+            f"aotstack reads version {version}: lower the model again"
+        )
+    return data
+
+
+def field(data: Mapping[str, Any], key: str, kind: type, label: str) -> Any:
+    """``data[key]``, which must be a ``kind``."""
+    if key not in data:
+        raise PackageError(f"{label}: its processed data has no {key!r}")
+    value = data[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise PackageError(f"{label}: processed field {key!r} must be a {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def string_list(data: Mapping[str, Any], key: str, label: str) -> list[str]:
+    value = field(data, key, list, label)
+    if not all(isinstance(item, str) for item in value):
+        raise PackageError(f"{label}: processed field {key!r} must list strings")
+    return value
+
+
+def boundary(data: Mapping[str, Any], label: str) -> Boundary:
+    """The boundary the compile side recorded: what each input of the compiled code must be."""
+    try:
+        return Boundary.from_json(field(data, "boundary", dict, label))
+    except PackageError as exc:
+        raise PackageError(f"{label}: {exc}") from None
+
+
+def weights(data: Mapping[str, Any], named_data: Mapping[str, BytesLike], label: str) -> dict[str, torch.Tensor]:
+    """The weights ``processed["weights"]`` describes, each a tensor over its named data, sizes checked."""
+    tensors = {}
+    for fqn, entry in field(data, "weights", dict, label).items():
+        where = f"{label}: weight {fqn!r}"
+        if not isinstance(entry, dict):
+            raise PackageError(f"{where}: its record must be an object, got {type(entry).__name__}")
+        dtype_text, shape = entry.get("dtype"), entry.get("shape")
+        try:
+            dtype = dtype_from_name(dtype_text) if isinstance(dtype_text, str) else None
+        except ValueError:
+            dtype = None
+        if dtype is None:
+            raise PackageError(f"{where}: dtype {dtype_text!r} is not a torch dtype")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise PackageError(f"{where}: shape must list non-negative ints, got {shape!r}")
+        blob = named_data.get(WEIGHT_PREFIX + fqn)
+        if blob is None:
+            raise PackageError(f"{where}: the package holds no named data {WEIGHT_PREFIX + fqn!r}")
+        expected = math.prod(shape) * dtype.itemsize
+        size = memoryview(blob).nbytes
+        if size != expected:
+            raise PackageError(f"{where}: {dtype_text}{shape} takes {expected} bytes, its data holds {size}")
+        tensors[fqn] = tensor_from_bytes(blob, dtype, shape)
+    return tensors
