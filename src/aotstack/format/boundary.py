@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError, PackageError
+from .plan import expect
 from .tensor_data import dtype_from_name
 
 Size = int | str
@@ -94,12 +95,6 @@ class Boundary:
     def check(self, inputs: Sequence[Any], label: str) -> None:
         """Raise ``InputError`` naming ``label``, the input and what it must be, unless ``inputs`` fit."""
         BoundaryCheck(self, label)(inputs)
-
-
-def expect(value: Any, kind: type, what: str) -> Any:
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise PackageError(f"{what} must be a {kind.__name__}, got {type(value).__name__}")
-    return value
 
 
 def symbol_range(name: Any, bounds: Any, where: str) -> tuple[int, int | None]:

@@ -27,6 +27,7 @@ from .plan import (
     refs,
 )
 from .records import TensorSpec
+from .seal import is_hex
 from .specs import CompileSpec
 from .tensor_data import WEIGHT_PREFIX, dtype_from_name
 
@@ -170,7 +171,7 @@ class Manifest:
 
 
 def is_sha256(key: Any) -> bool:
-    return isinstance(key, str) and len(key) == 64 and all(c in "0123456789abcdef" for c in key)
+    return is_hex(key, 64)
 
 
 def bounded_dict(value: Any, what: str, limit: int) -> dict[str, Any]:

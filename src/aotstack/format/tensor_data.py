@@ -63,11 +63,3 @@ def weights_as_named_data(weights: Mapping[str, torch.Tensor]) -> tuple[dict[str
     blobs = {WEIGHT_PREFIX + fqn: tensor_bytes(tensor) for fqn, tensor in weights.items()}
     meta = {fqn: {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)} for fqn, tensor in weights.items()}
     return blobs, meta
-
-
-def weights_from_named_data(named_data: Mapping[str, BytesLike], meta: Mapping[str, Any]) -> dict[str, torch.Tensor]:
-    """The inverse of :func:`weights_as_named_data`."""
-    return {
-        fqn: tensor_from_bytes(named_data[WEIGHT_PREFIX + fqn], dtype_from_name(entry["dtype"]), entry["shape"])
-        for fqn, entry in meta.items()
-    }
