@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from ..backends.base import runtime_class
 from ..errors import AotstackError, DelegateInitError, MethodNotFoundError, PackageError
 from ..format.archive import PackageContents, read_package
 from ..format.manifest import DelegateRecord, MethodRecord, WeightRecord
-from ..format.plan import MethodPlan
+from ..format.plan import MethodPlan, WeightStep, refs, step_reads
 from ..format.seal import PublicKeyLike, keys_from_environment, public_keys
 from ..format.tensor_data import WEIGHT_PREFIX, BytesLike, dtype_from_name, tensor_from_bytes
 from .inputs import InputCheck
@@ -39,8 +40,6 @@ class Method:
         self.body = StepProgram(plan.steps, weights, delegates)
         self.outputs = [self.body.resolver(value) for value in plan.outputs]
         self.mutations = [(weights[fqn], self.body.slot(name)) for fqn, name in plan.mutations]
-        import threading
-
         # The program's one state lock (ProgramState.lock) where this method reads or updates a
         # buffer that some method or delegate updates; LoadedProgram sets it. None: nothing this
         # method reads changes, so calls run concurrently, from any number of threads.
@@ -50,17 +49,20 @@ class Method:
         # Checked outside the lock: a bad call never waits for, or holds up, another thread.
         flat = self.check.flat_arguments(args, kwargs)
         if self.lock is None:
-            slots = self.body.run(flat)
-            for target, slot in self.mutations:
-                target.copy_(slots[slot])
+            slots = self.run(flat)
         else:
             with self.lock:
-                slots = self.body.run(flat)
-                for target, slot in self.mutations:
-                    target.copy_(slots[slot])
+                slots = self.run(flat)
         if self.single_output:
             return self.outputs[0](slots)
         return pytree.tree_unflatten([output(slots) for output in self.outputs], self.out_spec)
+
+    def run(self, flat: Sequence[Any]) -> list[Any]:
+        """The plan run on checked arguments, and the buffers it updates written back."""
+        slots = self.body.run(flat)
+        for target, slot in self.mutations:
+            target.copy_(slots[slot])
+        return slots
 
 
 class LoadedProgram:
@@ -147,31 +149,12 @@ class ProgramState:
             for delegate in method.delegates:
                 for fqn in delegate.updates:
                     self.add_mutable(fqn, delegate.named_data[WEIGHT_PREFIX + fqn])
-        import threading
-
-        from ..format.plan import DelegateStep, OpStep, Ref, WeightStep
-
-        def refs(value: Any) -> set[str]:
-            if isinstance(value, Ref):
-                return {value.name}
-            if isinstance(value, (list, tuple)):
-                return set().union(*map(refs, value))
-            return refs(list(value.values())) if isinstance(value, dict) else set()
-
-        def reads_state(method: MethodRecord) -> bool:
-            """Whether the method's plan or delegates read or update a buffer in ``mutable``."""
-            state = {s.name for s in method.plan.steps if isinstance(s, WeightStep) and s.fqn in self.mutable}
-            read = refs(method.plan.outputs)
-            for step in method.plan.steps:
-                read |= set(step.inputs) if isinstance(step, DelegateStep) else set()
-                read |= refs([step.args, step.kwargs]) if isinstance(step, OpStep) else set()
-            held = {local.removeprefix(WEIGHT_PREFIX) for d in method.delegates for local in d.named_data}
-            return bool(method.plan.mutations or state & read or held & set(self.mutable))
-
         # One lock guards the state: a call of a method that reads or updates a buffer in
         # ``mutable`` holds it while it runs, and so does reset(); other methods take none.
         self.lock = threading.Lock()
-        self.locked_methods = {name for name, method in contents.manifest.methods.items() if reads_state(method)}
+        self.locked_methods = {
+            name for name, method in contents.manifest.methods.items() if reads_state(method, set(self.mutable))
+        }
 
     def add_mutable(self, fqn: str, key: str) -> None:
         if fqn not in self.mutable:
@@ -195,6 +178,15 @@ class ProgramState:
     def reset(self) -> None:
         for current, initial in self.mutable.values():
             current[:] = initial
+
+
+def reads_state(method: MethodRecord, mutable: set[str]) -> bool:
+    """Whether ``method``'s plan or delegates read or update one of the ``mutable`` buffers."""
+    steps = method.plan.steps
+    state = {step.name for step in steps if isinstance(step, WeightStep) and step.fqn in mutable}
+    read = set(refs(method.plan.outputs)).union(*(step_reads(step) for step in steps))
+    held = {local.removeprefix(WEIGHT_PREFIX) for delegate in method.delegates for local in delegate.named_data}
+    return bool(method.plan.mutations or state & read or held & mutable)
 
 
 def load_method(state: ProgramState, name: str, record: MethodRecord) -> Method:
