@@ -23,6 +23,7 @@ from ...errors import CompileSpecError, DelegateInitError, PackageError
 from ...format import processed as processed_json
 from ...format.boundary import BoundaryCheck
 from ...format.devices import HOST, Device, DeviceType
+from ...format.seal import is_hex
 from ...format.specs import CompileSpec, SpecKey, compile_spec_value, partition_label
 from ...format.tensor_data import BytesLike
 from ..base import BackendRuntime
@@ -47,7 +48,7 @@ class AotiRuntime(BackendRuntime):
         boundary = processed_json.boundary(processed, label)
         strides = input_strides(processed, [item.sizes for item in boundary.inputs], label)
         key = processed_json.field(processed, "library", str, label)
-        if len(key) != 64 or not set(key) <= set("0123456789abcdef"):
+        if not is_hex(key, 64):
             # It names the library's file on disk, and which opened library delegates share.
             raise PackageError(f"{label}: processed field 'library' must be a SHA-256 in hex, got {key[:80]!r}")
         weights = processed_json.weights(processed, named_data, label)
