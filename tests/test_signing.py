@@ -112,7 +112,7 @@ for label, path in cases.items():
         results[label] = type(exc).__name__ + ": " + str(exc)
 results["libraries before the good load"] = mapped_libraries()
 results["runners before the good load"] = len(opened)
-aotstack.load(good, public_key=public)
+loaded = aotstack.load(good, public_key=public)  # kept: a freed runner closes its library
 results["libraries after the good load"] = mapped_libraries()
 print(json.dumps(results))
 """
