@@ -156,7 +156,10 @@ def read_package(path: str | os.PathLike[str], trusted_keys: TrustedKeys | None 
 
     With ``trusted_keys``, a package not signed by one of them is refused before its manifest is parsed.
     """
-    archive = opened_archive(path)
+    return verified_package(opened_archive(path), trusted_keys)
+
+
+def verified_package(archive: Archive, trusted_keys: TrustedKeys | None) -> PackageContents:
     manifest, signer = sealed_manifest(archive, trusted_keys)
     check_entries(archive, manifest)
     return PackageContents(archive.path, manifest, verified_blobs(archive, manifest), signer)
@@ -312,9 +315,7 @@ def resealed(path: str | os.PathLike[str], change: Any) -> None:
     The package is checked first (seal and every entry), so a damaged file is never signed.
     """
     archive = opened_archive(path)
-    manifest, _ = sealed_manifest(archive, None)
-    check_entries(archive, manifest)
-    verified_blobs(archive, manifest)
+    verified_package(archive, None)
     seal = change(seal_from_bytes(bytes(archive.entries[SEAL_PATH])))
     entries = [(name, data) for name, data in archive.entries.items() if name != SEAL_PATH]
     write_archive(path, [*entries, (SEAL_PATH, seal_to_bytes(seal))])

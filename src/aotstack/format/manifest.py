@@ -19,6 +19,7 @@ from .plan import (
     InputStep,
     MethodPlan,
     WeightStep,
+    bounded,
     check_reads,
     checked_names,
     expect,
@@ -135,14 +136,14 @@ class Manifest:
                 f"package format {data.get('format')!r} version {data.get('format_version')!r}; "
                 f"this aotstack reads {FORMAT_NAME!r} version {FORMAT_VERSION}"
             )
-        methods = bounded_dict(data.get("methods"), "the manifest's methods", MAX_METHODS)
-        blobs = bounded_dict(data.get("blobs"), "the manifest's blobs", MAX_ITEMS)
+        methods = bounded(data.get("methods"), dict, "the manifest's methods", MAX_METHODS)
+        blobs = bounded(data.get("blobs"), dict, "the manifest's blobs", MAX_ITEMS)
         for key, size in blobs.items():
             if not is_sha256(key):
                 raise PackageError(f"blob key {key[:80]!r} is not a SHA-256 in hex")
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise PackageError(f"blob {key!r} has size {size!r}; expected a non-negative int")
-        records = bounded_dict(data.get("records"), "the manifest's records", MAX_ITEMS)
+        records = bounded(data.get("records"), dict, "the manifest's records", MAX_ITEMS)
         for name, key in records.items():
             if not is_sha256(key):
                 raise PackageError(f"record {name[:80]!r} has hash {str(key)[:80]!r}; expected a SHA-256 in hex")
@@ -174,20 +175,6 @@ def is_sha256(key: Any) -> bool:
     return is_hex(key, 64)
 
 
-def bounded_dict(value: Any, what: str, limit: int) -> dict[str, Any]:
-    value = expect(value, dict, what)
-    if len(value) > limit:
-        raise PackageError(f"{what} number {len(value)}, more than the {limit} allowed")
-    return value
-
-
-def bounded_list(value: Any, what: str, limit: int = MAX_ITEMS) -> list[Any]:
-    value = expect(value, list, what)
-    if len(value) > limit:
-        raise PackageError(f"{what} number {len(value)}, more than the {limit} allowed")
-    return value
-
-
 def within(where: str, read: Any, data: Any) -> Any:
     """``read(data)``, with ``where`` put in front of the message of any ``PackageError``."""
     try:
@@ -213,15 +200,15 @@ def method_to_json(method: MethodRecord) -> dict[str, Any]:
 
 def method_from_json(data: Any) -> MethodRecord:
     data = expect(data, dict, "a method")
-    weights = bounded_dict(data.get("weights"), "weights", MAX_ITEMS)
+    weights = bounded(data.get("weights"), dict, "weights", MAX_ITEMS)
     return MethodRecord(
         program=expect(data.get("program"), str, "program"),
-        inputs=[input_from_json(record) for record in bounded_list(data.get("inputs"), "inputs")],
+        inputs=[input_from_json(record) for record in bounded(data.get("inputs"), list, "inputs", MAX_ITEMS)],
         plan=within("plan", method_plan_from_json, data.get("plan")),
         in_spec=expect(data.get("in_spec"), str, "in_spec"),
         out_spec=expect(data.get("out_spec"), str, "out_spec"),
         weights={fqn: within(f"weight {fqn!r}", weight_from_json, weight) for fqn, weight in weights.items()},
-        delegates=[delegate_from_json(delegate) for delegate in bounded_list(data.get("delegates"), "delegates")],
+        delegates=[delegate_from_json(d) for d in bounded(data.get("delegates"), list, "delegates", MAX_ITEMS)],
     )
 
 
@@ -235,7 +222,7 @@ def weight_from_json(data: Any) -> WeightRecord:
 
 
 def sizes(value: Any, what: str) -> list[int]:
-    value = bounded_list(value, what, MAX_RANK)
+    value = bounded(value, list, what, MAX_RANK)
     if not all(is_size(d) for d in value):
         raise PackageError(f"{what} must list ints in [0, 2**48], got {value!r}")
     return value
@@ -280,20 +267,20 @@ def delegate_from_json(data: Any) -> DelegateRecord:
 
 
 def delegate_fields(data: dict[str, Any]) -> DelegateRecord:
-    named_data = bounded_dict(data.get("named_data"), "named_data", MAX_ITEMS)
+    named_data = bounded(data.get("named_data"), dict, "named_data", MAX_ITEMS)
     if not all(is_sha256(key) for key in named_data.values()):
         raise PackageError("named_data must map names to blob keys")
     return DelegateRecord(
         id=data["id"],
         backend_id=expect(data.get("backend_id"), str, "backend_id"),
         target_device=expect(data.get("target_device"), str, "target_device"),
-        compile_specs=[compile_spec_from_json(s) for s in bounded_list(data.get("compile_specs"), "specs", 256)],
-        ops=[expect(op, str, "an op") for op in bounded_list(data.get("ops"), "ops")],
-        inputs=[tensor_spec_from_json(spec) for spec in bounded_list(data.get("inputs"), "inputs")],
-        outputs=[tensor_spec_from_json(spec) for spec in bounded_list(data.get("outputs"), "outputs")],
+        compile_specs=[compile_spec_from_json(s) for s in bounded(data.get("compile_specs"), list, "specs", 256)],
+        ops=[expect(op, str, "an op") for op in bounded(data.get("ops"), list, "ops", MAX_ITEMS)],
+        inputs=[tensor_spec_from_json(spec) for spec in bounded(data.get("inputs"), list, "inputs", MAX_ITEMS)],
+        outputs=[tensor_spec_from_json(spec) for spec in bounded(data.get("outputs"), list, "outputs", MAX_ITEMS)],
         processed=blob_key(data.get("processed"), "processed"),
         named_data=named_data,
-        updates=[expect(fqn, str, "an updated buffer") for fqn in bounded_list(data.get("updates"), "updates")],
+        updates=[expect(fqn, str, "an update") for fqn in bounded(data.get("updates"), list, "updates", MAX_ITEMS)],
     )
 
 
@@ -315,7 +302,7 @@ def compile_spec_from_json(data: Any) -> CompileSpec:
 
 def tensor_spec_from_json(data: Any) -> TensorSpec:
     data = expect(data, dict, "a tensor spec")
-    shape = bounded_list(data.get("shape"), "a tensor spec's shape", MAX_RANK)
+    shape = bounded(data.get("shape"), list, "a tensor spec's shape", MAX_RANK)
     if not all(d is None or is_size(d) for d in shape):
         raise PackageError(f"a tensor spec's shape must hold sizes or null, got {shape!r}")
     return TensorSpec(dtype_text(data.get("dtype"), "a tensor spec's dtype"), shape)
@@ -348,7 +335,7 @@ def input_from_json(data: Any) -> InputRecord:
     if kind == "none":
         return InputRecord(name, kind)
     if kind == "tensor":
-        shape = bounded_list(data.get("shape"), "shape", MAX_RANK)
+        shape = bounded(data.get("shape"), list, "shape", MAX_RANK)
         shape = [d if d is None or is_size(d) else dim_from_json(d) for d in shape]
         dtype, device = dtype_text(data.get("dtype"), "dtype"), expect(data.get("device"), str, "device")
         return InputRecord(name, kind, dtype=dtype, shape=shape, device=device)

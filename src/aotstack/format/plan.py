@@ -175,7 +175,7 @@ def method_plan_to_json(plan: MethodPlan) -> dict[str, Any]:
 def method_plan_from_json(data: Any) -> MethodPlan:
     data = expect(data, dict, "a method plan")
     return MethodPlan(
-        steps=[step_from_json(step) for step in bounded(data.get("steps"), "a plan's steps")],
+        steps=[step_from_json(step) for step in bounded(data.get("steps"), list, "a plan's steps")],
         outputs=[value_from_json(value) for value in expect(data.get("outputs"), list, "a plan's outputs")],
         mutations=[name_pair(pair) for pair in expect(data.get("mutations"), list, "a plan's mutations")],
     )
@@ -212,7 +212,7 @@ def step_from_json(data: Any, depth: int = 0) -> Step:
         if depth >= MAX_SUBGRAPH_DEPTH:
             raise PackageError(f"subgraphs in a run plan are nested deeper than {MAX_SUBGRAPH_DEPTH} levels")
         plan = expect(data.get("plan"), dict, "a subgraph's plan")
-        steps = [step_from_json(step, depth + 1) for step in bounded(plan.get("steps"), "a subgraph's steps")]
+        steps = [step_from_json(step, depth + 1) for step in bounded(plan.get("steps"), list, "a subgraph's steps")]
         return SubgraphStep(text(data, "name"), SubgraphPlan(steps, value_from_json(plan.get("output"))))
     if kind == "delegate":
         inputs = [expect(name, str, "a delegate input") for name in expect(data.get("inputs"), list, "inputs")]
@@ -294,10 +294,11 @@ def value_from_json(value: Any, depth: int = 0) -> Any:
     raise PackageError(f"unknown value {value!r} in a run plan")
 
 
-def bounded(value: Any, what: str) -> list[Any]:
-    value = expect(value, list, what)
-    if len(value) > MAX_STEPS:
-        raise PackageError(f"{what} number {len(value)}, more than the {MAX_STEPS} allowed")
+def bounded(value: Any, kind: type, what: str, limit: int = MAX_STEPS) -> Any:
+    """``value``, a list or dict of at most ``limit`` items: a hostile manifest cannot make reading loop long."""
+    value = expect(value, kind, what)
+    if len(value) > limit:
+        raise PackageError(f"{what} number {len(value)}, more than the {limit} allowed")
     return value
 
 
