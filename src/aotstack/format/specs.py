@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .tensor_data import BytesLike
+
 
 class SpecKey:
     """The compile spec keys aotstack and its backends read; a ``CompileSpec`` key may be any str."""
@@ -47,11 +49,15 @@ class PreprocessResult:
     """What a backend's compile side returns for one partition.
 
     ``processed_bytes`` is handed back to the run side as it is; ``named_data`` holds larger
-    blobs (a shared library, weights) that the package stores once under a content hash.
+    blobs (a shared library, weights) that the package stores once under a content hash; a
+    blob may be a view of memory the backend keeps alive (a weight's own storage), not a copy.
+    ``from_cache`` says the backend reused an earlier compile instead of compiling; progress
+    and reports show it.
     """
 
     processed_bytes: bytes
-    named_data: dict[str, bytes] = field(default_factory=dict)
+    named_data: dict[str, BytesLike] = field(default_factory=dict)
+    from_cache: bool = False
 
 
 def compile_spec_value(compile_specs: list[CompileSpec], key: str) -> bytes | None:
