@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .tensor_data import BytesLike
+if TYPE_CHECKING:
+    from .tensor_data import BytesLike
 
 
 class SpecKey:
