@@ -59,6 +59,7 @@ _EXPORTS = {
     "Program": "compile.export",
     "export": "compile.export",
     "CompileFailure": "compile.lower",
+    "CompileRecord": "compile.lower",
     "LoweredProgram": "compile.lower",
     "lower": "compile.lower",
     "propagate_device_pass": "compile.devices",

@@ -57,6 +57,10 @@ def argument_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--on-compile-error", choices=("raise", "fallback"), default="raise",
                           help="when an engine fails to compile a part: stop with an error (raise, the default), "
                                "or warn and leave the part to the next engine or plain ATen (fallback)")
+    compile_.add_argument("-j", "--jobs", type=positive_int, default=None, metavar="N",
+                          help="compile up to N parts at once, in worker processes (default: one per core)")
+    compile_.add_argument("--progress", choices=("auto", "live", "log"), default="auto",
+                          help="a live table (live), log lines (log), or the table only in a terminal (auto)")
     compile_.set_defaults(command=compile_command)
 
     run = commands.add_parser("run", help="run a method on random inputs of the recorded shapes")
@@ -122,6 +126,16 @@ def verify_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
 def demo_command(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -134,7 +148,10 @@ def compile_command(args: argparse.Namespace) -> int:
     model, methods = model_from_target(args.target)
     started = time.perf_counter()
     program = aotstack.export(model, methods)
-    lowered = aotstack.lower(program, cli_partitioners(args), on_compile_error=args.on_compile_error)
+    lowered = aotstack.lower(
+        program, cli_partitioners(args), on_compile_error=args.on_compile_error, jobs=args.jobs,
+        progress={"auto": None, "live": True, "log": False}[args.progress],
+    )
     lowered.save(args.output)
     count = sum(len(lowered.delegates(name)) for name in lowered.methods)
     print(f"wrote {args.output}: {len(lowered.methods)} method(s), {count} delegate(s), "

@@ -43,6 +43,10 @@ class MissingFallbackKernelsError(LoweringError):
             "compile spec lists the kernels a target has"
         )
 
+    def __reduce__(self) -> tuple[type, tuple[str, dict[str, list[str]], str | None]]:
+        # Rebuilt from its fields, so it crosses from a compile worker process intact.
+        return (type(self), (self.backend_id, self.kernels, self.method))
+
     def in_method(self, method: str) -> MissingFallbackKernelsError:
         return MissingFallbackKernelsError(self.backend_id, self.kernels, method)
 

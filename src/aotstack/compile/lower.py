@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import time
 import warnings
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,14 +18,16 @@ from ..errors import CompileSpecError, LoweringError, MissingFallbackKernelsErro
 from ..format.op_names import op_name
 from ..format.ops import is_delegate_call
 from ..format.records import Delegate, TensorSpec
-from ..format.specs import CompileSpec, DelegationSpec, SpecKey
+from ..format.specs import CompileSpec, DelegationSpec, PreprocessResult, SpecKey
 from ..format.tensor_data import WEIGHT_PREFIX
 from .constants import without_unused_constants
 from .devices import propagate_device_pass
 from .export import Program
 from .package import save
+from .parallel import CompileJob, CompileOutcome, compile_all, default_workers, quiet_torch_warnings
 from .partitioner import DELEGATION_TAG, Partitioner
 from .program_parts import constant_placeholders
+from .progress import Progress, progress_for
 from .splice import (
     clear_tags,
     drop_buffer_mutations,
@@ -34,7 +35,7 @@ from .splice import (
     drop_unused_subgraphs,
     splice_delegate_call,
 )
-from .subprogram import partition_program
+from .subprogram import PartitionProgram, partition_program
 
 
 @dataclass(frozen=True)
@@ -55,17 +56,37 @@ class CompileFailure:
     error: str
 
 
+@dataclass(frozen=True)
+class CompileRecord:
+    """How one partition's compile went: where it ran, how long it took, what became of it."""
+
+    method: str
+    partition: str
+    backend_id: str
+    # ``compiled``, ``cached`` (from a compile cache, or shared with an identical partition) or ``failed``.
+    state: str
+    seconds: float
+    # The delegate it became; None where its compile failed.
+    delegate_id: str | None = None
+    # The worker process that compiled it; None where it compiled in the lowering process.
+    worker: int | None = None
+    # ``method/partition`` of the identical partition whose compile it shares.
+    same_as: str | None = None
+
+
 @dataclass
 class LoweredProgram:
     """Every method lowered, with the delegates their graphs call.
 
     ``compile_failures`` lists, per method, the partitions left to plain ATen because their
-    compile failed under ``on_compile_error="fallback"`` (an empty list where none did).
+    compile failed under ``on_compile_error="fallback"`` (an empty list where none did);
+    ``compile_log`` records, per method, every partition's compile in lowering order.
     """
 
     methods: dict[str, ExportedProgram]
     delegate_table: dict[str, list[Delegate]]
     compile_failures: dict[str, list[CompileFailure]] = field(default_factory=dict)
+    compile_log: dict[str, list[CompileRecord]] = field(default_factory=dict)
 
     def delegates(self, method: str) -> list[Delegate]:
         """The delegates of ``method``, in lowering order: partitioner by partitioner, each in graph order."""
@@ -99,6 +120,8 @@ def lower(
     skip_h2d_for_method_inputs: MethodOption = False,
     skip_d2h_for_method_outputs: MethodOption = False,
     on_compile_error: OnCompileError = "raise",
+    jobs: int | None = None,
+    progress: bool | Progress | None = None,
 ) -> LoweredProgram:
     """Apply ``partitioners``, in order, to every method and compile what they claim.
 
@@ -106,33 +129,80 @@ def lower(
     elsewhere. The two ``skip_*`` options (True, or the names of the methods they apply to) keep
     a method's inputs or outputs on the device instead of copying them.
 
+    The partitions one partitioner claims, in every method, compile at once in up to ``jobs``
+    worker processes (default: one per core; ``jobs=1`` compiles one at a time in this
+    process); identical partitions compile once. ``progress`` shows each compile as it runs: a
+    live table when standard error is a terminal (the default, None), log lines otherwise;
+    True always draws the table, False never.
+
     When a backend fails to compile a partition, ``on_compile_error="raise"`` (the default)
-    raises ``LoweringError`` naming the method, the partition and its ops. ``"fallback"`` leaves
-    that partition's nodes in the method instead, for the later partitioners or plain ATen, logs
-    a warning and records it in ``LoweredProgram.compile_failures``: one unsupported corner of a
-    model then costs speed, not the whole package.
+    raises ``LoweringError`` naming the method, the partition and its ops, and stops the other
+    compiles. ``"fallback"`` leaves that partition's nodes in the method instead, for the later
+    partitioners or plain ATen, logs a warning and records it in
+    ``LoweredProgram.compile_failures``: one unsupported corner of a model then costs speed,
+    not the whole package.
 
     Example::
 
-        lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner()])
+        lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner()], jobs=2)
         lowered.save("model.pt2")
     """
     check_lower_options(skip_h2d_for_method_inputs, skip_d2h_for_method_outputs, on_compile_error)
+    workers = checked_jobs(jobs)
     plan = partitioners_by_method(program, partitioners)
+    with quiet_torch_warnings():
+        states = {name: MethodLowering.of(name, exported) for name, exported in program.methods.items()}
+        with progress_for(progress) as shown:
+            # Level by level: the partitioners at one position, in every method, compile together.
+            for level in range(max((len(listed) for listed in plan.values()), default=0)):
+                claims = {
+                    name: state.claim(plan[name][level]) for name, state in states.items() if level < len(plan[name])
+                }
+                outcomes = compile_claims(claims, workers, shown, on_compile_error)
+                for name, listed in claims.items():
+                    states[name].splice(listed, outcomes)
     methods: dict[str, ExportedProgram] = {}
     table: dict[str, list[Delegate]] = {}
-    failures: dict[str, list[CompileFailure]] = {}
-    for name, exported in program.methods.items():
-        lowered, delegates, failures[name] = lower_method(name, exported, plan[name], on_compile_error)
+    for name, state in states.items():
         propagate_device_pass(
-            lowered,
-            {d.delegate_id: (d.backend_id, d.target_device) for d in delegates},
+            state.working,
+            {d.delegate_id: (d.backend_id, d.target_device) for d in state.delegates},
             skip_h2d_for_method_inputs=applies_to(skip_h2d_for_method_inputs, name),
             skip_d2h_for_method_outputs=applies_to(skip_d2h_for_method_outputs, name),
         )
         # Rebuilt so the output specs name the copies that now feed the output.
-        methods[name], table[name] = without_unused_constants(lowered, set()), delegates
-    return LoweredProgram(methods, table, failures)
+        methods[name], table[name] = without_unused_constants(state.working, set()), state.delegates
+    return LoweredProgram(
+        methods,
+        table,
+        {name: state.failures for name, state in states.items()},
+        {name: state.compiles for name, state in states.items()},
+    )
+
+
+def checked_jobs(jobs: object) -> int:
+    """How many compiles may run at once: ``jobs``, or one per core where it is None."""
+    if jobs is None:
+        return default_workers()
+    if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"jobs must be an int >= 1, or None for one per core; got {jobs!r}")
+    return jobs
+
+
+def compile_claims(
+    claims: Mapping[str, list[Claim]], workers: int, progress: Progress, on_compile_error: OnCompileError
+) -> dict[CompileJob, CompileOutcome]:
+    """Compile every claimed partition; with ``"raise"``, raise for the first that failed, in lowering order."""
+    ordered = [claim for listed in claims.values() for claim in listed]
+    stop = on_compile_error == "raise"
+    outcomes = {o.job: o for o in compile_all([c.job for c in ordered], workers, progress, stop_on_error=stop)}
+    if stop:
+        for listed in claims.values():
+            for claim in listed:
+                error = claim_error(claim, outcomes[claim.job])
+                if error is not None:
+                    raise_compile_error(claim, error)
+    return outcomes
 
 
 def check_lower_options(skip_h2d: object, skip_d2h: object, on_compile_error: object) -> None:
@@ -176,34 +246,86 @@ def partitioners_by_method(program: Program, partitioners: PartitionerPlan) -> d
     return plan
 
 
-def lower_method(
-    name: str, exported: ExportedProgram, partitioners: list[Partitioner], on_compile_error: OnCompileError = "raise"
-) -> tuple[ExportedProgram, list[Delegate], list[CompileFailure]]:
-    """Lower one method: its graph, its delegates in order, and the partitions left to plain ATen."""
-    working = copied_program(exported)
-    read_before = {node.name for node in constant_placeholders(working) if node.users}
-    delegates: list[Delegate] = []
-    failures: list[CompileFailure] = []
+@dataclass
+class Claim:
+    """A partition a partitioner claimed: its nodes, its standalone program and the job that compiles it."""
+
+    tag: str
+    backend_id: str
+    nodes: list[torch.fx.Node]
+    part: PartitionProgram
+    ops: tuple[str, ...]
+    job: CompileJob
+    # The id its delegate gets if every partition before it in its method compiles.
+    delegate_id: str
+
+
+@dataclass
+class MethodLowering:
+    """One method while it is lowered: its graph so far, its delegates and its failed partitions."""
+
+    name: str
+    working: ExportedProgram
+    # Weights read before lowering stay in the method, read or not.
+    read_before: set[str]
     # Ids stay unique even in a graph that already calls delegates.
-    first_id = sum(1 for node in working.graph.nodes if is_delegate_call(node))
-    for partitioner in partitioners:
+    first_id: int
+    delegates: list[Delegate] = field(default_factory=list)
+    failures: list[CompileFailure] = field(default_factory=list)
+    compiles: list[CompileRecord] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, name: str, exported: ExportedProgram) -> MethodLowering:
+        working = copied_program(exported)
+        read_before = {node.name for node in constant_placeholders(working) if node.users}
+        first_id = sum(1 for node in working.graph.nodes if is_delegate_call(node))
+        return cls(name, working, read_before, first_id)
+
+    def claim(self, partitioner: Partitioner) -> list[Claim]:
+        """Let ``partitioner`` tag the graph; each tagged partition as a program ready to compile."""
         try:
-            result = partitioner.partition(working)
+            result = partitioner.partition(self.working)
         except MissingFallbackKernelsError as exc:
-            raise exc.in_method(name) from None
-        working = result.tagged_exported_program
-        for tag, spec in result.partition_tags.items():
-            delegate_id = f"{name}.{first_id + len(delegates)}"
-            outcome = delegate_partition(working, name, tag, spec, delegate_id, on_compile_error)
-            if isinstance(outcome, CompileFailure):
-                failures.append(outcome)
-            else:
-                delegates.append(outcome)
+            raise exc.in_method(self.name) from None
+        self.working = result.tagged_exported_program
+        first = self.first_id + len(self.delegates)
+        return [
+            claimed(self.working, self.name, tag, spec, f"{self.name}.{first + index}")
+            for index, (tag, spec) in enumerate(result.partition_tags.items())
+        ]
+
+    def splice(self, claims: list[Claim], outcomes: Mapping[CompileJob, CompileOutcome]) -> None:
+        """Put a delegate call in place of each compiled partition, in graph order; record the failed ones.
+
+        Nothing in the graph changed between claiming and here, so a failed partition leaves it as it was.
+        """
+        graph = self.working.graph
+        # A partition that read another's output reads it from the other's delegate call once that is spliced.
+        replaced: dict[torch.fx.Node, torch.fx.Node] = {}
+        for claim in claims:
+            outcome = outcomes[claim.job]
+            error = claim_error(claim, outcome)
+            if error is not None or outcome.result is None:
+                assert error is not None, "a cancelled compile only happens when the first failure raises"
+                self.failures.append(compile_failure(self.name, claim.tag, claim.backend_id, claim.ops, error))
+                self.compiles.append(compile_record(outcome, "failed", None))
+                continue
+            if not validate_partition(claim.nodes):
+                raise LoweringError(
+                    f"method {self.name!r}: partition {claim.tag!r} is not convex once the partitions before it "
+                    "became delegate calls (it would create a dependency cycle)"
+                )
+            delegate_id = f"{self.name}.{self.first_id + len(self.delegates)}"
+            inputs = [replaced.get(node, node) for node in claim.part.inputs]
+            drop_buffer_mutations(self.working, claim.part.updated_buffers)
+            replaced.update(splice_delegate_call(graph, claim.nodes, delegate_id, inputs, claim.part.outputs))
+            drop_unused_subgraphs(self.working.graph_module)
+            self.delegates.append(compiled_delegate(claim, outcome.result, delegate_id))
+            self.compiles.append(compile_record(outcome, outcome.state, delegate_id))
         # Also untags a failed partition's nodes, so the next partitioner may claim them.
-        clear_tags(working.graph)
-        drop_unused_size_computations(working.graph)
-        working = without_unused_constants(working, read_before)
-    return working, delegates, failures
+        clear_tags(graph)
+        drop_unused_size_computations(graph)
+        self.working = without_unused_constants(self.working, self.read_before)
 
 
 def copied_program(exported: ExportedProgram) -> ExportedProgram:
@@ -221,22 +343,13 @@ def copied_program(exported: ExportedProgram) -> ExportedProgram:
     return working
 
 
-def delegate_partition(
-    exported: ExportedProgram,
-    method: str,
-    tag: str,
-    spec: DelegationSpec,
-    delegate_id: str,
-    on_compile_error: OnCompileError = "raise",
-) -> Delegate | CompileFailure:
-    """Compile the nodes tagged ``tag`` and put one delegate call in their place.
+def claimed(exported: ExportedProgram, method: str, tag: str, spec: DelegationSpec, delegate_id: str) -> Claim:
+    """The nodes tagged ``tag`` as a standalone program, checked, with the job that compiles it.
 
     A partition that is malformed (empty, not convex, not expressible as a program) is the
-    partitioner's mistake and always raises. A failure of the backend's compile raises, or with
-    ``on_compile_error="fallback"`` leaves the graph as it was and returns a ``CompileFailure``.
+    partitioner's mistake and always raises.
     """
-    graph = exported.graph
-    nodes = [n for n in graph.nodes if n.op == "call_function" and n.meta.get(DELEGATION_TAG) == tag]
+    nodes = [n for n in exported.graph.nodes if n.op == "call_function" and n.meta.get(DELEGATION_TAG) == tag]
     if not nodes:
         raise LoweringError(f"method {method!r}: partition {tag!r} tags no call_function node")
     if not validate_partition(nodes):
@@ -252,34 +365,52 @@ def delegate_partition(
         )
     except LoweringError as exc:
         raise LoweringError(f"method {method!r}, partition {tag!r} ({spec.backend_id}): {exc}") from None
-    ops = partition_ops(nodes)
-    logger.info("%s: compiling delegate %s (%s, %d nodes) ...", method, delegate_id, spec.backend_id, len(nodes))
-    started = time.perf_counter()
-    # Nothing above changed the method's graph, so a failure here can leave it as it is.
-    try:
-        result = backend.preprocess(part.program, compile_specs)
-        for fqn in part.updated_buffers:
-            if WEIGHT_PREFIX + fqn not in result.named_data:
-                raise LoweringError(
-                    f"{spec.backend_id} updates buffer {fqn!r} in place but stores no named data "
-                    f"{WEIGHT_PREFIX + fqn!r} for it"
-                )
-    except Exception as exc:
-        if on_compile_error == "fallback":
-            return compile_failure(method, tag, spec.backend_id, ops, exc)
-        error = compile_error(method, tag, spec.backend_id, delegate_id, ops, exc)
-        if error is exc:
-            raise
-        raise error from exc
-    logger.info("%s: delegate %s ready in %.1f s", method, delegate_id, time.perf_counter() - started)
-    drop_buffer_mutations(exported, part.updated_buffers)
-    splice_delegate_call(graph, nodes, delegate_id, part.inputs, part.outputs)
-    drop_unused_subgraphs(exported.graph_module)
+    job = CompileJob(method, tag, backend, part.program, compile_specs, len(nodes))
+    return Claim(tag, spec.backend_id, nodes, part, partition_ops(nodes), job, delegate_id)
+
+
+def claim_error(claim: Claim, outcome: CompileOutcome) -> Exception | None:
+    """Why ``claim``'s compile cannot be used: its error, or a buffer it updates without storing it."""
+    if outcome.error is not None or outcome.result is None:
+        return outcome.error
+    # A buffer the partition updates in place must come back as its named data: its one shared state.
+    for fqn in claim.part.updated_buffers:
+        if WEIGHT_PREFIX + fqn not in outcome.result.named_data:
+            return LoweringError(
+                f"{claim.backend_id} updates buffer {fqn!r} in place but stores no named data "
+                f"{WEIGHT_PREFIX + fqn!r} for it"
+            )
+    return None
+
+
+def raise_compile_error(claim: Claim, error: Exception) -> None:
+    raised = compile_error(claim.job.method, claim.tag, claim.backend_id, claim.delegate_id, claim.ops, error)
+    if raised is error:
+        raise error
+    raise raised from error
+
+
+def compile_record(outcome: CompileOutcome, state: str, delegate_id: str | None) -> CompileRecord:
+    job, first = outcome.job, outcome.same_as
+    return CompileRecord(
+        method=job.method,
+        partition=job.tag,
+        backend_id=job.backend_id,
+        state=state,
+        seconds=outcome.seconds,
+        delegate_id=delegate_id,
+        worker=outcome.worker,
+        same_as=None if first is None else f"{first.method}/{first.tag}",
+    )
+
+
+def compiled_delegate(claim: Claim, result: PreprocessResult, delegate_id: str) -> Delegate:
+    part = claim.part
     return Delegate(
         delegate_id=delegate_id,
-        backend_id=spec.backend_id,
-        compile_specs=compile_specs,
-        ops=list(ops),
+        backend_id=claim.backend_id,
+        compile_specs=claim.job.compile_specs,
+        ops=list(claim.ops),
         inputs=[TensorSpec.of(n.meta["val"]) for n in part.inputs],
         outputs=[TensorSpec.of(n.meta["val"]) for n in part.outputs],
         processed_bytes=result.processed_bytes,

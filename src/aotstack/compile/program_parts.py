@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import LoweringError
 from ..format.boundary import Boundary, BoundaryInput
-from ..format.tensor_data import dtype_name
+from ..format.tensor_data import content_key, dtype_name, tensor_bytes
 
 _CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
@@ -56,6 +57,27 @@ def program_weights(exported_program: ExportedProgram) -> dict[str, torch.Tensor
         (name, value) for name, value in exported_program.constants.items() if isinstance(value, torch.Tensor)
     )
     return weights
+
+
+def program_fingerprint(program: ExportedProgram) -> str:
+    """A SHA-256 of everything a compile of ``program`` depends on.
+
+    Its code (every subgraph's too), its inputs' dtypes, devices, sizes and strides, its
+    signature, its dynamic ranges, and its weights' values: Inductor inlines small constants.
+    """
+    digest = hashlib.sha256()
+    for name, module in program.graph_module.named_modules():
+        if isinstance(module, GraphModule):
+            digest.update(f"{name}\n{module.code}".encode())
+    for node in program.graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(value, torch.Tensor):
+            digest.update(f"{node.name}:{value.dtype}:{value.device}:{tuple(value.shape)}:{value.stride()}".encode())
+    digest.update(str(program.graph_signature).encode())
+    digest.update(repr(sorted((str(k), str(v)) for k, v in program.range_constraints.items())).encode())
+    for fqn, tensor in sorted(program_weights(program).items()):
+        digest.update(f"{fqn}:{tensor.dtype}:{tuple(tensor.shape)}:{content_key(tensor_bytes(tensor))}".encode())
+    return digest.hexdigest()
 
 
 def mutated_buffer_names(exported_program: ExportedProgram) -> set[str]:

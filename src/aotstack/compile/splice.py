@@ -41,20 +41,23 @@ def drop_unused_subgraphs(graph_module: GraphModule) -> None:
 
 def splice_delegate_call(
     graph: Graph, nodes: list[Node], delegate_id: str, inputs: list[Node], outputs: list[Node]
-) -> None:
+) -> dict[Node, Node]:
+    """Replace ``nodes`` with one delegate call; each of ``outputs`` -> the ``getitem`` now standing for it."""
     with graph.inserting_after(nodes[-1]):
         call = graph.call_function(call_delegate, (delegate_id, inputs))
     call.meta["val"] = [n.meta["val"] for n in outputs]
     previous = call
+    replaced = {}
     for index, node in enumerate(outputs):
         with graph.inserting_after(previous):
             item = graph.call_function(operator.getitem, (call, index))
         item.meta = {"val": node.meta["val"]}
         node.replace_all_uses_with(item)
-        previous = item
+        replaced[node] = previous = item
     for node in reversed(nodes):
         graph.erase_node(node)
     restore_topological_order(graph)
+    return replaced
 
 
 def restore_topological_order(graph: Graph) -> None:

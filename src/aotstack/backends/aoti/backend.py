@@ -148,7 +148,7 @@ class AotiBackend(Backend):
             # What the library's code takes; its run side checks every call against it.
             "boundary": partition_boundary(exported_program, label, device.type.value).to_json(),
         }
-        return PreprocessResult(json.dumps(processed).encode(), named_data)
+        return PreprocessResult(json.dumps(processed).encode(), named_data, from_cache=compiled.from_cache)
 
     def kernel_check(self, allowed: frozenset[str], compile_specs: list[CompileSpec]) -> KernelCheck:
         method = compile_spec_value(compile_specs, SpecKey.METHOD_NAME)

@@ -17,10 +17,10 @@ from torch.export import ExportedProgram
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ... import __version__
-from ...compile.program_parts import program_weights
+from ...compile.program_parts import program_fingerprint, program_weights
 from ...errors import LoweringError
 from ...format.devices import HOST, Device, DeviceType
-from ...format.tensor_data import content_key, tensor_bytes
+from ...format.tensor_data import content_key
 from .kernels import recorded_fallback_kernels
 from .passes import GraphPass
 
@@ -47,6 +47,8 @@ class CompiledPartition:
 
     library: bytes
     constants: dict[str, torch.Tensor]
+    # Taken from aotstack's compile cache rather than compiled.
+    from_cache: bool = False
 
 
 def compile_partition(
@@ -65,13 +67,13 @@ def compile_partition(
     constants = program_weights(program)
     # Inductor's own cache skips code generation, where fallback kernels are recorded.
     options = steps.options if kernel_check is None else {**steps.options, "fx_graph_cache": False}
-    key = cache_key(program, constants, {**options, "aotstack.device": str(steps.device)})
+    key = cache_key(program, {**options, "aotstack.device": str(steps.device)})
     library = cached_library(key)
     if library is not None:
-        logger.info("  %s: reusing the library from the compile cache", label)
-    else:
-        library = compiled_library(program, replace(steps, options=options), label, kernel_check)
-        store_library(key, library)
+        logger.debug("%s: reusing the library from the compile cache", label)
+        return CompiledPartition(library=library, constants=constants, from_cache=True)
+    library = compiled_library(program, replace(steps, options=options), label, kernel_check)
+    store_library(key, library)
     return CompiledPartition(library=library, constants=constants)
 
 
@@ -128,23 +130,14 @@ def library_from_package(package_path: str, label: str) -> bytes:
         return archive.read(libraries[0])
 
 
-def cache_key(program: ExportedProgram, constants: dict[str, torch.Tensor], options: dict[str, Any]) -> str:
-    """A hash of everything the library depends on.
+def cache_key(program: ExportedProgram, options: dict[str, Any]) -> str:
+    """A hash of everything the library depends on: the program, its weights' values and the options.
 
-    Weight values are part of it: Inductor inlines small constants into the generated code.
     So is the thread count, which the generated OpenMP code bakes in.
     """
-    digest = hashlib.sha256()
-    threads = str(torch.get_num_threads())
-    for part in (torch.__version__, __version__, threads, repr(sorted(options.items())), program.graph_module.code):
-        digest.update(part.encode())
-    for node in program.graph.nodes:
-        value = node.meta.get("val")
-        if node.op == "placeholder" and isinstance(value, torch.Tensor):
-            digest.update(f"{node.name}:{value.dtype}:{tuple(value.shape)}:{value.stride()}".encode())
-    digest.update(str(program.graph_signature).encode())
-    for fqn in sorted(constants):
-        digest.update(fqn.encode() + content_key(tensor_bytes(constants[fqn])).encode())
+    parts = (torch.__version__, __version__, str(torch.get_num_threads()), repr(sorted(options.items())))
+    digest = hashlib.sha256("\0".join(parts).encode())
+    digest.update(program_fingerprint(program).encode())
     return digest.hexdigest()
 
 
@@ -177,15 +170,20 @@ def cached_library(key: str) -> bytes | None:
 
 
 def store_library(key: str, library: bytes) -> None:
+    """Add ``library`` to the cache; an entry appears whole (written aside, then renamed) or not at all."""
     directory = cache_dir()
     if directory is None:
         return
     try:
         os.makedirs(directory, exist_ok=True)
         for suffix, data in ((".so.sha256", content_key(library).encode()), (".so", library)):
-            fd, temporary = tempfile.mkstemp(dir=directory)
-            with os.fdopen(fd, "wb") as file:
-                file.write(data)
-            os.replace(temporary, os.path.join(directory, key + suffix))
+            fd, temporary = tempfile.mkstemp(prefix=".partial-", dir=directory)
+            try:
+                with os.fdopen(fd, "wb") as file:
+                    file.write(data)
+                os.replace(temporary, os.path.join(directory, key + suffix))
+            except BaseException:
+                os.unlink(temporary)
+                raise
     except OSError:
         pass  # a cache that cannot be written only costs a recompile next time
