@@ -1,0 +1,332 @@
+"""Partitions compile at once in worker processes: results in graph order, failures named, identical ones once.
+
+The backends here are real ones, registered by defining them; a forked worker inherits them.
+``PidReluBackend`` compiles a ``relu`` partition and records, in what it compiles, which
+process compiled it and when, so a test can see where and whether compiles overlapped.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import aotstack
+from aotstack.backends.aoti.compile import cached_library, store_library
+from aotstack.compile.parallel import CompileJob
+from tests.conftest import ROOT, assert_matches_eager, run_in_fresh_process
+from tests.test_compile_errors import OpPartitioner
+
+# The process running the tests: a backend that ends its own process only does so in a worker.
+TEST_PROCESS = os.getpid()
+# How long PidReluBackend's compile takes: long enough that two of them overlap only when run at once.
+COMPILE_SECONDS = 1.0
+
+
+class PidReluBackend(aotstack.Backend):
+    """Runs ``relu``; its compile takes COMPILE_SECONDS and records its process and its start and end times."""
+
+    backend_id = "test_pid_relu"
+
+    def preprocess(self, exported_program, compile_specs):
+        started = time.time()
+        time.sleep(COMPILE_SECONDS)
+        record = {"pid": os.getpid(), "started": started, "ended": time.time()}
+        return aotstack.PreprocessResult(json.dumps(record).encode())
+
+    def init(self, processed_bytes, named_data, compile_specs):
+        return json.loads(processed_bytes)
+
+    def execute(self, handle, inputs):
+        return [torch.relu(inputs[0])]
+
+
+class RaisingInWorkerBackend(aotstack.Backend):
+    backend_id = "test_raising_in_worker"
+
+    def preprocess(self, exported_program, compile_specs):
+        raise RuntimeError(f"no kernel for this partition (process {os.getpid()})")
+
+
+class DyingBackend(aotstack.Backend):
+    """Ends its own process mid-compile, as a crash in native code or the out-of-memory killer would."""
+
+    backend_id = "test_dying"
+
+    def preprocess(self, exported_program, compile_specs):
+        if os.getpid() == TEST_PROCESS:
+            raise RuntimeError("DyingBackend compiled in the test process; it only dies in a worker")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class SlowBackend(aotstack.Backend):
+    """A compile that takes a minute, writing its process id first: the one a failure elsewhere must stop."""
+
+    backend_id = "test_slow"
+    pid_file: Path | None = None
+
+    def preprocess(self, exported_program, compile_specs):
+        assert SlowBackend.pid_file is not None
+        SlowBackend.pid_file.write_text(str(os.getpid()))
+        time.sleep(60)
+        return aotstack.PreprocessResult(b"")
+
+
+class TwoRelus(torch.nn.Module):
+    """Two relus with a sine between them: two partitions for a relu-only backend."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(torch.sin(torch.relu(x)))
+
+
+class TwoMethods(TwoRelus):
+    def twin(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward(x)
+
+
+def relu_program(model: torch.nn.Module | None = None, methods: tuple[str, ...] = ("forward",)) -> aotstack.Program:
+    x = torch.randn(4, 8)
+    return aotstack.export(model or TwoRelus(), {method: (x,) for method in methods})
+
+
+def compile_records(lowered: aotstack.LoweredProgram, method: str = "forward") -> list[dict]:
+    return [
+        json.loads(delegate.processed_bytes) for delegate in lowered.delegates(method)
+    ]
+
+
+def test_two_partitions_compile_in_two_workers_at_once(tmp_path: Path) -> None:
+    lowered = aotstack.lower(relu_program(), [OpPartitioner(relu="test_pid_relu")], jobs=2, progress=False)
+    records = compile_records(lowered)
+    log = lowered.compile_log["forward"]
+    assert [entry.partition for entry in log] == ["relu_0", "relu_1"]
+    assert [entry.delegate_id for entry in log] == ["forward.0", "forward.1"]
+    pids = [record["pid"] for record in records]
+    assert len(set(pids)) == 2 and TEST_PROCESS not in pids
+    assert [entry.worker for entry in log] == pids
+    # Both compiles ran at the same time: each started before the other ended.
+    first, second = records
+    assert first["started"] < second["ended"] and second["started"] < first["ended"]
+    path = tmp_path / "relus.pt2"
+    lowered.save(path)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(aotstack.load(path).forward(x), TwoRelus()(x))
+
+
+def test_one_job_compiles_in_this_process_one_after_another() -> None:
+    lowered = aotstack.lower(relu_program(), [OpPartitioner(relu="test_pid_relu")], jobs=1, progress=False)
+    records = compile_records(lowered)
+    assert [record["pid"] for record in records] == [TEST_PROCESS, TEST_PROCESS]
+    assert records[0]["ended"] <= records[1]["started"]
+    assert [entry.worker for entry in lowered.compile_log["forward"]] == [None, None]
+
+
+def test_aoti_partitions_compile_in_workers_and_match_eager(lowered_package) -> None:
+    # The session's shared package: lowered with the default jobs, one worker per core.
+    lowered, path = lowered_package("split", exclude_ops=("aten.sigmoid",))
+    log = lowered.compile_log["forward"]
+    assert [entry.backend_id for entry in log] == ["aoti_cpu", "aoti_cpu"]
+    if (os.cpu_count() or 1) > 1:
+        workers = [entry.worker for entry in log]
+        assert None not in workers and len(set(workers)) == 2 and TEST_PROCESS not in workers
+    assert_matches_eager(run_in_fresh_process(path, "forward", "split"), "split")
+
+
+def test_identical_partitions_compile_once() -> None:
+    program = relu_program(TwoMethods(), ("forward", "twin"))
+    lowered = aotstack.lower(program, [OpPartitioner(relu="test_pid_relu")], jobs=2, progress=False)
+    twin = lowered.compile_log["twin"]
+    assert [entry.same_as for entry in twin] == ["forward/relu_0", "forward/relu_1"]
+    assert [entry.state for entry in twin] == ["cached", "cached"]
+    # The twin's delegates carry the very result the forward's compile produced.
+    assert compile_records(lowered, "twin") == compile_records(lowered, "forward")
+    assert all(entry.worker is not None for entry in lowered.compile_log["forward"])
+
+
+def test_identity_follows_weights_not_method_names() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    x = torch.randn(2, 4)
+    first = aotstack.export(model, {"forward": (x,)}).methods["forward"]
+    same = aotstack.export(model, {"forward": (x,)}).methods["forward"]
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.weight.add_(1.0)
+    changed = aotstack.export(other, {"forward": (x,)}).methods["forward"]
+    backend = PidReluBackend()
+
+    def job(program, method):
+        specs = [aotstack.CompileSpec("method_name", method.encode())]
+        return CompileJob(method, "t", backend, program, specs, 1)
+
+    assert job(first, "forward").identity() == job(same, "other").identity()
+    assert job(first, "forward").identity() != job(changed, "forward").identity()
+
+
+def test_a_failing_compile_in_a_worker_names_method_and_partition() -> None:
+    with pytest.raises(aotstack.LoweringError) as caught:
+        aotstack.lower(relu_program(), [OpPartitioner(relu="test_raising_in_worker")], jobs=2, progress=False)
+    message = str(caught.value)
+    assert "method 'forward', partition 'relu_0' (test_raising_in_worker, delegate forward.0)" in message
+    assert "no kernel for this partition" in message
+    cause = caught.value.__cause__
+    assert isinstance(cause, RuntimeError)
+    assert any("raised in compile worker process" in note for note in getattr(cause, "__notes__", []))
+
+
+def test_a_worker_that_dies_is_named() -> None:
+    with pytest.raises(aotstack.LoweringError) as caught:
+        aotstack.lower(relu_program(), [OpPartitioner(relu="test_dying")], jobs=2, progress=False)
+    message = str(caught.value)
+    assert "method 'forward', partition 'relu_0'" in message
+    assert "was killed by SIGKILL before sending a result" in message
+
+
+def test_fallback_keeps_a_failed_worker_compile_in_the_method(tmp_path: Path) -> None:
+    lowered = aotstack.lower(
+        relu_program(), [OpPartitioner(relu="test_dying")], jobs=2, progress=False, on_compile_error="fallback"
+    )
+    assert lowered.delegates("forward") == []
+    assert [f.partition for f in lowered.compile_failures["forward"]] == ["relu_0", "relu_1"]
+    assert "killed by SIGKILL" in lowered.compile_failures["forward"][0].error
+    path = tmp_path / "fallback.pt2"
+    lowered.save(path)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(aotstack.load(path).forward(x), TwoRelus()(x))
+
+
+def test_a_failure_stops_the_compiles_still_running(tmp_path: Path) -> None:
+    SlowBackend.pid_file = tmp_path / "slow.pid"
+    program = relu_program(TwoMethods(), ("forward", "twin"))
+    plan = {"forward": [OpPartitioner(relu="test_slow")], "twin": [OpPartitioner(relu="test_raising_in_worker")]}
+    started = time.perf_counter()
+    with pytest.raises(aotstack.LoweringError, match="method 'twin', partition 'relu_0'"):
+        aotstack.lower(program, plan, jobs=4, progress=False)
+    # Stopped, not waited for: the slow compiles sleep a minute.
+    assert time.perf_counter() - started < 45
+    if SlowBackend.pid_file.exists():
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(SlowBackend.pid_file.read_text()), 0)
+
+
+def test_the_compile_cache_never_holds_a_partial_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path))
+
+    key = "a" * 64
+    original_replace = os.replace
+
+    def replace_once_then_fail(source, target):
+        # The hash file lands; writing the library itself fails: the entry must not count.
+        if str(target).endswith(".so"):
+            raise OSError("No space left on device")
+        original_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", replace_once_then_fail)
+    store_library(key, b"\x7fELF not really a library")
+    monkeypatch.setattr(os, "replace", original_replace)
+    assert cached_library(key) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == [key + ".so.sha256"]
+    store_library(key, b"\x7fELF not really a library")
+    assert cached_library(key) == b"\x7fELF not really a library"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".partial-")]
+
+
+def test_jobs_must_be_a_positive_int() -> None:
+    for jobs in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="jobs must be an int >= 1"):
+            aotstack.lower(relu_program(), [], jobs=jobs)
+
+
+PROGRESS_SCRIPT = """
+import logging, sys
+import torch
+import aotstack
+from tests.test_parallel_compile import relu_program
+from tests.test_compile_errors import OpPartitioner
+
+logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+aotstack.lower(relu_program(), [OpPartitioner(relu="test_pid_relu")], jobs=2)
+print("lowered", flush=True)
+"""
+
+
+def run_progress_script(terminal: bool) -> str:
+    """Standard error of a lowering: on a pseudo-terminal, or on a pipe."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "120", "TERM": "xterm-256color"}
+    env.pop("NO_COLOR", None)
+    if not terminal:
+        child = subprocess.run(
+            [sys.executable, "-c", PROGRESS_SCRIPT], capture_output=True, text=True, cwd=ROOT, env=env, timeout=120
+        )
+        assert child.returncode == 0, child.stderr[-3000:]
+        return child.stderr
+    import pty
+
+    controller, follower = pty.openpty()
+    child = subprocess.Popen(
+        [sys.executable, "-c", PROGRESS_SCRIPT], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        stderr=follower, cwd=ROOT, env=env,
+    )
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(controller, 65536)
+        except OSError:  # the terminal closed: the child exited
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(controller)
+    assert child.wait(timeout=120) == 0, b"".join(chunks)[-3000:]
+    return b"".join(chunks).decode(errors="replace")
+
+
+def test_progress_is_a_live_table_in_a_terminal() -> None:
+    shown = run_progress_script(terminal=True)
+    assert "compiling partitions" in shown
+    assert "\x1b[" in shown  # drawn and redrawn in place
+    for text in ("relu_0", "relu_1", "test_pid_relu", "compiled"):
+        assert text in shown
+
+
+def test_progress_is_plain_log_lines_on_a_pipe() -> None:
+    shown = run_progress_script(terminal=False)
+    assert "\x1b" not in shown
+    assert "compiling partitions" not in shown
+    lines = shown.splitlines()
+    for tag in ("relu_0", "relu_1"):
+        assert any(line.startswith(f"forward: compiling {tag} (test_pid_relu, 1 nodes) in worker") for line in lines)
+        assert any(line.startswith(f"forward: {tag} (test_pid_relu) compiled in") for line in lines)
+
+
+def test_torch_deprecation_warnings_do_not_reach_the_user(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A cold compile cache, so AOTInductor really compiles in this process.
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path / "cache"))
+    program = aotstack.export(torch.nn.Linear(8, 4), {"forward": (torch.randn(2, 8),)})
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        aotstack.lower(program, [aotstack.AotiCpuPartitioner()], jobs=1, progress=False)
+    torch_root = os.path.dirname(torch.__file__)
+    from_torch = [w for w in caught if issubclass(w.category, DeprecationWarning | FutureWarning)
+                  and w.filename.startswith(torch_root)]
+    assert from_torch == [], [str(w.message)[:200] for w in from_torch]
+
+
+def test_cli_refuses_a_bad_jobs_count(capsys: pytest.CaptureFixture[str]) -> None:
+    from aotstack.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["compile", "tests.models:build", "-o", "never.pt2", "-j", "0"])
+    assert exited.value.code == 2
+    assert "expected a whole number of at least 1, got '0'" in capsys.readouterr().err
