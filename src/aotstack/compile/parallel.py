@@ -265,6 +265,9 @@ def started_worker(job: CompileJob) -> Running:
 
 def worker_main(job: CompileJob, connection: Connection, threads: int) -> None:
     """In the forked worker: compile the job and send back its result or its error."""
+    # A live display may have put a proxy over the streams whose lock a thread of the parent
+    # held at the fork; the worker writes to the streams themselves.
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     # Generated CPU code names its thread count: the worker compiles for the parent's.
     torch.set_num_threads(threads)
     # The parent shows progress; the worker's own log lines would only interleave with it.
