@@ -46,7 +46,8 @@ def test_compile_writes_a_package_from_module_and_function(tmp_path):
     result = aotstack_command("compile", "aotstack.demo:demo_model", "-o", output, "--exclude-op", "aten.gelu")
 
     assert result.returncode == 0, result.stderr
-    assert "compiling delegate forward.0" in result.stderr
+    assert "forward: compiling aoti_cpu_0 (aoti_cpu, " in result.stderr
+    assert "embed: aoti_cpu_0 (aoti_cpu) same as forward/aoti_cpu_0, compiled once" in result.stderr
     assert f"wrote {output}: 2 method(s), 4 delegate(s)" in result.stdout
     listing = aotstack_command("inspect", output).stdout
     assert "method embed(image: float32[4, 3, 8, 8]): 2 delegate(s)" in listing

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 import aotstack
 from aotstack.backends.aoti import compile as aoti_compile
-from aotstack.compile.program_parts import program_weights
 from tests import models
 
 
@@ -28,13 +29,16 @@ def test_second_lowering_reuses_the_cached_library(tmp_path, monkeypatch):
 def test_changed_weights_change_the_key():
     model = models.build("linear")
     program = aotstack.export(model, {"forward": models.example_inputs("linear")}).methods["forward"]
-    constants = program_weights(program)
-    key = aoti_compile.cache_key(program, constants, {})
-    changed = {name: tensor + 1 for name, tensor in constants.items()}
+    key = aoti_compile.cache_key(program, {})
+    changed = copy.deepcopy(model)
+    with torch.no_grad():
+        for parameter in changed.parameters():
+            parameter.add_(1)
+    changed_program = aotstack.export(changed, {"forward": models.example_inputs("linear")}).methods["forward"]
 
-    assert aoti_compile.cache_key(program, changed, {}) != key
-    assert aoti_compile.cache_key(program, constants, {"max_autotune": True}) != key
-    assert aoti_compile.cache_key(program, constants, {}) == key
+    assert aoti_compile.cache_key(changed_program, {}) != key
+    assert aoti_compile.cache_key(program, {"max_autotune": True}) != key
+    assert aoti_compile.cache_key(program, {}) == key
 
 
 def test_a_corrupt_cache_entry_is_ignored(tmp_path, monkeypatch):
@@ -53,13 +57,12 @@ def test_the_cache_can_be_turned_off(monkeypatch):
 
 def test_the_thread_count_changes_the_key():
     program = aotstack.export(models.build("linear"), {"forward": models.example_inputs("linear")}).methods["forward"]
-    constants = program_weights(program)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = aoti_compile.cache_key(program, constants, {})
+        one = aoti_compile.cache_key(program, {})
         torch.set_num_threads(2)
-        two = aoti_compile.cache_key(program, constants, {})
+        two = aoti_compile.cache_key(program, {})
     finally:
         torch.set_num_threads(threads)
     assert one != two
