@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -15,25 +15,65 @@ from torch.utils import _pytree as pytree
 
 from .. import __version__
 from ..errors import LoweringError
-from ..format.archive import PROGRAM_PATH, write_package
+from ..format.archive import PROGRAM_PATH, hashes, write_package
 from ..format.devices import Device
 from ..format.manifest import DelegateRecord, Dim, InputRecord, Manifest, MethodRecord, WeightRecord
 from ..format.records import Delegate
-from ..format.tensor_data import content_key, dtype_name, tensor_bytes
+from ..format.tensor_data import BytesLike, content_key, dtype_name, tensor_buffer, tensor_is_viewable
 from .plan import method_plan
 from .program_parts import program_weights
 
 
-class BlobStore:
-    """Blobs keyed by their content hash: the same bytes twice are stored once."""
+class BlobStore(Mapping[str, BytesLike]):
+    """Blobs keyed by their content hash: the same bytes twice are stored once.
+
+    Nothing is copied to be stored: a blob is the caller's bytes or a view of a weight's own
+    memory, so saving holds no second copy of a program's weights. A weight that must be copied
+    to be written (on a device, or not contiguous) is kept as the tensor and copied each time its
+    blob is read: hashed from one copy, written from another, never held in memory together.
+    """
 
     def __init__(self) -> None:
-        self.blobs: dict[str, bytes] = {}
+        self._blobs: dict[str, BytesLike | torch.Tensor] = {}
 
-    def put(self, data: bytes) -> str:
-        key = content_key(data)
-        self.blobs.setdefault(key, data)
-        return key
+    def put(self, data: BytesLike) -> str:
+        """Store ``data``; its content key."""
+        return self.put_all([data])[0]
+
+    def put_all(self, blobs: Sequence[BytesLike]) -> list[str]:
+        """Store each of ``blobs``; their content keys, hashed on every core."""
+        keys = hashes([memoryview(blob) for blob in blobs])
+        for key, data in zip(keys, blobs):
+            self._blobs.setdefault(key, data)
+        return keys
+
+    def put_tensors(self, tensors: Sequence[torch.Tensor]) -> list[str]:
+        """Store each tensor's bytes (see :func:`tensor_buffer`); their content keys."""
+        viewable = [index for index, tensor in enumerate(tensors) if tensor_is_viewable(tensor)]
+        keys = dict(zip(viewable, self.put_all([tensor_buffer(tensors[index]) for index in viewable])))
+        for index, tensor in enumerate(tensors):
+            if index not in keys:
+                # One copy at a time, dropped once hashed; __getitem__ makes it again to write it.
+                keys[index] = content_key(tensor_buffer(tensor))
+                self._blobs.setdefault(keys[index], tensor)
+        return [keys[index] for index in range(len(tensors))]
+
+    def __getitem__(self, key: str) -> BytesLike:
+        data = self._blobs[key]
+        return tensor_buffer(data) if isinstance(data, torch.Tensor) else data
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._blobs)
+
+    def __len__(self) -> int:
+        return len(self._blobs)
+
+    def sizes(self) -> dict[str, int]:
+        """Each blob's size in bytes, by key, without copying any."""
+        return {
+            key: data.numel() * data.element_size() if isinstance(data, torch.Tensor) else memoryview(data).nbytes
+            for key, data in self._blobs.items()
+        }
 
 
 def save(
@@ -46,10 +86,11 @@ def save(
         aotstack_version=__version__,
         torch_version=torch.__version__,
         methods=records,
-        blobs={key: len(data) for key, data in store.blobs.items()},
+        blobs=store.sizes(),
     )
     programs = {name: serialized_program(program) for name, program in methods.items()}
-    write_package(path, manifest, programs, store.blobs)
+    # The store reads each blob as it is written, so a copied weight lives only while it is written.
+    write_package(path, manifest, programs, store)
 
 
 def serialized_program(program: ExportedProgram) -> bytes:
@@ -58,11 +99,35 @@ def serialized_program(program: ExportedProgram) -> bytes:
     from torch._export.serde.serialize import serialize
 
     # Weights go to content-keyed blobs; the schema JSON carries only the graph and signature.
-    # Older torch (2.11) cannot leave them out: it pickles them, and they are dropped here.
     skip_weights = {"serialize_state_dict": False, "serialize_constants": False}
     if not set(skip_weights) <= set(inspect.signature(serialize).parameters):
-        skip_weights = {}
+        # Older torch (2.11) cannot leave them out: it pickles them, a copy of every weight in
+        # memory, only to have it dropped here. Given weights without data, it pickles none.
+        return serialize(weightless(program)).exported_program
     return serialize(program, **skip_weights).exported_program
+
+
+def weightless(program: ExportedProgram) -> ExportedProgram:
+    """``program`` with each weight replaced by a ``meta`` tensor of its dtype and shape (no data)."""
+
+    def meta(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        empty = value.detach().to("meta")
+        if isinstance(value, torch.nn.Parameter):
+            return torch.nn.Parameter(empty, requires_grad=value.requires_grad)
+        return empty
+
+    copy = program._update(
+        program.graph_module,
+        program.graph_signature,
+        state_dict={name: meta(value) for name, value in program.state_dict.items()},
+        constants={name: meta(value) for name, value in program.constants.items()},
+    )
+    # _update starts a program afresh; the guards the serializer writes are the original's.
+    if hasattr(program, "_guards_code"):
+        copy._guards_code = program._guards_code
+    return copy
 
 
 def method_record(name: str, program: ExportedProgram, delegates: list[Delegate], store: BlobStore) -> MethodRecord:
@@ -135,13 +200,14 @@ def bound_or_none(bound: Any) -> int | None:
 
 
 def weight_records(weights: dict[str, torch.Tensor], store: BlobStore) -> dict[str, WeightRecord]:
+    keys = store.put_tensors(list(weights.values()))
     return {
-        fqn: WeightRecord(store.put(tensor_bytes(t)), dtype_name(t.dtype), list(t.shape))
-        for fqn, t in weights.items()
+        fqn: WeightRecord(key, dtype_name(t.dtype), list(t.shape)) for (fqn, t), key in zip(weights.items(), keys)
     }
 
 
 def delegate_record(delegate: Delegate, store: BlobStore) -> DelegateRecord:
+    processed, *named_keys = store.put_all([delegate.processed_bytes, *delegate.named_data.values()])
     return DelegateRecord(
         id=delegate.delegate_id,
         backend_id=delegate.backend_id,
@@ -150,7 +216,7 @@ def delegate_record(delegate: Delegate, store: BlobStore) -> DelegateRecord:
         ops=list(delegate.ops),
         inputs=list(delegate.inputs),
         outputs=list(delegate.outputs),
-        processed=store.put(delegate.processed_bytes),
-        named_data={name: store.put(data) for name, data in delegate.named_data.items()},
+        processed=processed,
+        named_data=dict(zip(delegate.named_data, named_keys)),
         updates=list(delegate.updated_buffers),
     )

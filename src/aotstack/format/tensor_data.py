@@ -13,12 +13,33 @@ import torch
 BytesLike = bytes | bytearray | memoryview
 
 
-def tensor_bytes(tensor: torch.Tensor) -> bytes:
-    """The tensor's elements, contiguous, in native byte order."""
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+def tensor_buffer(tensor: torch.Tensor) -> memoryview:
+    """The tensor's elements, contiguous, in native byte order, as a read-only byte view.
+
+    A contiguous CPU tensor is viewed, not copied: the view holds the tensor's storage alive and
+    sees later in-place changes to it. A tensor on a device, or one laid out otherwise (strided,
+    a negated or conjugated view), is copied once into a new contiguous tensor that the view holds.
+    """
+    flat = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous().reshape(-1)
     if flat.numel() == 0:
-        return b""
-    return flat.view(torch.uint8).numpy().tobytes()
+        return memoryview(b"")
+    # numpy() shares the storage and keeps the tensor as its base; the memoryview keeps the array.
+    return memoryview(flat.view(torch.uint8).numpy()).toreadonly()
+
+
+def tensor_is_viewable(tensor: torch.Tensor) -> bool:
+    """Whether :func:`tensor_buffer` views ``tensor``'s memory rather than copying it."""
+    return (
+        tensor.device.type == "cpu" and tensor.is_contiguous() and not tensor.is_conj() and not tensor.is_neg()
+    )
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The tensor's elements, contiguous, in native byte order, copied into ``bytes``.
+
+    Prefer :func:`tensor_buffer` where a view will do (hashing, writing): it copies nothing.
+    """
+    return tensor_buffer(tensor).tobytes()
 
 
 def tensor_from_bytes(data: BytesLike, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
@@ -55,11 +76,14 @@ def content_key(data: BytesLike) -> str:
 WEIGHT_PREFIX = "weight:"
 
 
-def weights_as_named_data(weights: Mapping[str, torch.Tensor]) -> tuple[dict[str, bytes], dict[str, Any]]:
+def weights_as_named_data(weights: Mapping[str, torch.Tensor]) -> tuple[dict[str, BytesLike], dict[str, Any]]:
     """Each weight as a named-data blob ``weight:<fqn>``, and the dtypes and shapes that read them back.
 
-    Blobs are keyed by content in the package, so a weight two backends hold is stored once.
+    Each blob is a :func:`tensor_buffer` view of the weight's own memory, not a copy (a weight on a
+    device is copied to the host), so a program's blobs cost no memory beyond its weights; the
+    package reads them when it is saved. Blobs are keyed by content in the package, so a weight
+    two backends hold is stored once.
     """
-    blobs = {WEIGHT_PREFIX + fqn: tensor_bytes(tensor) for fqn, tensor in weights.items()}
+    blobs: dict[str, BytesLike] = {WEIGHT_PREFIX + fqn: tensor_buffer(tensor) for fqn, tensor in weights.items()}
     meta = {fqn: {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)} for fqn, tensor in weights.items()}
     return blobs, meta

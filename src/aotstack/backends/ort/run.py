@@ -26,6 +26,8 @@ from ..base import BackendRuntime
 from .packages import require_packages
 
 DEFAULT_PROVIDERS = ("CPUExecutionProvider",)
+# Providers whose kernels read weights in host memory, where the session can use the package's own.
+HOST_PROVIDERS = frozenset(DEFAULT_PROVIDERS)
 # The named data holding a partition's ONNX model.
 MODEL_NAME = "model.onnx"
 # The processed JSON this run side reads; version 2 added the boundary. Older files are refused by name.
@@ -80,7 +82,8 @@ class OrtHandle:
     session: Any
     input_names: list[str]
     output_names: list[str]
-    # ONNX Runtime documents that the buffers behind external initializers must outlive the session.
+    # ONNX Runtime documents that the buffers behind external initializers must outlive the session:
+    # [the weights by name (views of the mapped package), the OrtValues over them in the same order].
     keep_alive: list[Any]
     label: str = "an onnxruntime partition"
     # Every call's inputs against what the model was exported for; None checks nothing (a bare session).
@@ -98,7 +101,18 @@ def open_session(
     label: str,
     check: BoundaryCheck | None = None,
 ) -> OrtHandle:
-    """An ``InferenceSession`` for ``model``, its external initializers taken from ``weights``."""
+    """An ``InferenceSession`` for ``model``, its external initializers taken from ``weights``.
+
+    On the CPU provider the session reads the weights where they are (views of the mapped
+    package), not copies: each is both an external initializer, which the model's placeholders
+    ask for, and a shared initializer (``add_initializer``), which ONNX Runtime uses in place
+    instead of copying it into memory of its own. Two copies remain ONNX Runtime's own doing:
+    while the session starts it holds a transient copy of each external initializer (ONNX
+    Runtime 1.31; the model cannot name the weights' memory itself, as ONNX Runtime refuses
+    in-memory addresses in a model), and a kernel that prepacks its weights (MatMul, Gemm,
+    convolutions) keeps its packed copy. ``session.disable_prepacking`` would drop the latter,
+    but measured it about halves a Gemm's speed, so prepacking stays on.
+    """
     require_packages(("onnxruntime",), f"{label} needs {{missing}} to run", DelegateInitError)
     import onnxruntime
 
@@ -115,9 +129,14 @@ def open_session(
     options.intra_op_num_threads = torch.get_num_threads()
     options.inter_op_num_threads = 1
     names = list(weights)
+    # ortvalue_from_numpy shares a CPU array's memory (and keeps the array); numpy() shares the tensor's.
     values = [onnxruntime.OrtValue.ortvalue_from_numpy(weights[name].numpy()) for name in names]
     if names:
         options.add_external_initializers(names, values)
+        if set(providers) <= HOST_PROVIDERS:
+            # A provider with memory of its own copies weights there anyway; host memory is shared.
+            for name, value in zip(names, values):
+                options.add_initializer(name, value)
     try:
         session = onnxruntime.InferenceSession(model, options, providers=providers)
     except Exception as error:
