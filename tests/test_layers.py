@@ -1,7 +1,7 @@
 """The layers hold: loading imports no compiler, each layer imports only those below it, no import circles.
 
 The rules, from the bottom up (README, "How it fits together"):
-- ``errors``: nothing of aotstack.
+- ``errors`` and ``forking``: nothing of aotstack.
 - ``format``: only ``errors``.
 - ``backends/base.py`` (the interface and the registry): only ``format`` and ``errors``.
 - a backend's run side (``run.py``, ``packages.py``): only the above, never its compile side.
@@ -27,10 +27,11 @@ from tests.test_stacked_end_to_end import ORT_THEN_AOTI
 PACKAGE = Path(aotstack.__file__).resolve().parent
 
 RUN_SIDE = {"aotstack.backends.aoti.run", "aotstack.backends.ort.run", "aotstack.backends.ort.packages"}
-BELOW_RUNTIME = ("aotstack.errors", "aotstack.format", "aotstack.backends.base")
+BELOW_RUNTIME = ("aotstack.errors", "aotstack.forking", "aotstack.format", "aotstack.backends.base")
 # Module (or package prefix) -> the aotstack modules it may import (prefixes).
 ALLOWED = {
     "aotstack.errors": (),
+    "aotstack.forking": (),
     "aotstack.format": ("aotstack.errors", "aotstack.format"),
     "aotstack.backends.base": ("aotstack.errors", "aotstack.format"),
     "aotstack.runtime": (*BELOW_RUNTIME, "aotstack.runtime"),
@@ -42,7 +43,7 @@ NEVER_FROM_THE_COMPILER = ("aotstack.runtime", *TOOLS)
 
 # What a process that only loads and runs a package may import of aotstack.
 RUNTIME_MODULES = {
-    "aotstack", "aotstack.errors", "aotstack.format", "aotstack.runtime", "aotstack.backends",
+    "aotstack", "aotstack.errors", "aotstack.forking", "aotstack.format", "aotstack.runtime", "aotstack.backends",
     "aotstack.backends.base", "aotstack.backends.aoti", "aotstack.backends.ort",
     *RUN_SIDE,
 }

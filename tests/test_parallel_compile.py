@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -174,8 +175,10 @@ def test_identity_follows_weights_not_method_names() -> None:
 def test_a_failing_compile_in_a_worker_names_method_and_partition() -> None:
     with pytest.raises(aotstack.LoweringError) as caught:
         aotstack.lower(relu_program(), [OpPartitioner(relu="test_raising_in_worker")], jobs=2, progress=False)
+    # Both partitions fail; the first to fail stops the other, so either may be the one named.
     message = str(caught.value)
-    assert "method 'forward', partition 'relu_0' (test_raising_in_worker, delegate forward.0)" in message
+    named = r"method 'forward', partition 'relu_(0|1)' \(test_raising_in_worker, delegate forward\.\1\)"
+    assert re.search(named, message)
     assert "no kernel for this partition" in message
     cause = caught.value.__cause__
     assert isinstance(cause, RuntimeError)
@@ -186,7 +189,7 @@ def test_a_worker_that_dies_is_named() -> None:
     with pytest.raises(aotstack.LoweringError) as caught:
         aotstack.lower(relu_program(), [OpPartitioner(relu="test_dying")], jobs=2, progress=False)
     message = str(caught.value)
-    assert "method 'forward', partition 'relu_0'" in message
+    assert re.search(r"method 'forward', partition 'relu_[01]'", message)
     assert "was killed by SIGKILL before sending a result" in message
 
 

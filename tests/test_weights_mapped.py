@@ -265,3 +265,12 @@ def test_weights_that_must_be_copied_are_saved_laid_out_contiguously(tmp_path: P
     aotstack.lower(aotstack.export(model, {"forward": (x,)}), []).save(path)
 
     torch.testing.assert_close(aotstack.load(path).forward(x), model(x))
+
+
+def test_lowering_shares_the_programs_weights_instead_of_copying_them() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    program = aotstack.export(model, {"forward": (torch.randn(2, 64),)})
+    lowered = aotstack.lower(program, [], jobs=1, progress=False)
+    before = {fqn: t.data_ptr() for fqn, t in program.methods["forward"].state_dict.items()}
+    after = {fqn: t.data_ptr() for fqn, t in lowered.methods["forward"].state_dict.items()}
+    assert after == before and len(after) == 4

@@ -26,7 +26,7 @@ from .export import Program
 from .package import save
 from .parallel import CompileJob, CompileOutcome, compile_all, default_workers, quiet_torch_warnings
 from .partitioner import DELEGATION_TAG, Partitioner
-from .program_parts import constant_placeholders
+from .program_parts import constant_placeholders, program_weights
 from .progress import Progress, progress_for
 from .splice import (
     clear_tags,
@@ -329,15 +329,18 @@ class MethodLowering:
 
 
 def copied_program(exported: ExportedProgram) -> ExportedProgram:
-    """A deep copy whose node names still match its signature.
+    """A deep copy whose node names still match its signature, sharing the weights themselves.
 
-    Deep-copying an ExportedProgram renames a placeholder that shadows a builtin (``input``
-    becomes ``input_1``) but not its signature entry; the original names are put back.
+    Lowering changes graphs, signatures and which weights a program lists, never a weight's
+    values, so the copy keeps the very tensors (a second copy of every weight would double a
+    large model's memory). Deep-copying an ExportedProgram renames a placeholder that shadows a
+    builtin (``input`` becomes ``input_1``) but not its signature entry; the names are put back.
     """
+    shared = {id(tensor): tensor for tensor in program_weights(exported).values()}
     with warnings.catch_warnings():
         # torch's TreeSpec warns about its own deprecated LeafSpec while being deep-copied.
         warnings.simplefilter("ignore", FutureWarning)
-        working = copy.deepcopy(exported)
+        working = copy.deepcopy(exported, memo=dict(shared))
     for original, copied in zip(exported.graph.nodes, working.graph.nodes, strict=True):
         copied.name = original.name
     return working

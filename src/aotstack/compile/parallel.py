@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import multiprocessing
-import os
 import pickle
 import signal
 import sys
@@ -33,6 +32,7 @@ from torch.export import ExportedProgram
 from ..backends.base import Backend
 from ..errors import LoweringError
 from ..forking import pause_openmp
+from ..format.archive import usable_cores
 from ..format.specs import CompileSpec, PreprocessResult, SpecKey
 from .program_parts import program_fingerprint
 from .progress import Progress
@@ -341,7 +341,4 @@ def stop(worker: Running) -> None:
 
 def default_workers() -> int:
     """One worker per core this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
+    return usable_cores()

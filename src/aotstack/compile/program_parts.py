@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import LoweringError
 from ..format.boundary import Boundary, BoundaryInput
-from ..format.tensor_data import content_key, dtype_name, tensor_bytes
+from ..format.tensor_data import content_key, dtype_name, tensor_buffer
 
 _CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
 
@@ -76,7 +76,7 @@ def program_fingerprint(program: ExportedProgram) -> str:
     digest.update(str(program.graph_signature).encode())
     digest.update(repr(sorted((str(k), str(v)) for k, v in program.range_constraints.items())).encode())
     for fqn, tensor in sorted(program_weights(program).items()):
-        digest.update(f"{fqn}:{tensor.dtype}:{tuple(tensor.shape)}:{content_key(tensor_bytes(tensor))}".encode())
+        digest.update(f"{fqn}:{tensor.dtype}:{tuple(tensor.shape)}:{content_key(tensor_buffer(tensor))}".encode())
     return digest.hexdigest()
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .specs import CompileSpec, SpecKey, compile_spec_value
-from .tensor_data import dtype_name
+from .tensor_data import BytesLike, dtype_name
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,8 @@ class Delegate:
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     processed_bytes: bytes
-    named_data: dict[str, bytes] = field(repr=False)
+    # Blobs by name: bytes, or views of memory they keep alive (a weight's own storage).
+    named_data: dict[str, BytesLike] = field(repr=False)
     # Buffers the delegate updates in place (their state is its named data ``weight:<fqn>``).
     updated_buffers: list[str] = field(default_factory=list)
 

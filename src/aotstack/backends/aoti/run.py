@@ -8,7 +8,6 @@ the layout the code indexes with before the library sees its pointer.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import functools
 import os
 import shutil
@@ -21,6 +20,7 @@ from typing import Any, ClassVar
 import torch
 
 from ...errors import CompileSpecError, DelegateInitError, PackageError
+from ...forking import pause_openmp
 from ...format import processed as processed_json
 from ...format.boundary import BoundaryCheck
 from ...format.devices import HOST, Device, DeviceType
@@ -296,38 +296,9 @@ def after_fork() -> None:
 
 
 def before_fork() -> None:
-    """Shut OpenMP's thread pool down before os.fork, so that no child inherits a pool it cannot use.
-
-    GNU OpenMP's threads do not survive fork; a child entering a parallel region of the parent's
-    pool waits forever, and the generated code names its thread count, whatever the child's
-    setting. A paused runtime starts a fresh pool at its next parallel region, in either process.
-    """
+    """Pause OpenMP's pool before os.fork once this process has run a library (see ``aotstack.forking``)."""
     if _LIBRARY_PATHS:
-        pause = openmp_pause()
-        if pause is not None:
-            pause(OMP_PAUSE_SOFT)
+        pause_openmp()
 
-
-# omp_pause_soft from omp.h: release the threads, keep the runtime's state.
-OMP_PAUSE_SOFT = 1
-
-
-@functools.cache
-def openmp_pause() -> Any:
-    """``omp_pause_resource_all`` of the OpenMP runtime this process loaded; None where none is found."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps if any(name in line for name in OPENMP_LIBRARIES)})
-    except OSError:
-        return None
-    for path in paths:
-        try:
-            return ctypes.CDLL(path).omp_pause_resource_all
-        except (OSError, AttributeError):
-            continue
-    return None
-
-
-OPENMP_LIBRARIES = ("libgomp", "libomp", "libiomp")
 
 os.register_at_fork(before=before_fork, after_in_child=after_fork)
