@@ -23,11 +23,9 @@ test: $(VENV)/.installed
 	$(BIN)/ruff check src tests bench examples
 	$(BIN)/python -m pytest tests
 
+# Every benchmark; one table, and the figures in build/bench-results.json. BENCH_ARGS="--quick --only latency"
 bench: $(VENV)/.installed
-	$(BIN)/python bench/latency.py
-	$(BIN)/python bench/load.py
-	$(BIN)/python bench/stacked.py
-	$(BIN)/python bench/decode.py
+	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info

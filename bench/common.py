@@ -1,17 +1,141 @@
-"""Helpers shared by the benchmarks: building the packages, a few statistics, a plain-text table."""
+"""Helpers shared by the benchmarks: settings, figures, packages, round-robin timing, fresh processes, tables."""
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
+import math
 import os
+import random
 import statistics
+import subprocess
+import sys
+import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 import aotstack
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(BENCH)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every benchmark function takes: a private scratch directory, thread count, how thorough."""
+
+    workdir: str
+    threads: int = 1
+    quick: bool = False
+    calls: int | None = None  # timed rounds of the round-robin benchmarks; None: by ``quick``
+    warmup: int | None = None
+
+    def pick(self, full: Any, quick: Any) -> Any:
+        return quick if self.quick else full
+
+    def rounds(self) -> tuple[int, int]:
+        """(timed rounds, warm-up rounds) for round-robin timing."""
+        return self.calls or self.pick(2000, 300), self.warmup or self.pick(100, 30)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.workdir, name)
+
+
+@dataclass
+class Figure:
+    """One measured figure. With a baseline, its ratio to it; with a target, pass or miss.
+
+    The target bounds the ratio when there is a baseline and the value when there is none; it is a
+    ceiling unless ``higher_is_better``. ``value`` None: not measured here, ``note`` says why.
+    """
+
+    value: float | None
+    unit: str
+    baseline: float | None = None
+    target: float | None = None
+    higher_is_better: bool = False
+    note: str = ""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.value is None or not self.baseline:
+            return None
+        return self.value / self.baseline
+
+    @property
+    def checked(self) -> float | None:
+        """The number the target applies to."""
+        return self.ratio if self.baseline is not None else self.value
+
+    @property
+    def result(self) -> str | None:
+        if self.target is None or self.checked is None:
+            return None
+        met = self.checked >= self.target if self.higher_is_better else self.checked <= self.target
+        return "pass" if met else "miss"
+
+    def target_text(self) -> str:
+        if self.target is None:
+            return ""
+        bound = ">=" if self.higher_is_better else "<="
+        return f"{bound} {self.target:g}x" if self.baseline is not None else f"{bound} {self.target:g} {self.unit}"
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "value": self.value,
+            "unit": self.unit,
+            "baseline": self.baseline,
+            "ratio": self.ratio,
+            "target": self.target,
+            "target_on": None if self.target is None else ("ratio" if self.baseline is not None else "value"),
+            "better": "higher" if self.higher_is_better else "lower",
+            "result": self.result,
+            "note": self.note,
+        }
+
+
+Figures = dict[str, Figure]
+
+
+def quantity(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if value == 0 or abs(value) >= 100:
+        digits = 0
+    else:
+        digits = min(3, max(1, 2 - math.floor(math.log10(abs(value)))))
+    return f"{value:.{digits}f} {unit}".rstrip()
+
+
+def figure_rows(figures: Figures, prefix: str = "") -> list[list[str]]:
+    return [
+        [
+            prefix + name,
+            quantity(f.value, f.unit),
+            quantity(f.baseline, f.unit),
+            "" if f.ratio is None else f"{f.ratio:.3f}x",
+            f.target_text(),
+            f.result or ("n/a" if f.value is None else ""),
+        ]
+        for name, f in figures.items()
+    ]
+
+
+FIGURE_HEADERS = ["figure", "value", "baseline", "ratio", "target", "result"]
+
+
+def print_figures(figures: Figures) -> None:
+    print()
+    print_table(FIGURE_HEADERS, figure_rows(figures))
+    notes = [f"  {name}: {f.note}" for name, f in figures.items() if f.note]
+    if notes:
+        print("\nnotes:")
+        print("\n".join(notes))
 
 
 def quiet_known_warnings() -> None:
@@ -19,13 +143,44 @@ def quiet_known_warnings() -> None:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
 
 
-def use_private_aotstack_cache(directory: str) -> None:
-    """Send aotstack's compile cache to ``directory``.
+def cache_env(directory: str) -> dict[str, str]:
+    """Environment variables sending aotstack's and Inductor's compile caches under ``directory``."""
+    return {
+        "AOTSTACK_CACHE_DIR": os.path.join(directory, "aotstack-cache"),
+        "TORCHINDUCTOR_CACHE_DIR": os.path.join(directory, "inductor-cache"),
+    }
 
-    Inductor specialises CPU kernels on ``torch.get_num_threads()``, but aotstack's own library cache
-    is keyed without it, so a library compiled earlier under another thread count could come back.
+
+def use_private_caches(directory: str) -> None:
+    """Send this process's (and its children's) compile caches under ``directory``.
+
+    Results then do not depend on what the user's caches hold. Inductor specialises CPU kernels on
+    ``torch.get_num_threads()``, and a library compiled under another thread count must not come back.
     """
-    os.environ["AOTSTACK_CACHE_DIR"] = os.path.join(directory, "aotstack-cache")
+    os.environ.update(cache_env(directory))
+
+
+def progress(message: str) -> None:
+    print(f"  [{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def lower_and_save(
+    program: aotstack.Program,
+    path: str,
+    partitioners: Sequence[aotstack.Partitioner],
+    keep_on_device: bool = False,
+    **options: Any,
+) -> aotstack.LoweredProgram:
+    """``aotstack.lower`` then ``save``; ``keep_on_device``: the methods take and return device tensors."""
+    lowered = aotstack.lower(
+        program,
+        list(partitioners),
+        skip_h2d_for_method_inputs=keep_on_device,
+        skip_d2h_for_method_outputs=keep_on_device,
+        **options,
+    )
+    lowered.save(path)
+    return lowered
 
 
 def build_aotstack(model: torch.nn.Module, args: tuple[Any, ...], path: str, exclude_ops: Sequence[str] = ()) -> int:
@@ -40,19 +195,9 @@ def build_lowered(
     partitioners: Sequence[aotstack.Partitioner],
     keep_on_device: bool = False,
 ) -> list[aotstack.Delegate]:
-    """Lower ``model.forward`` with ``partitioners`` in order, save it to ``path``; its delegates.
-
-    ``keep_on_device``: the method takes and returns tensors on its delegates' device.
-    """
+    """Lower ``model.forward`` with ``partitioners`` in order, save it to ``path``; its delegates."""
     program = aotstack.export(model, {"forward": args})
-    lowered = aotstack.lower(
-        program,
-        list(partitioners),
-        skip_h2d_for_method_inputs=keep_on_device,
-        skip_d2h_for_method_outputs=keep_on_device,
-    )
-    lowered.save(path)
-    return lowered.delegates("forward")
+    return lower_and_save(program, path, partitioners, keep_on_device).delegates("forward")
 
 
 def build_raw_aoti(model: torch.nn.Module, args: tuple[Any, ...], path: str) -> None:
@@ -70,6 +215,73 @@ def percentile(values: Sequence[float], fraction: float) -> float:
     return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
 
 
+EAGER = "eager (no_grad)"
+
+
+@dataclass
+class Variant:
+    """One way of running a model, timed call by call."""
+
+    name: str
+    call: Callable[[], Any]
+    delegates: int | None = None  # None: not an aotstack package
+    samples_ns: list[int] = field(default_factory=list)
+
+    @property
+    def median_us(self) -> float:
+        return median(self.samples_ns) / 1e3
+
+
+def eager_call(model: torch.nn.Module, args: tuple[Any, ...]) -> Callable[[], Any]:
+    def call() -> Any:
+        with torch.no_grad():
+            return model(*args)
+
+    return call
+
+
+def measure(variants: Sequence[Variant], calls: int, warmup: int, seed: int = 0) -> None:
+    """One call of each variant per round, in a shuffled order (seeded); warm-up rounds are dropped.
+
+    Shuffling keeps a variant from always following the same neighbour, whose caches it would inherit.
+    """
+    order = list(variants)
+    shuffle = random.Random(seed).shuffle
+    gc.collect()
+    gc.disable()
+    try:
+        for round_index in range(warmup + calls):
+            shuffle(order)
+            for variant in order:
+                started = time.perf_counter_ns()
+                variant.call()
+                elapsed = time.perf_counter_ns() - started
+                if round_index >= warmup:
+                    variant.samples_ns.append(elapsed)
+    finally:
+        gc.enable()
+
+
+def run_child(args: Sequence[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``python bench/child.py args...`` in a fresh process; the JSON object on its last line of output.
+
+    ``bench/`` and the repository root are on the child's path; ``env`` is added to this environment.
+    """
+    environment = {**os.environ, **(env or {})}
+    environment["PYTHONPATH"] = os.pathsep.join(p for p in (BENCH, REPO, environment.get("PYTHONPATH")) if p)
+    command = [sys.executable, os.path.join(BENCH, "child.py"), *args]
+    done = subprocess.run(command, capture_output=True, text=True, env=environment, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(f"child {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def save_inputs(path: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> str:
+    """Store a call's arguments for a child process to read with ``torch.load(weights_only=True)``."""
+    torch.save({"args": list(args), "kwargs": kwargs or {}}, path)
+    return path
+
+
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
     """Left-align the first column, right-align the others."""
     widths = [max(len(str(row[i])) for row in [headers, *rows]) for i in range(len(headers))]
@@ -84,21 +296,42 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
         print(line(row))
 
 
-def verdict(value: float, limit: float) -> str:
-    return "met" if value <= limit else "NOT met"
-
-
-def round_robin_parser(description: str | None) -> argparse.ArgumentParser:
-    """The options every round-robin benchmark takes: --calls, --warmup, --threads."""
+def standalone_parser(description: str | None, round_robin: bool = False) -> argparse.ArgumentParser:
+    """The options every benchmark script takes: --threads, --quick; round-robin ones also --calls, --warmup."""
     parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=int, default=2000, help="timed rounds (one call per variant each)")
-    parser.add_argument("--warmup", type=int, default=100, help="untimed rounds first")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads, for compiling and running")
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions")
+    if round_robin:
+        parser.add_argument("--calls", type=int, default=None, help="timed rounds (one call per variant each)")
+        parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first")
     return parser
 
 
-def parsed_round_robin_args(parser: argparse.ArgumentParser) -> argparse.Namespace:
-    args = parser.parse_args()
-    if args.calls < 200:
+def run_standalone(
+    description: str | None,
+    benchmark: Callable[..., Figures],
+    round_robin: bool = False,
+    extra: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> None:
+    """A benchmark script's ``main``: parse its options, run it under private caches, print its figures.
+
+    ``extra`` adds the script's own options; every option beyond the shared ones is passed to
+    ``benchmark`` as a keyword.
+    """
+    import tempfile
+
+    parser = standalone_parser(description, round_robin)
+    if extra is not None:
+        extra(parser)
+    options = vars(parser.parse_args())
+    calls, warmup = options.pop("calls", None), options.pop("warmup", None)
+    if calls is not None and calls < 200:
         parser.error("--calls must be at least 200")
-    return args
+    threads, quick = options.pop("threads"), options.pop("quick")
+    quiet_known_warnings()
+    torch.set_num_threads(threads)
+    print(f"torch {torch.__version__}, aotstack {aotstack.__version__}, torch.get_num_threads() = {threads}")
+    with tempfile.TemporaryDirectory(prefix="aotstack-bench-") as directory:
+        use_private_caches(directory)
+        settings = Settings(directory, threads, quick, calls, warmup)
+        print_figures(benchmark(settings, **options))

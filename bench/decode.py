@@ -9,47 +9,36 @@ in buffers, exported once; every variant runs that same program's model:
 - aotstack:        ``lower(Program({"forward": ep}), [AotiCpuPartitioner()])``, saved, ``load``
 
 Rounds alternate between the variants; each round decodes ``--tokens`` tokens after resetting the
-cache. Then a fresh process measures resident memory added by ``aotstack.load`` against the
-weights' size. Nothing is asserted; targets are printed as met or not.
+cache. Then a fresh process measures resident memory added by ``aotstack.load`` and one call
+against the weights' size. Nothing is asserted; targets are printed as met or not.
 
-    .venv/bin/python bench/decode.py [--tokens 64] [--rounds 5] [--threads 1]
+    .venv/bin/python bench/decode.py [--tokens 64] [--rounds 5] [--threads 1] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 
 import torch
 
 import aotstack
-from common import median, print_table, quiet_known_warnings, use_private_aotstack_cache, verdict
+from common import (
+    Figure,
+    Figures,
+    Settings,
+    median,
+    print_table,
+    progress,
+    run_child,
+    run_standalone,
+    save_inputs,
+)
+from workloads import weights_bytes
 
 CACHE = 128
 PROMPT = [1, 5, 9, 2, 7, 3, 8, 4]
-
-# argv: package path, thread count. Prints "<resident bytes before load> <after load and one call>".
-MEMORY_CHILD = """
-import sys
-import torch
-import aotstack
-
-def resident() -> int:
-    with open("/proc/self/status") as status:
-        line = next(line for line in status if line.startswith("VmRSS:"))
-    return int(line.split()[1]) * 1024
-
-torch.set_num_threads(int(sys.argv[2]))
-before = resident()
-loaded = aotstack.load(sys.argv[1])
-loaded.forward(input_ids=torch.tensor([[1]]), cache_position=torch.tensor([0]))
-print(before, resident())
-"""
 
 
 def language_model(vocab: int, hidden: int, layers: int) -> torch.nn.Module:
@@ -80,87 +69,94 @@ def decode(step: Step, tokens: int) -> tuple[list[int], float]:
         return generated, time.perf_counter() - started
 
 
-def weights_bytes(module: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192)
-    args = parser.parse_args()
-    quiet_known_warnings()
-    torch.set_num_threads(args.threads)
+def decode_rates(
+    settings: Settings,
+    tokens: int | None = None,
+    rounds: int | None = None,
+    hidden: int = 512,
+    layers: int = 4,
+    vocab: int = 8192,
+) -> Figures:
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
-    model = language_model(args.vocab, args.hidden, args.layers)
+    tokens, rounds = tokens or settings.pick(64, 32), rounds or settings.pick(5, 2)
+    model = language_model(vocab, hidden, layers)
     size = weights_bytes(model)
-    print(f"Llama-style model: {size / 1e6:.1f} MB of float32 weights, KV cache {CACHE}, {args.threads} thread(s)")
+    print(f"  Llama-style model: {size / 1e6:.1f} MB of float32 weights, KV cache {CACHE}, {tokens} tokens a round")
     wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE)
     exported = wrapper.export(input_ids=torch.tensor([[1]]), cache_position=torch.tensor([0]))
 
-    with tempfile.TemporaryDirectory() as directory:
-        use_private_aotstack_cache(directory)
-        raw_path, path = os.path.join(directory, "raw.pt2"), os.path.join(directory, "lm.pt2")
-        started = time.perf_counter()
-        with torch.no_grad():
-            torch._inductor.aoti_compile_and_package(exported, package_path=raw_path)
-        print(f"plain AOTI package compiled in {time.perf_counter() - started:.1f} s")
-        started = time.perf_counter()
-        lowered = aotstack.lower(aotstack.Program({"forward": exported}), [aotstack.AotiCpuPartitioner()])
-        lowered.save(path)
-        print(f"aotstack package compiled in {time.perf_counter() - started:.1f} s "
-              f"({len(lowered.delegates('forward'))} delegate(s))")
+    raw_path, path = settings.path("decode-raw.pt2"), settings.path("decode-lm.pt2")
+    started = time.perf_counter()
+    with torch.no_grad():
+        torch._inductor.aoti_compile_and_package(exported, package_path=raw_path)
+    progress(f"plain AOTI package compiled in {time.perf_counter() - started:.1f} s")
+    started = time.perf_counter()
+    lowered = aotstack.lower(aotstack.Program({"forward": exported}), [aotstack.AotiCpuPartitioner()])
+    lowered.save(path)
+    progress(f"aotstack package compiled in {time.perf_counter() - started:.1f} s "
+             f"({len(lowered.delegates('forward'))} delegate(s))")
 
-        eager_module = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE).model
-        compiled_module = torch.compile(
-            TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE).model
-        )
-        raw = torch._inductor.aoti_load_package(raw_path)
-        loaded = aotstack.load(path)
-        variants: dict[str, Step] = {
-            "eager": lambda ids, pos: eager_module(input_ids=ids, cache_position=pos),
-            "torch.compile": lambda ids, pos: compiled_module(input_ids=ids, cache_position=pos),
-            "plain AOTI": lambda ids, pos: raw(input_ids=ids, cache_position=pos),
-            "aotstack": lambda ids, pos: loaded.forward(input_ids=ids, cache_position=pos),
-        }
-        resets = {"aotstack": loaded.reset}
-        started = time.perf_counter()
-        reference, _ = decode(variants["eager"], args.tokens)
-        decode(variants["torch.compile"], 2)  # compiles, untimed
-        print(f"torch.compile warmed up in {time.perf_counter() - started:.1f} s")
+    def fresh_module() -> torch.nn.Module:
+        return TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE).model
 
-        seconds: dict[str, list[float]] = {name: [] for name in variants}
-        agrees: dict[str, bool] = {}
-        for _ in range(args.rounds):
-            for name, step in variants.items():
-                resets.get(name, lambda: None)()
-                tokens, elapsed = decode(step, args.tokens)
-                seconds[name].append(elapsed)
-                agrees[name] = agrees.get(name, True) and tokens == reference
+    eager_module, compiled_module = fresh_module(), torch.compile(fresh_module())
+    raw = torch._inductor.aoti_load_package(raw_path)
+    loaded = aotstack.load(path)
+    variants: dict[str, Step] = {
+        "eager": lambda ids, pos: eager_module(input_ids=ids, cache_position=pos),
+        "torch.compile": lambda ids, pos: compiled_module(input_ids=ids, cache_position=pos),
+        "plain AOTI": lambda ids, pos: raw(input_ids=ids, cache_position=pos),
+        "aotstack": lambda ids, pos: loaded.forward(input_ids=ids, cache_position=pos),
+    }
+    resets = {"aotstack": loaded.reset}
+    started = time.perf_counter()
+    reference, _ = decode(variants["eager"], tokens)
+    decode(variants["torch.compile"], 2)  # compiles, untimed
+    progress(f"torch.compile warmed up in {time.perf_counter() - started:.1f} s; decoding {rounds} rounds ...")
 
-        memory = subprocess.run(
-            [sys.executable, "-c", MEMORY_CHILD, path, str(args.threads)],
-            capture_output=True, text=True, check=True,
-        ).stdout.split()
-        added = int(memory[1]) - int(memory[0])
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    agrees: dict[str, bool] = {}
+    for _ in range(rounds):
+        for name, step in variants.items():
+            resets.get(name, lambda: None)()
+            generated, elapsed = decode(step, tokens)
+            seconds[name].append(elapsed)
+            agrees[name] = agrees.get(name, True) and generated == reference
 
-    rate = {name: args.tokens / median(values) for name, values in seconds.items()}
+    inputs = save_inputs(settings.path("decode-inputs.pt"),
+                         kwargs={"input_ids": torch.tensor([[1]]), "cache_position": torch.tensor([0])})
+    memory = run_child(["load", "aotstack", path, inputs, str(settings.threads)])
+    added = memory["rss"] - memory["import_rss"]
+
+    rate = {name: tokens / median(values) for name, values in seconds.items()}
     rows = [
         [name, f"{rate[name]:.1f}", f"{rate[name] / rate['plain AOTI']:.3f}x", "yes" if agrees[name] else "NO"]
         for name in variants
     ]
-    print()
     print_table(["variant", "tokens/s (median)", "vs plain AOTI", "same tokens as eager"], rows)
-    relative = rate["aotstack"] / rate["plain AOTI"]
-    print(f"\naotstack at least plain AOTI's tokens/s: {verdict(1 / relative, 1.0)} ({relative:.3f}x)")
-    print(f"resident memory added by load and one call: {added / 1e6:.1f} MB = {added / size:.2f}x the weights; "
-          f"target at most 1.2x: {verdict(added / size, 1.2)}")
+    return {
+        "aotstack / plain AOTI, tokens/s": Figure(
+            rate["aotstack"], "tokens/s", rate["plain AOTI"], 1.0, higher_is_better=True,
+            note="" if agrees["aotstack"] else "aotstack's tokens differ from eager's",
+        ),
+        "aotstack / eager, tokens/s": Figure(rate["aotstack"], "tokens/s", rate["eager"], higher_is_better=True),
+        "aotstack / torch.compile, tokens/s": Figure(
+            rate["aotstack"], "tokens/s", rate["torch.compile"], higher_is_better=True
+        ),
+        "RSS added by load + one call / weights": Figure(
+            added / 1e6, "MB", size / 1e6, 1.2, note="fresh process, over its RSS after import torch, aotstack"
+        ),
+    }
+
+
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tokens", type=int, default=None, help="tokens a round (default 64; --quick: 32)")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds (default 5; --quick: 2)")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
 
 
 if __name__ == "__main__":
-    main()
+    run_standalone(__doc__, decode_rates, extra=options)

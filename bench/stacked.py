@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import os
-import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -35,21 +33,24 @@ import torch
 
 import aotstack
 from common import (
+    EAGER,
+    Figure,
+    Figures,
+    Settings,
+    Variant,
     build_lowered,
-    parsed_round_robin_args,
+    eager_call,
+    measure,
     percentile,
     print_table,
-    quiet_known_warnings,
-    round_robin_parser,
-    use_private_aotstack_cache,
+    progress,
+    run_standalone,
 )
-from latency import Variant, eager_call, measure
 
 AOTI = "AOTInductor only"
 ORT = "ONNX Runtime only"
 STACKED = "stacked: ORT linears, AOTI rest"
 REVERSED = "stacked: AOTI but linears, ORT rest"
-EAGER = "eager (no_grad)"
 
 # Variant name -> the partitioners, made afresh for each lowering.
 LOWERINGS: dict[str, Callable[[], list[aotstack.Partitioner]]] = {
@@ -95,14 +96,14 @@ def lowered_variant(name: str, model: torch.nn.Module, args: tuple[torch.Tensor,
     return LoweredVariant(name, lambda: loaded.forward(*args), len(delegates), engines=engines(delegates))
 
 
-def build_variants(model: torch.nn.Module, args: tuple[torch.Tensor, ...], directory: str) -> list[Variant]:
+def build_variants(model: torch.nn.Module, args: tuple[torch.Tensor, ...], settings: Settings) -> list[Variant]:
     started = time.perf_counter()
     batch = args[0].shape[0]
     variants: list[Variant] = [
-        lowered_variant(name, model, args, os.path.join(directory, f"block-{batch}-{index}.pt2"))
+        lowered_variant(name, model, args, settings.path(f"block-{batch}-{index}.pt2"))
         for index, name in enumerate(LOWERINGS)
     ]
-    print(f"  lowered and loaded {len(variants)} packages in {time.perf_counter() - started:.1f} s", flush=True)
+    progress(f"lowered and loaded {len(variants)} packages in {time.perf_counter() - started:.1f} s")
     variants.append(Variant(EAGER, eager_call(model, args)))
     return variants
 
@@ -130,38 +131,39 @@ def report(variants: Sequence[Variant]) -> None:
     print_table(headers, rows)
 
 
-def run_batch(batch: int, directory: str, calls: int, warmup: int) -> None:
-    print(f"\nblock 256-512-256, batch {batch}", flush=True)
+def run_batch(batch: int, settings: Settings) -> Figures:
+    print(f"\n  block 256-512-256, batch {batch}", flush=True)
     model = block()
     args = (torch.randn(batch, 256),)
-    variants = build_variants(model, args, directory)
+    variants = build_variants(model, args, settings)
     with torch.no_grad():
         expected = model(*args)
-    print(f"  worst |variant - eager| = {worst_difference(variants, expected):.2e}")
-    measure(variants, calls, warmup)
+    progress(f"worst |variant - eager| = {worst_difference(variants, expected):.2e}; timing ...")
+    measure(variants, *settings.rounds())
     report(variants)
+    by_name = {v.name: v for v in variants}
+    aoti = by_name[AOTI].median_us
+    figures = {
+        f"batch {batch}: {v.name} / {AOTI}": Figure(v.median_us, "µs", aoti)
+        for v in variants
+        if v.name not in (AOTI, EAGER)
+    }
+    figures[f"batch {batch}: {AOTI} / eager"] = Figure(aoti, "µs", by_name[EAGER].median_us)
+    return figures
 
 
-def parse_args() -> argparse.Namespace:
-    parser = round_robin_parser(__doc__)
-    parser.add_argument("--batch", type=int, nargs="+", default=[8, 64], help="batch sizes, one table each")
-    return parsed_round_robin_args(parser)
+def stacked(settings: Settings, batch: Sequence[int] | None = None) -> Figures:
+    print(f"  onnxruntime {importlib.metadata.version('onnxruntime')}")
+    figures: Figures = {}
+    for size in batch or [8]:
+        figures.update(run_batch(size, settings))
+    return figures
 
 
-def main() -> None:
-    args = parse_args()
-    quiet_known_warnings()
-    torch.set_num_threads(args.threads)  # before any load: ONNX Runtime sessions read it then
-    print(
-        f"torch {torch.__version__}, onnxruntime {importlib.metadata.version('onnxruntime')}, "
-        f"aotstack {aotstack.__version__}, torch.get_num_threads() = {args.threads}"
-    )
-    print(f"{args.calls} timed rounds after {args.warmup} warm-up rounds; one call per variant per round, shuffled")
-    with tempfile.TemporaryDirectory(prefix="aotstack-bench-") as directory:
-        use_private_aotstack_cache(directory)
-        for batch in args.batch:
-            run_batch(batch, directory, args.calls, args.warmup)
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes, one table each (default 8)")
 
 
 if __name__ == "__main__":
-    main()
+    # torch.set_num_threads comes before any load: ONNX Runtime sessions read it then.
+    run_standalone(__doc__, stacked, round_robin=True, extra=options)

@@ -1,0 +1,144 @@
+"""What the benchmarks measure in a fresh process; its last line of output is one JSON object.
+
+    child.py sha256 FILE                                     read and SHA-256-hash FILE once
+    child.py load aotstack|aoti PACKAGE INPUTS THREADS       load + first call; resident memory
+    child.py compile aotstack|aoti WORKLOAD PACKAGE THREADS [--exclude OP ...] [--jobs N]
+
+Run through ``common.run_child``, which puts ``bench/`` and the repository root on the path. Imports
+are untimed: each side imports what its own load or compile needs before the clock starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import time
+from typing import Any
+
+
+def status(field: str) -> int:
+    """A ``/proc/self/status`` memory field (VmRSS, VmHWM) in bytes."""
+    with open("/proc/self/status") as lines:
+        line = next(line for line in lines if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def memory() -> dict[str, int]:
+    return {
+        "rss": status("VmRSS"),
+        "peak_rss": status("VmHWM"),
+        "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def emit(**figures: Any) -> None:
+    print(json.dumps(figures), flush=True)
+
+
+def sha256(path: str) -> None:
+    import hashlib
+
+    buffer = bytearray(1 << 22)
+    view = memoryview(buffer)
+    digest = hashlib.sha256()
+    started = time.perf_counter()
+    size = 0
+    with open(path, "rb", buffering=0) as file:
+        while count := file.readinto(buffer):
+            digest.update(view[:count])
+            size += count
+    digest.hexdigest()
+    emit(read_hash_s=time.perf_counter() - started, bytes=size, **memory())
+
+
+def load(kind: str, package: str, inputs: str, threads: int) -> None:
+    started = time.perf_counter()
+    import torch
+
+    import aotstack  # noqa: F401
+
+    import_rss = status("VmRSS")  # a fresh process after `import torch, aotstack`
+    if kind == "aotstack":
+        from aotstack import load as open_package
+    else:
+        import torch._inductor
+
+        open_package = torch._inductor.aoti_load_package
+    imported = time.perf_counter()
+    torch.set_num_threads(threads)
+    call = torch.load(inputs, weights_only=True)
+    begin = time.perf_counter()
+    loaded = open_package(package)
+    method = loaded.forward if kind == "aotstack" else loaded
+    method(*call["args"], **call["kwargs"])
+    end = time.perf_counter()
+    emit(import_s=imported - started, load_first_s=end - begin, import_rss=import_rss, **memory())
+
+
+def compile_package(kind: str, workload: str, package: str, threads: int, exclude: list[str], jobs: int | None) -> None:
+    import torch
+    import torch._inductor
+
+    import aotstack
+    from workloads import WORKLOADS
+
+    torch.set_num_threads(threads)
+    model, args = WORKLOADS[workload]()
+    if kind == "aotstack":
+        export, lower = aotstack.export, aotstack.lower  # imports the compile side, untimed
+        partitioner = aotstack.AotiCpuPartitioner(exclude_ops=exclude)
+        options = {} if jobs is None else {"jobs": jobs}
+        started = time.perf_counter()
+        program = export(model, {"forward": args})
+        exported = time.perf_counter()
+        lowered = lower(program, [partitioner], **options)
+        compiled = time.perf_counter()
+        lowered.save(package)
+        delegates = len(lowered.delegates("forward"))
+        # Where this aotstack records it: each partition's compile seconds, and the worker processes used.
+        log = getattr(lowered, "compile_log", {}).get("forward", [])
+        details = {"partition_s": [round(r.seconds, 2) for r in log], "workers": len({r.worker for r in log} - {None})}
+    else:
+        started = time.perf_counter()
+        program = torch.export.export(model, args)
+        exported = time.perf_counter()
+        with torch.no_grad():
+            torch._inductor.aoti_compile_and_package(program, package_path=package)
+        compiled = time.perf_counter()
+        delegates, details = 1, {}
+    saved = time.perf_counter()
+    cpu_s = sum(resource.getrusage(who).ru_utime + resource.getrusage(who).ru_stime
+                for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    emit(export_s=exported - started, compile_s=compiled - exported, save_s=saved - compiled,
+         delegates=delegates, cpu_s=cpu_s, **details)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    hashing = commands.add_parser("sha256")
+    hashing.add_argument("path")
+    loading = commands.add_parser("load")
+    loading.add_argument("kind", choices=["aotstack", "aoti"])
+    loading.add_argument("package")
+    loading.add_argument("inputs")
+    loading.add_argument("threads", type=int)
+    compiling = commands.add_parser("compile")
+    compiling.add_argument("kind", choices=["aotstack", "aoti"])
+    compiling.add_argument("workload")
+    compiling.add_argument("package")
+    compiling.add_argument("threads", type=int)
+    compiling.add_argument("--exclude", nargs="*", default=[])
+    compiling.add_argument("--jobs", type=int, default=None)
+    args = parser.parse_args()
+    if args.command == "sha256":
+        sha256(args.path)
+    elif args.command == "load":
+        load(args.kind, args.package, args.inputs, args.threads)
+    else:
+        compile_package(args.kind, args.workload, args.package, args.threads, args.exclude, args.jobs)
+
+
+if __name__ == "__main__":
+    main()
