@@ -81,6 +81,13 @@ class Backend(BackendRuntime):
         """Compile one partition ahead of time."""
         raise NotImplementedError
 
+    def warm_up(self) -> None:
+        """Do, once, the work every compile in a fresh process repeats (imports, probes of this machine).
+
+        ``lower`` calls it in its own process before it forks compile workers, which inherit the
+        result instead of each paying for it. The default does nothing.
+        """
+
     def updates_in_place(self, buffer: torch.Tensor, compile_specs: list[CompileSpec]) -> bool:
         """Whether a partition may own ``buffer``, which it updates, changing it in place at run time.
 

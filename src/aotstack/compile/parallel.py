@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import multiprocessing
+import os
 import pickle
 import signal
 import sys
@@ -115,6 +116,7 @@ def compile_all(
     representatives, same_as = distinct_jobs(jobs)
     progress.queued(jobs)
     if workers > 1 and len(representatives) > 1 and can_fork():
+        warm_up_backends(representatives)
         results = compiled_in_workers(representatives, min(workers, len(representatives)), progress, stop_on_error)
     else:
         results = compiled_here(representatives, progress, stop_on_error)
@@ -129,6 +131,12 @@ def compile_all(
         progress.finished(outcome)
         outcomes.append(outcome)
     return outcomes
+
+
+def warm_up_backends(jobs: Sequence[CompileJob]) -> None:
+    """Each backend's once-per-process work, done here so that every forked worker inherits it."""
+    for backend in {type(job.backend): job.backend for job in jobs}.values():
+        backend.warm_up()
 
 
 def distinct_jobs(jobs: Sequence[CompileJob]) -> tuple[list[CompileJob], dict[CompileJob, CompileJob]]:
@@ -283,6 +291,11 @@ def worker_main(job: CompileJob, connection: Connection, threads: int) -> None:
         message = ("failed", portable(outcome.error), outcome.seconds)
     connection.send(message)
     connection.close()
+    # Ended at once: a normal exit would first wind down what the compile started (Inductor's
+    # pool of compile processes among it), seconds the parent would spend waiting in join().
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def portable(error: Exception | None) -> Exception:

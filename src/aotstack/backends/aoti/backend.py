@@ -112,6 +112,15 @@ class AotiBackend(Backend):
         device = target if device_available(target) else HOST
         return needed_fallback_kernels(self.backend_id, node, self.compile_steps(compile_specs, device))
 
+    def warm_up(self) -> None:
+        # Inductor's modules take seconds to import, and its probe of the CPU's vector
+        # instructions compiles test programs; both are cached per process, so forked workers
+        # inherit them.
+        import torch._inductor.compile_fx  # noqa: F401
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        pick_vec_isa()
+
     def updates_in_place(self, buffer: torch.Tensor, compile_specs: list[CompileSpec]) -> bool:
         # The runner writes into the user-managed buffer it is given; a device copy would not be the
         # shared state. Inductor folds a one-element buffer into the code as a constant, update and all
