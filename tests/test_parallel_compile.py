@@ -17,14 +17,17 @@ import sys
 import time
 from pathlib import Path
 
+import numpy
 import pytest
 import torch
 
 import aotstack
 from aotstack.backends.aoti.compile import cached_library, store_library
 from aotstack.compile.parallel import CompileJob
+from aotstack.compile.program_parts import program_weights
+from aotstack.format.tensor_data import weights_as_named_data
 from tests.conftest import ROOT, assert_matches_eager, run_in_fresh_process
-from tests.test_compile_errors import OpPartitioner
+from tests.test_compile_errors import ClaimAllPartitioner, OpPartitioner
 
 # The process running the tests: a backend that ends its own process only does so in a worker.
 TEST_PROCESS = os.getpid()
@@ -253,7 +256,7 @@ import logging, sys
 import torch
 import aotstack
 from tests.test_parallel_compile import relu_program
-from tests.test_compile_errors import OpPartitioner
+from tests.test_compile_errors import ClaimAllPartitioner, OpPartitioner
 
 logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
 aotstack.lower(relu_program(), [OpPartitioner(relu="test_pid_relu")], jobs=2)
@@ -333,3 +336,37 @@ def test_cli_refuses_a_bad_jobs_count(capsys: pytest.CaptureFixture[str]) -> Non
         main(["compile", "tests.models:build", "-o", "never.pt2", "-j", "0"])
     assert exited.value.code == 2
     assert "expected a whole number of at least 1, got '0'" in capsys.readouterr().err
+
+
+class WeightsBackBackend(aotstack.Backend):
+    """Hands back its partition's weights as named data, as the built-in backends do."""
+
+    backend_id = "test_weights_back"
+
+    def preprocess(self, exported_program, compile_specs):
+        named_data, _ = weights_as_named_data(program_weights(exported_program))
+        return aotstack.PreprocessResult(str(os.getpid()).encode(), named_data)
+
+
+class LinearTwice(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(256, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+    def doubled(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * 2
+
+
+def test_weights_a_worker_hands_back_are_the_programs_own_not_copies() -> None:
+    model = LinearTwice()
+    program = aotstack.export(model, {"forward": (torch.randn(2, 256),), "doubled": (torch.randn(2, 256),)})
+    lowered = aotstack.lower(program, [ClaimAllPartitioner("test_weights_back")], jobs=2, progress=False)
+    for method in ("forward", "doubled"):
+        (delegate,) = lowered.delegates(method)
+        assert int(delegate.processed_bytes) != TEST_PROCESS  # compiled in a worker
+        weight = memoryview(delegate.named_data["weight:linear.weight"])
+        assert numpy.frombuffer(weight, dtype=numpy.uint8).ctypes.data == model.linear.weight.data_ptr()
+        assert weight.tobytes() == model.linear.weight.detach().numpy().tobytes()

@@ -21,12 +21,13 @@ import signal
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+import numpy
 import torch
 from torch.export import ExportedProgram
 
@@ -35,7 +36,8 @@ from ..errors import LoweringError
 from ..forking import pause_openmp
 from ..format.archive import usable_cores
 from ..format.specs import CompileSpec, PreprocessResult, SpecKey
-from .program_parts import program_fingerprint
+from ..format.tensor_data import BytesLike, tensor_buffer, tensor_is_viewable
+from .program_parts import program_fingerprint, program_weights
 from .progress import Progress
 
 logger = logging.getLogger("aotstack")
@@ -284,7 +286,7 @@ def worker_main(job: CompileJob, connection: Connection, threads: int) -> None:
     if outcome.result is not None:
         result = outcome.result
         message: tuple[Any, ...] = (
-            "done", result.processed_bytes, {name: bytes(data) for name, data in result.named_data.items()},
+            "done", result.processed_bytes, portable_named_data(job.program, result.named_data),
             result.from_cache, outcome.seconds,
         )
     else:
@@ -296,6 +298,46 @@ def worker_main(job: CompileJob, connection: Connection, threads: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+@dataclass(frozen=True)
+class ProgramWeight:
+    """Stands in, on the way back from a worker, for a blob that is a weight of the job's program as it is."""
+
+    fqn: str
+
+
+def portable_named_data(program: ExportedProgram, named_data: Mapping[str, BytesLike]) -> dict[str, Any]:
+    """The named data to send back: a blob viewing one of the program's own weights goes by name.
+
+    The parent holds the same weights (the worker's are the parent's, shared since the fork),
+    so a large model's weights do not cross the pipe, nor end up in the parent twice.
+    """
+    weights = {
+        buffer_address(tensor): fqn for fqn, tensor in program_weights(program).items() if tensor_is_viewable(tensor)
+    }
+    sent: dict[str, Any] = {}
+    for name, data in named_data.items():
+        view = memoryview(data)
+        fqn = weights.get((view_address(view), view.nbytes)) if view.nbytes else None
+        sent[name] = ProgramWeight(fqn) if fqn is not None else bytes(view)
+    return sent
+
+
+def received_named_data(program: ExportedProgram, sent: Mapping[str, Any]) -> dict[str, BytesLike]:
+    weights = program_weights(program)
+    return {
+        name: tensor_buffer(weights[data.fqn]) if isinstance(data, ProgramWeight) else data
+        for name, data in sent.items()
+    }
+
+
+def buffer_address(tensor: torch.Tensor) -> tuple[int, int]:
+    return tensor.data_ptr(), tensor.numel() * tensor.element_size()
+
+
+def view_address(view: memoryview) -> int:
+    return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
 
 
 def portable(error: Exception | None) -> Exception:
@@ -332,7 +374,8 @@ def finished_worker(worker: Running) -> CompileOutcome:
         error.add_note(f"raised in compile worker process {pid}")
         return CompileOutcome(job, error=error, seconds=message[2], worker=pid)
     _, processed, named_data, from_cache, seconds = message
-    return CompileOutcome(job, PreprocessResult(processed, named_data, from_cache), seconds=seconds, worker=pid)
+    result = PreprocessResult(processed, received_named_data(job.program, named_data), from_cache)
+    return CompileOutcome(job, result, seconds=seconds, worker=pid)
 
 
 def exit_reason(code: int | None) -> str:
