@@ -26,6 +26,7 @@ from aotstack.backends.aoti.compile import cached_library, store_library
 from aotstack.compile.parallel import CompileJob
 from aotstack.compile.program_parts import program_weights
 from aotstack.format.tensor_data import weights_as_named_data
+from tests import models
 from tests.conftest import ROOT, assert_matches_eager, run_in_fresh_process
 from tests.test_compile_errors import ClaimAllPartitioner, OpPartitioner
 
@@ -133,15 +134,25 @@ def test_one_job_compiles_in_this_process_one_after_another() -> None:
     assert [entry.worker for entry in lowered.compile_log["forward"]] == [None, None]
 
 
-def test_aoti_partitions_compile_in_workers_and_match_eager(lowered_package) -> None:
-    # The session's shared package: lowered with the default jobs, one worker per core.
-    lowered, path = lowered_package("split", exclude_ops=("aten.sigmoid",))
+def test_aoti_partitions_compile_in_workers_and_match_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A cold compile cache of its own: a cached partition is answered in this process, with no worker.
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path / "cache"))
+    program = aotstack.export(models.build("split"), {"forward": models.example_inputs("split")})
+    partitioners = [aotstack.AotiCpuPartitioner(exclude_ops=["aten.sigmoid"])]
+    lowered = aotstack.lower(program, partitioners, jobs=2, progress=False)
     log = lowered.compile_log["forward"]
-    assert [entry.backend_id for entry in log] == ["aoti_cpu", "aoti_cpu"]
-    if (os.cpu_count() or 1) > 1:
-        workers = [entry.worker for entry in log]
-        assert None not in workers and len(set(workers)) == 2 and TEST_PROCESS not in workers
+    assert [(entry.backend_id, entry.state) for entry in log] == [("aoti_cpu", "compiled")] * 2
+    workers = [entry.worker for entry in log]
+    assert None not in workers and len(set(workers)) == 2 and TEST_PROCESS not in workers
+    path = tmp_path / "split.pt2"
+    lowered.save(path)
     assert_matches_eager(run_in_fresh_process(path, "forward", "split"), "split")
+
+    again = aotstack.lower(program, partitioners, jobs=2, progress=False)
+    log = again.compile_log["forward"]
+    assert [(entry.state, entry.worker) for entry in log] == [("cached", None)] * 2
+    first, second = lowered.delegates("forward"), again.delegates("forward")
+    assert [d.named_data["model.so"] for d in second] == [d.named_data["model.so"] for d in first]
 
 
 def test_identical_partitions_compile_once() -> None:

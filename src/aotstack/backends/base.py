@@ -81,6 +81,16 @@ class Backend(BackendRuntime):
         """Compile one partition ahead of time."""
         raise NotImplementedError
 
+    def cached_preprocess(
+        self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
+    ) -> PreprocessResult | None:
+        """What ``preprocess`` would return, if the backend kept it from an earlier compile; never compiles.
+
+        ``lower`` asks before it starts compile workers, so a partition compiled before costs
+        no process; None (the default) means "compile it".
+        """
+        return None
+
     def warm_up(self) -> None:
         """Do, once, the work every compile in a fresh process repeats (imports, probes of this machine).
 

@@ -12,6 +12,7 @@ Elsewhere partitions compile one at a time in this process, as with ``workers=1`
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import multiprocessing
@@ -118,8 +119,14 @@ def compile_all(
     representatives, same_as = distinct_jobs(jobs)
     progress.queued(jobs)
     if workers > 1 and len(representatives) > 1 and can_fork():
-        warm_up_backends(representatives)
-        results = compiled_in_workers(representatives, min(workers, len(representatives)), progress, stop_on_error)
+        # A partition compiled before costs no worker: its backend's cache answers here.
+        results = cached_outcomes(representatives, progress)
+        misses = [job for job in representatives if job not in results]
+        if len(misses) > 1:
+            warm_up_backends(misses)
+            results.update(compiled_in_workers(misses, min(workers, len(misses)), progress, stop_on_error))
+        else:
+            results.update(compiled_here(misses, progress, stop_on_error))
     else:
         results = compiled_here(representatives, progress, stop_on_error)
     outcomes = []
@@ -132,6 +139,25 @@ def compile_all(
         outcome = CompileOutcome(job, original.result, original.error, 0.0, None, first)
         progress.finished(outcome)
         outcomes.append(outcome)
+    return outcomes
+
+
+def cached_outcomes(jobs: Sequence[CompileJob], progress: Progress) -> dict[CompileJob, CompileOutcome]:
+    """The jobs their backends answer from a cache, without compiling; a failing lookup counts as a miss."""
+    outcomes = {}
+    for job in jobs:
+        started = time.perf_counter()
+        try:
+            with quiet_torch_warnings():
+                result = job.backend.cached_preprocess(job.program, job.compile_specs)
+        except Exception:
+            # preprocess, in a worker, meets the same problem and reports it.
+            continue
+        if isinstance(result, PreprocessResult):
+            cached = dataclasses.replace(result, from_cache=True)
+            outcomes[job] = CompileOutcome(job, cached, seconds=time.perf_counter() - started)
+            progress.started(job, None)
+            progress.finished(outcomes[job])
     return outcomes
 
 

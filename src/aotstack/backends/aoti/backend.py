@@ -132,6 +132,18 @@ class AotiBackend(Backend):
     def preprocess(
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
     ) -> PreprocessResult:
+        result = self.compiled(exported_program, compile_specs, cache_only=False)
+        assert result is not None
+        return result
+
+    def cached_preprocess(
+        self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
+    ) -> PreprocessResult | None:
+        return self.compiled(exported_program, compile_specs, cache_only=True)
+
+    def compiled(
+        self, exported_program: ExportedProgram, compile_specs: list[CompileSpec], *, cache_only: bool
+    ) -> PreprocessResult | None:
         label = partition_label(self.backend_id, compile_specs)
         self.validate_compile_specs(compile_specs)
         device = self.target_device(compile_specs)
@@ -146,7 +158,10 @@ class AotiBackend(Backend):
             self.compile_steps(compile_specs),
             label=label,
             kernel_check=None if allowed is None else self.kernel_check(allowed, compile_specs),
+            cache_only=cache_only,
         )
+        if compiled is None:
+            return None
         named_data, weights = weights_as_named_data(compiled.constants)
         named_data[LIBRARY_NAME] = compiled.library
         processed = {

@@ -57,11 +57,13 @@ def compile_partition(
     *,
     label: str,
     kernel_check: KernelCheck | None = None,
-) -> CompiledPartition:
+    cache_only: bool = False,
+) -> CompiledPartition | None:
     """Compile one partition with AOTInductor, weights outside the library.
 
     ``kernel_check`` is handed the fallback kernels the generated code calls, before the
-    library is cached; it raises to refuse them.
+    library is cached; it raises to refuse them. With ``cache_only``, a partition not in the
+    compile cache gives None instead of a compile.
     """
     program = prepared_program(exported_program, steps)
     constants = program_weights(program)
@@ -72,6 +74,8 @@ def compile_partition(
     if library is not None:
         logger.debug("%s: reusing the library from the compile cache", label)
         return CompiledPartition(library=library, constants=constants, from_cache=True)
+    if cache_only:
+        return None
     library = compiled_library(program, replace(steps, options=options), label, kernel_check)
     store_library(key, library)
     return CompiledPartition(library=library, constants=constants)
