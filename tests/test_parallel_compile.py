@@ -23,7 +23,7 @@ import torch
 
 import aotstack
 from aotstack.backends.aoti.compile import cached_library, store_library
-from aotstack.compile.parallel import CompileJob
+from aotstack.compile.jobs import CompileJob
 from aotstack.compile.program_parts import program_weights
 from aotstack.format.tensor_data import weights_as_named_data
 from tests import models

@@ -23,8 +23,9 @@ from ..format.tensor_data import WEIGHT_PREFIX
 from .constants import without_unused_constants
 from .devices import propagate_device_pass
 from .export import Program
+from .jobs import CompileJob, CompileOutcome
 from .package import save
-from .parallel import CompileJob, CompileOutcome, compile_all, default_workers, quiet_torch_warnings
+from .parallel import compile_all, default_workers, quiet_torch_warnings
 from .partitioner import DELEGATION_TAG, Partitioner
 from .program_parts import constant_placeholders, program_weights
 from .progress import Progress, progress_for

@@ -15,10 +15,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .parallel import CompileJob, CompileOutcome
+from .jobs import CompileJob, CompileOutcome
 
 logger = logging.getLogger("aotstack")
 
