@@ -251,14 +251,20 @@ def partitioners_by_method(program: Program, partitioners: PartitionerPlan) -> d
 class Claim:
     """A partition a partitioner claimed: its nodes, its standalone program and the job that compiles it."""
 
-    tag: str
-    backend_id: str
     nodes: list[torch.fx.Node]
     part: PartitionProgram
     ops: tuple[str, ...]
     job: CompileJob
     # The id its delegate gets if every partition before it in its method compiles.
     delegate_id: str
+
+    @property
+    def tag(self) -> str:
+        return self.job.tag
+
+    @property
+    def backend_id(self) -> str:
+        return self.job.backend_id
 
 
 @dataclass
@@ -370,7 +376,7 @@ def claimed(exported: ExportedProgram, method: str, tag: str, spec: DelegationSp
     except LoweringError as exc:
         raise LoweringError(f"method {method!r}, partition {tag!r} ({spec.backend_id}): {exc}") from None
     job = CompileJob(method, tag, backend, part.program, compile_specs, len(nodes))
-    return Claim(tag, spec.backend_id, nodes, part, partition_ops(nodes), job, delegate_id)
+    return Claim(nodes, part, partition_ops(nodes), job, delegate_id)
 
 
 def claim_error(claim: Claim, outcome: CompileOutcome) -> Exception | None:
