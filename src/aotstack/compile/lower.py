@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import warnings
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
@@ -344,10 +343,9 @@ def copied_program(exported: ExportedProgram) -> ExportedProgram:
     builtin (``input`` becomes ``input_1``) but not its signature entry; the names are put back.
     """
     shared = {id(tensor): tensor for tensor in program_weights(exported).values()}
-    with warnings.catch_warnings():
-        # torch's TreeSpec warns about its own deprecated LeafSpec while being deep-copied.
-        warnings.simplefilter("ignore", FutureWarning)
-        working = copy.deepcopy(exported, memo=dict(shared))
+    # torch's TreeSpec warns about its deprecated LeafSpec while being deep-copied; lower's
+    # quiet_torch_warnings, around every call of this, keeps that from the user.
+    working = copy.deepcopy(exported, memo=dict(shared))
     for original, copied in zip(exported.graph.nodes, working.graph.nodes, strict=True):
         copied.name = original.name
     return working
