@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class AotstackError(Exception):
     """Base of every error raised by aotstack."""
@@ -49,6 +51,19 @@ class MissingFallbackKernelsError(LoweringError):
 
     def in_method(self, method: str) -> MissingFallbackKernelsError:
         return MissingFallbackKernelsError(self.backend_id, self.kernels, method)
+
+
+class CheckError(LoweringError):
+    """A lowered program's answers differ from eager PyTorch's past the tolerance.
+
+    ``result`` (a ``CheckResult``) holds every difference measured; ``lowered`` is the lowered
+    program, so it can still be inspected or saved.
+    """
+
+    def __init__(self, message: str, result: Any = None, lowered: Any = None) -> None:
+        super().__init__(message)
+        self.result = result
+        self.lowered = lowered
 
 
 class BackendNotFoundError(AotstackError):

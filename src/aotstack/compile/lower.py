@@ -13,12 +13,13 @@ from torch.export import ExportedProgram
 from torch.fx.passes.utils.fuser_utils import validate_partition
 
 from ..backends.base import backend_class
-from ..errors import CompileSpecError, LoweringError, MissingFallbackKernelsError
+from ..errors import CheckError, CompileSpecError, LoweringError, MissingFallbackKernelsError
 from ..format.op_names import op_name
 from ..format.ops import is_delegate_call
 from ..format.records import Delegate, TensorSpec
 from ..format.specs import CompileSpec, DelegationSpec, PreprocessResult, SpecKey
 from ..format.tensor_data import WEIGHT_PREFIX
+from .check import Check, CheckResult, check_lowered, check_option
 from .constants import without_unused_constants
 from .devices import propagate_device_pass
 from .export import Program
@@ -87,6 +88,11 @@ class LoweredProgram:
     delegate_table: dict[str, list[Delegate]]
     compile_failures: dict[str, list[CompileFailure]] = field(default_factory=dict)
     compile_log: dict[str, list[CompileRecord]] = field(default_factory=dict)
+    # Per method, each delegate's partition as a standalone program of the eager ops it replaced;
+    # kept only for ``lower(..., check="partition")``.
+    references: dict[str, dict[str, ExportedProgram]] = field(default_factory=dict, repr=False)
+    # What ``lower(..., check=...)`` measured; None where nothing was checked.
+    check_result: CheckResult | None = None
 
     def delegates(self, method: str) -> list[Delegate]:
         """The delegates of ``method``, in lowering order: partitioner by partitioner, each in graph order."""
@@ -122,6 +128,7 @@ def lower(
     on_compile_error: OnCompileError = "raise",
     jobs: int | None = None,
     progress: bool | Progress | None = None,
+    check: bool | str | Check | None = False,
 ) -> LoweredProgram:
     """Apply ``partitioners``, in order, to every method and compile what they claim.
 
@@ -142,6 +149,12 @@ def lower(
     ``LoweredProgram.compile_failures``: one unsupported corner of a model then costs speed,
     not the whole package.
 
+    ``check=True`` then runs every method on its example inputs, eagerly and from the lowered
+    program saved and loaded as a user would, and raises ``CheckError`` naming each output
+    further apart than the tolerance; ``check="partition"`` also compares each delegate's
+    outputs with the eager ops it replaced; ``check=aotstack.Check(atol=..., rtol=...)`` sets
+    the tolerance. ``LoweredProgram.check_result`` holds what was measured.
+
     Example::
 
         lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner()], jobs=2)
@@ -149,9 +162,13 @@ def lower(
     """
     check_lower_options(skip_h2d_for_method_inputs, skip_d2h_for_method_outputs, on_compile_error)
     workers = checked_jobs(jobs)
+    checking = check_option(check)
     plan = partitioners_by_method(program, partitioners)
     with quiet_torch_warnings():
-        states = {name: MethodLowering.of(name, exported) for name, exported in program.methods.items()}
+        states = {
+            name: MethodLowering.of(name, exported, keep_references=checking is not None and checking.partition)
+            for name, exported in program.methods.items()
+        }
         with progress_for(progress) as shown:
             # Level by level: the partitioners at one position, in every method, compile together.
             for level in range(max((len(listed) for listed in plan.values()), default=0)):
@@ -172,12 +189,18 @@ def lower(
         )
         # Rebuilt so the output specs name the copies that now feed the output.
         methods[name], table[name] = without_unused_constants(state.working, set()), state.delegates
-    return LoweredProgram(
+    lowered = LoweredProgram(
         methods,
         table,
         {name: state.failures for name, state in states.items()},
         {name: state.compiles for name, state in states.items()},
+        {name: state.references for name, state in states.items()},
     )
+    if checking is not None:
+        lowered.check_result = check_lowered(program, methods, table, lowered.references, checking)
+        if not lowered.check_result.passed:
+            raise CheckError(lowered.check_result.failure_message(), lowered.check_result, lowered)
+    return lowered
 
 
 def checked_jobs(jobs: object) -> int:
@@ -256,6 +279,8 @@ class Claim:
     job: CompileJob
     # The id its delegate gets if every partition before it in its method compiles.
     delegate_id: str
+    # The partition's eager ops, copied before any compile, for ``check="partition"``.
+    reference: ExportedProgram | None = None
 
     @property
     def tag(self) -> str:
@@ -279,13 +304,15 @@ class MethodLowering:
     delegates: list[Delegate] = field(default_factory=list)
     failures: list[CompileFailure] = field(default_factory=list)
     compiles: list[CompileRecord] = field(default_factory=list)
+    keep_references: bool = False
+    references: dict[str, ExportedProgram] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, name: str, exported: ExportedProgram) -> MethodLowering:
+    def of(cls, name: str, exported: ExportedProgram, *, keep_references: bool = False) -> MethodLowering:
         working = copied_program(exported)
         read_before = {node.name for node in constant_placeholders(working) if node.users}
         first_id = sum(1 for node in working.graph.nodes if is_delegate_call(node))
-        return cls(name, working, read_before, first_id)
+        return cls(name, working, read_before, first_id, keep_references=keep_references)
 
     def claim(self, partitioner: Partitioner) -> list[Claim]:
         """Let ``partitioner`` tag the graph; each tagged partition as a program ready to compile."""
@@ -295,10 +322,15 @@ class MethodLowering:
             raise exc.in_method(self.name) from None
         self.working = result.tagged_exported_program
         first = self.first_id + len(self.delegates)
-        return [
+        claims = [
             claimed(self.working, self.name, tag, spec, f"{self.name}.{first + index}")
             for index, (tag, spec) in enumerate(result.partition_tags.items())
         ]
+        if self.keep_references:
+            # Copied before compiling: a backend compiling in this process may change the program it is given.
+            for claim in claims:
+                claim.reference = copied_program(claim.part.program)
+        return claims
 
     def splice(self, claims: list[Claim], outcomes: Mapping[CompileJob, CompileOutcome]) -> None:
         """Put a delegate call in place of each compiled partition, in graph order; record the failed ones.
@@ -327,6 +359,8 @@ class MethodLowering:
             replaced.update(splice_delegate_call(graph, claim.nodes, delegate_id, inputs, claim.part.outputs))
             drop_unused_subgraphs(self.working.graph_module)
             self.delegates.append(compiled_delegate(claim, outcome.result, delegate_id))
+            if claim.reference is not None:
+                self.references[delegate_id] = claim.reference
             self.compiles.append(compile_record(outcome, outcome.state, delegate_id))
         # Also untags a failed partition's nodes, so the next partitioner may claim them.
         clear_tags(graph)
