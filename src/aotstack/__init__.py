@@ -64,6 +64,8 @@ _EXPORTS = {
     "CompileFailure": "compile.lower",
     "CompileRecord": "compile.lower",
     "LoweredProgram": "compile.lower",
+    "explain": "compile.explain",
+    "Report": "report.model",
     "lower": "compile.lower",
     "propagate_device_pass": "compile.devices",
     "Partitioner": "compile.partitioner",

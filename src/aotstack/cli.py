@@ -262,7 +262,7 @@ def summary(value: Any) -> str:
 
 def inspect_command(args: argparse.Namespace) -> int:
     from .format.archive import read_manifest
-    from .runtime.inputs import record_text
+    from .format.manifest import record_text
 
     manifest = read_manifest(args.package)
     blobs = manifest.blobs

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Collection, Mapping, Sequence
+import os
+from collections import Counter
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -16,18 +18,20 @@ from ..backends.base import backend_class
 from ..errors import CheckError, CompileSpecError, LoweringError, MissingFallbackKernelsError
 from ..format.op_names import op_name
 from ..format.ops import is_delegate_call
+from ..format.placement import DelegatePlacement, Placement, Reason, UnclaimedOp
 from ..format.records import Delegate, TensorSpec
 from ..format.specs import CompileSpec, DelegationSpec, PreprocessResult, SpecKey
 from ..format.tensor_data import WEIGHT_PREFIX
+from ..report.model import Report, program_report
 from .check import Check, CheckResult, check_lowered, check_option
 from .constants import without_unused_constants
 from .devices import propagate_device_pass
 from .export import Program
 from .jobs import CompileJob, CompileOutcome
-from .package import save
+from .package import save, unsaved_manifest
 from .parallel import compile_all, default_workers, quiet_torch_warnings
-from .partitioner import DELEGATION_TAG, Partitioner
-from .program_parts import constant_placeholders, program_weights
+from .partitioner import DELEGATION_TAG, Partitioner, PartitionResult, get_non_lowered_nodes
+from .program_parts import constant_placeholders, is_size_computation, program_weights
 from .progress import Progress, progress_for
 from .splice import (
     clear_tags,
@@ -93,6 +97,10 @@ class LoweredProgram:
     references: dict[str, dict[str, ExportedProgram]] = field(default_factory=dict, repr=False)
     # What ``lower(..., check=...)`` measured; None where nothing was checked.
     check_result: CheckResult | None = None
+    # Per method, where each op went and why (what ``report()`` shows, saved with the file).
+    placements: dict[str, Placement] = field(default_factory=dict)
+    # A dry run's result (``aotstack.explain``): partitioned, nothing compiled, nothing to save.
+    planned: bool = False
 
     def delegates(self, method: str) -> list[Delegate]:
         """The delegates of ``method``, in lowering order: partitioner by partitioner, each in graph order."""
@@ -102,7 +110,28 @@ class LoweredProgram:
 
     def save(self, path: str) -> None:
         """Write every method, compiled part and weight into one ``.pt2`` file."""
-        save(self.methods, self.delegate_table, path)
+        if self.planned:
+            raise LoweringError("a dry run (aotstack.explain) compiles nothing, so there is nothing to save; "
+                                "lower the program with aotstack.lower to save it")
+        save(self.methods, self.delegate_table, path, self.placements)
+
+    def report(self) -> Report:
+        """What went where and why: per method, each engine's share, each delegate, each op left to plain ATen.
+
+        Print it for a table, ``report().to_json()`` for data; in a notebook it shows as HTML.
+        """
+        manifest = unsaved_manifest(self.methods, self.delegate_table, self.placements)
+        check = None if self.check_result is None else self.check_result.to_json()
+        return program_report(manifest, planned=self.planned, check=check)
+
+    def draw(self, path: str | os.PathLike[str]) -> None:
+        """Draw every method's graph into the SVG file ``path``: delegates as boxes coloured by engine."""
+        report = self.report()
+        with open(path, "w", encoding="utf-8") as file:
+            file.write(report.svg())
+
+    def _repr_html_(self) -> str:
+        return self.report()._repr_html_()
 
 
 logger = logging.getLogger("aotstack")
@@ -163,23 +192,57 @@ def lower(
     check_lower_options(skip_h2d_for_method_inputs, skip_d2h_for_method_outputs, on_compile_error)
     workers = checked_jobs(jobs)
     checking = check_option(check)
+    with progress_for(progress) as shown:
+        lowered = lowered_program(
+            program,
+            partitioners,
+            lambda claims: compile_claims(claims, workers, shown, on_compile_error),
+            skip_h2d_for_method_inputs=skip_h2d_for_method_inputs,
+            skip_d2h_for_method_outputs=skip_d2h_for_method_outputs,
+            keep_references=checking is not None and checking.partition,
+        )
+    if checking is not None:
+        lowered.check_result = check_lowered(
+            program, lowered.methods, lowered.delegate_table, lowered.references, checking
+        )
+        if not lowered.check_result.passed:
+            raise CheckError(lowered.check_result.failure_message(), lowered.check_result, lowered)
+    return lowered
+
+
+# Compiles the partitions one partitioner position claimed, in every method; their outcomes by job.
+CompileLevel = Callable[[Mapping[str, list["Claim"]]], Mapping[CompileJob, CompileOutcome]]
+
+
+def lowered_program(
+    program: Program,
+    partitioners: PartitionerPlan,
+    compile_level: CompileLevel,
+    *,
+    skip_h2d_for_method_inputs: MethodOption,
+    skip_d2h_for_method_outputs: MethodOption,
+    keep_references: bool = False,
+    planned: bool = False,
+) -> LoweredProgram:
+    """Every method partitioned, level by level, each claimed part compiled by ``compile_level`` and spliced in.
+
+    ``planned``: ``compile_level`` compiles nothing (a dry run), and the result says so.
+    """
     plan = partitioners_by_method(program, partitioners)
     with quiet_torch_warnings():
         states = {
-            name: MethodLowering.of(name, exported, keep_references=checking is not None and checking.partition)
+            name: MethodLowering.of(name, exported, keep_references=keep_references, planned=planned)
             for name, exported in program.methods.items()
         }
-        with progress_for(progress) as shown:
-            # Level by level: the partitioners at one position, in every method, compile together.
-            for level in range(max((len(listed) for listed in plan.values()), default=0)):
-                claims = {
-                    name: state.claim(plan[name][level]) for name, state in states.items() if level < len(plan[name])
-                }
-                outcomes = compile_claims(claims, workers, shown, on_compile_error)
-                for name, listed in claims.items():
-                    states[name].splice(listed, outcomes)
+        # Level by level: the partitioners at one position, in every method, compile together.
+        for level in range(max((len(listed) for listed in plan.values()), default=0)):
+            claims = {
+                name: state.claim(plan[name][level]) for name, state in states.items() if level < len(plan[name])
+            }
+            outcomes = compile_level(claims)
+            for name, listed in claims.items():
+                states[name].splice(listed, outcomes)
     methods: dict[str, ExportedProgram] = {}
-    table: dict[str, list[Delegate]] = {}
     for name, state in states.items():
         propagate_device_pass(
             state.working,
@@ -188,19 +251,16 @@ def lower(
             skip_d2h_for_method_outputs=applies_to(skip_d2h_for_method_outputs, name),
         )
         # Rebuilt so the output specs name the copies that now feed the output.
-        methods[name], table[name] = without_unused_constants(state.working, set()), state.delegates
-    lowered = LoweredProgram(
+        methods[name] = without_unused_constants(state.working, set())
+    return LoweredProgram(
         methods,
-        table,
+        {name: state.delegates for name, state in states.items()},
         {name: state.failures for name, state in states.items()},
         {name: state.compiles for name, state in states.items()},
         {name: state.references for name, state in states.items()},
+        placements={name: state.placement(methods[name]) for name, state in states.items()},
+        planned=planned,
     )
-    if checking is not None:
-        lowered.check_result = check_lowered(program, methods, table, lowered.references, checking)
-        if not lowered.check_result.passed:
-            raise CheckError(lowered.check_result.failure_message(), lowered.check_result, lowered)
-    return lowered
 
 
 def checked_jobs(jobs: object) -> int:
@@ -306,13 +366,20 @@ class MethodLowering:
     compiles: list[CompileRecord] = field(default_factory=list)
     keep_references: bool = False
     references: dict[str, ExportedProgram] = field(default_factory=dict)
+    # A dry run: claimed partitions become delegate calls without compiling.
+    planned: bool = False
+    # Node name -> why each partitioner that looked at it left it, in lowering order.
+    reasons: dict[str, list[Reason]] = field(default_factory=dict)
+    taken: dict[str, DelegatePlacement] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, name: str, exported: ExportedProgram, *, keep_references: bool = False) -> MethodLowering:
+    def of(
+        cls, name: str, exported: ExportedProgram, *, keep_references: bool = False, planned: bool = False
+    ) -> MethodLowering:
         working = copied_program(exported)
         read_before = {node.name for node in constant_placeholders(working) if node.users}
         first_id = sum(1 for node in working.graph.nodes if is_delegate_call(node))
-        return cls(name, working, read_before, first_id, keep_references=keep_references)
+        return cls(name, working, read_before, first_id, keep_references=keep_references, planned=planned)
 
     def claim(self, partitioner: Partitioner) -> list[Claim]:
         """Let ``partitioner`` tag the graph; each tagged partition as a program ready to compile."""
@@ -321,6 +388,7 @@ class MethodLowering:
         except MissingFallbackKernelsError as exc:
             raise exc.in_method(self.name) from None
         self.working = result.tagged_exported_program
+        self.note_refusals(partitioner, result)
         first = self.first_id + len(self.delegates)
         claims = [
             claimed(self.working, self.name, tag, spec, f"{self.name}.{first + index}")
@@ -347,6 +415,9 @@ class MethodLowering:
                 assert error is not None, "a cancelled compile only happens when the first failure raises"
                 self.failures.append(compile_failure(self.name, claim.tag, claim.backend_id, claim.ops, error))
                 self.compiles.append(compile_record(outcome, "failed", None))
+                failed = Reason(claim.backend_id, "compile_failed", f"its part {claim.tag} failed to compile: {error}")
+                for node in claim.nodes:
+                    self.reasons.setdefault(node.name, []).append(failed)
                 continue
             if not validate_partition(claim.nodes):
                 raise LoweringError(
@@ -359,6 +430,11 @@ class MethodLowering:
             replaced.update(splice_delegate_call(graph, claim.nodes, delegate_id, inputs, claim.part.outputs))
             drop_unused_subgraphs(self.working.graph_module)
             self.delegates.append(compiled_delegate(claim, outcome.result, delegate_id))
+            self.taken[delegate_id] = DelegatePlacement(
+                dict(Counter(op_name(n.target) for n in claim.nodes if is_counted_op(n))),
+                "planned" if self.planned else outcome.state,
+                None if self.planned else outcome.seconds,
+            )
             if claim.reference is not None:
                 self.references[delegate_id] = claim.reference
             self.compiles.append(compile_record(outcome, outcome.state, delegate_id))
@@ -366,6 +442,49 @@ class MethodLowering:
         clear_tags(graph)
         drop_unused_size_computations(graph)
         self.working = without_unused_constants(self.working, self.read_before)
+
+
+    def note_refusals(self, partitioner: Partitioner, result: PartitionResult) -> None:
+        """Record why ``partitioner`` left each node it was offered and did not tag."""
+        engine = engine_name(partitioner, result)
+        for node in get_non_lowered_nodes(self.working.graph):
+            if DELEGATION_TAG in node.meta or not is_counted_op(node):
+                continue
+            reason = result.refusals.get(node.name) or Reason(
+                engine, "not_claimed", f"{type(partitioner).__name__} claimed it in no part and gave no reason"
+            )
+            self.reasons.setdefault(node.name, []).append(reason)
+
+    def placement(self, lowered: ExportedProgram) -> Placement:
+        """Where each op of the lowered method went: the delegates' ops, and the ops left as plain ATen."""
+        unclaimed = [
+            UnclaimedOp(node.name, op_name(node.target), list(self.reasons.get(node.name, ())))
+            for node in get_non_lowered_nodes(lowered.graph)
+            if is_counted_op(node)
+        ]
+        return Placement(dict(self.taken), unclaimed)
+
+
+def engine_name(partitioner: Partitioner, result: PartitionResult) -> str:
+    """The backend a partitioner claims for, to name it in a reason."""
+    backend_id = getattr(partitioner, "backend_id", None)
+    if isinstance(backend_id, str):
+        return backend_id
+    backends = sorted({spec.backend_id for spec in result.partition_tags.values()})
+    return ", ".join(backends) if backends else type(partitioner).__name__
+
+
+def is_counted_op(node: torch.fx.Node) -> bool:
+    """Whether ``node`` counts as an op in the report: an ATen, prims or control-flow call computing a tensor.
+
+    Sizes, getitems, delegate calls and aotstack's host-device copies are plumbing, not ops.
+    """
+    return (
+        node.op == "call_function"
+        and isinstance(node.target, torch._ops.OperatorBase)
+        and node.target.namespace != "aotstack"
+        and not is_size_computation(node)
+    )
 
 
 def copied_program(exported: ExportedProgram) -> ExportedProgram:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import inspect
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -18,6 +19,7 @@ from ..errors import LoweringError
 from ..format.archive import PROGRAM_PATH, hashes, write_package
 from ..format.devices import Device
 from ..format.manifest import DelegateRecord, Dim, InputRecord, Manifest, MethodRecord, WeightRecord
+from ..format.placement import Placement
 from ..format.records import Delegate
 from ..format.tensor_data import BytesLike, content_key, dtype_name, tensor_buffer, tensor_is_viewable
 from .plan import method_plan
@@ -76,21 +78,77 @@ class BlobStore(Mapping[str, BytesLike]):
         }
 
 
+class SizingStore(BlobStore):
+    """A store that keys a large blob by a sample of its bytes instead of hashing all of them.
+
+    For a manifest that is only read, never written (the report of a program not yet saved):
+    the same weight is still counted once, and a 500 MB model is not hashed to be described.
+    """
+
+    def put_all(self, blobs: Sequence[BytesLike]) -> list[str]:
+        keys = [sampled_key(memoryview(blob).cast("B")) for blob in blobs]
+        for key, data in zip(keys, blobs):
+            self._blobs.setdefault(key, data)
+        return keys
+
+    def put_tensors(self, tensors: Sequence[torch.Tensor]) -> list[str]:
+        keys = [sampled_key(memoryview(tensor_buffer(tensor)).cast("B")) for tensor in tensors]
+        for key, tensor in zip(keys, tensors):
+            self._blobs.setdefault(key, tensor)
+        return keys
+
+
+SAMPLE = 1 << 16
+
+
+def sampled_key(view: memoryview) -> str:
+    """A stand-in blob key: a small blob's content hash; for a large one, its size and three samples."""
+    if view.nbytes <= 3 * SAMPLE:
+        return content_key(view)
+    middle = view.nbytes // 2
+    digest = hashlib.sha256(str(view.nbytes).encode())
+    for part in (view[:SAMPLE], view[middle : middle + SAMPLE], view[-SAMPLE:]):
+        digest.update(part)
+    return digest.hexdigest()
+
+
 def save(
-    methods: Mapping[str, ExportedProgram], delegates: Mapping[str, list[Delegate]], path: str | os.PathLike[str]
+    methods: Mapping[str, ExportedProgram],
+    delegates: Mapping[str, list[Delegate]],
+    path: str | os.PathLike[str],
+    placements: Mapping[str, Placement] | None = None,
 ) -> None:
     """Write lowered ``methods`` and their ``delegates`` to ``path`` atomically: a failed save leaves no file."""
     store = BlobStore()
-    records = {name: method_record(name, program, delegates[name], store) for name, program in methods.items()}
-    manifest = Manifest(
+    manifest = manifest_of(methods, delegates, placements or {}, store)
+    programs = {name: serialized_program(program) for name, program in methods.items()}
+    # The store reads each blob as it is written, so a copied weight lives only while it is written.
+    write_package(path, manifest, programs, store)
+
+
+def unsaved_manifest(
+    methods: Mapping[str, ExportedProgram], delegates: Mapping[str, list[Delegate]], placements: Mapping[str, Placement]
+) -> Manifest:
+    """The manifest ``save`` would write, built without hashing the weights: for reading, not writing."""
+    return manifest_of(methods, delegates, placements, SizingStore())
+
+
+def manifest_of(
+    methods: Mapping[str, ExportedProgram],
+    delegates: Mapping[str, list[Delegate]],
+    placements: Mapping[str, Placement],
+    store: BlobStore,
+) -> Manifest:
+    records = {
+        name: method_record(name, program, delegates[name], store, placements.get(name))
+        for name, program in methods.items()
+    }
+    return Manifest(
         aotstack_version=__version__,
         torch_version=torch.__version__,
         methods=records,
         blobs=store.sizes(),
     )
-    programs = {name: serialized_program(program) for name, program in methods.items()}
-    # The store reads each blob as it is written, so a copied weight lives only while it is written.
-    write_package(path, manifest, programs, store)
 
 
 def serialized_program(program: ExportedProgram) -> bytes:
@@ -130,7 +188,9 @@ def weightless(program: ExportedProgram) -> ExportedProgram:
     return copy
 
 
-def method_record(name: str, program: ExportedProgram, delegates: list[Delegate], store: BlobStore) -> MethodRecord:
+def method_record(
+    name: str, program: ExportedProgram, delegates: list[Delegate], store: BlobStore, placement: Placement | None = None
+) -> MethodRecord:
     call_spec = program.call_spec
     return MethodRecord(
         program=PROGRAM_PATH.format(name),
@@ -140,6 +200,7 @@ def method_record(name: str, program: ExportedProgram, delegates: list[Delegate]
         out_spec=pytree.treespec_dumps(call_spec.out_spec),
         weights=weight_records(program_weights(program), store),
         delegates=[delegate_record(delegate, store) for delegate in delegates],
+        placement=placement,
     )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import operator
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -19,7 +19,9 @@ from torch.fx import Graph, GraphModule, Node
 from torch.fx.passes.infra.partitioner import CapabilityBasedPartitioner, Partition
 from torch.fx.passes.operator_support import OperatorSupportBase
 
+from ..format.op_names import op_name
 from ..format.ops import is_delegate_call, is_delegate_output
+from ..format.placement import Reason
 from ..format.specs import CompileSpec, DelegationSpec, SpecKey
 from .program_parts import (
     constant_placeholders,
@@ -45,6 +47,8 @@ class PartitionResult:
 
     tagged_exported_program: ExportedProgram
     partition_tags: dict[str, DelegationSpec]
+    # Node name -> why the partitioner left that node untagged; shown in the report.
+    refusals: dict[str, Reason] = field(default_factory=dict)
 
 
 class Partitioner(ABC):
@@ -58,7 +62,8 @@ class Partitioner(ABC):
 class SupportedOpsPartitioner(Partitioner):
     """Claims, for one backend, the maximal convex parts of a graph whose ops it supports.
 
-    A subclass names its backend and answers ``supports_op``; everything else is shared:
+    A subclass names its backend and answers ``supports_op`` (and, to say why it refuses an op,
+    ``op_refusal``); everything else is shared:
     nothing lowered earlier is offered again, control-flow ops go with their subgraphs
     (when the backend lists them in ``control_flow``), parts with fewer than
     ``min_block_size`` compute nodes are left to the next partitioner or to plain ATen, and
@@ -78,6 +83,13 @@ class SupportedOpsPartitioner(Partitioner):
     def supports_op(self, op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> bool:
         """Whether the backend can run ``op`` (for a control-flow op: the op itself, not its subgraphs)."""
 
+    def op_refusal(self, op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> Reason | None:
+        """Why the backend does not take ``op``; None where it does. A subclass says more than this."""
+        return None if self.supports_op(op) else self.refusal("unsupported", f"{self.backend_id} does not take it")
+
+    def refusal(self, kind: str, detail: str) -> Reason:
+        return Reason(self.backend_id, kind, detail)
+
     def default_target_device(self) -> str:
         return "cpu"
 
@@ -89,11 +101,17 @@ class SupportedOpsPartitioner(Partitioner):
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         graph_module = exported_program.graph_module
-        support = NodeSupport(lambda node: self.supports_node(node, graph_module))
+        answers: dict[Node, bool] = {}
+
+        def supported(node: Node) -> bool:
+            answers[node] = self.supports_node(node, graph_module)
+            return answers[node]
+
         proposed = CapabilityBasedPartitioner(
-            graph_module, support, allows_single_node_partition=True
+            graph_module, NodeSupport(supported), allows_single_node_partition=True
         ).propose_partitions()
         kept = [p for p in proposed if compute_node_count(p.nodes) >= self.min_block_size]
+        refusals = self.refusals(graph_module, [p for p in proposed if p not in kept], answers)
         tags: dict[str, DelegationSpec] = {}
         for index, partition in enumerate(sorted(kept, key=first_node_position(exported_program.graph))):
             tag = f"{self.backend_id}_{index}"
@@ -104,26 +122,73 @@ class SupportedOpsPartitioner(Partitioner):
             tags[tag] = self.delegation_spec()
         tag_constant_data(exported_program)
         tag_mutated_buffer(exported_program)
-        return PartitionResult(exported_program, tags)
+        return PartitionResult(exported_program, tags, refusals)
 
     def supports_node(self, node: Node, owner: GraphModule) -> bool:
         """Whether ``node``, a node of ``owner``'s graph, can go to this backend."""
+        return self.node_refusal(node, owner) is None
+
+    def node_refusal(self, node: Node, owner: GraphModule) -> Reason | None:
+        """Why ``node``, a node of ``owner``'s graph, cannot go to this backend; None where it can."""
         if node.op != "call_function" or is_delegate_call(node) or is_delegate_output(node):
-            return False
+            return self.refusal("unsupported", "it is not an op this partitioner is offered")
         if is_size_computation(node):
             # Sizes stay in the method; each partition recomputes the ones it reads (see lower).
-            return False
+            return self.refusal("unsupported", "size computations stay in the method")
         if node.target is operator.getitem:
             source = node.args[0]
-            return isinstance(source, Node) and self.supports_node(source, owner)
+            if not isinstance(source, Node):
+                return self.refusal("unsupported", "it takes an item of a value no op computed")
+            return self.node_refusal(source, owner)
         if isinstance(node.target, torch._ops.HigherOrderOperator):
-            return node.target.__name__ in self.control_flow and self.supports_op(node.target) and all(
-                self.supports_node(inner, body)
-                for body in subgraph_modules(node, owner)
-                for inner in body.graph.nodes
-                if inner.op == "call_function"
+            return self.control_flow_refusal(node, owner)
+        if not isinstance(node.target, torch._ops.OpOverload):
+            return self.refusal("unsupported", f"it calls the Python function {getattr(node.target, '__name__', '?')}")
+        return self.op_refusal(node.target)
+
+    def control_flow_refusal(self, node: Node, owner: GraphModule) -> Reason | None:
+        """Why a control-flow node cannot go here: the op itself, or the first op of its subgraphs that cannot."""
+        name = node.target.__name__
+        if name not in self.control_flow:
+            return self.refusal("unsupported", f"{self.backend_id} does not compile {name} with its subgraphs")
+        refused = self.op_refusal(node.target)
+        if refused is not None:
+            return refused
+        for body in subgraph_modules(node, owner):
+            for inner in body.graph.nodes:
+                if inner.op != "call_function":
+                    continue
+                refused = self.node_refusal(inner, body)
+                if refused is not None:
+                    inner_op = op_name(inner.target) if isinstance(inner.target, torch._ops.OperatorBase) else "?"
+                    return Reason(refused.engine, refused.kind, f"its subgraph calls {inner_op}: {refused.detail}")
+        return None
+
+    def refusals(
+        self, graph_module: GraphModule, too_small: list[Partition], answers: Mapping[Node, bool]
+    ) -> dict[str, Reason]:
+        """Why each node offered (see get_non_lowered_nodes) is left untagged, by node name.
+
+        ``answers`` holds what ``supports_node`` said of each node while partitioning; a reason
+        is worked out only for the nodes it refused.
+        """
+        left = {
+            node.name: self.refusal(
+                "min_block_size",
+                f"its part has {plural(compute_node_count(partition.nodes), 'compute op')}, "
+                f"fewer than min_block_size={self.min_block_size}",
             )
-        return isinstance(node.target, torch._ops.OpOverload) and self.supports_op(node.target)
+            for partition in too_small
+            for node in partition.nodes
+        }
+        for node in get_non_lowered_nodes(graph_module.graph):
+            if node.name in left or is_size_computation(node):
+                continue
+            if not answers.get(node, True) or (node not in answers and not self.supports_node(node, graph_module)):
+                left[node.name] = self.node_refusal(node, graph_module) or self.refusal(
+                    "not_claimed", f"{type(self).__name__}.supports_node refused it"
+                )
+        return left
 
 
 class NodeSupport(OperatorSupportBase):
@@ -134,6 +199,10 @@ class NodeSupport(OperatorSupportBase):
 
     def is_node_supported(self, submodules: Mapping[str, torch.nn.Module], node: Node) -> bool:
         return self.supported(node)
+
+
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
 def compute_node_count(nodes: Iterable[Node]) -> int:

@@ -10,10 +10,12 @@ inside the runtime, and never a reason to allocate more than the file holds.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import PackageError
+from .placement import Placement, placement_from_json, placement_to_json
 from .plan import (
     DelegateStep,
     InputStep,
@@ -69,6 +71,32 @@ class InputRecord:
     device: str | None = None
 
 
+def record_text(record: InputRecord) -> str:
+    """``x: float32[4, s0 in [1, 64]]``, ``n: int = 3``: one input as messages and reports show it."""
+    if record.kind == "tensor":
+        return f"{record.name}: {record.dtype}{shape_text(record.shape or [])}"
+    if record.kind == "none":
+        return f"{record.name}: None"
+    if record.value is not None:
+        return f"{record.name}: {record.kind} = {record.value!r}"
+    return f"{record.name}: {record.kind}" + (f" in {range_text(record.dim)}" if record.dim else "")
+
+
+def range_text(dim: Dim) -> str:
+    return f"[{dim.min}, {'∞' if dim.max is None else dim.max}]"
+
+
+def shape_text(shape: Sequence[int | Dim | None]) -> str:
+    """``[4, s0 in [1, 64], *]``: a symbol with its range, a star for an unchecked expression."""
+    parts = []
+    for d in shape:
+        if isinstance(d, Dim):
+            parts.append(f"{d.symbol} in {range_text(d)}")
+        else:
+            parts.append("*" if d is None else str(d))
+    return "[" + ", ".join(parts) + "]"
+
+
 @dataclass(frozen=True)
 class WeightRecord:
     blob: str
@@ -104,6 +132,8 @@ class MethodRecord:
     out_spec: str
     weights: dict[str, WeightRecord]
     delegates: list[DelegateRecord]
+    # Where each op went and why; None in a file written before aotstack recorded it.
+    placement: Placement | None = None
 
 
 @dataclass(frozen=True)
@@ -195,12 +225,14 @@ def method_to_json(method: MethodRecord) -> dict[str, Any]:
         "out_spec": method.out_spec,
         "weights": {fqn: vars(weight).copy() for fqn, weight in method.weights.items()},
         "delegates": [delegate_to_json(delegate) for delegate in method.delegates],
+        **({} if method.placement is None else {"placement": placement_to_json(method.placement)}),
     }
 
 
 def method_from_json(data: Any) -> MethodRecord:
     data = expect(data, dict, "a method")
     weights = bounded(data.get("weights"), dict, "weights", MAX_ITEMS)
+    placement = data.get("placement")
     return MethodRecord(
         program=expect(data.get("program"), str, "program"),
         inputs=[input_from_json(record) for record in bounded(data.get("inputs"), list, "inputs", MAX_ITEMS)],
@@ -209,6 +241,7 @@ def method_from_json(data: Any) -> MethodRecord:
         out_spec=expect(data.get("out_spec"), str, "out_spec"),
         weights={fqn: within(f"weight {fqn!r}", weight_from_json, weight) for fqn, weight in weights.items()},
         delegates=[delegate_from_json(d) for d in bounded(data.get("delegates"), list, "delegates", MAX_ITEMS)],
+        placement=None if placement is None else within("placement", placement_from_json, placement),
     )
 
 

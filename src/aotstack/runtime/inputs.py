@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import InputError, PackageError
 from ..format.boundary import DEVICE_FLAGS, PLAIN_TENSOR_TYPES
-from ..format.manifest import Dim, InputRecord
+from ..format.manifest import Dim, InputRecord, range_text, shape_text
 from ..format.tensor_data import dtype_from_name
 
 SCALAR_KINDS: dict[str, type] = {"bool": bool, "int": int, "float": float}
@@ -242,29 +242,3 @@ def none_check(method: str, name: str) -> Check:
         return value
 
     return check
-
-
-def record_text(record: InputRecord) -> str:
-    """``x: float32[4, s0 in [1, 64]]``, ``n: int = 3``: one input as ``aotstack inspect`` shows it."""
-    if record.kind == "tensor":
-        return f"{record.name}: {record.dtype}{shape_text(record.shape or [])}"
-    if record.kind == "none":
-        return f"{record.name}: None"
-    if record.value is not None:
-        return f"{record.name}: {record.kind} = {record.value!r}"
-    return f"{record.name}: {record.kind}" + (f" in {range_text(record.dim)}" if record.dim else "")
-
-
-def range_text(dim: Dim) -> str:
-    return f"[{dim.min}, {'∞' if dim.max is None else dim.max}]"
-
-
-def shape_text(shape: Sequence[int | Dim | None]) -> str:
-    """``[4, s0 in [1, 64], *]``: a symbol with its range, a star for an unchecked expression."""
-    parts = []
-    for d in shape:
-        if isinstance(d, Dim):
-            parts.append(f"{d.symbol} in {range_text(d)}")
-        else:
-            parts.append("*" if d is None else str(d))
-    return "[" + ", ".join(parts) + "]"

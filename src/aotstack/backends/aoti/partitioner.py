@@ -14,6 +14,7 @@ from ...compile.partitioner import PartitionResult, SupportedOpsPartitioner
 from ...compile.program_parts import subgraph_modules
 from ...errors import MissingFallbackKernelsError
 from ...format.op_names import OpName, matches_any, normalized_op_name
+from ...format.placement import Reason
 from ...format.specs import CompileSpec
 from .backend import AotiBackend
 from .kernels import kernel_allowed
@@ -61,10 +62,24 @@ class AotiPartitioner(SupportedOpsPartitioner):
         return str(self.aoti_backend.target_device([]))
 
     def supports_op(self, op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> bool:
-        return op.namespace in ("aten", "prims", "higher_order") and not matches_any(op, self.exclude_ops)
+        return self.op_refusal(op) is None
 
-    def supports_node(self, node: Node, owner: GraphModule) -> bool:
-        return super().supports_node(node, owner) and not self.missing_kernels(node)
+    def op_refusal(self, op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> Reason | None:
+        if op.namespace not in ("aten", "prims", "higher_order"):
+            return self.refusal("unsupported", f"AOTInductor compiles ATen and prims ops, not {op.namespace} ops")
+        if matches_any(op, self.exclude_ops):
+            return self.refusal("excluded", "the user's exclude_ops names it")
+        return None
+
+    def node_refusal(self, node: Node, owner: GraphModule) -> Reason | None:
+        refused = super().node_refusal(node, owner)
+        if refused is not None:
+            return refused
+        missing = self.missing_kernels(node)
+        if missing:
+            kernels = ", ".join(sorted(missing))
+            return self.refusal("missing_kernels", f"it needs fallback kernel(s) the target's runtime lacks: {kernels}")
+        return None
 
     def missing_kernels(self, node: Node) -> frozenset[str]:
         """The fallback kernels ``node`` would need that the target's runtime lacks."""

@@ -11,6 +11,7 @@ import torch
 from ...compile.partitioner import CONTROL_FLOW_OPS, SupportedOpsPartitioner
 from ...errors import LoweringError
 from ...format.op_names import OpName, matches_any, normalized_op_name
+from ...format.placement import Reason
 from ...format.specs import CompileSpec, SpecKey
 from .backend import OrtBackend
 from .compile import quiet_exporter
@@ -59,24 +60,35 @@ class OrtPartitioner(SupportedOpsPartitioner):
         )
 
     def supports_op(self, op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> bool:
+        return self.op_refusal(op) is None
+
+    def op_refusal(self, op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> Reason | None:
         if self.ops is not None and not matches_any(op, self.ops):
-            return False
-        return exporter_translates(op)
+            return self.refusal("excluded", "the user's ops= list does not name it")
+        untranslatable = exporter_refusal(op)
+        return None if untranslatable is None else self.refusal("unsupported", untranslatable)
 
 
 @functools.cache
-def exporter_translates(op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> bool:
-    """Whether the ONNX exporter has a translation for ``op``, directly or by decomposing it.
+def exporter_refusal(op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> str | None:
+    """Why the ONNX exporter cannot translate ``op``; None where it has a translation, direct or by decomposing.
 
     A decomposition counts only when everything it decomposes into has a translation
     (``lgamma`` decomposes to ``prims.lgamma``, which has none).
     """
     if str(op) in _DROPPED_BY_EXPORTER or exporter_registry().is_registered(op):
-        return True
+        return None
     decomposition = exporter_decompositions().get(op)
     if decomposition is None:
-        return False
-    return all(exporter_registry().is_registered(inner) for inner in decomposed_ops(op, decomposition))
+        return "the ONNX exporter has no translation for it"
+    missing = sorted(
+        {str(inner) for inner in decomposed_ops(op, decomposition) if not exporter_registry().is_registered(inner)}
+    )
+    if not missing:
+        return None
+    if missing == ["None"]:
+        return "the ONNX exporter's decomposition of it could not be traced"
+    return f"it decomposes into ops the ONNX exporter cannot translate: {', '.join(missing)}"
 
 
 def decomposed_ops(op: torch._ops.OpOverload, decomposition: Any) -> list[Any]:

@@ -1,0 +1,53 @@
+"""The dry run: partition every method as ``lower`` would, compile nothing, and report what a compile would do."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ..format.specs import PreprocessResult
+from ..format.tensor_data import weights_as_named_data
+from ..report.model import Report
+from .export import Program
+from .jobs import CompileJob, CompileOutcome
+from .lower import Claim, MethodOption, PartitionerPlan, check_lower_options, lowered_program
+from .program_parts import program_weights
+
+
+def explain(
+    program: Program,
+    partitioners: PartitionerPlan,
+    *,
+    skip_h2d_for_method_inputs: MethodOption = False,
+    skip_d2h_for_method_outputs: MethodOption = False,
+) -> Report:
+    """What ``lower(program, partitioners)`` would do, in seconds: which engine takes which ops, and why not.
+
+    Every partitioner claims its parts as in ``lower``, and each claimed part stands in for its
+    delegate, so later partitioners see what they would see; nothing is compiled (no C++
+    compiler, no ONNX export). The report shows each part's ops, shapes and weights, with no
+    code size or compile time.
+
+    Example::
+
+        print(aotstack.explain(program, [aotstack.OrtPartitioner(), aotstack.AotiCpuPartitioner()]))
+    """
+    check_lower_options(skip_h2d_for_method_inputs, skip_d2h_for_method_outputs, "raise")
+    lowered = lowered_program(
+        program,
+        partitioners,
+        planned_outcomes,
+        skip_h2d_for_method_inputs=skip_h2d_for_method_inputs,
+        skip_d2h_for_method_outputs=skip_d2h_for_method_outputs,
+        planned=True,
+    )
+    return lowered.report()
+
+
+def planned_outcomes(claims: Mapping[str, list[Claim]]) -> dict[CompileJob, CompileOutcome]:
+    """Each claimed part as if compiled: no code, and its weights as the named data a compile would store."""
+    outcomes = {}
+    for listed in claims.values():
+        for claim in listed:
+            named_data, _ = weights_as_named_data(program_weights(claim.part.program))
+            outcomes[claim.job] = CompileOutcome(claim.job, PreprocessResult(b"", named_data))
+    return outcomes

@@ -1,0 +1,128 @@
+"""The report as HTML, for a notebook cell that ends with a lowered or loaded program."""
+
+from __future__ import annotations
+
+from html import escape
+
+from .model import PLAIN_ATEN, DelegateSummary, MethodSummary, Report
+from .text import KIND_LABELS, NODES_SHOWN, compile_text, megabytes, specs_text
+
+# Swatch colour per engine, the same families as the terminal's and the graph's.
+ENGINE_COLORS = {
+    "aoti_cpu": "#4e79a7",
+    "aoti_cuda": "#59a14f",
+    "aoti_metal": "#b07aa1",
+    "onnxruntime": "#edc948",
+    PLAIN_ATEN: "#e15759",
+}
+OTHER_COLOR = "#9c755f"
+
+STYLE = """
+<style>
+.aotstack-report table { border-collapse: collapse; margin: 4px 0 12px; font-size: 12px; }
+.aotstack-report th, .aotstack-report td { border: 1px solid #ccc; padding: 2px 6px; text-align: left;
+  vertical-align: top; }
+.aotstack-report .bar { display: flex; height: 14px; width: 480px; border: 1px solid #999; }
+.aotstack-report .swatch { display: inline-block; width: 10px; height: 10px; margin-right: 4px; }
+</style>
+"""
+
+
+def report_html(report: Report) -> str:
+    """The whole report as one HTML fragment."""
+    parts = [STYLE, '<div class="aotstack-report">', f"<p><b>{escape(title(report))}</b></p>"]
+    for method in report.methods:
+        parts.append(method_html(method, report.planned))
+    parts.append(sizes_html(report))
+    parts.append("</div>")
+    return "\n".join(parts)
+
+
+def title(report: Report) -> str:
+    what = "dry run: partitioned, nothing compiled" if report.planned else report.source or "lowered program"
+    size = "" if report.file_bytes is None else f", {megabytes(report.file_bytes)}"
+    return f"{what}{size} · aotstack {report.aotstack_version} · torch {report.torch_version}"
+
+
+def method_html(method: MethodSummary, planned: bool) -> str:
+    parts = [f"<h4>method {escape(method.name)}({escape(', '.join(method.inputs))})</h4>"]
+    if method.ops is None:
+        parts.append("<p><i>where each op went was not recorded in this file</i></p>")
+    else:
+        parts.append(share_bar(method))
+    if method.delegates:
+        parts.append(delegates_html(method.delegates, planned))
+    if method.unclaimed:
+        rows = []
+        for group in method.unclaimed:
+            nodes = ", ".join(group.nodes[:NODES_SHOWN]) + (
+                f" and {len(group.nodes) - NODES_SHOWN} more" if len(group.nodes) > NODES_SHOWN else ""
+            )
+            why = "<br>".join(
+                f"{swatch(r.engine)}{escape(r.engine)}: {escape(KIND_LABELS.get(r.kind, r.kind))}: {escape(r.detail)}"
+                for r in group.reasons
+            ) or "no partitioner was given for this method"
+            cells = [escape(group.op), f"{len(group.nodes)}: {escape(nodes)}", why]
+            rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>")
+        parts.append(table("left to plain ATen", ["op", "nodes", "why"], rows))
+    if method.copies:
+        copies = ", ".join(f"{c.source} → {c.to}" for c in method.copies)
+        parts.append(f"<p>host-device copies ({len(method.copies)}): {escape(copies)}</p>")
+    return "\n".join(parts)
+
+
+def share_bar(method: MethodSummary) -> str:
+    """A stacked bar of each engine's share of the ops, with a legend."""
+    cells, legend = [], []
+    for share in method.engines:
+        color = ENGINE_COLORS.get(share.engine, OTHER_COLOR)
+        label = "plain ATen" if share.engine == PLAIN_ATEN else share.engine
+        if share.ops:
+            cells.append(
+                f'<div title="{escape(label)}: {share.ops}" style="background:{color};width:{share.share * 100:.2f}%">'
+                "</div>"
+            )
+        legend.append(f"{swatch(share.engine)}{escape(label)} {share.ops} ({share.share:.0%})")
+    return f'<p>{method.ops} ops: {" · ".join(legend)}</p><div class="bar">{"".join(cells)}</div>'
+
+
+def delegates_html(delegates: list[DelegateSummary], planned: bool) -> str:
+    rows = []
+    for d in delegates:
+        ops = str(d.op_count) if d.op_count is not None else f"{len(d.distinct_ops)} kinds"
+        code = "—" if d.code_bytes is None else megabytes(d.code_bytes)
+        op_list = ", ".join(f"{op} ×{n}" for op, n in sorted(d.op_counts.items())) or ", ".join(d.distinct_ops)
+        cells = [
+            escape(d.id),
+            swatch(d.engine) + escape(d.engine),
+            escape(d.device),
+            f'<span title="{escape(op_list)}">{ops}</span>',
+            escape(f"{specs_text(d.inputs)} → {specs_text(d.outputs)}"),
+            code,
+            megabytes(d.weight_bytes),
+            escape(compile_text(d, planned)),
+        ]
+        rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>")
+    header = ["id", "engine", "device", "ops", "inputs → outputs", "code", "weights", "compile"]
+    return table("delegates", header, rows)
+
+
+def sizes_html(report: Report) -> str:
+    total = report.total_bytes
+    rows = [
+        f"<tr><td>{escape(p.part)}</td><td>{megabytes(p.bytes)}</td>"
+        f"<td>{p.bytes / total:.0%}</td></tr>" if total else f"<tr><td>{escape(p.part)}</td><td>0 B</td><td></td></tr>"
+        for p in report.size_parts
+    ]
+    rows.append(f"<tr><td><b>total</b></td><td><b>{megabytes(total)}</b></td><td></td></tr>")
+    what = "file size by part" if report.file_bytes is not None else "size by part (what saving would store)"
+    return table(what, ["part", "size", "share"], rows)
+
+
+def table(caption: str, header: list[str], rows: list[str]) -> str:
+    head = "".join(f"<th>{escape(column)}</th>" for column in header)
+    return f"<table><caption>{escape(caption)}</caption><tr>{head}</tr>{''.join(rows)}</table>"
+
+
+def swatch(engine: str) -> str:
+    return f'<span class="swatch" style="background:{ENGINE_COLORS.get(engine, OTHER_COLOR)}"></span>'

@@ -1,0 +1,345 @@
+"""The partition report as data: built from a manifest, so a saved file and a lowered program read alike.
+
+``program_report`` reads what lowering recorded (the delegates, the run plan, the ``Placement``
+of every op) and sums it up per method; ``file_report`` does the same for a ``.pt2`` and adds
+its real size. A ``Report`` prints as tables, turns into JSON (``to_json``, described by
+``report.schema.REPORT_SCHEMA``), shows as HTML in a notebook and draws its graph as SVG.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..format.archive import read_manifest
+from ..format.manifest import DelegateRecord, Manifest, MethodRecord, record_text
+from ..format.op_names import op_name
+from ..format.ops import d2h_copy, h2d_copy
+from ..format.placement import Placement, Reason
+from ..format.plan import OpStep, Ref
+from ..format.records import TensorSpec
+
+SCHEMA_NAME = "aotstack-report"
+SCHEMA_VERSION = 1
+
+# The engine name for ops no delegate took: they run as plain ATen calls.
+PLAIN_ATEN = "aten"
+
+
+@dataclass(frozen=True)
+class EngineShare:
+    """How many of a method's ops one engine took (``aten``: left to plain ATen), and what fraction."""
+
+    engine: str
+    ops: int
+    share: float
+    delegates: int
+
+
+@dataclass(frozen=True)
+class DelegateSummary:
+    id: str
+    engine: str
+    device: str
+    # How many ops it replaced, by op name; empty where the file did not record it.
+    op_counts: dict[str, int]
+    distinct_ops: list[str]
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    # Its compiled code (the processed blob); None in a dry run, which compiles nothing.
+    code_bytes: int | None
+    weight_bytes: int
+    compile_state: str | None
+    compile_seconds: float | None
+
+    @property
+    def op_count(self) -> int | None:
+        return sum(self.op_counts.values()) if self.op_counts else None
+
+
+@dataclass(frozen=True)
+class UnclaimedGroup:
+    """Ops of one kind left to plain ATen for the same reasons: the nodes, and each engine's reason."""
+
+    op: str
+    nodes: list[str]
+    reasons: list[Reason]
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A host-device copy the device pass put in: the value copied and where to."""
+
+    step: str
+    source: str
+    to: str
+
+
+@dataclass(frozen=True)
+class MethodSummary:
+    name: str
+    inputs: list[str]
+    # Ops counted (see lower.is_counted_op); None where the file did not record where ops went.
+    ops: int | None
+    engines: list[EngineShare]
+    delegates: list[DelegateSummary]
+    unclaimed: list[UnclaimedGroup]
+    copies: list[Copy]
+    weight_count: int
+    weight_bytes: int
+
+
+@dataclass(frozen=True)
+class SizePart:
+    part: str
+    bytes: int
+
+
+@dataclass(frozen=True, repr=False)
+class Report:
+    """What went where and why, for every method of a lowered program or a saved file."""
+
+    source: str | None
+    aotstack_version: str
+    torch_version: str
+    format_version: int
+    planned: bool
+    methods: list[MethodSummary]
+    size_parts: list[SizePart]
+    # The file's size; None for a program not saved, whose parts are the blobs it would store.
+    file_bytes: int | None
+    check: dict[str, Any] | None = None
+    manifest: Manifest | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.file_bytes if self.file_bytes is not None else sum(part.bytes for part in self.size_parts)
+
+    def method(self, name: str) -> MethodSummary:
+        for method in self.methods:
+            if method.name == name:
+                return method
+        raise KeyError(f"no method {name!r} in the report; methods: {[m.name for m in self.methods]}")
+
+    def to_json(self) -> dict[str, Any]:
+        """The report as plain data, following ``aotstack.report.schema.REPORT_SCHEMA``."""
+        return report_to_json(self)
+
+    def text(self, width: int = 120, color: bool = False) -> str:
+        """The report as tables, ``width`` characters wide; with ANSI colour where ``color``."""
+        from .text import report_text
+
+        return report_text(self, width=width, color=color)
+
+    def print(self) -> None:
+        """Print the report to the terminal, in colour where it is one."""
+        from .text import print_report
+
+        print_report(self)
+
+    def svg(self) -> str:
+        """Every method's graph drawn as one SVG document."""
+        from .graph import program_svg
+
+        if self.manifest is None:
+            raise ValueError("this report was built without its manifest, so it cannot draw the graph")
+        counts = {d.id: d.op_count for m in self.methods for d in m.delegates if d.op_count is not None}
+        return program_svg(self.manifest.methods, delegate_op_counts=counts, title=self.source or "")
+
+    def __str__(self) -> str:
+        return self.text()
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_html_(self) -> str:
+        from .html import report_html
+
+        return report_html(self)
+
+
+def file_report(path: str | os.PathLike[str]) -> Report:
+    """The report of a saved ``.pt2``: read from its manifest alone (nothing is loaded or run).
+
+    Example::
+
+        print(aotstack.report.model.file_report("model.pt2"))
+    """
+    return program_report(read_manifest(path), source=os.fspath(path), file_bytes=os.path.getsize(path))
+
+
+def program_report(
+    manifest: Manifest,
+    *,
+    source: str | None = None,
+    file_bytes: int | None = None,
+    planned: bool = False,
+    check: dict[str, Any] | None = None,
+) -> Report:
+    """The report of the program ``manifest`` describes; ``file_bytes`` where it was saved."""
+    return Report(
+        source=source,
+        aotstack_version=manifest.aotstack_version,
+        torch_version=manifest.torch_version,
+        format_version=manifest.format_version,
+        planned=planned,
+        methods=[method_summary(name, record, manifest.blobs, planned) for name, record in manifest.methods.items()],
+        size_parts=size_parts(manifest, file_bytes),
+        file_bytes=file_bytes,
+        check=check,
+        manifest=manifest,
+    )
+
+
+def method_summary(name: str, record: MethodRecord, blobs: Mapping[str, int], planned: bool) -> MethodSummary:
+    placement = record.placement
+    delegates = [delegate_summary(d, placement, blobs, planned) for d in record.delegates]
+    unclaimed = unclaimed_groups(placement)
+    ops = None
+    if placement is not None:
+        ops = sum(d.op_count for d in placement.delegates.values()) + len(placement.unclaimed)
+    return MethodSummary(
+        name=name,
+        inputs=[record_text(r) for r in record.inputs],
+        ops=ops,
+        engines=engine_shares(delegates, placement),
+        delegates=delegates,
+        unclaimed=unclaimed,
+        copies=copies(record),
+        weight_count=len(record.weights),
+        weight_bytes=sum(blobs.get(w.blob, 0) for w in record.weights.values()),
+    )
+
+
+def delegate_summary(
+    record: DelegateRecord, placement: Placement | None, blobs: Mapping[str, int], planned: bool
+) -> DelegateSummary:
+    placed = placement.delegates.get(record.id) if placement is not None else None
+    return DelegateSummary(
+        id=record.id,
+        engine=record.backend_id,
+        device=record.target_device,
+        op_counts=dict(placed.op_counts) if placed is not None else {},
+        distinct_ops=list(record.ops),
+        inputs=list(record.inputs),
+        outputs=list(record.outputs),
+        code_bytes=None if planned else blobs.get(record.processed, 0),
+        weight_bytes=sum(blobs.get(key, 0) for key in record.named_data.values()),
+        compile_state=placed.compile_state if placed is not None else None,
+        compile_seconds=placed.compile_seconds if placed is not None else None,
+    )
+
+
+def engine_shares(delegates: list[DelegateSummary], placement: Placement | None) -> list[EngineShare]:
+    """Each engine's ops, most first, then plain ATen's; empty where ops were not recorded."""
+    if placement is None:
+        return []
+    ops: dict[str, int] = defaultdict(int)
+    count: dict[str, int] = defaultdict(int)
+    for delegate in delegates:
+        ops[delegate.engine] += delegate.op_count or 0
+        count[delegate.engine] += 1
+    total = sum(ops.values()) + len(placement.unclaimed)
+    shares = [
+        EngineShare(engine, n, n / total if total else 0.0, count[engine])
+        for engine, n in sorted(ops.items(), key=lambda item: -item[1])
+    ]
+    left = len(placement.unclaimed)
+    shares.append(EngineShare(PLAIN_ATEN, left, left / total if total else 0.0, 0))
+    return shares
+
+
+def unclaimed_groups(placement: Placement | None) -> list[UnclaimedGroup]:
+    """The ops left to plain ATen, one group per op and set of reasons, in graph order."""
+    if placement is None:
+        return []
+    groups: dict[tuple[str, tuple[Reason, ...]], list[str]] = {}
+    for op in placement.unclaimed:
+        groups.setdefault((op.op, tuple(op.reasons)), []).append(op.node)
+    return [UnclaimedGroup(op, nodes, list(reasons)) for (op, reasons), nodes in groups.items()]
+
+
+def copies(record: MethodRecord) -> list[Copy]:
+    """The host-device copies in ``record``'s plan, in run order."""
+    to_device, to_host = op_name(h2d_copy), op_name(d2h_copy)
+    found = []
+    for step in record.plan.steps:
+        if not isinstance(step, OpStep) or step.target not in (to_device, to_host):
+            continue
+        source = step.args[0].name if step.args and isinstance(step.args[0], Ref) else "?"
+        found.append(Copy(step.name, source, str(step.args[1]) if step.target == to_device else "cpu"))
+    return found
+
+
+def size_parts(manifest: Manifest, file_bytes: int | None) -> list[SizePart]:
+    """The file's bytes by what they hold, each blob counted once, under its first use."""
+    kinds: dict[str, str] = {}
+    for record in manifest.methods.values():
+        for delegate in record.delegates:
+            kinds.setdefault(delegate.processed, "delegate code")
+            for key in delegate.named_data.values():
+                kinds.setdefault(key, "delegate data (weights)")
+        for weight in record.weights.values():
+            kinds.setdefault(weight.blob, "method weights")
+    sizes: dict[str, int] = {"delegate code": 0, "delegate data (weights)": 0, "method weights": 0}
+    for key, kind in kinds.items():
+        sizes[kind] += manifest.blobs.get(key, 0)
+    parts = [SizePart(part, size) for part, size in sizes.items()]
+    if file_bytes is not None:
+        parts.append(SizePart("programs, manifest and archive", max(0, file_bytes - sum(sizes.values()))))
+    return parts
+
+
+def report_to_json(report: Report) -> dict[str, Any]:
+    return {
+        "schema": SCHEMA_NAME,
+        "schema_version": SCHEMA_VERSION,
+        "source": report.source,
+        "planned": report.planned,
+        "aotstack_version": report.aotstack_version,
+        "torch_version": report.torch_version,
+        "format_version": report.format_version,
+        "methods": [method_to_json(method) for method in report.methods],
+        "sizes": {
+            "total": report.total_bytes,
+            "saved": report.file_bytes is not None,
+            "parts": [{"part": part.part, "bytes": part.bytes} for part in report.size_parts],
+        },
+        "check": report.check,
+    }
+
+
+def method_to_json(method: MethodSummary) -> dict[str, Any]:
+    return {
+        "name": method.name,
+        "inputs": list(method.inputs),
+        "ops": method.ops,
+        "engines": [vars(share).copy() for share in method.engines],
+        "delegates": [delegate_to_json(delegate) for delegate in method.delegates],
+        "unclaimed": [
+            {"op": group.op, "nodes": list(group.nodes), "reasons": [vars(r).copy() for r in group.reasons]}
+            for group in method.unclaimed
+        ],
+        "copies": [vars(copy).copy() for copy in method.copies],
+        "weights": {"count": method.weight_count, "bytes": method.weight_bytes},
+    }
+
+
+def delegate_to_json(delegate: DelegateSummary) -> dict[str, Any]:
+    return {
+        "id": delegate.id,
+        "engine": delegate.engine,
+        "device": delegate.device,
+        "ops": delegate.op_count,
+        "op_counts": dict(delegate.op_counts),
+        "distinct_ops": list(delegate.distinct_ops),
+        "inputs": [vars(spec).copy() for spec in delegate.inputs],
+        "outputs": [vars(spec).copy() for spec in delegate.outputs],
+        "code_bytes": delegate.code_bytes,
+        "weight_bytes": delegate.weight_bytes,
+        "compile_state": delegate.compile_state,
+        "compile_seconds": delegate.compile_seconds,
+    }

@@ -1,0 +1,183 @@
+"""The report as terminal tables, drawn with ``rich``."""
+
+from __future__ import annotations
+
+import io
+import sys
+
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from ..format.records import TensorSpec
+from .model import PLAIN_ATEN, DelegateSummary, MethodSummary, Report
+
+# rich style per engine; any other engine is drawn in the default colour.
+ENGINE_STYLES = {
+    "aoti_cpu": "bold blue",
+    "aoti_cuda": "bold green",
+    "aoti_metal": "bold magenta",
+    "onnxruntime": "bold yellow",
+    PLAIN_ATEN: "bold red",
+}
+
+# How a reason's kind reads in a table.
+KIND_LABELS = {
+    "excluded": "excluded",
+    "unsupported": "unsupported",
+    "min_block_size": "below min_block_size",
+    "missing_kernels": "missing kernels",
+    "compile_failed": "compile failed",
+    "not_claimed": "not claimed",
+}
+
+# How many node names an unclaimed group lists before it says how many more.
+NODES_SHOWN = 4
+
+
+def report_text(report: Report, width: int = 120, color: bool = False) -> str:
+    """The report drawn as text ``width`` characters wide."""
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=width, force_terminal=color, color_system="standard" if color else None)
+    console.print(report_renderable(report))
+    return buffer.getvalue()
+
+
+def print_report(report: Report) -> None:
+    Console(file=sys.stdout).print(report_renderable(report))
+
+
+def report_renderable(report: Report) -> RenderableType:
+    parts: list[RenderableType] = [heading(report)]
+    for method in report.methods:
+        parts.extend(method_parts(method, report.planned))
+    parts.append(sizes_table(report))
+    if report.check is not None:
+        parts.append(check_text(report.check))
+    return Group(*parts)
+
+
+def heading(report: Report) -> Text:
+    what = report.source or "lowered program (not saved)"
+    if report.planned:
+        what = "dry run: partitioned, nothing compiled"
+    text = Text(what, style="bold")
+    size = "" if report.file_bytes is None else f", {megabytes(report.file_bytes)}"
+    text.append(
+        f"{size} · aotstack {report.aotstack_version} · torch {report.torch_version} · format {report.format_version}"
+    )
+    return text
+
+
+def method_parts(method: MethodSummary, planned: bool) -> list[RenderableType]:
+    title = Text(f"\nmethod {method.name}", style="bold underline")
+    title.append(f"({', '.join(method.inputs)})", style="dim")
+    parts: list[RenderableType] = [title, shares_text(method)]
+    if method.delegates:
+        parts.append(delegates_table(method.delegates, planned))
+    if method.unclaimed:
+        parts.append(unclaimed_table(method))
+    if method.copies:
+        copies = ", ".join(f"{c.source} → {c.to}" for c in method.copies)
+        parts.append(Text(f"host-device copies ({len(method.copies)}): {copies}"))
+    if method.weight_count:
+        parts.append(Text(f"weights read outside delegates: {method.weight_count} ({megabytes(method.weight_bytes)})"))
+    return parts
+
+
+def shares_text(method: MethodSummary) -> Text:
+    if method.ops is None:
+        return Text("where each op went was not recorded in this file (written by an older aotstack)", style="dim")
+    text = Text(f"{method.ops} ops: ")
+    for index, share in enumerate(method.engines):
+        if index:
+            text.append(" · ")
+        label = "plain ATen" if share.engine == PLAIN_ATEN else share.engine
+        text.append(f"{label} {share.ops} ({share.share:.0%})", style=ENGINE_STYLES.get(share.engine, "bold"))
+    return text
+
+
+def delegates_table(delegates: list[DelegateSummary], planned: bool) -> Table:
+    table = Table(title="delegates", title_justify="left", expand=False)
+    for column in ("id", "engine", "device", "ops", "inputs → outputs", "code", "weights", "compile"):
+        table.add_column(column, overflow="fold", justify="right" if column in ("ops", "code", "weights") else "left")
+    for delegate in delegates:
+        table.add_row(
+            delegate.id,
+            Text(delegate.engine, style=ENGINE_STYLES.get(delegate.engine, "bold")),
+            delegate.device,
+            str(delegate.op_count) if delegate.op_count is not None else f"{len(delegate.distinct_ops)} kinds",
+            f"{specs_text(delegate.inputs)} → {specs_text(delegate.outputs)}",
+            "—" if delegate.code_bytes is None else megabytes(delegate.code_bytes),
+            megabytes(delegate.weight_bytes),
+            compile_text(delegate, planned),
+        )
+    return table
+
+
+def compile_text(delegate: DelegateSummary, planned: bool) -> str:
+    if planned or delegate.compile_state == "planned":
+        return "not compiled (dry run)"
+    if delegate.compile_state is None:
+        return "not recorded"
+    if delegate.compile_seconds is None:
+        return delegate.compile_state
+    return f"{delegate.compile_state}, {delegate.compile_seconds:.1f} s"
+
+
+def unclaimed_table(method: MethodSummary) -> Table:
+    table = Table(title="left to plain ATen", title_justify="left")
+    table.add_column("op")
+    table.add_column("nodes", overflow="fold")
+    table.add_column("why", overflow="fold")
+    for group in method.unclaimed:
+        shown = ", ".join(group.nodes[:NODES_SHOWN])
+        if len(group.nodes) > NODES_SHOWN:
+            shown += f" and {len(group.nodes) - NODES_SHOWN} more"
+        why = "\n".join(f"{r.engine}: {KIND_LABELS.get(r.kind, r.kind)}: {r.detail}" for r in group.reasons)
+        table.add_row(group.op, f"{len(group.nodes)}: {shown}", why or "no partitioner was given for this method")
+    return table
+
+
+def sizes_table(report: Report) -> Table:
+    title = "file size by part" if report.file_bytes is not None else "size by part (what saving would store)"
+    table = Table(title=title, title_justify="left")
+    table.add_column("part")
+    table.add_column("size", justify="right")
+    table.add_column("share", justify="right")
+    total = report.total_bytes
+    for part in report.size_parts:
+        table.add_row(part.part, megabytes(part.bytes), f"{part.bytes / total:.0%}" if total else "—")
+    table.add_row(Text("total", style="bold"), Text(megabytes(total), style="bold"), "")
+    return table
+
+
+def check_text(check: dict) -> Text:
+    outputs = check.get("outputs", [])
+    delegates = check.get("delegates", [])
+    failed = [d for d in (*outputs, *delegates) if not d.get("passed")]
+    style = "bold red" if failed else "bold green"
+    text = Text("\nnumerical check: ", style="bold")
+    text.append("failed" if failed else "passed", style=style)
+    for difference in (*outputs, *delegates):
+        where = f"delegate {difference['delegate']} " if difference.get("delegate") else ""
+        text.append(
+            f"\n  {difference['method']}: {where}{difference['output']}: max abs {difference['max_abs']:.3g}, "
+            f"max rel {difference['max_rel']:.3g}" + ("" if difference.get("passed") else "  ← past the tolerance")
+        )
+    return text
+
+
+def specs_text(specs: list[TensorSpec]) -> str:
+    shown = [f"{spec.dtype}[{', '.join('*' if d is None else str(d) for d in spec.shape)}]" for spec in specs[:3]]
+    if len(specs) > 3:
+        shown.append(f"+{len(specs) - 3}")
+    return ", ".join(shown) or "none"
+
+
+def megabytes(size: int) -> str:
+    if size < 1000:
+        return f"{size} B"
+    if size < 1_000_000:
+        return f"{size / 1e3:.1f} kB"
+    return f"{size / 1e6:.2f} MB"
