@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import logging
 import os
 import statistics
@@ -14,12 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .errors import AotstackError
+from .errors import AotstackError, CheckError
 
 if TYPE_CHECKING:
+    from .compile.check import Check
     from .compile.partitioner import Partitioner
     from .format.manifest import InputRecord
-    from .format.plan import Step
+    from .report.model import Report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,6 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     except (AotstackError, ValueError) as exc:  # ValueError: a bad op name or option value
         print(f"aotstack: error: {exc}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # The reader stopped early (``| head``): not an error, and no traceback at exit either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def argument_parser() -> argparse.ArgumentParser:
@@ -44,16 +50,7 @@ def argument_parser() -> argparse.ArgumentParser:
     compile_ = commands.add_parser("compile", help="export, partition and compile a model into one .pt2")
     compile_.add_argument("target", metavar="MODULE:FUNCTION", help="returns (model, {method: example args})")
     compile_.add_argument("-o", "--output", required=True, metavar="FILE.pt2")
-    compile_.add_argument("--device", default="cpu", metavar="DEVICE",
-                          help="where AOTInductor's parts run: cpu (default), cuda[:N] or mps")
-    compile_.add_argument("--exclude-op", action="append", default=[], metavar="OP",
-                          help="leave OP (e.g. aten.gelu) out of AOTInductor's parts; repeatable")
-    compile_.add_argument("--ort", action="store_true",
-                          help="let ONNX Runtime claim what it can first; AOTInductor takes the rest")
-    compile_.add_argument("--ort-op", action="append", default=[], metavar="OP",
-                          help="like --ort, but ONNX Runtime claims only OP; repeatable")
-    compile_.add_argument("--min-block-size", type=int, default=1, metavar="N",
-                          help="leave parts with fewer than N compute ops to the next engine (default 1)")
+    add_partitioner_options(compile_)
     compile_.add_argument("--on-compile-error", choices=("raise", "fallback"), default="raise",
                           help="when an engine fails to compile a part: stop with an error (raise, the default), "
                                "or warn and leave the part to the next engine or plain ATen (fallback)")
@@ -61,7 +58,22 @@ def argument_parser() -> argparse.ArgumentParser:
                           help="compile up to N parts at once, in worker processes (default: one per core)")
     compile_.add_argument("--progress", choices=("auto", "live", "log"), default="auto",
                           help="a live table (live), log lines (log), or the table only in a terminal (auto)")
+    compile_.add_argument("--check", nargs="?", const="outputs", choices=("outputs", "partition"), default=None,
+                          help="run each method on its example inputs, eagerly and from the package, and fail past "
+                               "the tolerance; =partition also compares each delegate with the eager ops it replaced")
+    compile_.add_argument("--atol", type=float, default=None, metavar="A",
+                          help="absolute tolerance of --check (default: aotstack.Check's, 1e-4)")
+    compile_.add_argument("--rtol", type=float, default=None, metavar="R",
+                          help="relative tolerance of --check (default: aotstack.Check's, 1e-4)")
     compile_.set_defaults(command=compile_command)
+
+    explain = commands.add_parser(
+        "explain", help="dry run: partition a model as compile would and report it, compiling nothing"
+    )
+    explain.add_argument("target", metavar="MODULE:FUNCTION", help="returns (model, {method: example args})")
+    add_partitioner_options(explain)
+    add_report_options(explain)
+    explain.set_defaults(command=explain_command)
 
     run = commands.add_parser("run", help="run a method on random inputs of the recorded shapes")
     run.add_argument("package", metavar="FILE.pt2")
@@ -71,8 +83,12 @@ def argument_parser() -> argparse.ArgumentParser:
                      help="refuse the file unless a key in PUB (PEM) signed it; repeatable")
     run.set_defaults(command=run_command)
 
-    inspect = commands.add_parser("inspect", help="list methods, delegates, backends, devices, ops and sizes")
-    inspect.add_argument("package", metavar="FILE.pt2")
+    inspect = commands.add_parser(
+        "inspect", help="report a package: what each engine took, why ops were left, sizes, compile times"
+    )
+    inspect.add_argument("package", metavar="FILE.pt2", nargs="?")
+    add_report_options(inspect)
+    inspect.add_argument("--schema", action="store_true", help="print the JSON Schema of --json's output and exit")
     inspect.set_defaults(command=inspect_command)
 
     keygen = commands.add_parser("keygen", help="make an Ed25519 key pair for signing packages")
@@ -90,6 +106,25 @@ def argument_parser() -> argparse.ArgumentParser:
                         help="a trusted public key (PEM); repeatable")
     verify.set_defaults(command=verify_command)
     return parser
+
+
+def add_partitioner_options(parser: argparse.ArgumentParser) -> None:
+    """The options that choose the partitioners: the same for compile and its dry run, explain."""
+    parser.add_argument("--device", default="cpu", metavar="DEVICE",
+                        help="where AOTInductor's parts run: cpu (default), cuda[:N] or mps")
+    parser.add_argument("--exclude-op", action="append", default=[], metavar="OP",
+                        help="leave OP (e.g. aten.gelu) out of AOTInductor's parts; repeatable")
+    parser.add_argument("--ort", action="store_true",
+                        help="let ONNX Runtime claim what it can first; AOTInductor takes the rest")
+    parser.add_argument("--ort-op", action="append", default=[], metavar="OP",
+                        help="like --ort, but ONNX Runtime claims only OP; repeatable")
+    parser.add_argument("--min-block-size", type=int, default=1, metavar="N",
+                        help="leave parts with fewer than N compute ops to the next engine (default 1)")
+
+
+def add_report_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the report as JSON (see --schema) instead")
+    parser.add_argument("--graph", metavar="OUT.svg", help="also draw each method's graph into OUT.svg")
 
 
 def keygen_command(args: argparse.Namespace) -> int:
@@ -148,14 +183,38 @@ def compile_command(args: argparse.Namespace) -> int:
     model, methods = model_from_target(args.target)
     started = time.perf_counter()
     program = aotstack.export(model, methods)
-    lowered = aotstack.lower(
-        program, cli_partitioners(args), on_compile_error=args.on_compile_error, jobs=args.jobs,
-        progress={"auto": None, "live": True, "log": False}[args.progress],
-    )
+    check = None if args.check is None else cli_check(args)
+    try:
+        lowered = aotstack.lower(
+            program, cli_partitioners(args), on_compile_error=args.on_compile_error, jobs=args.jobs,
+            progress={"auto": None, "live": True, "log": False}[args.progress], check=check,
+        )
+    except CheckError as exc:
+        print(exc.result.text(), file=sys.stderr)
+        raise CheckError(f"{exc}\nnothing was written to {args.output}; compile without --check to write it anyway",
+                         exc.result, exc.lowered) from None
     lowered.save(args.output)
+    if lowered.check_result is not None:
+        print(lowered.check_result.text())
     count = sum(len(lowered.delegates(name)) for name in lowered.methods)
     print(f"wrote {args.output}: {len(lowered.methods)} method(s), {count} delegate(s), "
           f"{os.path.getsize(args.output) / 1e6:.2f} MB, in {time.perf_counter() - started:.1f} s")
+    return 0
+
+
+def cli_check(args: argparse.Namespace) -> Check:
+    from .compile.check import Check
+
+    tolerance = {name: getattr(args, name) for name in ("atol", "rtol") if getattr(args, name) is not None}
+    return Check(partition=args.check == "partition", **tolerance)
+
+
+def explain_command(args: argparse.Namespace) -> int:
+    import aotstack
+
+    model, methods = model_from_target(args.target)
+    report = aotstack.explain(aotstack.export(model, methods), cli_partitioners(args))
+    show_report(report, args)
     return 0
 
 
@@ -261,47 +320,30 @@ def summary(value: Any) -> str:
 
 
 def inspect_command(args: argparse.Namespace) -> int:
-    from .format.archive import read_manifest
-    from .format.manifest import record_text
+    if args.schema:
+        from .report.schema import REPORT_SCHEMA
 
-    manifest = read_manifest(args.package)
-    blobs = manifest.blobs
-    print(f"{args.package}: {os.path.getsize(args.package) / 1e6:.2f} MB, aotstack format "
-          f"{manifest.format_version}, written by aotstack {manifest.aotstack_version} "
-          f"with torch {manifest.torch_version}")
-    for name, method in manifest.methods.items():
-        inputs = ", ".join(record_text(record) for record in method.inputs)
-        weights = sum(blobs[w.blob] for w in method.weights.values())
-        print(f"\nmethod {name}({inputs}): {len(method.delegates)} delegate(s), "
-              f"{len(method.weights)} weight(s) outside delegates ({weights / 1e3:.1f} kB)")
-        for delegate in method.delegates:
-            size = sum(blobs[key] for key in delegate.named_data.values())
-            print(f"  {delegate.id}: {delegate.backend_id} on {delegate.target_device}, "
-                  f"{len(delegate.inputs)} in / {len(delegate.outputs)} out, {size / 1e3:.1f} kB")
-            print(f"    ops: {', '.join(delegate.ops)}")
-        copies = copies_text(method.plan.steps)
-        if copies:
-            print(f"  copies: {copies}")
-    print(f"\n{len(blobs)} blob(s), {sum(blobs.values()) / 1e6:.2f} MB, each stored once")
+        print(json.dumps(REPORT_SCHEMA, indent=2))
+        return 0
+    if args.package is None:
+        raise AotstackError("inspect needs a package: aotstack inspect FILE.pt2 (or --schema)")
+    from .report.model import file_report
+
+    show_report(file_report(args.package), args)
     return 0
 
 
-def copies_text(steps: list[Step]) -> str:
-    """``3 to cuda:0 (a, b, c), 1 to the host (getitem_1)``: the host-device copies in a run plan."""
-    from .format.op_names import op_name
-    from .format.ops import d2h_copy, h2d_copy
-    from .format.plan import OpStep
-
-    moved: dict[str, list[str]] = {}
-    for step in steps:
-        if not isinstance(step, OpStep):
-            continue
-        if step.target == op_name(h2d_copy):
-            source, device = step.args
-            moved.setdefault(f"to {device}", []).append(source.name)
-        elif step.target == op_name(d2h_copy):
-            moved.setdefault("to the host", []).append(step.args[0].name)
-    return ", ".join(f"{len(names)} {where} ({', '.join(names)})" for where, names in moved.items())
+def show_report(report: Report, args: argparse.Namespace) -> None:
+    """Print ``report`` as tables or JSON; draw its graph where ``--graph`` asks."""
+    if args.graph:
+        with open(args.graph, "w", encoding="utf-8") as file:
+            file.write(report.svg())
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        report.print()
+    if args.graph:
+        print(f"drew {args.graph}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from ..format.ops import d2h_copy, h2d_copy
 from ..format.placement import Placement, Reason
 from ..format.plan import OpStep, Ref
 from ..format.records import TensorSpec
+from ..format.tensor_data import WEIGHT_PREFIX
 
 SCHEMA_NAME = "aotstack-report"
 SCHEMA_VERSION = 1
@@ -49,7 +50,7 @@ class DelegateSummary:
     distinct_ops: list[str]
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
-    # Its compiled code (the processed blob); None in a dry run, which compiles nothing.
+    # Its compiled code (processed bytes, libraries, engine models); None in a dry run, which compiles nothing.
     code_bytes: int | None
     weight_bytes: int
     compile_state: str | None
@@ -226,8 +227,8 @@ def delegate_summary(
         distinct_ops=list(record.ops),
         inputs=list(record.inputs),
         outputs=list(record.outputs),
-        code_bytes=None if planned else blobs.get(record.processed, 0),
-        weight_bytes=sum(blobs.get(key, 0) for key in record.named_data.values()),
+        code_bytes=None if planned else sum(blobs.get(key, 0) for key in code_blobs(record)),
+        weight_bytes=sum(blobs.get(key, 0) for name, key in record.named_data.items() if is_weight(name)),
         compile_state=placed.compile_state if placed is not None else None,
         compile_seconds=placed.compile_seconds if placed is not None else None,
     )
@@ -279,18 +280,29 @@ def size_parts(manifest: Manifest, file_bytes: int | None) -> list[SizePart]:
     kinds: dict[str, str] = {}
     for record in manifest.methods.values():
         for delegate in record.delegates:
-            kinds.setdefault(delegate.processed, "delegate code")
-            for key in delegate.named_data.values():
-                kinds.setdefault(key, "delegate data (weights)")
+            for key in code_blobs(delegate):
+                kinds.setdefault(key, "delegate code")
+            for name, key in delegate.named_data.items():
+                if is_weight(name):
+                    kinds.setdefault(key, "delegate weights")
         for weight in record.weights.values():
             kinds.setdefault(weight.blob, "method weights")
-    sizes: dict[str, int] = {"delegate code": 0, "delegate data (weights)": 0, "method weights": 0}
+    sizes: dict[str, int] = {"delegate code": 0, "delegate weights": 0, "method weights": 0}
     for key, kind in kinds.items():
         sizes[kind] += manifest.blobs.get(key, 0)
     parts = [SizePart(part, size) for part, size in sizes.items()]
     if file_bytes is not None:
         parts.append(SizePart("programs, manifest and archive", max(0, file_bytes - sum(sizes.values()))))
     return parts
+
+
+def code_blobs(record: DelegateRecord) -> list[str]:
+    """A delegate's compiled code: its processed bytes and each named blob not a weight (a library, a model)."""
+    return [record.processed, *(key for name, key in record.named_data.items() if not is_weight(name))]
+
+
+def is_weight(name: str) -> bool:
+    return name.startswith(WEIGHT_PREFIX)
 
 
 def report_to_json(report: Report) -> dict[str, Any]:

@@ -44,7 +44,11 @@ def report_text(report: Report, width: int = 120, color: bool = False) -> str:
 
 
 def print_report(report: Report) -> None:
-    Console(file=sys.stdout).print(report_renderable(report))
+    """Print to standard output: at the terminal's width, or 120 columns into a pipe or file."""
+    console = Console(file=sys.stdout)
+    if not console.is_terminal:
+        console = Console(file=sys.stdout, width=120)
+    console.print(report_renderable(report))
 
 
 def report_renderable(report: Report) -> RenderableType:
@@ -100,14 +104,19 @@ def shares_text(method: MethodSummary) -> Text:
 def delegates_table(delegates: list[DelegateSummary], planned: bool) -> Table:
     table = Table(title="delegates", title_justify="left", expand=False)
     for column in ("id", "engine", "device", "ops", "inputs → outputs", "code", "weights", "compile"):
-        table.add_column(column, overflow="fold", justify="right" if column in ("ops", "code", "weights") else "left")
+        table.add_column(
+            column,
+            justify="right" if column in ("ops", "code", "weights") else "left",
+            no_wrap=column != "inputs → outputs",
+            overflow="fold",
+        )
     for delegate in delegates:
         table.add_row(
             delegate.id,
             Text(delegate.engine, style=ENGINE_STYLES.get(delegate.engine, "bold")),
             delegate.device,
             str(delegate.op_count) if delegate.op_count is not None else f"{len(delegate.distinct_ops)} kinds",
-            f"{specs_text(delegate.inputs)} → {specs_text(delegate.outputs)}",
+            f"{specs_text(delegate.inputs)}\n→ {specs_text(delegate.outputs)}",
             "—" if delegate.code_bytes is None else megabytes(delegate.code_bytes),
             megabytes(delegate.weight_bytes),
             compile_text(delegate, planned),
@@ -117,12 +126,12 @@ def delegates_table(delegates: list[DelegateSummary], planned: bool) -> Table:
 
 def compile_text(delegate: DelegateSummary, planned: bool) -> str:
     if planned or delegate.compile_state == "planned":
-        return "not compiled (dry run)"
+        return "dry run"
     if delegate.compile_state is None:
         return "not recorded"
     if delegate.compile_seconds is None:
         return delegate.compile_state
-    return f"{delegate.compile_state}, {delegate.compile_seconds:.1f} s"
+    return f"{delegate.compile_state} {delegate.compile_seconds:.1f} s"
 
 
 def unclaimed_table(method: MethodSummary) -> Table:
