@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 import sys
 
 from rich.console import Console, Group, RenderableType
@@ -44,9 +45,9 @@ def report_text(report: Report, width: int = 120, color: bool = False) -> str:
 
 
 def print_report(report: Report) -> None:
-    """Print to standard output: at the terminal's width, or 120 columns into a pipe or file."""
+    """Print to standard output: at the terminal's width, or ``$COLUMNS`` (else 120) into a pipe or file."""
     console = Console(file=sys.stdout)
-    if not console.is_terminal:
+    if not console.is_terminal and "COLUMNS" not in os.environ:
         console = Console(file=sys.stdout, width=120)
     console.print(report_renderable(report))
 
