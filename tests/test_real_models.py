@@ -8,7 +8,7 @@ interpreter start per lowering, not per model.
 from __future__ import annotations
 
 import json
-import operator
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,9 +17,10 @@ import pytest
 import torch
 
 import aotstack
-from aotstack.format.ops import is_delegate_call
+from aotstack.report.schema import REPORT_SCHEMA
 from tests import hf_models
 from tests.conftest import CORPUS_REPORT, run_child
+from tests.schema_check import schema_errors
 
 LOWERINGS: dict[str, Callable[[], list[aotstack.Partitioner]]] = {
     "aoti": lambda: [aotstack.AotiCpuPartitioner()],
@@ -52,15 +53,15 @@ class CorpusResult:
 
 
 def engines_text(lowered: aotstack.LoweredProgram) -> str:
-    counts: dict[str, int] = {}
-    for delegate in lowered.delegates("forward"):
-        counts[delegate.backend_id] = counts.get(delegate.backend_id, 0) + 1
-    plain = sum(
-        1
-        for node in lowered.methods["forward"].graph.nodes
-        if node.op == "call_function" and not is_delegate_call(node) and node.target is not operator.getitem
-    )
-    parts = [f"{backend} x{count}" for backend, count in counts.items()]
+    """``onnxruntime x3 (40 ops), aoti_cpu x4 (200 ops), 2 plain ATen op(s)``, read from the report."""
+    report = lowered.report()
+    errors = schema_errors(report.to_json(), REPORT_SCHEMA)
+    assert not errors, errors
+    method = report.method("forward")
+    parts = [
+        f"{share.engine} x{share.delegates} ({share.ops} ops)" for share in method.engines if share.engine != "aten"
+    ]
+    plain = sum(len(group.nodes) for group in method.unclaimed)
     return ", ".join(parts + ([f"{plain} plain ATen op(s)"] if plain else []))
 
 
@@ -116,6 +117,6 @@ def test_corpus_model_matches_eager_from_a_fresh_process(corpus, name, lowering)
         assert got.shape == want.shape and got.dtype == want.dtype
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     if lowering == "aoti":
-        assert result.engines == "aoti_cpu x1", "AOTInductor alone takes the whole model as one delegate"
+        assert re.fullmatch(r"aoti_cpu x1 \(\d+ ops\)", result.engines), "AOTInductor alone takes the whole model"
     else:
         assert "onnxruntime" in result.engines
