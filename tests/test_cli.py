@@ -44,9 +44,14 @@ def test_run_reports_outputs_and_time(lowered_package):
 
 def test_compile_writes_a_package_from_module_and_function(tmp_path):
     output = tmp_path / "demo.pt2"
-    result = aotstack_command("compile", "aotstack.demo:demo_model", "-o", output, "--exclude-op", "aten.gelu")
+    result = aotstack_command(
+        "compile", "aotstack.demo:demo_model", "-o", output, "--exclude-op", "aten.gelu", "--check", "--atol", "1e-3"
+    )
 
     assert result.returncode == 0, result.stderr
+    assert "numerical check of outputs (atol 1e-03, rtol 1e-04): passed" in result.stdout
+    for output_name in ("method 'forward'  output", "method 'embed'    output"):
+        assert output_name in result.stdout
     assert "forward: compiling aoti_cpu_0 (aoti_cpu, " in result.stderr
     assert "embed: aoti_cpu_0 (aoti_cpu) same as forward/aoti_cpu_0, compiled once" in result.stderr
     assert f"wrote {output}: 2 method(s), 4 delegate(s)" in result.stdout

@@ -23,6 +23,9 @@ from .plan import bounded, expect
 # - ``not_claimed``: the partitioner left it without saying why.
 REASON_KINDS = ("excluded", "unsupported", "min_block_size", "missing_kernels", "compile_failed", "not_claimed")
 
+# The engine named for ops no delegate took: they run as plain ATen calls.
+PLAIN_ATEN = "aten"
+
 # Compile states of a delegate; ``planned`` is a dry run's, which compiles nothing.
 COMPILE_STATES = ("compiled", "cached", "planned")
 

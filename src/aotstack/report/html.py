@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from html import escape
+from typing import TYPE_CHECKING
 
-from .model import PLAIN_ATEN, DelegateSummary, MethodSummary, Report
+from ..format.placement import PLAIN_ATEN
 from .text import KIND_LABELS, NODES_SHOWN, compile_text, megabytes, specs_text
+
+if TYPE_CHECKING:
+    from .model import DelegateSummary, MethodSummary, Report
 
 # Swatch colour per engine, the same families as the terminal's and the graph's.
 ENGINE_COLORS = {

@@ -18,16 +18,13 @@ from ..format.archive import read_manifest
 from ..format.manifest import DelegateRecord, Manifest, MethodRecord, record_text
 from ..format.op_names import op_name
 from ..format.ops import d2h_copy, h2d_copy
-from ..format.placement import Placement, Reason
+from ..format.placement import PLAIN_ATEN, Placement, Reason
 from ..format.plan import OpStep, Ref
 from ..format.records import TensorSpec
 from ..format.tensor_data import WEIGHT_PREFIX
 
 SCHEMA_NAME = "aotstack-report"
 SCHEMA_VERSION = 1
-
-# The engine name for ops no delegate took: they run as plain ATen calls.
-PLAIN_ATEN = "aten"
 
 
 @dataclass(frozen=True)

@@ -5,13 +5,17 @@ from __future__ import annotations
 import io
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from ..format.placement import PLAIN_ATEN
 from ..format.records import TensorSpec
-from .model import PLAIN_ATEN, DelegateSummary, MethodSummary, Report
+
+if TYPE_CHECKING:
+    from .model import DelegateSummary, MethodSummary, Report
 
 # rich style per engine; any other engine is drawn in the default colour.
 ENGINE_STYLES = {
@@ -163,19 +167,20 @@ def sizes_table(report: Report) -> Table:
 
 
 def check_text(check: dict) -> Text:
-    outputs = check.get("outputs", [])
-    delegates = check.get("delegates", [])
-    failed = [d for d in (*outputs, *delegates) if not d.get("passed")]
-    style = "bold red" if failed else "bold green"
+    """What ``lower(..., check=...)`` measured (``CheckResult.to_json()``), one line per output compared."""
+    differences = [*check.get("outputs", []), *check.get("delegates", [])]
+    passed = all(d.get("passed") for d in differences)
     text = Text("\nnumerical check: ", style="bold")
-    text.append("failed" if failed else "passed", style=style)
-    for difference in (*outputs, *delegates):
-        where = f"delegate {difference['delegate']} " if difference.get("delegate") else ""
-        text.append(
-            f"\n  {difference['method']}: {where}{difference['output']}: max abs {difference['max_abs']:.3g}, "
-            f"max rel {difference['max_rel']:.3g}" + ("" if difference.get("passed") else "  ← past the tolerance")
-        )
+    text.append("passed" if passed else "failed", style="bold green" if passed else "bold red")
+    for d in differences:
+        where = f"delegate {d['delegate']}" if d.get("delegate") else f"method {d['method']}"
+        amounts = d.get("mismatch") or f"max abs {number(d['max_abs'])}, max rel {number(d['max_rel'])}"
+        text.append(f"\n  {where}: {d['output']}: {amounts}" + ("" if d.get("passed") else "  ← past the tolerance"))
     return text
+
+
+def number(value: float | str) -> str:
+    return value if isinstance(value, str) else f"{value:.3g}"
 
 
 def specs_text(specs: list[TensorSpec]) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -111,6 +111,12 @@ class LoadedProgram:
     def __dir__(self) -> list[str]:
         return sorted(set(super().__dir__()) | set(self._methods))
 
+    def _repr_html_(self) -> str:
+        # The report reads the file's manifest only; imported here so loading never pays for it.
+        from ..report.model import file_report
+
+        return file_report(self.path)._repr_html_()
+
 
 def load(path: str | os.PathLike[str], public_key: PublicKeyLike = None) -> LoadedProgram:
     """Open a ``.pt2`` written by :meth:`LoweredProgram.save` and get it ready to run.
@@ -125,10 +131,27 @@ def load(path: str | os.PathLike[str], public_key: PublicKeyLike = None) -> Load
     ``AOTSTACK_TRUSTED_KEYS`` set to such paths, a file not signed by one of those keys is
     refused before its manifest is parsed.
     """
+    return loaded_program(path, public_key)
+
+
+# Given a delegate's id and its run side, what the plan calls in its place.
+DelegateWrapper = Callable[[str, LoadedDelegate], LoadedDelegate]
+
+
+def loaded_program(
+    path: str | os.PathLike[str], public_key: PublicKeyLike = None, *, wrap_delegate: DelegateWrapper | None = None
+) -> LoadedProgram:
+    """What :func:`load` returns; with ``wrap_delegate``, every delegate is passed through it first.
+
+    Internal: the numerical check wraps each delegate to record what it was given and gave
+    back. Wrapping happens once, at load, so a plain load's calls run exactly as before.
+    """
     trusted = public_keys(public_key) if public_key is not None else keys_from_environment()
     contents = read_package(path, trusted)
     state = ProgramState(contents)
-    methods = {name: load_method(state, name, record) for name, record in contents.manifest.methods.items()}
+    methods = {
+        name: load_method(state, name, record, wrap_delegate) for name, record in contents.manifest.methods.items()
+    }
     return LoadedProgram(contents.path, methods, state)
 
 
@@ -189,9 +212,13 @@ def reads_state(method: MethodRecord, mutable: set[str]) -> bool:
     return bool(method.plan.mutations or state & read or held & mutable)
 
 
-def load_method(state: ProgramState, name: str, record: MethodRecord) -> Method:
+def load_method(
+    state: ProgramState, name: str, record: MethodRecord, wrap_delegate: DelegateWrapper | None = None
+) -> Method:
     weights = state.method_weights(record.weights)
     delegates = {delegate.id: loaded_delegate(state, delegate) for delegate in record.delegates}
+    if wrap_delegate is not None:
+        delegates = {delegate_id: wrap_delegate(delegate_id, loaded) for delegate_id, loaded in delegates.items()}
     in_spec, out_spec = treespec(name, "in_spec", record.in_spec), treespec(name, "out_spec", record.out_spec)
     if in_spec.num_leaves != len(record.inputs) or out_spec.num_leaves != len(record.plan.outputs):
         raise PackageError(f"method {name!r}: its pytree specs do not match its inputs and outputs")
