@@ -238,3 +238,21 @@ def test_a_dry_run_cannot_be_saved(tmp_path):
     with pytest.raises(aotstack.LoweringError, match="dry run"):
         lowered.save(tmp_path / "x.pt2")
     assert not (tmp_path / "x.pt2").exists()
+
+
+def test_a_part_that_failed_to_compile_and_a_partitioner_without_reasons_are_reported():
+    from tests.test_compile_errors import OpPartitioner, add_relu_program
+
+    program, _ = add_relu_program()
+    lowered = aotstack.lower(
+        program, [OpPartitioner(relu="test_failing", add="test_working_add")], on_compile_error="fallback", jobs=1
+    )
+    method = lowered.report().method("forward")
+
+    why = {group.op: [(r.engine, r.kind) for r in group.reasons] for group in method.unclaimed}
+    assert why["aten.relu.default"] == [("test_failing", "compile_failed")]
+    assert why["aten.mul.Tensor"] == [("test_failing, test_working_add", "not_claimed")]
+    failed = [group for group in method.unclaimed if group.op == "aten.relu.default"]
+    assert sorted(node for group in failed for node in group.nodes) == ["relu", "relu_1"]
+    assert all("boom: this backend cannot compile anything" in group.reasons[0].detail for group in failed)
+    assert ops_by_engine(method) == {"test_working_add": {"aten.add.Tensor": 2}}
