@@ -41,6 +41,7 @@ from common import (
 )
 from compile_time import compile_times, parallel_jobs
 from decode import decode_rates
+from draw import draw_times
 from large import large_model
 from latency import latency
 from load import load_times
@@ -58,6 +59,7 @@ BENCHMARKS: dict[str, tuple[str, Callable[[Settings], Figures]]] = {
     "load": ("demo: load + first call in a fresh process vs aoti_load_package", load_times),
     "stacked": ("AOTInductor, ONNX Runtime and both stacked, per call", stacked),
     "decode": ("greedy decoding tokens/s vs plain AOTI, eager, torch.compile; memory", decode_rates),
+    "draw": ("graph picture: SVG of a 500- and a 2000-node method, median of 5 draws", draw_times),
 }
 
 

@@ -256,3 +256,17 @@ def test_a_part_that_failed_to_compile_and_a_partitioner_without_reasons_are_rep
     assert sorted(node for group in failed for node in group.nodes) == ["relu", "relu_1"]
     assert all("boom: this backend cannot compile anything" in group.reasons[0].detail for group in failed)
     assert ops_by_engine(method) == {"test_working_add": {"aten.add.Tensor": 2}}
+
+
+def test_draw_and_inspect_graph_draw_a_box_per_delegate(stacked, tmp_path):
+    from xml.etree import ElementTree
+
+    lowered, path = stacked
+    lowered.draw(tmp_path / "lowered.svg")
+    assert aotstack_command("inspect", path, "--graph", tmp_path / "saved.svg").returncode == 0
+
+    for picture in ("lowered.svg", "saved.svg"):
+        root = ElementTree.parse(tmp_path / picture).getroot()
+        boxes = [g for g in root.iter("{http://www.w3.org/2000/svg}g") if {"node", "delegate"} <= set(g.get("class", "").split())]
+        assert sorted(g.get("data-delegate") for g in boxes) == [d.delegate_id for d in lowered.delegates("forward")]
+        assert {g.get("data-engine") for g in boxes} == {"onnxruntime", "aoti_cpu"}

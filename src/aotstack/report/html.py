@@ -6,20 +6,14 @@ from html import escape
 from typing import TYPE_CHECKING
 
 from ..format.placement import PLAIN_ATEN
-from .text import KIND_LABELS, NODES_SHOWN, compile_text, megabytes, specs_text
+from .graph import engine_colour
+from .text import KIND_LABELS, NODES_SHOWN, check_text, compile_text, megabytes, specs_text
 
 if TYPE_CHECKING:
     from .model import DelegateSummary, MethodSummary, Report
 
-# Swatch colour per engine, the same families as the terminal's and the graph's.
-ENGINE_COLORS = {
-    "aoti_cpu": "#4e79a7",
-    "aoti_cuda": "#59a14f",
-    "aoti_metal": "#b07aa1",
-    "onnxruntime": "#edc948",
-    PLAIN_ATEN: "#e15759",
-}
-OTHER_COLOR = "#9c755f"
+# Plain ATen's swatch; each engine's is the one the graph picture uses.
+PLAIN_ATEN_COLOUR = "#c8c8c8"
 
 STYLE = """
 <style>
@@ -38,6 +32,8 @@ def report_html(report: Report) -> str:
     for method in report.methods:
         parts.append(method_html(method, report.planned))
     parts.append(sizes_html(report))
+    if report.check is not None:
+        parts.append(f"<pre>{escape(check_text(report.check).plain.strip())}</pre>")
     parts.append("</div>")
     return "\n".join(parts)
 
@@ -79,7 +75,7 @@ def share_bar(method: MethodSummary) -> str:
     """A stacked bar of each engine's share of the ops, with a legend."""
     cells, legend = [], []
     for share in method.engines:
-        color = ENGINE_COLORS.get(share.engine, OTHER_COLOR)
+        color = colour(share.engine)
         label = "plain ATen" if share.engine == PLAIN_ATEN else share.engine
         if share.ops:
             cells.append(
@@ -129,4 +125,8 @@ def table(caption: str, header: list[str], rows: list[str]) -> str:
 
 
 def swatch(engine: str) -> str:
-    return f'<span class="swatch" style="background:{ENGINE_COLORS.get(engine, OTHER_COLOR)}"></span>'
+    return f'<span class="swatch" style="background:{colour(engine)}"></span>'
+
+
+def colour(engine: str) -> str:
+    return PLAIN_ATEN_COLOUR if engine == PLAIN_ATEN else engine_colour(engine)
