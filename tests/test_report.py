@@ -267,6 +267,7 @@ def test_draw_and_inspect_graph_draw_a_box_per_delegate(stacked, tmp_path):
 
     for picture in ("lowered.svg", "saved.svg"):
         root = ElementTree.parse(tmp_path / picture).getroot()
-        boxes = [g for g in root.iter("{http://www.w3.org/2000/svg}g") if {"node", "delegate"} <= set(g.get("class", "").split())]
+        groups = root.iter("{http://www.w3.org/2000/svg}g")
+        boxes = [g for g in groups if {"node", "delegate"} <= set(g.get("class", "").split())]
         assert sorted(g.get("data-delegate") for g in boxes) == [d.delegate_id for d in lowered.delegates("forward")]
         assert {g.get("data-engine") for g in boxes} == {"onnxruntime", "aoti_cpu"}
