@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 from html import escape
-from typing import TYPE_CHECKING
 
 from ..format.placement import PLAIN_ATEN
 from .graph import engine_colour
+from .summary import DelegateSummary, MethodSummary, Summary
 from .text import KIND_LABELS, NODES_SHOWN, check_text, compile_text, megabytes, specs_text
-
-if TYPE_CHECKING:
-    from .model import DelegateSummary, MethodSummary, Report
 
 # Plain ATen's swatch; each engine's is the one the graph picture uses.
 PLAIN_ATEN_COLOUR = "#c8c8c8"
@@ -26,7 +23,7 @@ STYLE = """
 """
 
 
-def report_html(report: Report) -> str:
+def report_html(report: Summary) -> str:
     """The whole report as one HTML fragment."""
     parts = [STYLE, '<div class="aotstack-report">', f"<p><b>{escape(title(report))}</b></p>"]
     for method in report.methods:
@@ -38,7 +35,7 @@ def report_html(report: Report) -> str:
     return "\n".join(parts)
 
 
-def title(report: Report) -> str:
+def title(report: Summary) -> str:
     what = "dry run: partitioned, nothing compiled" if report.planned else report.source or "lowered program"
     size = "" if report.file_bytes is None else f", {megabytes(report.file_bytes)}"
     return f"{what}{size} · aotstack {report.aotstack_version} · torch {report.torch_version}"
@@ -107,7 +104,7 @@ def delegates_html(delegates: list[DelegateSummary], planned: bool) -> str:
     return table("delegates", header, rows)
 
 
-def sizes_html(report: Report) -> str:
+def sizes_html(report: Summary) -> str:
     total = report.total_bytes
     rows = [
         f"<tr><td>{escape(p.part)}</td><td>{megabytes(p.bytes)}</td>"

@@ -20,107 +20,21 @@ from ..format.op_names import op_name
 from ..format.ops import d2h_copy, h2d_copy
 from ..format.placement import PLAIN_ATEN, Placement, Reason
 from ..format.plan import OpStep, Ref
-from ..format.records import TensorSpec
 from ..format.tensor_data import WEIGHT_PREFIX
+from .graph import program_svg
+from .html import report_html
+from .summary import Copy, DelegateSummary, EngineShare, MethodSummary, SizePart, Summary, UnclaimedGroup
+from .text import print_report, report_text
 
 SCHEMA_NAME = "aotstack-report"
 SCHEMA_VERSION = 1
 
 
-@dataclass(frozen=True)
-class EngineShare:
-    """How many of a method's ops one engine took (``aten``: left to plain ATen), and what fraction."""
-
-    engine: str
-    ops: int
-    share: float
-    delegates: int
-
-
-@dataclass(frozen=True)
-class DelegateSummary:
-    id: str
-    engine: str
-    device: str
-    # How many ops it replaced, by op name; empty where the file did not record it.
-    op_counts: dict[str, int]
-    distinct_ops: list[str]
-    inputs: list[TensorSpec]
-    outputs: list[TensorSpec]
-    # Its compiled code (processed bytes, libraries, engine models); None in a dry run, which compiles nothing.
-    code_bytes: int | None
-    weight_bytes: int
-    compile_state: str | None
-    compile_seconds: float | None
-
-    @property
-    def op_count(self) -> int | None:
-        return sum(self.op_counts.values()) if self.op_counts else None
-
-
-@dataclass(frozen=True)
-class UnclaimedGroup:
-    """Ops of one kind left to plain ATen for the same reasons: the nodes, and each engine's reason."""
-
-    op: str
-    nodes: list[str]
-    reasons: list[Reason]
-
-
-@dataclass(frozen=True)
-class Copy:
-    """A host-device copy the device pass put in: the value copied and where to."""
-
-    step: str
-    source: str
-    to: str
-
-
-@dataclass(frozen=True)
-class MethodSummary:
-    name: str
-    inputs: list[str]
-    # Ops counted (see lower.is_counted_op); None where the file did not record where ops went.
-    ops: int | None
-    engines: list[EngineShare]
-    delegates: list[DelegateSummary]
-    unclaimed: list[UnclaimedGroup]
-    copies: list[Copy]
-    weight_count: int
-    weight_bytes: int
-
-
-@dataclass(frozen=True)
-class SizePart:
-    part: str
-    bytes: int
-
-
 @dataclass(frozen=True, repr=False)
-class Report:
-    """What went where and why, for every method of a lowered program or a saved file."""
+class Report(Summary):
+    """The summary, and the ways to show it: tables, JSON, HTML in a notebook, an SVG of the graph."""
 
-    source: str | None
-    aotstack_version: str
-    torch_version: str
-    format_version: int
-    planned: bool
-    methods: list[MethodSummary]
-    size_parts: list[SizePart]
-    # The file's size; None for a program not saved, whose parts are the blobs it would store.
-    file_bytes: int | None
-    check: dict[str, Any] | None = None
-    manifest: Manifest | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def total_bytes(self) -> int:
-        return self.file_bytes if self.file_bytes is not None else sum(part.bytes for part in self.size_parts)
-
-    def method(self, name: str) -> MethodSummary:
-        for method in self.methods:
-            if method.name == name:
-                return method
-        raise KeyError(f"no method {name!r} in the report; methods: {[m.name for m in self.methods]}")
+    manifest: Manifest | None = field(default=None, compare=False)
 
     def to_json(self) -> dict[str, Any]:
         """The report as plain data, following ``aotstack.report.schema.REPORT_SCHEMA``."""
@@ -128,20 +42,14 @@ class Report:
 
     def text(self, width: int = 120, color: bool = False) -> str:
         """The report as tables, ``width`` characters wide; with ANSI colour where ``color``."""
-        from .text import report_text
-
         return report_text(self, width=width, color=color)
 
     def print(self) -> None:
         """Print the report to the terminal, in colour where it is one."""
-        from .text import print_report
-
         print_report(self)
 
     def svg(self) -> str:
         """Every method's graph drawn as one SVG document."""
-        from .graph import program_svg
-
         if self.manifest is None:
             raise ValueError("this report was built without its manifest, so it cannot draw the graph")
         counts = {d.id: d.op_count for m in self.methods for d in m.delegates if d.op_count is not None}
@@ -154,8 +62,6 @@ class Report:
         return self.text()
 
     def _repr_html_(self) -> str:
-        from .html import report_html
-
         return report_html(self)
 
 

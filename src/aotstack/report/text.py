@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import os
 import sys
-from typing import TYPE_CHECKING
 
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
@@ -13,9 +12,7 @@ from rich.text import Text
 
 from ..format.placement import PLAIN_ATEN
 from ..format.records import TensorSpec
-
-if TYPE_CHECKING:
-    from .model import DelegateSummary, MethodSummary, Report
+from .summary import DelegateSummary, MethodSummary, Summary
 
 # rich style per engine; any other engine is drawn in the default colour.
 ENGINE_STYLES = {
@@ -40,7 +37,7 @@ KIND_LABELS = {
 NODES_SHOWN = 4
 
 
-def report_text(report: Report, width: int = 120, color: bool = False) -> str:
+def report_text(report: Summary, width: int = 120, color: bool = False) -> str:
     """The report drawn as text ``width`` characters wide."""
     buffer = io.StringIO()
     console = Console(file=buffer, width=width, force_terminal=color, color_system="standard" if color else None)
@@ -48,7 +45,7 @@ def report_text(report: Report, width: int = 120, color: bool = False) -> str:
     return buffer.getvalue()
 
 
-def print_report(report: Report) -> None:
+def print_report(report: Summary) -> None:
     """Print to standard output: at the terminal's width, or ``$COLUMNS`` (else 120) into a pipe or file."""
     console = Console(file=sys.stdout)
     if not console.is_terminal and "COLUMNS" not in os.environ:
@@ -56,7 +53,7 @@ def print_report(report: Report) -> None:
     console.print(report_renderable(report))
 
 
-def report_renderable(report: Report) -> RenderableType:
+def report_renderable(report: Summary) -> RenderableType:
     parts: list[RenderableType] = [heading(report)]
     for method in report.methods:
         parts.extend(method_parts(method, report.planned))
@@ -66,7 +63,7 @@ def report_renderable(report: Report) -> RenderableType:
     return Group(*parts)
 
 
-def heading(report: Report) -> Text:
+def heading(report: Summary) -> Text:
     what = report.source or "lowered program (not saved)"
     if report.planned:
         what = "dry run: partitioned, nothing compiled"
@@ -153,7 +150,7 @@ def unclaimed_table(method: MethodSummary) -> Table:
     return table
 
 
-def sizes_table(report: Report) -> Table:
+def sizes_table(report: Summary) -> Table:
     title = "file size by part" if report.file_bytes is not None else "size by part (what saving would store)"
     table = Table(title=title, title_justify="left")
     table.add_column("part")
