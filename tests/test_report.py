@@ -271,3 +271,28 @@ def test_draw_and_inspect_graph_draw_a_box_per_delegate(stacked, tmp_path):
         boxes = [g for g in groups if {"node", "delegate"} <= set(g.get("class", "").split())]
         assert sorted(g.get("data-delegate") for g in boxes) == [d.delegate_id for d in lowered.delegates("forward")]
         assert {g.get("data-engine") for g in boxes} == {"onnxruntime", "aoti_cpu"}
+
+
+@torch.library.custom_op("aotstack_test::twice", mutates_args=())
+def twice(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+class CustomOpModel(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(twice(torch.sin(x))) + 1
+
+
+def test_the_dry_run_warns_of_an_op_no_package_could_run():
+    program = aotstack.export(CustomOpModel(), {"forward": (torch.randn(3),)})
+    report = aotstack.explain(program, [aotstack.AotiCpuPartitioner()])
+
+    assert reasons(report.method("forward")) == {
+        "aotstack_test.twice.default": [("aoti_cpu", "unsupported"), ("aotstack", "not_runnable")]
+    }
+    assert "saving will fail" in report.text(width=300)

@@ -15,10 +15,11 @@ from torch.export import ExportedProgram
 from torch.fx.passes.utils.fuser_utils import validate_partition
 
 from ..backends.base import backend_class
-from ..errors import CheckError, CompileSpecError, LoweringError, MissingFallbackKernelsError
+from ..errors import CheckError, CompileSpecError, LoweringError, MissingFallbackKernelsError, PackageError
 from ..format.op_names import op_name
 from ..format.ops import is_delegate_call
 from ..format.placement import DelegatePlacement, Placement, Reason, UnclaimedOp
+from ..format.plan import resolved_op
 from ..format.records import Delegate, TensorSpec
 from ..format.specs import CompileSpec, DelegationSpec, PreprocessResult, SpecKey
 from ..format.tensor_data import WEIGHT_PREFIX
@@ -457,12 +458,30 @@ class MethodLowering:
 
     def placement(self, lowered: ExportedProgram) -> Placement:
         """Where each op of the lowered method went: the delegates' ops, and the ops left as plain ATen."""
-        unclaimed = [
-            UnclaimedOp(node.name, op_name(node.target), list(self.reasons.get(node.name, ())))
-            for node in get_non_lowered_nodes(lowered.graph)
-            if is_counted_op(node)
-        ]
+        unclaimed = []
+        for node in get_non_lowered_nodes(lowered.graph):
+            if is_counted_op(node):
+                reasons = list(self.reasons.get(node.name, ()))
+                if not runs_as_plain_op(op_name(node.target)):
+                    reasons.append(NOT_RUNNABLE)
+                unclaimed.append(UnclaimedOp(node.name, op_name(node.target), reasons))
         return Placement(dict(self.taken), unclaimed)
+
+
+NOT_RUNNABLE = Reason(
+    "aotstack",
+    "not_runnable",
+    "a package calls only ATen and prims ops outside delegates, so saving will fail; claim it with a partitioner",
+)
+
+
+def runs_as_plain_op(name: str) -> bool:
+    """Whether a loaded package may call op ``name`` outside any delegate (see format/plan.py's closed list)."""
+    try:
+        resolved_op(name)
+    except PackageError:
+        return False
+    return True
 
 
 def engine_name(partitioner: Partitioner, result: PartitionResult) -> str:

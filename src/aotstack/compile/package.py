@@ -130,7 +130,8 @@ def unsaved_manifest(
     methods: Mapping[str, ExportedProgram], delegates: Mapping[str, list[Delegate]], placements: Mapping[str, Placement]
 ) -> Manifest:
     """The manifest ``save`` would write, built without hashing the weights: for reading, not writing."""
-    return manifest_of(methods, delegates, placements, SizingStore())
+    # A plan that is only described may call an op no package could run: the report says so, save refuses it.
+    return manifest_of(methods, delegates, placements, SizingStore(), runnable_only=False)
 
 
 def manifest_of(
@@ -138,9 +139,11 @@ def manifest_of(
     delegates: Mapping[str, list[Delegate]],
     placements: Mapping[str, Placement],
     store: BlobStore,
+    *,
+    runnable_only: bool = True,
 ) -> Manifest:
     records = {
-        name: method_record(name, program, delegates[name], store, placements.get(name))
+        name: method_record(name, program, delegates[name], store, placements.get(name), runnable_only)
         for name, program in methods.items()
     }
     return Manifest(
@@ -189,13 +192,18 @@ def weightless(program: ExportedProgram) -> ExportedProgram:
 
 
 def method_record(
-    name: str, program: ExportedProgram, delegates: list[Delegate], store: BlobStore, placement: Placement | None = None
+    name: str,
+    program: ExportedProgram,
+    delegates: list[Delegate],
+    store: BlobStore,
+    placement: Placement | None = None,
+    runnable_only: bool = True,
 ) -> MethodRecord:
     call_spec = program.call_spec
     return MethodRecord(
         program=PROGRAM_PATH.format(name),
         inputs=input_records(name, program),
-        plan=method_plan(program),
+        plan=method_plan(program, runnable_only=runnable_only),
         in_spec=pytree.treespec_dumps(call_spec.in_spec),
         out_spec=pytree.treespec_dumps(call_spec.out_spec),
         weights=weight_records(program_weights(program), store),

@@ -29,44 +29,48 @@ from ..format.plan import (
 )
 
 
-def method_plan(program: ExportedProgram) -> MethodPlan:
-    """The steps that run ``program``'s graph, in graph order."""
+def method_plan(program: ExportedProgram, *, runnable_only: bool = True) -> MethodPlan:
+    """The steps that run ``program``'s graph, in graph order.
+
+    ``runnable_only=False`` also writes a step calling an op the runtime refuses (a custom op
+    no backend claimed): for a plan that is only described, never saved.
+    """
     specs = {spec.arg.name: spec for spec in program.graph_signature.input_specs}
     weights = {name: spec.target for name, spec in specs.items() if spec.kind != InputKind.USER_INPUT}
     output_values = program.graph.output_node().args[0]
     pairs = list(zip(program.graph_signature.output_specs, output_values))
     return MethodPlan(
-        steps=graph_steps(program.graph_module, weights),
+        steps=graph_steps(program.graph_module, weights, runnable_only),
         outputs=[plan_value(value, None) for spec, value in pairs if spec.kind == OutputKind.USER_OUTPUT],
         mutations=[(spec.target, value.name) for spec, value in pairs if spec.kind == OutputKind.BUFFER_MUTATION],
     )
 
 
-def graph_steps(graph_module: GraphModule, weights: dict[str, str]) -> list[Step]:
+def graph_steps(graph_module: GraphModule, weights: dict[str, str], runnable_only: bool = True) -> list[Step]:
     """The steps of one graph; placeholders named in ``weights`` read that weight's FQN."""
     steps: list[Step] = []
     for node in graph_module.graph.nodes:
         if node.op == "placeholder":
             steps.append(WeightStep(node.name, weights[node.name]) if node.name in weights else InputStep(node.name))
         elif node.op == "get_attr":
-            steps.append(SubgraphStep(node.name, subgraph_plan(graph_module, node)))
+            steps.append(SubgraphStep(node.name, subgraph_plan(graph_module, node, runnable_only)))
         elif is_delegate_call(node):
             outputs = [(user.args[1], user.name) for user in node.users if is_delegate_output(user)]
             steps.append(DelegateStep(node.args[0], [n.name for n in node.args[1]], outputs))
         elif node.op == "call_function" and not is_delegate_output(node):
             args, kwargs = plan_value(list(node.args), node), plan_value(dict(node.kwargs), node)
-            steps.append(OpStep(node.name, target_name(node), args, kwargs))
+            steps.append(OpStep(node.name, target_name(node, runnable_only), args, kwargs))
     return steps
 
 
-def subgraph_plan(graph_module: GraphModule, node: Node) -> SubgraphPlan:
+def subgraph_plan(graph_module: GraphModule, node: Node, runnable_only: bool = True) -> SubgraphPlan:
     body = getattr(graph_module, str(node.target))
     if not isinstance(body, GraphModule):
         raise LoweringError(f"node {node.name!r} reads {node.target!r}, which is not a subgraph a package can store")
-    return SubgraphPlan(graph_steps(body, {}), plan_value(body.graph.output_node().args[0], None))
+    return SubgraphPlan(graph_steps(body, {}, runnable_only), plan_value(body.graph.output_node().args[0], None))
 
 
-def target_name(node: Node) -> str:
+def target_name(node: Node, runnable_only: bool = True) -> str:
     """The name a step calls ``node``'s target by; one the loader's closed list refuses is refused here."""
     target = node.target
     if isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
@@ -76,7 +80,8 @@ def target_name(node: Node) -> str:
     else:
         raise LoweringError(f"node {node.name!r} calls {target!r}, which a package cannot store; only ops can run")
     try:
-        resolved_op(name)
+        if runnable_only:
+            resolved_op(name)
     except PackageError as exc:
         raise LoweringError(
             f"node {node.name!r} {exc}; claim it with a backend's partitioner, as a loaded package runs only "

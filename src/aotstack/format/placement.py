@@ -20,8 +20,11 @@ from .plan import bounded, expect
 # - ``min_block_size``: it is in a part smaller than the partitioner's ``min_block_size``;
 # - ``missing_kernels``: it needs fallback kernels the target's runtime lacks;
 # - ``compile_failed``: its part failed to compile, and ``on_compile_error="fallback"`` kept it;
-# - ``not_claimed``: the partitioner left it without saying why.
-REASON_KINDS = ("excluded", "unsupported", "min_block_size", "missing_kernels", "compile_failed", "not_claimed")
+# - ``not_claimed``: the partitioner left it without saying why;
+# - ``not_runnable`` (engine ``aotstack``): nor can the runtime call it as a plain op, so saving fails.
+REASON_KINDS = (
+    "excluded", "unsupported", "min_block_size", "missing_kernels", "compile_failed", "not_claimed", "not_runnable"
+)
 
 # The engine named for ops no delegate took: they run as plain ATen calls.
 PLAIN_ATEN = "aten"

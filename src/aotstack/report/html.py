@@ -112,7 +112,7 @@ def sizes_html(report: Summary) -> str:
         for p in report.size_parts
     ]
     rows.append(f"<tr><td><b>total</b></td><td><b>{megabytes(total)}</b></td><td></td></tr>")
-    what = "file size by part" if report.file_bytes is not None else "size by part (what saving would store)"
+    what = "file size by part" if report.file_bytes is not None else "size by part, once saved"
     return table(what, ["part", "size", "share"], rows)
 
 

@@ -31,6 +31,7 @@ KIND_LABELS = {
     "missing_kernels": "missing kernels",
     "compile_failed": "compile failed",
     "not_claimed": "not claimed",
+    "not_runnable": "cannot run",
 }
 
 # How many node names an unclaimed group lists before it says how many more.
@@ -151,7 +152,7 @@ def unclaimed_table(method: MethodSummary) -> Table:
 
 
 def sizes_table(report: Summary) -> Table:
-    title = "file size by part" if report.file_bytes is not None else "size by part (what saving would store)"
+    title = "file size by part" if report.file_bytes is not None else "size by part, once saved"
     table = Table(title=title, title_justify="left")
     table.add_column("part")
     table.add_column("size", justify="right")
