@@ -99,7 +99,7 @@ class LoweredProgram:
     # What ``lower(..., check=...)`` measured; None where nothing was checked.
     check_result: CheckResult | None = None
     # Per method, where each op went and why (what ``report()`` shows, saved with the file).
-    placements: dict[str, Placement] = field(default_factory=dict)
+    placements: dict[str, Placement] = field(default_factory=dict, repr=False)
     # A dry run's result (``aotstack.explain``): partitioned, nothing compiled, nothing to save.
     planned: bool = False
 
