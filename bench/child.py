@@ -85,7 +85,16 @@ def compile_package(kind: str, workload: str, package: str, threads: int, exclud
 
     torch.set_num_threads(threads)
     model, args = WORKLOADS[workload]()
-    if kind == "aotstack":
+    if kind == "explain":
+        export, explain = aotstack.export, aotstack.explain  # imports the compile side, untimed
+        partitioner = aotstack.AotiCpuPartitioner(exclude_ops=exclude)
+        started = time.perf_counter()
+        program = export(model, {"forward": args})
+        exported = time.perf_counter()
+        report = explain(program, [partitioner])
+        compiled = time.perf_counter()
+        delegates, details = len(report.method("forward").delegates), {}
+    elif kind == "aotstack":
         export, lower = aotstack.export, aotstack.lower  # imports the compile side, untimed
         partitioner = aotstack.AotiCpuPartitioner(exclude_ops=exclude)
         options = {} if jobs is None else {"jobs": jobs}
@@ -125,7 +134,7 @@ def main() -> None:
     loading.add_argument("inputs")
     loading.add_argument("threads", type=int)
     compiling = commands.add_parser("compile")
-    compiling.add_argument("kind", choices=["aotstack", "aoti"])
+    compiling.add_argument("kind", choices=["aotstack", "aoti", "explain"])
     compiling.add_argument("workload")
     compiling.add_argument("package")
     compiling.add_argument("threads", type=int)

@@ -11,12 +11,16 @@ The figure compared is the step from an exported program to a file on disk: ``ao
 against ``torch.export.export``) is timed apart and reported. Each child imports torch, Inductor and
 aotstack before its clock starts.
 
+``explain``: the dry run (``aotstack.explain``) of the 4-partition ``jobs`` model against its cold
+``lower`` with ``jobs=1``, each in a fresh process with fresh caches: how much sooner a user sees what a
+compile would do.
+
 ``jobs``: a model of four ``Linear`` blocks of different widths with ``gelu`` between them, gelu excluded,
 so four distinct AOTInductor partitions, lowered cold with ``lower(..., jobs=1)`` and ``jobs=2``. Where
 ``aotstack.lower`` takes no ``jobs`` keyword, that is recorded and only the default (sequential) lowering
 is timed.
 
-    .venv/bin/python bench/compile_time.py [--quick] [--threads 1] [--only compile|jobs]
+    .venv/bin/python bench/compile_time.py [--quick] [--threads 1] [--only compile|jobs|explain]
 """
 
 from __future__ import annotations
@@ -147,9 +151,29 @@ def parallel_jobs(settings: Settings) -> Figures:
     }
 
 
+def dry_run_times(settings: Settings) -> Figures:
+    """``aotstack.explain`` against a cold ``lower(jobs=1)`` of the same 4-partition model, fresh processes."""
+    exclude = ("aten.gelu",)
+    progress("the dry run of the 4-partition model, fresh caches ...")
+    planned = compile_child(settings, "explain", "jobs_chain", "explain", exclude)
+    progress(f"dry run: export {planned['export_s']:.1f} s, explain {planned['compile_s']:.2f} s")
+    progress("a cold lower of the same model, jobs=1 ...")
+    lowered = compile_child(settings, "aotstack", "jobs_chain", "explain-lower", exclude, 1)
+    progress(describe("lower jobs=1", lowered))
+    if planned["delegates"] != lowered["delegates"]:
+        raise RuntimeError(f"the dry run planned {planned['delegates']} delegates, lower made {lowered['delegates']}")
+    return {
+        "dry run (explain) / cold lower": Figure(
+            planned["compile_s"], "s", lowered["compile_s"],
+            note=f"{lowered['delegates']} partitions, export excluded ({planned['export_s']:.1f} s); the dry run "
+            "partitions as lower does and compiles nothing",
+        ),
+    }
+
+
 def main() -> None:
     def options(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--only", choices=["compile", "jobs"], default=None)
+        parser.add_argument("--only", choices=["compile", "jobs", "explain"], default=None)
 
     def both(settings: Settings, only: str | None) -> Figures:
         figures: Figures = {}
@@ -157,6 +181,8 @@ def main() -> None:
             figures.update(compile_times(settings))
         if only in (None, "jobs"):
             figures.update(parallel_jobs(settings))
+        if only in (None, "explain"):
+            figures.update(dry_run_times(settings))
         return figures
 
     run_standalone(__doc__, both, extra=options)

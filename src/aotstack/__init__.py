@@ -66,6 +66,7 @@ _EXPORTS = {
     "LoweredProgram": "compile.lower",
     "explain": "compile.explain",
     "Report": "report.model",
+    "file_report": "report.model",
     "lower": "compile.lower",
     "propagate_device_pass": "compile.devices",
     "Partitioner": "compile.partitioner",

@@ -70,7 +70,7 @@ def file_report(path: str | os.PathLike[str]) -> Report:
 
     Example::
 
-        print(aotstack.report.model.file_report("model.pt2"))
+        print(aotstack.file_report("model.pt2"))
     """
     return program_report(read_manifest(path), source=os.fspath(path), file_bytes=os.path.getsize(path))
 
