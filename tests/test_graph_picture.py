@@ -16,9 +16,7 @@ import pytest
 import torch
 
 import aotstack
-from aotstack import CompileSpec, DelegationSpec, Partitioner, PartitionResult, PreprocessResult
 from aotstack.compile.package import BlobStore, method_record
-from aotstack.compile.partitioner import DELEGATION_TAG
 from aotstack.format.archive import read_manifest
 from aotstack.format.manifest import DelegateRecord, InputRecord, MethodRecord
 from aotstack.format.op_names import op_name
@@ -28,39 +26,9 @@ from aotstack.format.records import TensorSpec
 from aotstack.report import graph
 from aotstack.report.graph import program_svg
 from tests import models
+from tests.test_devices import NodesOnDevice
 
 SVG = "{http://www.w3.org/2000/svg}"
-
-
-class PictureBackend(aotstack.Backend):
-    """Compiles nothing; the pictures only need the delegates it records."""
-
-    backend_id = "test_graph_picture"
-
-    def preprocess(self, exported_program, compile_specs):
-        return PreprocessResult(b"")
-
-    def init(self, processed_bytes, named_data, compile_specs):
-        return None
-
-    def execute(self, handle, inputs):
-        raise AssertionError("the picture tests never run a delegate")
-
-
-class ClaimNodes(Partitioner):
-    """Each named node becomes its own delegate, on ``device`` (recorded only; None: no device spec)."""
-
-    def __init__(self, device: str | None, *names: str) -> None:
-        self.specs = [] if device is None else [CompileSpec("target_device", device.encode())]
-        self.names = names
-
-    def partition(self, exported_program):
-        tags = {}
-        for node in aotstack.get_non_lowered_nodes(exported_program.graph):
-            if node.name in self.names:
-                node.meta[DELEGATION_TAG] = node.name
-                tags[node.name] = DelegationSpec(PictureBackend.backend_id, list(self.specs))
-        return PartitionResult(exported_program, tags)
 
 
 class Mixed(torch.nn.Module):
@@ -79,7 +47,7 @@ class Mixed(torch.nn.Module):
 @pytest.fixture(scope="module")
 def lowered_mixed() -> aotstack.LoweredProgram:
     program = aotstack.export(Mixed(), {"forward": (torch.randn(2, 8), torch.randn(2, 8))})
-    return aotstack.lower(program, [ClaimNodes("cuda:0", "add"), ClaimNodes(None, "add_1")], jobs=1)
+    return aotstack.lower(program, [NodesOnDevice("cuda:0", "add"), NodesOnDevice(None, "add_1")], jobs=1)
 
 
 def record_of(lowered: aotstack.LoweredProgram, name: str = "forward") -> MethodRecord:
@@ -121,10 +89,10 @@ def test_each_delegate_is_one_box_labelled_with_its_engine_id_and_op_count(lower
     assert len(record.delegates) == 2
     for box in boxes:
         [delegate] = [d for d in record.delegates if d.id == box.get("data-delegate")]
-        assert box.get("data-engine") == delegate.backend_id == "test_graph_picture"
+        assert box.get("data-engine") == delegate.backend_id == "test_add_on_device"
         assert box.get("data-device") == delegate.target_device
         lines = label(box)
-        assert lines[:2] == ["test_graph_picture", delegate.id]
+        assert lines[:2] == ["test_add_on_device", delegate.id]
         assert lines[2].startswith("1 kind of op")
         assert "aten.add.Tensor" in tooltip(box).splitlines()
     on_cuda = [g for g in boxes if g.get("data-device") == "cuda:0"]
@@ -207,13 +175,13 @@ def test_the_legend_names_each_engine_in_the_program_with_its_colour(lowered_mix
     root = parsed(svg)
 
     legend = groups(root, "legend-item", "delegate")
-    assert [g.get("data-engine") for g in legend] == ["test_graph_picture"]
-    assert engine_fills(svg) == {"test_graph_picture": graph.engine_colour("test_graph_picture")}
+    assert [g.get("data-engine") for g in legend] == ["test_add_on_device"]
+    assert engine_fills(svg) == {"test_add_on_device": graph.engine_colour("test_add_on_device")}
 
 
 def test_control_flow_branches_left_to_aten_are_one_box_each():
     program = aotstack.export(models.CondModel(), {"forward": (torch.randn(2, 8),)})
-    record = record_of(aotstack.lower(program, [ClaimNodes(None, "nothing")], jobs=1))
+    record = record_of(aotstack.lower(program, [NodesOnDevice(None, "nothing")], jobs=1))
     root = parsed(program_svg({"forward": record}))
 
     branches = [s.name for s in record.plan.steps if isinstance(s, SubgraphStep)]
