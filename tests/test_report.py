@@ -296,3 +296,14 @@ def test_the_dry_run_warns_of_an_op_no_package_could_run():
         "aotstack_test.twice.default": [("aoti_cpu", "unsupported"), ("aotstack", "not_runnable")]
     }
     assert "saving will fail" in report.text(width=300)
+
+
+def test_an_op_needing_a_kernel_the_runtime_lacks_is_reported_with_the_kernel():
+    only_addmm = [aotstack.CompileSpec("fallback_kernels", b"aten.addmm")]
+    program = aotstack.export(models.build("median"), {"forward": models.example_inputs("median")})
+    report = aotstack.explain(program, [aotstack.AotiCpuPartitioner(compile_specs=only_addmm)])
+
+    method = report.method("forward")
+    assert reasons(method) == {"aten.median.default": [("aoti_cpu", "missing_kernels")]}
+    detail = method.unclaimed[0].reasons[0].detail
+    assert "aten.median" in detail and "lacks" in detail
