@@ -371,6 +371,7 @@ class MethodLowering:
     planned: bool = False
     # Node name -> why each partitioner that looked at it left it, in lowering order.
     reasons: dict[str, list[Reason]] = field(default_factory=dict)
+    # Delegate id -> the ops it took and how its compile went.
     taken: dict[str, DelegatePlacement] = field(default_factory=dict)
 
     @classmethod
