@@ -44,7 +44,7 @@ class BlobStore(Mapping[str, BytesLike]):
 
     def put_all(self, blobs: Sequence[BytesLike]) -> list[str]:
         """Store each of ``blobs``; their content keys, hashed on every core."""
-        keys = hashes([memoryview(blob) for blob in blobs])
+        keys = self.keys_of([memoryview(blob) for blob in blobs])
         for key, data in zip(keys, blobs):
             self._blobs.setdefault(key, data)
         return keys
@@ -56,9 +56,13 @@ class BlobStore(Mapping[str, BytesLike]):
         for index, tensor in enumerate(tensors):
             if index not in keys:
                 # One copy at a time, dropped once hashed; __getitem__ makes it again to write it.
-                keys[index] = content_key(tensor_buffer(tensor))
+                keys[index] = self.keys_of([tensor_buffer(tensor)])[0]
                 self._blobs.setdefault(keys[index], tensor)
         return [keys[index] for index in range(len(tensors))]
+
+    def keys_of(self, views: Sequence[memoryview]) -> list[str]:
+        """The key each blob is stored under: its content hash."""
+        return hashes(views)
 
     def __getitem__(self, key: str) -> BytesLike:
         data = self._blobs[key]
@@ -85,17 +89,8 @@ class SizingStore(BlobStore):
     the same weight is still counted once, and a 500 MB model is not hashed to be described.
     """
 
-    def put_all(self, blobs: Sequence[BytesLike]) -> list[str]:
-        keys = [sampled_key(memoryview(blob).cast("B")) for blob in blobs]
-        for key, data in zip(keys, blobs):
-            self._blobs.setdefault(key, data)
-        return keys
-
-    def put_tensors(self, tensors: Sequence[torch.Tensor]) -> list[str]:
-        keys = [sampled_key(memoryview(tensor_buffer(tensor)).cast("B")) for tensor in tensors]
-        for key, tensor in zip(keys, tensors):
-            self._blobs.setdefault(key, tensor)
-        return keys
+    def keys_of(self, views: Sequence[memoryview]) -> list[str]:
+        return [sampled_key(view.cast("B")) for view in views]
 
 
 SAMPLE = 1 << 16

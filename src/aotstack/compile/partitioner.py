@@ -184,7 +184,8 @@ class SupportedOpsPartitioner(Partitioner):
         for node in get_non_lowered_nodes(graph_module.graph):
             if node.name in left or is_size_computation(node):
                 continue
-            if not answers.get(node, True) or (node not in answers and not self.supports_node(node, graph_module)):
+            supported = answers[node] if node in answers else self.supports_node(node, graph_module)
+            if not supported:
                 left[node.name] = self.node_refusal(node, graph_module) or self.refusal(
                     "not_claimed", f"{type(self).__name__}.supports_node refused it"
                 )

@@ -36,12 +36,14 @@ from dataclasses import dataclass, field
 from xml.sax.saxutils import escape, quoteattr
 
 from ..format.manifest import DelegateRecord, Dim, InputRecord, MethodRecord
+from ..format.op_names import op_name
+from ..format.ops import d2h_copy, h2d_copy
 from ..format.plan import DelegateStep, InputStep, OpStep, Step, SubgraphStep, WeightStep, refs
 from ..format.records import TensorSpec
 
-# The names ``op_name`` gives aotstack's copies and getitem (spelled out: importing the ops registers them with torch).
-H2D_COPY = "aotstack.h2d_copy.default"
-D2H_COPY = "aotstack.d2h_copy.default"
+# What a run plan calls aotstack's copies and getitem (compile/plan.py writes ``operator.<name>``).
+H2D_COPY = op_name(h2d_copy)
+D2H_COPY = op_name(d2h_copy)
 GETITEM = "operator.getitem"
 
 # Fixed colours for the engines aotstack ships; any other engine gets one derived from its id.

@@ -16,12 +16,10 @@ from typing import Any
 
 from ..format.archive import read_manifest
 from ..format.manifest import DelegateRecord, Manifest, MethodRecord, record_text
-from ..format.op_names import op_name
-from ..format.ops import d2h_copy, h2d_copy
 from ..format.placement import PLAIN_ATEN, Placement, Reason
 from ..format.plan import OpStep, Ref
 from ..format.tensor_data import WEIGHT_PREFIX
-from .graph import program_svg
+from .graph import D2H_COPY, H2D_COPY, program_svg
 from .html import report_html
 from .summary import Copy, DelegateSummary, EngineShare, MethodSummary, SizePart, Summary, UnclaimedGroup
 from .text import print_report, report_text
@@ -168,13 +166,12 @@ def unclaimed_groups(placement: Placement | None) -> list[UnclaimedGroup]:
 
 def copies(record: MethodRecord) -> list[Copy]:
     """The host-device copies in ``record``'s plan, in run order."""
-    to_device, to_host = op_name(h2d_copy), op_name(d2h_copy)
     found = []
     for step in record.plan.steps:
-        if not isinstance(step, OpStep) or step.target not in (to_device, to_host):
+        if not isinstance(step, OpStep) or step.target not in (H2D_COPY, D2H_COPY):
             continue
         source = step.args[0].name if step.args and isinstance(step.args[0], Ref) else "?"
-        found.append(Copy(step.name, source, str(step.args[1]) if step.target == to_device else "cpu"))
+        found.append(Copy(step.name, source, str(step.args[1]) if step.target == H2D_COPY else "cpu"))
     return found
 
 
