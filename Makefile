@@ -13,7 +13,7 @@ $(BIN)/python:
 # instead of pulling the newest build with its CUDA packages.
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)" -e ".[test]"
 	touch $@
 
 demo: $(VENV)/.installed

@@ -23,13 +23,19 @@ import pytest
 import torch
 
 import aotstack
+from aotstack.backends.base import run_side_modules
 from tests import models
 from tests.conftest import run_child
 from tests.test_stacked_end_to_end import ORT_THEN_AOTI
 
 PACKAGE = Path(aotstack.__file__).resolve().parent
 
-RUN_SIDE = {"aotstack.backends.aoti.run", "aotstack.backends.ort.run", "aotstack.backends.ort.packages"}
+# Each built-in engine's run module, and the helper beside it that says which packages it needs.
+RUN_SIDE = run_side_modules() | {
+    f"{engine.rpartition('.')[0]}.packages"
+    for engine in run_side_modules()
+    if (PACKAGE.parent / engine.rpartition(".")[0].replace(".", "/") / "packages.py").exists()
+}
 BELOW_RUNTIME = ("aotstack.errors", "aotstack.forking", "aotstack.format", "aotstack.backends.base")
 # Module (or package prefix) -> the aotstack modules it may import (prefixes).
 ALLOWED = {
@@ -50,7 +56,7 @@ RUNTIME_USED_BY = {"aotstack.compile.check"}
 # What a process that only loads and runs a package may import of aotstack.
 RUNTIME_MODULES = {
     "aotstack", "aotstack.errors", "aotstack.forking", "aotstack.format", "aotstack.runtime", "aotstack.backends",
-    "aotstack.backends.base", "aotstack.backends.aoti", "aotstack.backends.ort",
+    "aotstack.backends.base", *(module.rpartition(".")[0] for module in RUN_SIDE),
     *RUN_SIDE,
 }
 RUNTIME_PACKAGES = ("aotstack.format.", "aotstack.runtime.")

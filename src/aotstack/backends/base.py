@@ -11,7 +11,9 @@ user's backend may be one ``Backend`` subclass that does both. Defining a subcla
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -108,13 +110,51 @@ class Backend(BackendRuntime):
         return False
 
 
-# Built-in backend id -> (module defining its run side, module defining its compile side).
-BUILT_IN = {
-    "aoti_cpu": ("aotstack.backends.aoti.run", "aotstack.backends.aoti.cpu"),
-    "aoti_cuda": ("aotstack.backends.aoti.run", "aotstack.backends.aoti.cuda"),
-    "aoti_metal": ("aotstack.backends.aoti.run", "aotstack.backends.aoti.metal"),
-    "onnxruntime": ("aotstack.backends.ort.run", "aotstack.backends.ort.backend"),
+@dataclass(frozen=True)
+class Engine:
+    """A built-in engine's one registration: where its sides live, what it runs on, what it needs installed.
+
+    ``run`` and ``compile`` are modules; importing one registers that side's class.
+    ``partitioner`` is ``"module:Class"``, the partitioner ``lower(program, "auto")`` asks,
+    built with no arguments; ``devices`` are the device types it targets (``"cpu"``,
+    ``"cuda"``, ``"mps"``); ``packages`` are the modules it needs, and ``extra`` the pip extra
+    that brings them.
+    """
+
+    run: str
+    compile: str
+    partitioner: str
+    devices: tuple[str, ...] = ("cpu",)
+    packages: tuple[str, ...] = ()
+    extra: str | None = None
+
+    def installed(self) -> bool:
+        """Whether every package this engine needs can be imported here."""
+        return all(importlib.util.find_spec(name) is not None for name in self.packages)
+
+    def partitioner_class(self) -> type:
+        module, _, name = self.partitioner.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+# Built-in backend id -> its engine. A new engine is one folder under backends/ and one line here.
+BUILT_IN: dict[str, Engine] = {
+    "aoti_cpu": Engine("aotstack.backends.aoti.run", "aotstack.backends.aoti.cpu",
+                       "aotstack.backends.aoti.cpu:AotiCpuPartitioner"),
+    "aoti_cuda": Engine("aotstack.backends.aoti.run", "aotstack.backends.aoti.cuda",
+                        "aotstack.backends.aoti.cuda:CudaPartitioner", devices=("cuda",)),
+    "aoti_metal": Engine("aotstack.backends.aoti.run", "aotstack.backends.aoti.metal",
+                         "aotstack.backends.aoti.metal:MetalPartitioner", devices=("mps",)),
+    "onnxruntime": Engine("aotstack.backends.ort.run", "aotstack.backends.ort.backend",
+                          "aotstack.backends.ort.partitioner:OrtPartitioner",
+                          packages=("onnxruntime", "onnx", "onnxscript"), extra="onnx"),
 }
+
+
+def run_side_modules() -> set[str]:
+    """The modules a loading process may import to run the built-in engines."""
+    return {engine.run for engine in BUILT_IN.values()}
+
 
 _BACKENDS: dict[str, type[Backend]] = {}
 _RUNTIMES: dict[str, type[BackendRuntime]] = {}
@@ -141,17 +181,17 @@ def _register(table: dict[str, type], backend_id: str, cls: type) -> None:
 
 def backend_class(backend_id: str) -> type[Backend]:
     """The compile side registered under ``backend_id``."""
-    return _lookup(_BACKENDS, backend_id, 1)
+    return _lookup(_BACKENDS, backend_id, "compile")
 
 
 def runtime_class(backend_id: str) -> type[BackendRuntime]:
     """The run side registered under ``backend_id``."""
-    return _lookup(_RUNTIMES, backend_id, 0)
+    return _lookup(_RUNTIMES, backend_id, "run")
 
 
-def _lookup(table: dict[str, type], backend_id: str, side: int) -> type:
+def _lookup(table: dict[str, type], backend_id: str, side: str) -> type:
     if backend_id not in table and backend_id in BUILT_IN:
-        importlib.import_module(BUILT_IN[backend_id][side])
+        importlib.import_module(getattr(BUILT_IN[backend_id], side))
     try:
         return table[backend_id]
     except KeyError:
