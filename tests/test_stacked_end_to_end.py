@@ -152,3 +152,19 @@ def test_onnx_runtime_keeps_a_dynamic_batch_dynamic(tmp_path):
     for size in (1, 5, 33):
         x = torch.randn(size, 16)
         torch.testing.assert_close(loaded.forward(x), model(x).detach())
+
+
+def test_onnx_runtime_declines_bf16_and_the_next_engine_takes_it(tmp_path):
+    model = models.build("stacked").to(torch.bfloat16)
+    x = models.example_inputs("stacked")[0].to(torch.bfloat16)
+    program = aotstack.export(model, {"forward": (x,)})
+
+    alone = aotstack.explain(program, [aotstack.OrtPartitioner()]).method("forward")
+    assert alone.delegates == [] and alone.unclaimed
+    assert all("no arithmetic kernels for bfloat16" in g.reasons[0].detail for g in alone.unclaimed)
+
+    lowered = aotstack.lower(program, [aotstack.OrtPartitioner(), aotstack.AotiCpuPartitioner()])
+    assert {d.backend_id for d in lowered.delegates("forward")} == {"aoti_cpu"}
+    assert plain_ops(lowered) == [], "AOTInductor took everything ONNX Runtime declined"
+    lowered.save(tmp_path / "bf16.pt2")
+    torch.testing.assert_close(aotstack.load(tmp_path / "bf16.pt2").forward(x), model(x).detach(), atol=1e-2, rtol=2e-2)

@@ -7,6 +7,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+from torch.fx import GraphModule, Node
+from torch.utils._pytree import tree_leaves
 
 from ...compile.partitioner import CONTROL_FLOW_OPS, SupportedOpsPartitioner
 from ...errors import LoweringError
@@ -16,6 +18,7 @@ from ...format.specs import CompileSpec, SpecKey
 from .backend import OrtBackend
 from .compile import quiet_exporter
 from .packages import require_packages
+from .run import providers as providers_named
 
 # Nodes the exporter drops instead of translating.
 _DROPPED_BY_EXPORTER = frozenset({
@@ -53,11 +56,24 @@ class OrtPartitioner(SupportedOpsPartitioner):
         super().__init__(min_block_size=min_block_size, compile_specs=specs)
         require_packages(("onnx", "onnxscript"), "OrtPartitioner needs {missing}", LoweringError)
         self.ops = None if ops is None else frozenset(normalized_op_name(op, "ops") for op in ops)
+        self.computable = computable_dtypes(tuple(providers_named(self.compile_specs)))
         registry = exporter_registry()
         self.control_flow = frozenset(
             name for name in CONTROL_FLOW_OPS
             if hasattr(torch.ops.higher_order, name) and registry.is_registered(getattr(torch.ops.higher_order, name))
         )
+
+    def node_refusal(self, node: Node, owner: GraphModule) -> Reason | None:
+        uncomputable = sorted(
+            {str(dtype).removeprefix("torch.") for dtype in node_dtypes(node) if dtype not in self.computable}
+        )
+        if uncomputable:
+            return self.refusal(
+                "unsupported",
+                f"ONNX Runtime's {', '.join(providers_named(self.compile_specs))} has no arithmetic kernels "
+                f"for {', '.join(uncomputable)}",
+            )
+        return super().node_refusal(node, owner)
 
     def supports_op(self, op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> bool:
         return self.op_refusal(op) is None
@@ -67,6 +83,50 @@ class OrtPartitioner(SupportedOpsPartitioner):
             return self.refusal("excluded", "the user's ops= list does not name it")
         untranslatable = exporter_refusal(op)
         return None if untranslatable is None else self.refusal("unsupported", untranslatable)
+
+
+def node_dtypes(node: Node) -> set[torch.dtype]:
+    """The dtypes of the tensors ``node`` reads and computes; bool masks left out, as every provider passes them."""
+    values = [node.meta.get("val")]
+    values += [arg.meta.get("val") for arg in node.all_input_nodes if arg.op != "get_attr"]
+    return {
+        leaf.dtype
+        for leaf in tree_leaves(values)
+        if isinstance(leaf, torch.Tensor) and leaf.dtype is not torch.bool
+    }
+
+
+@functools.cache
+def computable_dtypes(providers: tuple[str, ...]) -> frozenset[torch.dtype]:
+    """The dtypes ``providers`` compute in: those of their kernels for the basic arithmetic ops.
+
+    Asked of ONNX Runtime's own kernel registry, so a provider with bf16 or fp16 kernels
+    (CUDA's) takes such parts and the CPU provider, which has none for ``Add``, declines them.
+    A provider this onnxruntime does not have may exist where the file is loaded: its parts are
+    not refused by dtype here.
+    """
+    require_packages(("onnxruntime",), "OrtPartitioner needs {missing}", LoweringError)
+    from onnxruntime.capi import _pybind_state
+
+    kernels = _pybind_state.get_all_opkernel_def()
+    if not set(providers) <= {kernel.provider for kernel in kernels}:
+        return frozenset(_ONNX_TENSOR_TYPES.values())
+    by_op: dict[str, set[str]] = {op: set() for op in _ARITHMETIC}
+    for kernel in kernels:
+        if kernel.provider in providers and kernel.op_name in by_op and kernel.domain in ("", "ai.onnx"):
+            for types in kernel.type_constraints.values():
+                by_op[kernel.op_name].update(types)
+    names = set.intersection(*by_op.values())
+    return frozenset(dtype for name, dtype in _ONNX_TENSOR_TYPES.items() if f"tensor({name})" in names)
+
+
+# A provider computes in a dtype when it has kernels in it for each of these.
+_ARITHMETIC = ("Add", "Mul")
+_ONNX_TENSOR_TYPES = {
+    "float": torch.float32, "double": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "int8": torch.int8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64, "uint8": torch.uint8,
+    "uint16": torch.uint16, "uint32": torch.uint32, "uint64": torch.uint64,
+}
 
 
 @functools.cache
