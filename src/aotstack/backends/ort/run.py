@@ -128,6 +128,10 @@ def open_session(
     options.log_severity_level = 3
     options.intra_op_num_threads = torch.get_num_threads()
     options.inter_op_num_threads = 1
+    # Its threads spin between the ops of one run, which is fast, but also for a while after the
+    # run, on the cores the next engine (OpenMP's pool, another session) then needs: on 2 cores a
+    # stacked decode ran 13x slower than either engine alone. They sleep once a run ends.
+    options.add_session_config_entry("session.force_spinning_stop", "1")
     names = list(weights)
     # ortvalue_from_numpy shares a CPU array's memory (and keeps the array); numpy() shares the tensor's.
     values = [onnxruntime.OrtValue.ortvalue_from_numpy(weights[name].numpy()) for name in names]
