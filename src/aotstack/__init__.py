@@ -59,6 +59,7 @@ _EXPORTS = {
     "Delegate": "format.records",
     "Program": "compile.export",
     "export": "compile.export",
+    "Auto": "compile.auto",
     "Check": "compile.check",
     "CheckResult": "compile.check",
     "CompileFailure": "compile.lower",

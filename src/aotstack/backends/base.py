@@ -118,7 +118,8 @@ class Engine:
     ``partitioner`` is ``"module:Class"``, the partitioner ``lower(program, "auto")`` asks,
     built with no arguments; ``devices`` are the device types it targets (``"cpu"``,
     ``"cuda"``, ``"mps"``); ``packages`` are the modules it needs, and ``extra`` the pip extra
-    that brings them.
+    that brings them. ``takes_every_op``: it compiles whatever ATen op another engine leaves on
+    its device, so auto-lowering ends every plan with it.
     """
 
     run: str
@@ -127,6 +128,7 @@ class Engine:
     devices: tuple[str, ...] = ("cpu",)
     packages: tuple[str, ...] = ()
     extra: str | None = None
+    takes_every_op: bool = False
 
     def installed(self) -> bool:
         """Whether every package this engine needs can be imported here."""
@@ -140,11 +142,11 @@ class Engine:
 # Built-in backend id -> its engine. A new engine is one folder under backends/ and one line here.
 BUILT_IN: dict[str, Engine] = {
     "aoti_cpu": Engine("aotstack.backends.aoti.run", "aotstack.backends.aoti.cpu",
-                       "aotstack.backends.aoti.cpu:AotiCpuPartitioner"),
+                       "aotstack.backends.aoti.cpu:AotiCpuPartitioner", takes_every_op=True),
     "aoti_cuda": Engine("aotstack.backends.aoti.run", "aotstack.backends.aoti.cuda",
-                        "aotstack.backends.aoti.cuda:CudaPartitioner", devices=("cuda",)),
+                        "aotstack.backends.aoti.cuda:CudaPartitioner", devices=("cuda",), takes_every_op=True),
     "aoti_metal": Engine("aotstack.backends.aoti.run", "aotstack.backends.aoti.metal",
-                         "aotstack.backends.aoti.metal:MetalPartitioner", devices=("mps",)),
+                         "aotstack.backends.aoti.metal:MetalPartitioner", devices=("mps",), takes_every_op=True),
     "onnxruntime": Engine("aotstack.backends.ort.run", "aotstack.backends.ort.backend",
                           "aotstack.backends.ort.partitioner:OrtPartitioner",
                           packages=("onnxruntime", "onnx", "onnxscript"), extra="onnx"),

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from ..errors import LoweringError
 from ..format.specs import PreprocessResult
 from ..format.tensor_data import weights_as_named_data
 from ..report.model import Report
+from .auto import auto_option
 from .export import Program
 from .jobs import CompileJob, CompileOutcome
 from .lower import Claim, MethodOption, PartitionerPlan, check_lower_options, lowered_program
@@ -32,6 +34,11 @@ def explain(
         print(aotstack.explain(program, [aotstack.OrtPartitioner(), aotstack.AotiCpuPartitioner()]))
     """
     check_lower_options(skip_h2d_for_method_inputs, skip_d2h_for_method_outputs, "raise")
+    if auto_option(partitioners) is not None:
+        raise LoweringError(
+            "explain is a dry run and compiles nothing, but auto chooses engines by timing compiled parts; "
+            "pass the partitioners to explain, or lower with 'auto' and read lowered.report()"
+        )
     lowered = lowered_program(
         program,
         partitioners,

@@ -7,7 +7,7 @@ import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, get_args
 
 import torch
@@ -18,17 +18,32 @@ from ..backends.base import backend_class
 from ..errors import CheckError, CompileSpecError, LoweringError, MissingFallbackKernelsError, PackageError
 from ..format.op_names import op_name
 from ..format.ops import is_delegate_call
-from ..format.placement import DelegatePlacement, Placement, Reason, UnclaimedOp
+from ..format.placement import DelegatePlacement, Placement, Reason, Selection, UnclaimedOp
 from ..format.plan import resolved_op
 from ..format.records import Delegate, TensorSpec
 from ..format.specs import CompileSpec, DelegationSpec, PreprocessResult, SpecKey
 from ..format.tensor_data import WEIGHT_PREFIX
 from ..report.model import Report, program_report
+from .auto import (
+    Auto,
+    Plan,
+    auto_option,
+    cached_measurement,
+    candidate_plans,
+    failed_candidate,
+    measured_candidate,
+    measurement_key,
+    plan_partitioners,
+    plan_text,
+    selection,
+    store_measurement,
+)
 from .check import Check, CheckResult, check_lowered, check_option
 from .constants import without_unused_constants
 from .devices import propagate_device_pass
 from .export import Program
 from .jobs import CompileJob, CompileOutcome
+from .measure import measured_methods
 from .package import save, unsaved_manifest
 from .parallel import compile_all, default_workers, quiet_torch_warnings
 from .partitioner import DELEGATION_TAG, Partitioner, PartitionResult, get_non_lowered_nodes
@@ -151,7 +166,7 @@ OPS_IN_MESSAGE = 8
 
 def lower(
     program: Program,
-    partitioners: PartitionerPlan,
+    partitioners: PartitionerPlan | Literal["auto"] | Auto = "auto",
     *,
     skip_h2d_for_method_inputs: MethodOption = False,
     skip_d2h_for_method_outputs: MethodOption = False,
@@ -161,6 +176,10 @@ def lower(
     check: bool | str | Check | None = False,
 ) -> LoweredProgram:
     """Apply ``partitioners``, in order, to every method and compile what they claim.
+
+    ``"auto"`` (the default) lets every installed engine propose its parts and keeps, per
+    method, the plan that runs fastest on the example inputs (see ``compile/auto.py``; an
+    ``Auto`` picks the device and engines); ``LoweredProgram.report()`` shows what it measured.
 
     Then every boundary tensor is given a device, with host-device copies where a delegate runs
     elsewhere. The two ``skip_*`` options (True, or the names of the methods they apply to) keep
@@ -193,15 +212,23 @@ def lower(
     check_lower_options(skip_h2d_for_method_inputs, skip_d2h_for_method_outputs, on_compile_error)
     workers = checked_jobs(jobs)
     checking = check_option(check)
+    auto = auto_option(partitioners)
     with progress_for(progress) as shown:
-        lowered = lowered_program(
-            program,
-            partitioners,
-            lambda claims: compile_claims(claims, workers, shown, on_compile_error),
-            skip_h2d_for_method_inputs=skip_h2d_for_method_inputs,
-            skip_d2h_for_method_outputs=skip_d2h_for_method_outputs,
-            keep_references=checking is not None and checking.partition,
-        )
+
+        def lower_plan(part: Program, plan: PartitionerPlan, on_error: OnCompileError) -> LoweredProgram:
+            return lowered_program(
+                part,
+                plan,
+                lambda claims: compile_claims(claims, workers, shown, on_error),
+                skip_h2d_for_method_inputs=skip_h2d_for_method_inputs,
+                skip_d2h_for_method_outputs=skip_d2h_for_method_outputs,
+                keep_references=checking is not None and checking.partition,
+            )
+
+        if auto is None:
+            lowered = lower_plan(program, partitioners, on_compile_error)  # type: ignore[arg-type]
+        else:
+            lowered = auto_lowered(program, auto, lower_plan)
     if checking is not None:
         lowered.check_result = check_lowered(
             program, lowered.methods, lowered.delegate_table, lowered.references, checking
@@ -209,6 +236,86 @@ def lower(
         if not lowered.check_result.passed:
             raise CheckError(lowered.check_result.failure_message(), lowered.check_result, lowered)
     return lowered
+
+
+PlanLowerer = Callable[[Program, "PartitionerPlan", OnCompileError], LoweredProgram]
+
+
+def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowerer) -> LoweredProgram:
+    """Every candidate plan lowered and measured (or its figures read from the cache), the fastest kept per method.
+
+    A plan's parts that fail to compile are left to the engine after it, as with
+    ``on_compile_error="fallback"``; a plan that cannot be lowered or run at all is reported, not raised,
+    unless no plan works for a method.
+    """
+    threads = torch.get_num_threads()
+    plans = candidate_plans(auto)
+    keys = {(name, plan): measurement_key(exported, plan, threads)
+            for name, exported in program.methods.items() for plan in plans}
+    found = {pair: cached_measurement(key, pair[1]) for pair, key in keys.items()}
+    candidates = {pair: entry[0] for pair, entry in found.items() if entry is not None}
+    delegate_seconds = {pair: entry[1] for pair, entry in found.items() if entry is not None}
+    lowered_by_plan: dict[Plan, LoweredProgram] = {}
+    for plan in plans:
+        if all((name, plan) in candidates for name in program.methods):
+            continue
+        try:
+            lowered = lower_plan(program, plan_partitioners(plan, auto.device), "fallback")
+            timings = measured_methods(lowered.methods, lowered.delegate_table, program.methods)
+        except Exception as error:  # noqa: BLE001 - a plan that fails is one the report names, not the end of auto
+            logger.warning("auto: %s could not be lowered or run: %s: %s", plan_text(plan), type(error).__name__, error)
+            for name in program.methods:
+                candidates[name, plan] = failed_candidate(plan, error)
+            continue
+        lowered_by_plan[plan] = lowered
+        for name in program.methods:
+            backends = {d.delegate_id: d.backend_id for d in lowered.delegate_table[name]}
+            candidates[name, plan] = measured_candidate(plan, timings[name], backends)
+            delegate_seconds[name, plan] = timings[name].delegate_seconds
+            store_measurement(keys[name, plan], candidates[name, plan], timings[name].delegate_seconds)
+            logger.info("auto: %s: %s takes %.3g ms a call", name, plan_text(plan), timings[name].seconds * 1e3)
+    selections = {
+        name: selection(name, [candidates[name, plan] for plan in plans], threads) for name in program.methods
+    }
+    chosen = {name: plans[chosen.chosen] for name, chosen in selections.items()}
+    # A method whose plan was measured from the cache is lowered now, from the compile cache where its engines keep one.
+    unlowered = {name: exported for name, exported in program.methods.items() if chosen[name] not in lowered_by_plan}
+    if unlowered:
+        again = lower_plan(
+            Program(unlowered), {name: plan_partitioners(chosen[name], auto.device) for name in unlowered}, "fallback"
+        )
+        lowered_by_plan.update({("again", name): again for name in unlowered})
+    by_method = {
+        name: lowered_by_plan[chosen[name]] if chosen[name] in lowered_by_plan else lowered_by_plan["again", name]
+        for name in program.methods
+    }
+    merged = merged_methods(by_method)
+    for name, placement in merged.placements.items():
+        merged.placements[name] = measured_placement(
+            placement, selections[name], delegate_seconds.get((name, chosen[name]), {})
+        )
+    return merged
+
+
+def measured_placement(placement: Placement, chosen: Selection, delegate_seconds: Mapping[str, float]) -> Placement:
+    """``placement`` with auto's selection and each delegate's measured seconds a call."""
+    delegates = {
+        delegate_id: replace(delegate, run_seconds=delegate_seconds.get(delegate_id))
+        for delegate_id, delegate in placement.delegates.items()
+    }
+    return replace(placement, delegates=delegates, selection=chosen)
+
+
+def merged_methods(by_method: Mapping[str, LoweredProgram]) -> LoweredProgram:
+    """One program holding each method as lowered in the program given for it."""
+    return LoweredProgram(
+        methods={name: lowered.methods[name] for name, lowered in by_method.items()},
+        delegate_table={name: lowered.delegate_table[name] for name, lowered in by_method.items()},
+        compile_failures={name: lowered.compile_failures.get(name, []) for name, lowered in by_method.items()},
+        compile_log={name: lowered.compile_log.get(name, []) for name, lowered in by_method.items()},
+        references={name: lowered.references.get(name, {}) for name, lowered in by_method.items()},
+        placements={name: lowered.placements[name] for name, lowered in by_method.items()},
+    )
 
 
 # Compiles the partitions one partitioner position claimed, in every method; their outcomes by job.

@@ -62,10 +62,34 @@ class DelegatePlacement:
     compile_state: str
     # None where nothing was compiled (a dry run).
     compile_seconds: float | None = None
+    # Median seconds per call, measured by ``lower(..., "auto")`` on the example inputs; None where not measured.
+    run_seconds: float | None = None
 
     @property
     def op_count(self) -> int:
         return sum(self.op_counts.values())
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan ``lower(..., "auto")`` measured for a method: its engines in order, and what a call cost."""
+
+    engines: list[str]
+    # Median seconds per call on the example inputs; None where the plan could not be lowered or run.
+    seconds: float | None
+    # Median seconds per call spent in each engine's delegates; plain ATen and the method's own steps are the rest.
+    engine_seconds: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Selection:
+    """How ``lower(..., "auto")`` chose a method's engines: every plan it measured, the one it kept, and why."""
+
+    candidates: list[Candidate]
+    chosen: int
+    threads: int
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -74,6 +98,8 @@ class Placement:
 
     delegates: dict[str, DelegatePlacement]
     unclaimed: list[UnclaimedOp]
+    # Where auto-lowering chose this method's engines by measuring them; None otherwise.
+    selection: Selection | None = None
 
 
 def placement_to_json(placement: Placement) -> dict[str, Any]:
@@ -83,6 +109,7 @@ def placement_to_json(placement: Placement) -> dict[str, Any]:
                 "op_counts": dict(delegate.op_counts),
                 "compile_state": delegate.compile_state,
                 "compile_seconds": delegate.compile_seconds,
+                **({} if delegate.run_seconds is None else {"run_seconds": delegate.run_seconds}),
             }
             for delegate_id, delegate in placement.delegates.items()
         },
@@ -90,6 +117,16 @@ def placement_to_json(placement: Placement) -> dict[str, Any]:
             {"node": op.node, "op": op.op, "reasons": [vars(reason).copy() for reason in op.reasons]}
             for op in placement.unclaimed
         ],
+        **({} if placement.selection is None else {"selection": selection_to_json(placement.selection)}),
+    }
+
+
+def selection_to_json(selection: Selection) -> dict[str, Any]:
+    return {
+        "candidates": [vars(candidate).copy() for candidate in selection.candidates],
+        "chosen": selection.chosen,
+        "threads": selection.threads,
+        "reason": selection.reason,
     }
 
 
@@ -97,10 +134,47 @@ def placement_from_json(data: Any) -> Placement:
     data = expect(data, dict, "placement")
     delegates = bounded(data.get("delegates"), dict, "placement's delegates", MAX_ENTRIES)
     unclaimed = bounded(data.get("unclaimed"), list, "placement's unclaimed ops", MAX_ENTRIES)
+    selection = data.get("selection")
     return Placement(
         delegates={text(key, "a delegate id"): delegate_placement(value) for key, value in delegates.items()},
         unclaimed=[unclaimed_op(value) for value in unclaimed],
+        selection=None if selection is None else selection_from_json(selection),
     )
+
+
+def selection_from_json(data: Any) -> Selection:
+    data = expect(data, dict, "a selection")
+    candidates = [candidate(value) for value in bounded(data.get("candidates"), list, "candidates", 64)]
+    chosen = data.get("chosen")
+    if not isinstance(chosen, int) or isinstance(chosen, bool) or not 0 <= chosen < len(candidates):
+        raise PackageError(f"a selection's chosen plan is {chosen!r}; expected an index into its candidates")
+    threads = data.get("threads")
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+        raise PackageError(f"a selection's threads is {threads!r}; expected a positive int")
+    return Selection(candidates, chosen, threads, text(data.get("reason"), "a selection's reason"))
+
+
+def candidate(data: Any) -> Candidate:
+    data = expect(data, dict, "a candidate")
+    engines = [text(engine, "an engine") for engine in bounded(data.get("engines"), list, "engines", 64)]
+    spent = bounded(data.get("engine_seconds"), dict, "engine_seconds", 64)
+    error = data.get("error")
+    return Candidate(
+        engines,
+        seconds_or_none(data.get("seconds"), "a candidate's seconds"),
+        {text(engine, "an engine"): seconds(value, "engine_seconds") for engine, value in spent.items()},
+        None if error is None else text(error, "a candidate's error"),
+    )
+
+
+def seconds(value: Any, what: str) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < float("inf"):
+        raise PackageError(f"{what} is {value!r}; expected a non-negative number")
+    return float(value)
+
+
+def seconds_or_none(value: Any, what: str) -> float | None:
+    return None if value is None else seconds(value, what)
 
 
 def delegate_placement(data: Any) -> DelegatePlacement:
@@ -112,10 +186,12 @@ def delegate_placement(data: Any) -> DelegatePlacement:
     state = data.get("compile_state")
     if state not in COMPILE_STATES:
         raise PackageError(f"compile_state is {state!r}; expected one of {', '.join(COMPILE_STATES)}")
-    seconds = data.get("compile_seconds")
-    if seconds is not None and (not isinstance(seconds, int | float) or isinstance(seconds, bool) or seconds < 0):
-        raise PackageError(f"compile_seconds is {seconds!r}; expected a non-negative number or null")
-    return DelegatePlacement(dict(counts), state, None if seconds is None else float(seconds))
+    return DelegatePlacement(
+        dict(counts),
+        state,
+        seconds_or_none(data.get("compile_seconds"), "compile_seconds"),
+        seconds_or_none(data.get("run_seconds"), "run_seconds"),
+    )
 
 
 def unclaimed_op(data: Any) -> UnclaimedOp:

@@ -17,6 +17,7 @@ from torch.export import ExportedProgram
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ... import __version__
+from ...compile.cache import read_entry, write_entry
 from ...compile.program_parts import program_fingerprint, program_weights
 from ...errors import LoweringError
 from ...format.devices import HOST, Device, DeviceType
@@ -25,6 +26,9 @@ from .kernels import recorded_fallback_kernels
 from .passes import GraphPass
 
 logger = logging.getLogger("aotstack")
+
+# The compile cache's folder for libraries (``compile/cache.py``).
+CACHE_KIND = "aoti"
 
 KernelCheck = Callable[[frozenset[str]], None]
 
@@ -145,49 +149,16 @@ def cache_key(program: ExportedProgram, options: dict[str, Any]) -> str:
     return digest.hexdigest()
 
 
-def cache_dir() -> str | None:
-    """Where compiled libraries are kept; ``AOTSTACK_CACHE_DIR=off`` turns the cache off."""
-    configured = os.environ.get("AOTSTACK_CACHE_DIR")
-    if configured is not None:
-        return None if configured.lower() in ("", "0", "off", "none") else configured
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "aotstack", "aoti")
-
-
 def cached_library(key: str) -> bytes | None:
-    directory = cache_dir()
-    if directory is None:
-        return None
-    path = os.path.join(directory, key + ".so")
-    try:
-        with open(path, "rb") as file:
-            library = file.read()
-    except OSError:
-        return None
+    library = read_entry(CACHE_KIND, key + ".so")
     # An entry is named by its key, and its content hash is kept beside it.
-    try:
-        with open(path + ".sha256") as file:
-            expected = file.read().strip()
-    except OSError:
+    expected = read_entry(CACHE_KIND, key + ".so.sha256")
+    if library is None or expected is None:
         return None
-    return library if content_key(library) == expected else None
+    return library if content_key(library) == expected.decode().strip() else None
 
 
 def store_library(key: str, library: bytes) -> None:
-    """Add ``library`` to the cache; an entry appears whole (written aside, then renamed) or not at all."""
-    directory = cache_dir()
-    if directory is None:
-        return
-    try:
-        os.makedirs(directory, exist_ok=True)
-        for suffix, data in ((".so.sha256", content_key(library).encode()), (".so", library)):
-            fd, temporary = tempfile.mkstemp(prefix=".partial-", dir=directory)
-            try:
-                with os.fdopen(fd, "wb") as file:
-                    file.write(data)
-                os.replace(temporary, os.path.join(directory, key + suffix))
-            except BaseException:
-                os.unlink(temporary)
-                raise
-    except OSError:
-        pass  # a cache that cannot be written only costs a recompile next time
+    """Add ``library`` to the cache, its hash first, so a library without its hash is never read."""
+    write_entry(CACHE_KIND, key + ".so.sha256", content_key(library).encode())
+    write_entry(CACHE_KIND, key + ".so", library)

@@ -1,0 +1,216 @@
+"""``lower(program, "auto")``: let every installed engine propose its parts, measure, keep the fastest per method.
+
+The algorithm, kept small so a report can explain it:
+
+1. The plans. Every installed engine for the target device makes one plan: that engine first,
+   then the device's AOTInductor engine, which takes whatever op it leaves (AOTInductor alone is
+   a plan too). A plan is an ordered partitioner list, as a user would write it.
+2. Each plan lowers the whole program (a part whose compile fails is left to the next engine,
+   not fatal), is saved and loaded as a user would, and each method is timed on its example
+   inputs in the caller's thread count: warm-up calls, then the median of several calls. Each
+   delegate's time is recorded too, so the report can say where a call's time went.
+3. Per method, the fastest plan wins; boundary costs are in its time, as they are in a user's
+   call. Within ``TIE`` of AOTInductor alone, AOTInductor alone wins: one engine and no
+   boundaries for a difference the measurement cannot tell apart. Methods choose separately, so
+   one file may run ``prefill`` in one engine and ``decode`` in another.
+
+The figures are cached by the method's program, its example inputs, the plan, the thread count
+and the versions of torch, aotstack and the engines: re-lowering an unchanged model compiles
+only the chosen plans (from the compile cache, where an engine has one) and measures nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.export import ExportedProgram
+
+from .. import __version__
+from ..backends.base import BUILT_IN, Engine
+from ..errors import LoweringError
+from ..format.devices import parse_device_spec
+from ..format.placement import Candidate, Selection
+from .cache import read_entry, write_entry
+from .measure import MethodTiming
+from .partitioner import Partitioner
+from .program_parts import program_fingerprint
+
+logger = logging.getLogger("aotstack")
+
+# A plan no more than this much slower than AOTInductor alone does not displace it.
+TIE = 0.03
+CACHE_KIND = "measurements"
+
+Plan = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Auto:
+    """How ``lower`` chooses engines by measuring: for ``device``, among ``engines`` (default: every installed one).
+
+    Example::
+
+        lowered = aotstack.lower(program, aotstack.Auto(engines=["openvino", "onnxruntime"]))
+    """
+
+    device: str = "cpu"
+    engines: Sequence[str] | None = None
+
+
+def auto_option(partitioners: object) -> Auto | None:
+    """The auto-lowering ``partitioners`` asks for (``"auto"`` or an ``Auto``); None for a partitioner plan."""
+    if isinstance(partitioners, Auto):
+        return partitioners
+    if isinstance(partitioners, str):
+        if partitioners != "auto":
+            raise LoweringError(f'partitioners must be a list of partitioners, a dict of them or "auto"; '
+                                f"got {partitioners!r}")
+        return Auto()
+    return None
+
+
+def candidate_plans(auto: Auto) -> list[Plan]:
+    """AOTInductor alone, then each other engine first with AOTInductor after it."""
+    device_type, _ = parse_device_spec(auto.device)
+    device = device_type.value
+    usable = {backend_id: engine for backend_id, engine in BUILT_IN.items() if device in engine.devices}
+    closing = [backend_id for backend_id, engine in usable.items() if engine.takes_every_op]
+    if not closing:
+        raise LoweringError(f"no engine compiles every op for device {auto.device!r}, so auto cannot lower for it")
+    named = list(usable) if auto.engines is None else list(auto.engines)
+    unknown = [name for name in named if name not in usable]
+    if unknown:
+        raise LoweringError(
+            f"auto: no engine {', '.join(map(repr, unknown))} for device {auto.device!r}; "
+            f"engines for it: {', '.join(usable)}"
+        )
+    missing = [name for name in named if not usable[name].installed()]
+    if auto.engines is not None and missing:
+        raise LoweringError(
+            "auto: " + "; ".join(f"{name} needs pip install 'aotstack[{usable[name].extra}]'" for name in missing)
+        )
+    last = closing[0]
+    others = [name for name in named if name != last and name not in missing]
+    return [(last,), *((name, last) for name in others)]
+
+
+def plan_partitioners(plan: Plan, device: str) -> list[Partitioner]:
+    """The partitioners of ``plan``, each with its defaults; AOTInductor for ``device``."""
+    partitioners = []
+    for backend_id in plan:
+        cls = BUILT_IN[backend_id].partitioner_class()
+        partitioners.append(aoti_partitioner(cls, device) if BUILT_IN[backend_id].takes_every_op else cls())
+    return partitioners
+
+
+def aoti_partitioner(cls: type, device: str) -> Partitioner:
+    from ..format.specs import CompileSpec, SpecKey
+
+    return cls(compile_specs=[CompileSpec(SpecKey.TARGET_DEVICE, device.encode())])
+
+
+def plan_text(plan: Sequence[str]) -> str:
+    return " > ".join(plan)
+
+
+def measurement_key(exported: ExportedProgram, plan: Plan, threads: int) -> str:
+    """What a measurement depends on: the program and its example inputs, the plan, threads and versions."""
+    inputs = getattr(exported, "example_inputs", None)
+    shapes = [
+        [str(leaf.dtype), list(leaf.shape)] if isinstance(leaf, torch.Tensor) else repr(leaf)
+        for leaf in torch.utils._pytree.tree_leaves(inputs)
+    ]
+    parts = [torch.__version__, __version__, str(threads), json.dumps(list(plan)), json.dumps(shapes)]
+    parts += [f"{name}={package_version(name)}" for backend_id in plan for name in BUILT_IN[backend_id].packages]
+    digest = hashlib.sha256("\0".join(parts).encode())
+    digest.update(program_fingerprint(exported).encode())
+    return digest.hexdigest()
+
+
+def package_version(module: str) -> str:
+    try:
+        return importlib.metadata.version(module)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+def cached_measurement(key: str, plan: Plan) -> tuple[Candidate, dict[str, float]] | None:
+    """A measurement of ``plan`` kept by an earlier lowering: its candidate, and each delegate's seconds a call."""
+    data = read_entry(CACHE_KIND, key + ".json")
+    if data is None:
+        return None
+    try:
+        entry = json.loads(data)
+        candidate = Candidate(list(plan), float(entry["seconds"]), dict(entry["engine_seconds"]))
+        return candidate, {str(k): float(v) for k, v in entry["delegate_seconds"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def store_measurement(key: str, candidate: Candidate, delegate_seconds: Mapping[str, float]) -> None:
+    """Keep a measured plan; a failed one is not kept, as its cause may be gone next time."""
+    if candidate.seconds is None:
+        return
+    entry = {"seconds": candidate.seconds, "engine_seconds": candidate.engine_seconds,
+             "delegate_seconds": dict(delegate_seconds)}
+    write_entry(CACHE_KIND, key + ".json", json.dumps(entry).encode())
+
+
+def measured_candidate(plan: Plan, timing: MethodTiming, backends: Mapping[str, str]) -> Candidate:
+    """A plan's timing of one method, its delegates' time summed by engine (``backends``: delegate id -> engine)."""
+    by_engine: dict[str, float] = {}
+    for delegate_id, seconds in timing.delegate_seconds.items():
+        engine = backends.get(delegate_id, "?")
+        by_engine[engine] = by_engine.get(engine, 0.0) + seconds
+    return Candidate(list(plan), timing.seconds, by_engine)
+
+
+def failed_candidate(plan: Plan, error: BaseException) -> Candidate:
+    return Candidate(list(plan), None, {}, f"{type(error).__name__}: {error}"[:2000])
+
+
+def selection(method: str, candidates: list[Candidate], threads: int) -> Selection:
+    """The plan ``method`` keeps among ``candidates`` (the first is AOTInductor alone), and why."""
+    timed = [(index, c) for index, c in enumerate(candidates) if c.seconds is not None]
+    if not timed:
+        failures = "; ".join(f"{plan_text(c.engines)}: {c.error}" for c in candidates)
+        raise LoweringError(f"method {method!r}: auto could not lower it with any plan: {failures}")
+    fastest, best = min(timed, key=lambda item: item[1].seconds)
+    baseline = candidates[0]
+    assert best.seconds is not None
+    if fastest != 0 and baseline.seconds is not None and baseline.seconds <= best.seconds * (1 + TIE):
+        fastest, best = 0, baseline
+        reason = (f"{plan_text(baseline.engines)} alone is within {TIE:.0%} of the fastest plan, "
+                  "so one engine with no boundaries is kept")
+    else:
+        reason = f"{plan_text(best.engines)} is the fastest ({milliseconds(best.seconds)} a call)"
+        others = [c for index, c in timed if index != fastest]
+        if others:
+            runner_up = min(others, key=lambda c: c.seconds or 0.0)
+            assert runner_up.seconds is not None
+            reason += (f", {runner_up.seconds / best.seconds:.2f}x faster than the next, "
+                       f"{plan_text(runner_up.engines)} ({milliseconds(runner_up.seconds)})")
+    failed = [c for c in candidates if c.seconds is None]
+    if failed:
+        reason += "; " + ", ".join(plan_text(c.engines) for c in failed) + " could not be lowered or run"
+    return Selection(candidates, fastest, threads, reason)
+
+
+def milliseconds(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.3g} µs"
+
+
+def installed_engines(device: str = "cpu") -> dict[str, Engine]:
+    """The built-in engines for ``device`` whose packages are installed here."""
+    device_type, _ = parse_device_spec(device)
+    return {
+        backend_id: engine
+        for backend_id, engine in BUILT_IN.items()
+        if device_type.value in engine.devices and engine.installed()
+    }
