@@ -16,7 +16,7 @@ from typing import Any
 
 from ..format.archive import read_manifest
 from ..format.manifest import DelegateRecord, Manifest, MethodRecord, record_text
-from ..format.placement import PLAIN_ATEN, Placement, Reason
+from ..format.placement import PLAIN_ATEN, Placement, Reason, selection_to_json
 from ..format.plan import OpStep, Ref
 from ..format.tensor_data import WEIGHT_PREFIX
 from .graph import D2H_COPY, H2D_COPY, program_svg
@@ -113,6 +113,7 @@ def method_summary(name: str, record: MethodRecord, blobs: Mapping[str, int], pl
         copies=copies(record),
         weight_count=len(record.weights),
         weight_bytes=sum(blobs.get(w.blob, 0) for w in record.weights.values()),
+        selection=placement.selection if placement is not None else None,
     )
 
 
@@ -132,6 +133,7 @@ def delegate_summary(
         weight_bytes=sum(blobs.get(key, 0) for name, key in record.named_data.items() if is_weight(name)),
         compile_state=placed.compile_state if placed is not None else None,
         compile_seconds=placed.compile_seconds if placed is not None else None,
+        run_seconds=placed.run_seconds if placed is not None else None,
     )
 
 
@@ -237,6 +239,7 @@ def method_to_json(method: MethodSummary) -> dict[str, Any]:
         ],
         "copies": [vars(copy).copy() for copy in method.copies],
         "weights": {"count": method.weight_count, "bytes": method.weight_bytes},
+        "selection": None if method.selection is None else selection_to_json(method.selection),
     }
 
 
@@ -254,4 +257,5 @@ def delegate_to_json(delegate: DelegateSummary) -> dict[str, Any]:
         "weight_bytes": delegate.weight_bytes,
         "compile_state": delegate.compile_state,
         "compile_seconds": delegate.compile_seconds,
+        "run_seconds": delegate.run_seconds,
     }

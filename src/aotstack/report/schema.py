@@ -39,6 +39,8 @@ TENSOR = strict(
     }
 )
 
+SECONDS = {"type": "number", "minimum": 0}
+
 REASON = strict(
     {
         "engine": {**TEXT, "description": "backend id of the partitioner that looked at the op"},
@@ -61,7 +63,28 @@ DELEGATE = strict(
         "weight_bytes": {**COUNT, "description": "the weights it holds"},
         "compile_state": nullable({"enum": list(COMPILE_STATES)}),
         "compile_seconds": nullable({"type": "number", "minimum": 0}),
+        "run_seconds": {**nullable(SECONDS), "description": "median seconds a call, where auto measured it"},
     }
+)
+
+CANDIDATE = strict(
+    {
+        "engines": {"type": "array", "items": TEXT, "description": "the plan's engines, in the order they claim"},
+        "seconds": {**nullable(SECONDS), "description": "median seconds a call; null where it failed"},
+        "engine_seconds": {"type": "object", "additionalProperties": SECONDS,
+                           "description": "engine -> median seconds a call in its delegates"},
+        "error": nullable(TEXT),
+    }
+)
+
+SELECTION = strict(
+    {
+        "candidates": {"type": "array", "items": CANDIDATE},
+        "chosen": {**COUNT, "description": "index of the plan kept"},
+        "threads": {"type": "integer", "minimum": 1},
+        "reason": {**TEXT, "description": "why the plan kept won, in a sentence"},
+    },
+    "how lower(..., 'auto') chose this method's engines",
 )
 
 METHOD = strict(
@@ -102,6 +125,7 @@ METHOD = strict(
             "items": strict({"step": TEXT, "source": TEXT, "to": {**TEXT, "description": "cpu for the host"}}),
         },
         "weights": strict({"count": COUNT, "bytes": COUNT}, "weights the method reads outside delegates"),
+        "selection": nullable(SELECTION),
     }
 )
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..format.placement import Reason
+from ..format.placement import Reason, Selection
 from ..format.records import TensorSpec
 
 
@@ -38,6 +38,8 @@ class DelegateSummary:
     weight_bytes: int
     compile_state: str | None
     compile_seconds: float | None
+    # Median seconds a call, as auto-lowering measured it; None where it did not.
+    run_seconds: float | None = None
 
     @property
     def op_count(self) -> int | None:
@@ -74,6 +76,8 @@ class MethodSummary:
     copies: list[Copy]
     weight_count: int
     weight_bytes: int
+    # The plans auto-lowering measured for this method and the one it kept; None where it did not choose.
+    selection: Selection | None = None
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ..format.placement import PLAIN_ATEN
+from ..format.placement import PLAIN_ATEN, Selection
 from ..format.records import TensorSpec
 from .summary import DelegateSummary, MethodSummary, Summary
 
@@ -80,6 +80,8 @@ def method_parts(method: MethodSummary, planned: bool) -> list[RenderableType]:
     title = Text(f"\nmethod {method.name}", style="bold underline")
     title.append(f"({', '.join(method.inputs)})", style="dim")
     parts: list[RenderableType] = [title, shares_text(method)]
+    if method.selection is not None:
+        parts.append(selection_table(method.selection))
     if method.delegates:
         parts.append(delegates_table(method.delegates, planned))
     if method.unclaimed:
@@ -104,27 +106,71 @@ def shares_text(method: MethodSummary) -> Text:
     return text
 
 
+def selection_table(selection: Selection) -> Group:
+    """The plans auto-lowering timed for a method, the one it kept marked, and why it won."""
+    table = Table(title=f"engines chosen by measuring, {plural_threads(selection.threads)}", title_justify="left")
+    for column in ("", "plan", "a call", "in each engine"):
+        table.add_column(column, justify="right" if column == "a call" else "left", overflow="fold")
+    for index, candidate in enumerate(selection.candidates):
+        spent = ", ".join(f"{engine} {duration(seconds)}" for engine, seconds in candidate.engine_seconds.items())
+        table.add_row(
+            "✓" if index == selection.chosen else "",
+            " > ".join(candidate.engines),
+            "failed" if candidate.seconds is None else duration(candidate.seconds),
+            spent if candidate.error is None else candidate.error.splitlines()[0][:160],
+        )
+    return Group(table, Text(f"kept: {selection.reason}"))
+
+
+def plural_threads(threads: int) -> str:
+    return f"{threads} thread" + ("" if threads == 1 else "s")
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.3g} µs"
+
+
 def delegates_table(delegates: list[DelegateSummary], planned: bool) -> Table:
     table = Table(title="delegates", title_justify="left", expand=False)
-    for column in ("id", "engine", "device", "ops", "inputs → outputs", "code", "weights", "compile"):
+    timed = any(delegate.run_seconds is not None for delegate in delegates)
+    columns = ["id", "engine", "device", "ops", "inputs → outputs", "code", "weights", "compile"]
+    columns += ["a call"] if timed else []
+    for column in columns:
         table.add_column(
             column,
-            justify="right" if column in ("ops", "code", "weights") else "left",
-            no_wrap=column != "inputs → outputs",
+            justify="right" if column in ("code", "weights", "a call") else "left",
+            no_wrap=column not in ("inputs → outputs", "ops"),
             overflow="fold",
+            max_width=48 if column == "ops" else None,
         )
     for delegate in delegates:
-        table.add_row(
+        row = [
             delegate.id,
             Text(delegate.engine, style=ENGINE_STYLES.get(delegate.engine, "bold")),
             delegate.device,
-            str(delegate.op_count) if delegate.op_count is not None else f"{len(delegate.distinct_ops)} kinds",
+            ops_text(delegate),
             f"{specs_text(delegate.inputs)}\n→ {specs_text(delegate.outputs)}",
             "—" if delegate.code_bytes is None else megabytes(delegate.code_bytes),
             megabytes(delegate.weight_bytes),
             compile_text(delegate, planned),
-        )
+        ]
+        if timed:
+            row.append("—" if delegate.run_seconds is None else duration(delegate.run_seconds))
+        table.add_row(*row)
     return table
+
+
+def ops_text(delegate: DelegateSummary) -> str:
+    """``12: linear ×4, gelu ×2, add ×6``: how many ops, then which, most first (or the kinds, where not counted)."""
+    if delegate.op_counts:
+        counted = sorted(delegate.op_counts.items(), key=lambda item: (-item[1], item[0]))
+        return f"{delegate.op_count}: " + ", ".join(f"{short_op(op)} ×{count}" for op, count in counted)
+    return f"{len(delegate.distinct_ops)} kinds: " + ", ".join(short_op(op) for op in delegate.distinct_ops)
+
+
+def short_op(name: str) -> str:
+    """``aten.linear.default`` -> ``linear``; another overload or namespace stays in the name."""
+    return name.removeprefix("aten.").removesuffix(".default")
 
 
 def compile_text(delegate: DelegateSummary, planned: bool) -> str:
