@@ -1,0 +1,196 @@
+"""``lower(program, "auto")``: each engine's plan lowered, loaded and timed; the fastest kept, and why."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import aotstack
+from aotstack.backends.base import BUILT_IN, Engine
+from aotstack.compile import auto as auto_module
+from aotstack.compile import lower as lower_module
+from aotstack.format.placement import Candidate
+from aotstack.report.schema import REPORT_SCHEMA
+from tests.schema_check import schema_errors
+
+SLEEPY = "test_sleepy_relu"
+# What the sleepy engine adds to each of its calls: far more than a small model's whole call.
+SLEEP_SECONDS = 0.003
+
+
+class SleepyReluBackend(aotstack.Backend):
+    """A real engine that runs relu, slowly: a plan through it must lose to AOTInductor alone."""
+
+    backend_id = SLEEPY
+
+    def preprocess(self, exported_program, compile_specs):
+        return aotstack.PreprocessResult(b"")
+
+    def init(self, processed_bytes, named_data, compile_specs):
+        return None
+
+    def execute(self, handle, inputs):
+        time.sleep(SLEEP_SECONDS)
+        return [torch.relu(inputs[0])]
+
+
+class SleepyReluPartitioner(aotstack.SupportedOpsPartitioner):
+    backend_id = SLEEPY
+
+    def supports_op(self, op):
+        return op is torch.ops.aten.relu.default
+
+
+class BrokenReluBackend(SleepyReluBackend):
+    backend_id = "test_broken_relu"
+
+    def execute(self, handle, inputs):
+        raise RuntimeError("this engine cannot run here")
+
+
+class BrokenReluPartitioner(SleepyReluPartitioner):
+    backend_id = "test_broken_relu"
+
+
+class Mlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(16, 32)
+        self.second = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
+def engine(partitioner: str) -> Engine:
+    return Engine(__name__, __name__, f"{__name__}:{partitioner}")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    """A cache of this module's own, so each measurement here is made here, not read from an earlier run."""
+    return tmp_path_factory.mktemp("auto-cache")
+
+
+@pytest.fixture
+def test_engines(monkeypatch: pytest.MonkeyPatch, cache_dir):
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(cache_dir))
+    monkeypatch.setitem(BUILT_IN, SLEEPY, engine("SleepyReluPartitioner"))
+    monkeypatch.setitem(BUILT_IN, "test_broken_relu", engine("BrokenReluPartitioner"))
+
+
+def mlp_program() -> tuple[torch.nn.Module, tuple[torch.Tensor], aotstack.Program]:
+    torch.manual_seed(0)
+    model, x = Mlp().eval(), torch.randn(8, 16)
+    return model, (x,), aotstack.export(model, {"forward": (x,)})
+
+
+def test_auto_keeps_the_plan_its_measurement_favours_and_says_why(test_engines, tmp_path):
+    model, inputs, program = mlp_program()
+
+    lowered = aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu", SLEEPY]), progress=False)
+
+    chosen = lowered.placements["forward"].selection
+    assert [c.engines for c in chosen.candidates] == [["aoti_cpu"], [SLEEPY, "aoti_cpu"]]
+    alone, sleepy = chosen.candidates
+    assert sleepy.engine_seconds[SLEEPY] >= SLEEP_SECONDS and sleepy.seconds >= SLEEP_SECONDS
+    assert alone.seconds < sleepy.seconds
+    assert chosen.chosen == 0 and chosen.threads == torch.get_num_threads()
+    assert "aoti_cpu is the fastest" in chosen.reason and f"{SLEEPY} > aoti_cpu" in chosen.reason
+    assert {d.backend_id for d in lowered.delegates("forward")} == {"aoti_cpu"}
+
+    lowered.save(tmp_path / "auto.pt2")
+    report = aotstack.file_report(tmp_path / "auto.pt2")
+    assert schema_errors(report.to_json(), REPORT_SCHEMA) == []
+    saved = report.method("forward")
+    assert saved.selection == chosen
+    assert saved.delegates[0].run_seconds is not None and saved.delegates[0].run_seconds <= alone.seconds
+    text = report.text(width=160)
+    assert "engines chosen by measuring" in text and f"{SLEEPY} > aoti_cpu" in text and "linear ×2" in text
+    torch.testing.assert_close(aotstack.load(tmp_path / "auto.pt2").forward(*inputs), model(*inputs).detach())
+
+
+def test_a_warm_auto_lower_reads_its_measurements_instead_of_timing_again(test_engines, monkeypatch):
+    _, _, program = mlp_program()
+    cold = aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu", SLEEPY]), progress=False)
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("a warm auto lower timed a plan again")
+
+    monkeypatch.setattr(lower_module, "measured_methods", no_timing)
+    warm = aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu", SLEEPY]), progress=False)
+
+    assert warm.placements["forward"].selection == cold.placements["forward"].selection
+    assert [r.state for r in warm.compile_log["forward"]] == ["cached"]
+
+
+def test_a_plan_that_cannot_run_is_reported_and_another_kept(test_engines, tmp_path):
+    model, inputs, program = mlp_program()
+
+    lowered = aotstack.lower(program, aotstack.Auto(engines=["test_broken_relu"]), progress=False)
+
+    chosen = lowered.placements["forward"].selection
+    broken = chosen.candidates[1]
+    assert broken.seconds is None and "this engine cannot run here" in broken.error
+    assert "test_broken_relu > aoti_cpu could not be lowered or run" in chosen.reason
+    lowered.save(tmp_path / "kept.pt2")
+    torch.testing.assert_close(aotstack.load(tmp_path / "kept.pt2").forward(*inputs), model(*inputs).detach())
+
+
+def test_every_installed_engine_proposes_a_plan_and_the_result_matches_eager(tmp_path, monkeypatch, cache_dir):
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(cache_dir))
+    model, inputs, program = mlp_program()
+
+    lowered = aotstack.lower(program, progress=False)
+
+    chosen = lowered.placements["forward"].selection
+    installed = [name for name, e in BUILT_IN.items() if "cpu" in e.devices and e.installed()]
+    assert sorted(c.engines[0] for c in chosen.candidates) == sorted(installed)
+    assert all(c.engines[-1] == "aoti_cpu" for c in chosen.candidates)
+    timed = [c for c in chosen.candidates if c.seconds is not None]
+    fastest = min(c.seconds for c in timed)
+    kept = chosen.candidates[chosen.chosen]
+    assert kept.seconds == fastest or (chosen.chosen == 0 and kept.seconds <= fastest * (1 + auto_module.TIE))
+    lowered.save(tmp_path / "default.pt2")
+    torch.testing.assert_close(aotstack.load(tmp_path / "default.pt2").forward(*inputs), model(*inputs).detach())
+
+
+def candidate(engines: list[str], seconds: float | None, error: str | None = None) -> Candidate:
+    return Candidate(engines, seconds, {}, error)
+
+
+def test_the_fastest_plan_wins_and_the_runner_up_is_named():
+    kept = auto_module.selection(
+        "forward", [candidate(["aoti_cpu"], 0.020), candidate(["onnxruntime", "aoti_cpu"], 0.010)], 1
+    )
+    assert kept.chosen == 1
+    assert kept.reason == ("onnxruntime > aoti_cpu is the fastest (10 ms a call), 2.00x faster than the next, "
+                           "aoti_cpu (20 ms)")
+
+
+def test_aoti_alone_wins_a_tie():
+    kept = auto_module.selection(
+        "forward", [candidate(["aoti_cpu"], 0.0102), candidate(["openvino", "aoti_cpu"], 0.0100)], 1
+    )
+    assert kept.chosen == 0 and "within 3% of the fastest plan" in kept.reason
+
+
+def test_no_plan_that_works_is_an_error_naming_each():
+    with pytest.raises(aotstack.LoweringError, match="method 'forward'.*aoti_cpu: boom.*openvino > aoti_cpu: bang"):
+        auto_module.selection(
+            "forward", [candidate(["aoti_cpu"], None, "boom"), candidate(["openvino", "aoti_cpu"], None, "bang")], 1
+        )
+
+
+def test_auto_names_an_unknown_or_uninstalled_engine():
+    with pytest.raises(aotstack.LoweringError, match="no engine 'tensorrt' for device 'cpu'"):
+        auto_module.candidate_plans(aotstack.Auto(engines=["tensorrt"]))
+    with pytest.raises(aotstack.LoweringError, match="partitioners must be"):
+        aotstack.lower(mlp_program()[2], "fastest")
+
+
+def test_explain_says_auto_needs_compiled_parts():
+    with pytest.raises(aotstack.LoweringError, match="explain is a dry run"):
+        aotstack.explain(mlp_program()[2], "auto")
