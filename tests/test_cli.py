@@ -96,6 +96,27 @@ def test_compile_with_onnx_runtime_first(tmp_path):
     assert ran.returncode == 0, ran.stderr
 
 
+def test_compile_chooses_engines_by_measuring_unless_told(tmp_path):
+    output = tmp_path / "demo-auto.pt2"
+    result = aotstack_command("compile", "aotstack.demo:demo_model", "-o", output)
+
+    assert result.returncode == 0, result.stderr
+    assert "forward: kept " in result.stdout and "embed: kept " in result.stdout
+    listing = aotstack_command("inspect", output).stdout
+    assert "engines chosen by measuring" in listing and "onnxruntime > aoti_cpu" in listing
+
+    told = aotstack_command("compile", "aotstack.demo:demo_model", "-o", output, "--engines", "ort,aoti")
+    assert told.returncode == 0, told.stderr
+    assert "kept" not in told.stdout and "(onnxruntime," in told.stderr
+
+
+def test_compile_names_an_unknown_engine(tmp_path):
+    result = aotstack_command("compile", "aotstack.demo:demo_model", "-o", tmp_path / "x.pt2", "--engines", "tvm")
+
+    assert result.returncode == 1
+    assert "--engines names 'tvm'" in result.stderr and "Traceback" not in result.stderr
+
+
 def test_compile_names_a_bad_option_without_a_traceback(tmp_path):
     result = aotstack_command("compile", "aotstack.demo:demo_model", "-o", tmp_path / "x.pt2", "--min-block-size", "0")
 

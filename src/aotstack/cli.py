@@ -18,7 +18,9 @@ import torch
 from .errors import AotstackError, CheckError
 
 if TYPE_CHECKING:
+    from .compile.auto import Auto
     from .compile.check import Check
+    from .compile.lower import PartitionerPlan
     from .compile.partitioner import Partitioner
     from .format.manifest import InputRecord
     from .report.model import Report
@@ -112,6 +114,9 @@ def add_partitioner_options(parser: argparse.ArgumentParser) -> None:
     """The options that choose the partitioners: the same for compile and its dry run, explain."""
     parser.add_argument("--device", default="cpu", metavar="DEVICE",
                         help="where AOTInductor's parts run: cpu (default), cuda[:N] or mps")
+    parser.add_argument("--engines", default=None, metavar="auto|ENGINE,...",
+                        help="auto: time each installed engine's plan and keep the fastest per method (compile's "
+                             "default); or engines in the order they claim, e.g. ort,aoti or openvino,aoti")
     parser.add_argument("--exclude-op", action="append", default=[], metavar="OP",
                         help="leave OP (e.g. aten.gelu) out of AOTInductor's parts; repeatable")
     parser.add_argument("--ort", action="store_true",
@@ -186,7 +191,7 @@ def compile_command(args: argparse.Namespace) -> int:
     check = None if args.check is None else cli_check(args)
     try:
         lowered = aotstack.lower(
-            program, cli_partitioners(args), on_compile_error=args.on_compile_error, jobs=args.jobs,
+            program, cli_partitioners(args, default="auto"), on_compile_error=args.on_compile_error, jobs=args.jobs,
             progress={"auto": None, "live": True, "log": False}[args.progress], check=check,
         )
     except CheckError as exc:
@@ -194,6 +199,9 @@ def compile_command(args: argparse.Namespace) -> int:
         raise CheckError(f"{exc}\nnothing was written to {args.output}; compile without --check to write it anyway",
                          exc.result, exc.lowered) from None
     lowered.save(args.output)
+    for name, placement in lowered.placements.items():
+        if placement.selection is not None:
+            print(f"{name}: kept {placement.selection.reason}")
     if lowered.check_result is not None:
         print(lowered.check_result.text())
     count = sum(len(lowered.delegates(name)) for name in lowered.methods)
@@ -218,28 +226,53 @@ def explain_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def cli_partitioners(args: argparse.Namespace) -> list[Partitioner]:
-    """ONNX Runtime first when asked for, then AOTInductor for ``--device``."""
-    from .backends.aoti.cpu import AotiCpuPartitioner
-    from .backends.aoti.cuda import CudaPartitioner
-    from .backends.aoti.metal import MetalPartitioner
-    from .backends.ort.partitioner import OrtPartitioner
-    from .format.devices import DeviceType, parse_device_spec
+# Short names ``--engines`` takes beside backend ids.
+ENGINE_ALIASES = {"ort": "onnxruntime", "ov": "openvino"}
+
+
+def cli_partitioners(args: argparse.Namespace, default: str = "aoti") -> PartitionerPlan | Auto:
+    """The engines ``--engines`` names, in order; without it, ``default`` unless an engine's own option is given.
+
+    ``--ort``, ``--ort-op``, ``--exclude-op`` and ``--min-block-size`` keep their meaning: ONNX
+    Runtime first when asked for, then AOTInductor for ``--device``.
+    """
+    from .compile.auto import Auto
+
+    engines = args.engines
+    if engines is None:
+        explicit = args.exclude_op or args.min_block_size != 1
+        engines = "ort,aoti" if args.ort or args.ort_op else "aoti" if explicit else default
+    if engines.strip() == "auto":
+        return Auto(device=args.device)
+    names = [ENGINE_ALIASES.get(name.strip(), name.strip()) for name in engines.split(",") if name.strip()]
+    return [engine_partitioner(name, args) for name in names]
+
+
+def engine_partitioner(name: str, args: argparse.Namespace) -> Partitioner:
+    """The partitioner of engine ``name`` (``aoti`` is AOTInductor for ``--device``), with the options it takes."""
+    from .backends.base import BUILT_IN
+    from .errors import LoweringError
+    from .format.devices import parse_device_spec
     from .format.specs import CompileSpec, SpecKey
 
     device_type, _ = parse_device_spec(args.device)
-    aoti = {DeviceType.CPU: AotiCpuPartitioner, DeviceType.CUDA: CudaPartitioner, DeviceType.MPS: MetalPartitioner}
-    partitioners: list[Partitioner] = []
-    if args.ort or args.ort_op:
-        partitioners.append(OrtPartitioner(ops=args.ort_op or None, min_block_size=args.min_block_size))
-    partitioners.append(
-        aoti[device_type](
+    if name == "aoti":
+        name = next(n for n, e in BUILT_IN.items() if e.takes_every_op and device_type.value in e.devices)
+    engine = BUILT_IN.get(name)
+    if engine is None:
+        raise LoweringError(f"--engines names {name!r}; engines: auto, aoti, ort, ov, {', '.join(BUILT_IN)}")
+    if not engine.installed():
+        raise LoweringError(f"engine {name!r} is not installed here; pip install 'aotstack[{engine.extra}]'")
+    cls = engine.partitioner_class()
+    if engine.takes_every_op:
+        return cls(
             exclude_ops=args.exclude_op,
             compile_specs=[CompileSpec(SpecKey.TARGET_DEVICE, args.device.encode())],
             min_block_size=args.min_block_size,
         )
-    )
-    return partitioners
+    if name == "onnxruntime":
+        return cls(ops=args.ort_op or None, min_block_size=args.min_block_size)
+    return cls(min_block_size=args.min_block_size)
 
 
 def model_from_target(target: str) -> tuple[torch.nn.Module, dict[str, tuple[Any, ...]]]:

@@ -215,18 +215,18 @@ def lower(
     auto = auto_option(partitioners)
     with progress_for(progress) as shown:
 
-        def lower_plan(part: Program, plan: PartitionerPlan, on_error: OnCompileError) -> LoweredProgram:
+        def lower_plan(part: Program, plan: PartitionerPlan) -> LoweredProgram:
             return lowered_program(
                 part,
                 plan,
-                lambda claims: compile_claims(claims, workers, shown, on_error),
+                lambda claims: compile_claims(claims, workers, shown, on_compile_error),
                 skip_h2d_for_method_inputs=skip_h2d_for_method_inputs,
                 skip_d2h_for_method_outputs=skip_d2h_for_method_outputs,
                 keep_references=checking is not None and checking.partition,
             )
 
         if auto is None:
-            lowered = lower_plan(program, partitioners, on_compile_error)  # type: ignore[arg-type]
+            lowered = lower_plan(program, partitioners)  # type: ignore[arg-type]
         else:
             lowered = auto_lowered(program, auto, lower_plan)
     if checking is not None:
@@ -238,15 +238,14 @@ def lower(
     return lowered
 
 
-PlanLowerer = Callable[[Program, "PartitionerPlan", OnCompileError], LoweredProgram]
+PlanLowerer = Callable[[Program, "PartitionerPlan"], LoweredProgram]
 
 
 def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowerer) -> LoweredProgram:
     """Every candidate plan lowered and measured (or its figures read from the cache), the fastest kept per method.
 
-    A plan's parts that fail to compile are left to the engine after it, as with
-    ``on_compile_error="fallback"``; a plan that cannot be lowered or run at all is reported, not raised,
-    unless no plan works for a method.
+    A plan that cannot be lowered (a part failed to compile, under ``on_compile_error="raise"``)
+    or run is reported in the selection, not raised, unless no plan works for a method.
     """
     threads = torch.get_num_threads()
     plans = candidate_plans(auto)
@@ -260,7 +259,7 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowerer) -> Lower
         if all((name, plan) in candidates for name in program.methods):
             continue
         try:
-            lowered = lower_plan(program, plan_partitioners(plan, auto.device), "fallback")
+            lowered = lower_plan(program, plan_partitioners(plan, auto.device))
             timings = measured_methods(lowered.methods, lowered.delegate_table, program.methods)
         except Exception as error:  # noqa: BLE001 - a plan that fails is one the report names, not the end of auto
             logger.warning("auto: %s could not be lowered or run: %s: %s", plan_text(plan), type(error).__name__, error)
@@ -282,7 +281,7 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowerer) -> Lower
     unlowered = {name: exported for name, exported in program.methods.items() if chosen[name] not in lowered_by_plan}
     if unlowered:
         again = lower_plan(
-            Program(unlowered), {name: plan_partitioners(chosen[name], auto.device) for name in unlowered}, "fallback"
+            Program(unlowered), {name: plan_partitioners(chosen[name], auto.device) for name in unlowered}
         )
         lowered_by_plan.update({("again", name): again for name in unlowered})
     by_method = {
