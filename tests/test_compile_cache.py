@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import aotstack
@@ -67,3 +68,28 @@ def test_the_thread_count_changes_the_key():
     finally:
         torch.set_num_threads(threads)
     assert one != two
+
+
+def test_an_onnx_runtime_partition_is_exported_once_and_its_weights_come_from_the_program(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path))
+    model = models.build("stacked")
+    program = aotstack.export(model, {"forward": models.example_inputs("stacked")})
+    first = aotstack.lower(program, [aotstack.OrtPartitioner()], jobs=1)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("exported again despite a cache entry")
+
+    monkeypatch.setattr(torch.onnx, "export", refuse)
+    second = aotstack.lower(program, [aotstack.OrtPartitioner()], jobs=1)
+
+    assert [r.state for r in second.compile_log["forward"]] == ["cached"]
+    assert {k: bytes(v) for k, v in second.delegates("forward")[0].named_data.items()} == {
+        k: bytes(v) for k, v in first.delegates("forward")[0].named_data.items()
+    }
+    second.save(tmp_path / "cached.pt2")
+    x = models.example_inputs("stacked")
+    torch.testing.assert_close(aotstack.load(tmp_path / "cached.pt2").forward(*x), model(*x).detach())
+    (blob,) = [p for p in (tmp_path / ".preprocess").iterdir() if not p.name.endswith(".json")]
+    blob.write_bytes(b"not the model")
+    with pytest.raises(aotstack.LoweringError, match="exported again"):
+        aotstack.lower(program, [aotstack.OrtPartitioner()], jobs=1)

@@ -22,7 +22,6 @@ only the chosen plans (from the compile cache, where an engine has one) and meas
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import json
 import logging
 from collections.abc import Mapping, Sequence
@@ -36,7 +35,7 @@ from ..backends.base import BUILT_IN, Engine
 from ..errors import LoweringError
 from ..format.devices import parse_device_spec
 from ..format.placement import Candidate, Selection
-from .cache import read_entry, write_entry
+from .cache import package_version, read_entry, write_entry
 from .measure import MethodTiming
 from .partitioner import Partitioner
 from .program_parts import program_fingerprint
@@ -131,13 +130,6 @@ def measurement_key(exported: ExportedProgram, plan: Plan, threads: int) -> str:
     digest = hashlib.sha256("\0".join(parts).encode())
     digest.update(program_fingerprint(exported).encode())
     return digest.hexdigest()
-
-
-def package_version(module: str) -> str:
-    try:
-        return importlib.metadata.version(module)
-    except importlib.metadata.PackageNotFoundError:
-        return "?"
 
 
 def cached_measurement(key: str, plan: Plan) -> tuple[Candidate, dict[str, float]] | None:

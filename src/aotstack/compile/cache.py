@@ -1,9 +1,20 @@
-"""Where aotstack keeps what it can reuse between lowerings: compiled libraries, measurements."""
+"""Where aotstack keeps what it can reuse between lowerings: compiled libraries, engines' results, measurements."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.metadata
+import json
 import os
 import tempfile
+
+import torch
+from torch.export import ExportedProgram
+
+from .. import __version__
+from ..format.specs import CompileSpec, PreprocessResult
+from ..format.tensor_data import WEIGHT_PREFIX, content_key, weights_as_named_data
+from .program_parts import program_fingerprint, program_weights
 
 
 def cache_dir(kind: str) -> str | None:
@@ -49,3 +60,63 @@ def write_entry(kind: str, name: str, data: bytes) -> None:
             raise
     except OSError:
         pass  # a cache that cannot be written only costs the work again next time
+
+
+# The kind of entry that keeps an engine's preprocess results (``kept_preprocess``).
+PREPROCESS_KIND = "preprocess"
+
+
+def preprocess_key(backend_id: str, program: ExportedProgram, compile_specs: list[CompileSpec],
+                   packages: tuple[str, ...]) -> str:
+    """What a partition's compile depends on: its program (weights' values included), its specs, the versions."""
+    parts = [backend_id, torch.__version__, __version__, str(torch.get_num_threads())]
+    parts += [f"{spec.key}={spec.value.hex()}" for spec in compile_specs]
+    parts += [f"{name}={package_version(name)}" for name in packages]
+    digest = hashlib.sha256("\0".join(parts).encode())
+    digest.update(program_fingerprint(program).encode())
+    return digest.hexdigest()
+
+
+def package_version(module: str) -> str:
+    """The installed version of ``module``'s distribution, or ``?``."""
+    try:
+        return importlib.metadata.version(module)
+    except importlib.metadata.PackageNotFoundError:
+        return "?"
+
+
+def keep_preprocess(key: str, result: PreprocessResult) -> None:
+    """Cache what a backend made for a partition, except its weights, which the partition holds anyway.
+
+    Weights are the named data ``weight:<fqn>`` that ``weights_as_named_data`` makes; each other
+    blob is stored with its hash, which a later read checks.
+    """
+    blobs = {name: bytes(data) for name, data in result.named_data.items() if not name.startswith(WEIGHT_PREFIX)}
+    header = {
+        "processed": result.processed_bytes.hex(),
+        "weights": sorted(name.removeprefix(WEIGHT_PREFIX) for name in result.named_data
+                          if name.startswith(WEIGHT_PREFIX)),
+        "blobs": {name: content_key(data) for name, data in blobs.items()},
+    }
+    for data in blobs.values():
+        write_entry(PREPROCESS_KIND, content_key(data), data)
+    write_entry(PREPROCESS_KIND, key + ".json", json.dumps(header).encode())
+
+
+def kept_preprocess(key: str, program: ExportedProgram) -> PreprocessResult | None:
+    """What ``keep_preprocess`` cached under ``key``, weights taken from ``program``; None if absent or damaged."""
+    data = read_entry(PREPROCESS_KIND, key + ".json")
+    if data is None:
+        return None
+    try:
+        header = json.loads(data)
+        weights = program_weights(program)
+        named_data, _ = weights_as_named_data({fqn: weights[fqn].detach().contiguous() for fqn in header["weights"]})
+        for name, blob_key in header["blobs"].items():
+            blob = read_entry(PREPROCESS_KIND, blob_key)
+            if blob is None or content_key(blob) != blob_key:
+                return None
+            named_data[name] = blob
+        return PreprocessResult(bytes.fromhex(header["processed"]), named_data, from_cache=True)
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None
