@@ -39,6 +39,9 @@ class OrtBackend(Backend):
     ) -> PreprocessResult:
         # Keyed before the export, which changes the program it is given.
         key = self.cache_key(exported_program, compile_specs)
+        cached = kept_preprocess(key, exported_program)
+        if cached is not None:
+            return cached
         result = self.exported(exported_program, compile_specs)
         keep_preprocess(key, result)
         return result
