@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -73,7 +74,16 @@ class OrtPartitioner(SupportedOpsPartitioner):
                 f"ONNX Runtime's {', '.join(providers_named(self.compile_specs))} has no arithmetic kernels "
                 f"for {', '.join(uncomputable)}",
             )
-        return super().node_refusal(node, owner)
+        refused = super().node_refusal(node, owner)
+        if refused is not None and refused.detail == UNTRACEABLE and isinstance(node.target, torch._ops.OpOverload):
+            # The schema's stand-in arguments do not fit every op (an index must be an integer tensor);
+            # the node's own do.
+            return self.op_refusal_for(node.target, node_arguments(node))
+        return refused
+
+    def op_refusal_for(self, op: torch._ops.OpOverload, arguments: tuple[Any, ...] | None) -> Reason | None:
+        untranslatable = UNTRACEABLE if arguments is None else exporter_refusal(op, arguments)
+        return None if untranslatable is None else self.refusal("unsupported", untranslatable)
 
     def supports_op(self, op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> bool:
         return self.op_refusal(op) is None
@@ -129,12 +139,18 @@ _ONNX_TENSOR_TYPES = {
 }
 
 
+UNTRACEABLE = "the ONNX exporter's decomposition of it could not be traced"
+
+
 @functools.cache
-def exporter_refusal(op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> str | None:
+def exporter_refusal(
+    op: torch._ops.OpOverload | torch._ops.HigherOrderOperator, arguments: tuple[Any, ...] | None = None
+) -> str | None:
     """Why the ONNX exporter cannot translate ``op``; None where it has a translation, direct or by decomposing.
 
     A decomposition counts only when everything it decomposes into has a translation
-    (``lgamma`` decomposes to ``prims.lgamma``, which has none).
+    (``lgamma`` decomposes to ``prims.lgamma``, which has none); it is traced on ``arguments``
+    (hashable stand-ins, see ``node_arguments``), or on stand-ins built from the schema.
     """
     if str(op) in _DROPPED_BY_EXPORTER or exporter_registry().is_registered(op):
         return None
@@ -142,22 +158,55 @@ def exporter_refusal(op: torch._ops.OpOverload | torch._ops.HigherOrderOperator)
     if decomposition is None:
         return "the ONNX exporter has no translation for it"
     missing = sorted(
-        {str(inner) for inner in decomposed_ops(op, decomposition) if not exporter_registry().is_registered(inner)}
+        {
+            str(inner)
+            for inner in decomposed_ops(op, decomposition, arguments)
+            if not exporter_registry().is_registered(inner)
+        }
     )
     if not missing:
         return None
     if missing == ["None"]:
-        return "the ONNX exporter's decomposition of it could not be traced"
+        return UNTRACEABLE
     return f"it decomposes into ops the ONNX exporter cannot translate: {', '.join(missing)}"
 
 
-def decomposed_ops(op: torch._ops.OpOverload, decomposition: Any) -> list[Any]:
-    """The ops ``decomposition`` calls, traced on example arguments built from the schema."""
+@dataclass(frozen=True)
+class TensorStandIn:
+    """A tensor argument by dtype and shape: hashable, so a refusal is worked out once per signature."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def node_arguments(node: Node) -> tuple[Any, ...] | None:
+    """``node``'s positional arguments as stand-ins: tensors by dtype and static shape, other values as they are."""
+    arguments = []
+    for argument in node.args:
+        value = argument.meta.get("val") if isinstance(argument, Node) else argument
+        if isinstance(value, torch.Tensor):
+            if not all(isinstance(size, int) for size in value.shape):
+                return None
+            value = TensorStandIn(value.dtype, tuple(value.shape))
+        elif isinstance(value, list | tuple | Node):
+            return None
+        arguments.append(value)
+    return tuple(arguments)
+
+
+def decomposed_ops(op: torch._ops.OpOverload, decomposition: Any, stand_ins: tuple[Any, ...] | None) -> list[Any]:
+    """The ops ``decomposition`` calls, traced on meta tensors for ``stand_ins`` or on arguments from the schema."""
     # A decomposition's ops can depend on its arguments; a trace on meta tensors of the
     # schema's types is a good per-op answer, and an op that cannot be traced is not claimed.
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    arguments = example_arguments(op)
+    if stand_ins is None:
+        arguments = example_arguments(op)
+    else:
+        arguments = [
+            torch.empty(a.shape, dtype=a.dtype, device="meta") if isinstance(a, TensorStandIn) else a
+            for a in stand_ins
+        ]
     if arguments is None:
         return [None]
     try:
