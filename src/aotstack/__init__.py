@@ -33,6 +33,8 @@ _EXPORTS = {
     "ReplaceViewCopyWithViewPass": "backends.aoti.passes",
     "OrtBackend": "backends.ort.backend",
     "OrtPartitioner": "backends.ort.partitioner",
+    "OpenVinoBackend": "backends.openvino.backend",
+    "OpenVinoPartitioner": "backends.openvino.partitioner",
     "Backend": "backends.base",
     "BackendRuntime": "backends.base",
     "AotstackError": "errors",

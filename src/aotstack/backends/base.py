@@ -150,6 +150,9 @@ BUILT_IN: dict[str, Engine] = {
     "onnxruntime": Engine("aotstack.backends.ort.run", "aotstack.backends.ort.backend",
                           "aotstack.backends.ort.partitioner:OrtPartitioner",
                           packages=("onnxruntime", "onnx", "onnxscript"), extra="onnx"),
+    "openvino": Engine("aotstack.backends.openvino.run", "aotstack.backends.openvino.backend",
+                       "aotstack.backends.openvino.partitioner:OpenVinoPartitioner",
+                       packages=("openvino",), extra="openvino"),
 }
 
 

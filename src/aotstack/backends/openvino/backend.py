@@ -1,0 +1,85 @@
+"""``OpenVinoBackend``: the compile side of OpenVINO, partitions converted to OpenVINO IR (the run side is ``run.py``).
+
+What a delegate stores, and why:
+
+- The IR's XML, and its .bin holding only the constants the frontend made (shapes, scalars).
+  The weights are not in the IR: they are parameters of it, and each is named data of its own,
+  ``weight:<fqn>``, keyed by content in the package like every engine's weights. So a weight
+  read by two partitions, two methods or two engines is stored once.
+- Not a compiled blob (``CompiledModel.export_model``): the CPU plugin writes every weight into
+  it, again for each partition. Measured on BERT-base (12 layers, 110 M parameters, 2 cores):
+  the blob is 435 MB and imports in 0.20 s; the IR is 350 kB of XML, and reading it, putting the
+  weights in as constants over the mapped package and compiling takes 0.30 s. The blob cannot be
+  made weightless here: the CPU plugin's weightless export points at a weights file, which a
+  package does not have. So the IR, for a tenth of a second per BERT at load, and the file's
+  weights once.
+
+At load the run side reads both from the package's memory; nothing is written to disk, and
+nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+
+from torch.export import ExportedProgram
+
+from ...compile.program_parts import partition_boundary
+from ...errors import CompileSpecError, LoweringError
+from ...format.specs import CompileSpec, PreprocessResult, SpecKey, compile_spec_value, partition_label
+from ...format.tensor_data import dtype_from_name, weights_as_named_data
+from ..base import Backend
+from .compile import convert_partition
+from .frontend import decompositions, dtype_refusal
+from .run import CONSTANTS_NAME, INPUT_ROLE, MODEL_NAME, PROCESSED_VERSION
+
+
+class OpenVinoBackend(Backend):
+    """OpenVINO as a stacked engine, on the CPU.
+
+    Each partition is converted by OpenVINO's PyTorch frontend (what ``openvino.convert_model``
+    does to an ExportedProgram) and compiled for the CPU plugin when the package is loaded.
+    """
+
+    backend_id = "openvino"
+
+    def preprocess(
+        self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
+    ) -> PreprocessResult:
+        label = partition_label(self.backend_id, compile_specs)
+        check_target_device(compile_specs)
+        # OpenVINO is handed numpy views of host memory.
+        boundary = partition_boundary(exported_program, label, "cpu")
+        for index, item in enumerate(boundary.inputs):
+            refused = dtype_refusal(dtype_from_name(item.dtype))
+            if refused is not None:
+                raise LoweringError(f"{label}: input {index} is {item.dtype}, and {refused}")
+        partition = convert_partition(exported_program, label)
+        if sum(role.startswith(INPUT_ROLE) for role in partition.parameters) != len(boundary.inputs):
+            raise LoweringError(f"{label}: the OpenVINO model's inputs are not the partition's {len(boundary.inputs)}")
+        named_data, weights = weights_as_named_data(partition.weights)
+        named_data[MODEL_NAME] = partition.xml
+        named_data[CONSTANTS_NAME] = partition.constants
+        processed = {
+            "version": PROCESSED_VERSION,
+            "weights": weights,
+            "parameters": partition.parameters,
+            "outputs": partition.outputs,
+            "precision": partition.precision,
+            # What the model takes; its run side checks every call against it.
+            "boundary": boundary.to_json(),
+        }
+        return PreprocessResult(json.dumps(processed).encode(), named_data)
+
+    def warm_up(self) -> None:
+        # Forked compile workers inherit the import and the decomposition table.
+        import openvino.frontend.pytorch.fx_decoder  # noqa: F401
+
+        decompositions()
+
+
+def check_target_device(compile_specs: list[CompileSpec]) -> None:
+    """OpenVINO runs here on the CPU only; another target device is a bad spec."""
+    device = compile_spec_value(compile_specs, SpecKey.TARGET_DEVICE)
+    if device is not None and device.decode().split(":")[0] != "cpu":
+        raise CompileSpecError(f"compile spec 'target_device': OpenVinoBackend runs on the CPU, got {device!r}")

@@ -1,0 +1,169 @@
+"""OpenVINO compile side: a partition converted by OpenVINO's PyTorch frontend, with its weights left out of the IR."""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
+from ...compile.program_parts import program_weights
+from ...errors import LoweringError
+from .frontend import decompositions
+from .packages import require_openvino
+from .run import INPUT_ROLE, OUTPUT_ROLE, WEIGHT_ROLE
+
+_WEIGHT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+
+
+@dataclass(frozen=True)
+class OpenVinoPartition:
+    """A partition as OpenVINO IR whose weights are parameters, with those weights."""
+
+    xml: bytes
+    # The IR's .bin: only the constants the frontend made (shapes, scalars), never a weight.
+    constants: bytes
+    weights: dict[str, torch.Tensor]
+    # Each parameter of the IR, in order: ``input:<index>`` or ``weight:<fqn>`` (also its friendly name).
+    parameters: list[str]
+    # For each output of the partition, the result of the IR that holds it (one result may hold two).
+    outputs: list[int]
+    # What the CPU plugin is asked to compute in: ``f32``, or ``bf16`` for a part all in bfloat16.
+    precision: str
+
+
+def convert_partition(exported_program: ExportedProgram, label: str) -> OpenVinoPartition:
+    """``exported_program`` converted the way ``openvino.convert_model`` converts one, but for its weights.
+
+    ``convert_model`` would make each weight a constant inside the IR, so the package would hold
+    a second copy of it for every partition that reads it. Here the weights stay parameters of
+    the IR (the frontend converts the program's own graph, whose placeholders they are), the
+    package stores each once as named data, and the run side makes each a constant again, over
+    the package's bytes, before compiling.
+    """
+    require_openvino("OpenVinoBackend needs openvino to convert a partition", LoweringError)
+    try:
+        decomposed = exported_program.run_decompositions(decompositions())
+    except Exception as error:
+        raise LoweringError(f"{label}: OpenVINO's decompositions failed: {error}") from error
+    roles = parameter_roles(decomposed, label)
+    outputs = distinct_outputs(decomposed.graph_module)
+    model = converted(decomposed.graph_module, label)
+    if len(model.get_results()) != len(set(outputs)):
+        raise LoweringError(f"{label}: the OpenVINO model has {len(model.get_results())} outputs, "
+                            f"the partition {len(set(outputs))}")
+    parameters = model.get_parameters()
+    if len(parameters) != len(roles):
+        raise LoweringError(f"{label}: the OpenVINO model has {len(parameters)} inputs, the partition {len(roles)}")
+    for parameter, role in zip(parameters, roles):
+        parameter.set_friendly_name(role)
+    # Names the run side finds its outputs by, whatever order compiling gives them.
+    for index, result in enumerate(model.get_results()):
+        result.set_friendly_name(f"{OUTPUT_ROLE}{index}")
+    xml, constants = serialized(model)
+    weights = program_weights(decomposed)
+    return OpenVinoPartition(
+        xml=xml,
+        constants=constants,
+        weights={
+            role.removeprefix(WEIGHT_ROLE): weights[role.removeprefix(WEIGHT_ROLE)].detach().contiguous()
+            for role in roles
+            if role.startswith(WEIGHT_ROLE)
+        },
+        parameters=roles,
+        outputs=outputs,
+        precision=part_precision(exported_program),
+    )
+
+
+def parameter_roles(exported_program: ExportedProgram, label: str) -> list[str]:
+    """What each placeholder is, in graph order: a user input (by position) or a weight (by FQN)."""
+    roles, user_inputs = [], 0
+    for spec in exported_program.graph_signature.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            roles.append(f"{INPUT_ROLE}{user_inputs}")
+            user_inputs += 1
+        elif spec.kind in _WEIGHT_KINDS and spec.target is not None:
+            roles.append(f"{WEIGHT_ROLE}{spec.target}")
+        else:
+            raise LoweringError(f"{label}: input {spec.arg.name!r} is a {spec.kind.name}, which OpenVINO cannot take")
+    for spec in exported_program.graph_signature.output_specs:
+        if spec.kind != OutputKind.USER_OUTPUT:
+            raise LoweringError(f"{label}: output {spec.arg.name!r} is a {spec.kind.name}; a part returns values only")
+    return roles
+
+
+def distinct_outputs(graph_module: torch.fx.GraphModule) -> list[int]:
+    """Return each value once, in place; for each output as it was, its index among the values kept.
+
+    The frontend names each output after the tensor that makes it, and fails on a name it has seen.
+    """
+    output = graph_module.graph.output_node()
+    values = list(output.args[0])
+    kept = list(dict.fromkeys(values))
+    output.args = (type(output.args[0])(kept),)
+    graph_module.recompile()
+    return [kept.index(value) for value in values]
+
+
+def converted(graph_module: torch.fx.GraphModule, label: str) -> Any:
+    """The frontend's model of ``graph_module``; sizes that are symbols in its fake tensors stay dynamic (-1)."""
+    import openvino
+    from openvino.frontend.pytorch.fx_decoder import TorchFXPythonDecoder
+
+    for attempt in ("as it is", "with fresh outputs"):
+        try:
+            return openvino.convert_model(TorchFXPythonDecoder(graph_module))
+        except Exception as error:
+            # Two outputs the frontend reads as one tensor (it elides a clone or an alias) fail by name.
+            if attempt == "as it is" and "Tensor name is not a number" in str(error):
+                with_fresh_outputs(graph_module)
+                continue
+            raise LoweringError(f"{label}: OpenVINO could not convert it: {error}") from error
+    raise AssertionError("unreachable")
+
+
+def with_fresh_outputs(graph_module: torch.fx.GraphModule) -> None:
+    """Make each computed output a node of its own (a squeeze of an unsqueeze, which OpenVINO folds away), in place."""
+    graph = graph_module.graph
+    output = graph.output_node()
+    values = []
+    for value in output.args[0]:
+        if isinstance(value, torch.fx.Node) and value.op != "placeholder":
+            with graph.inserting_before(output):
+                wider = graph.call_function(torch.ops.aten.unsqueeze.default, (value, 0))
+                wider.meta["val"] = value.meta["val"].unsqueeze(0)
+                value = graph.call_function(torch.ops.aten.squeeze.dim, (wider, 0))
+                value.meta["val"] = wider.meta["val"].squeeze(0)
+        values.append(value)
+    output.args = (type(output.args[0])(values),)
+    graph_module.recompile()
+
+
+def serialized(model: Any) -> tuple[bytes, bytes]:
+    """The model's IR, XML and .bin, exactly as it is (``openvino.save_model`` would compress it to float16).
+
+    OpenVINO serializes to files only; they live in a directory removed before this returns.
+    """
+    import openvino
+
+    with tempfile.TemporaryDirectory(prefix="aotstack-openvino-") as directory:
+        xml, constants = Path(directory, "model.xml"), Path(directory, "model.bin")
+        openvino.serialize(model, xml, constants)
+        return xml.read_bytes(), constants.read_bytes()
+
+
+def part_precision(exported_program: ExportedProgram) -> str:
+    """``bf16`` where every floating tensor of the part is bfloat16; otherwise ``f32``, so float32 stays float32."""
+    floating = {
+        leaf.dtype
+        for node in exported_program.graph.nodes
+        for leaf in pytree.tree_leaves(node.meta.get("val"))
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+    }
+    return "bf16" if floating == {torch.bfloat16} else "f32"

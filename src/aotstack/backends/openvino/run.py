@@ -1,0 +1,334 @@
+"""OpenVINO run side: a delegate's IR read from the package, its weights made constants in place, compiled for the CPU.
+
+``init`` reads the IR's XML and its small constants file from the package's named data (no file
+is written or opened), puts each weight in where the IR has a parameter for it, as a constant
+over the package's own mapped bytes (no copy; the CPU plugin keeps its own packed copy only of
+the weights its kernels repack), and compiles the model for OpenVINO's CPU plugin:
+
+- ``INFERENCE_PRECISION_HINT`` from the part (``f32`` unless every floating tensor in it is
+  bfloat16): on a CPU with bf16 units the plugin otherwise runs float32 models in bfloat16.
+- ``INFERENCE_NUM_THREADS`` is ``torch.get_num_threads()`` at load, ``PERFORMANCE_HINT`` is
+  ``LATENCY`` (one stream), and ``ENABLE_CPU_PINNING`` is off: the process shares its cores with
+  torch and the other engines, so OpenVINO does not pin its threads to them. OpenVINO has no
+  property for how its idle threads wait; its TBB workers spin about a millisecond after a call,
+  then sleep.
+
+Every call is checked against the boundary the compile side recorded before OpenVINO sees it.
+Inputs are handed over as ``openvino.Tensor`` views of the torch tensors' memory (a strided,
+negated or conjugated view is made contiguous first), and an input whose memory and shape are
+those of the last call on that request is not set again. An output whose shape is static is
+written by OpenVINO straight into a new torch tensor; a dynamic one is OpenVINO's own tensor,
+handed to torch as it is, and the request gets a fresh one for its next call. A call from
+another thread while one runs gets its own request, so concurrent calls are safe.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...errors import DelegateInitError, PackageError
+from ...format import processed as processed_json
+from ...format.boundary import BoundaryCheck
+from ...format.specs import CompileSpec, partition_label
+from ...format.tensor_data import BytesLike, dtype_from_name
+from ..base import BackendRuntime
+from .packages import require_openvino
+
+# Named data of a delegate: the IR's XML, and its .bin, which holds the constants the frontend
+# made (shapes, scalars); the weights are named data of their own, ``weight:<fqn>``.
+MODEL_NAME = "openvino.xml"
+CONSTANTS_NAME = "openvino.bin"
+# The processed JSON this run side reads.
+PROCESSED_VERSION = 1
+# The torch dtypes a delegate's boundary may carry -> their OpenVINO element type.
+ELEMENT_TYPES = {
+    torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16",
+    torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
+    torch.bool: "boolean",
+}
+# Precisions the compile side may ask the CPU plugin to compute in.
+PRECISIONS = ("f32", "bf16")
+# A parameter of the IR is ``input:<index>`` (the partition's user input) or ``weight:<fqn>``.
+INPUT_ROLE, WEIGHT_ROLE = "input:", "weight:"
+# The tensor name the compile side gives output ``i``: ``output:<i>``.
+OUTPUT_ROLE = "output:"
+
+
+class OpenVinoRuntime(BackendRuntime):
+    """OpenVINO's run side: one compiled model per delegate, run by a small pool of infer requests."""
+
+    backend_id = "openvino"
+
+    def init(
+        self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
+    ) -> OpenVinoHandle:
+        label = partition_label(self.backend_id, compile_specs)
+        require_openvino(f"{label} needs openvino to run", DelegateInitError)
+        part = read_part(processed_bytes, named_data, label)
+        compiled = compiled_model(part, label)
+        return OpenVinoHandle(
+            compiled,
+            feeds=feeds(compiled, part, label),
+            outputs=output_plans(compiled, part, label),
+            # None where the part returns each result once, in order.
+            returned=None if part.outputs == list(range(len(part.outputs))) else part.outputs,
+            label=label,
+            check=part.boundary.checker(label),
+            keep_alive=[part.weights, part.constants],
+        )
+
+    def execute(self, handle: OpenVinoHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return run(handle, inputs)
+
+
+@dataclass(frozen=True)
+class Part:
+    """What the compile side stored for one delegate, read and checked."""
+
+    xml: bytes
+    constants: BytesLike
+    weights: dict[str, torch.Tensor]
+    parameters: list[str]
+    # For each output of the part, the IR result that holds it.
+    outputs: list[int]
+    precision: str
+    boundary: Any
+
+
+def read_part(processed_bytes: bytes, named_data: Mapping[str, BytesLike], label: str) -> Part:
+    processed = processed_json.read_processed(processed_bytes, label, PROCESSED_VERSION)
+    boundary = processed_json.boundary(processed, label)
+    parameters = processed_json.string_list(processed, "parameters", label)
+    inputs = [role for role in parameters if role.startswith(INPUT_ROLE)]
+    if inputs != [f"{INPUT_ROLE}{index}" for index in range(len(boundary.inputs))]:
+        raise PackageError(f"{label}: its parameters {parameters} do not list its {len(boundary.inputs)} input(s)")
+    weights = processed_json.weights(processed, named_data, label)
+    if sorted(role for role in parameters if role.startswith(WEIGHT_ROLE)) != sorted(WEIGHT_ROLE + w for w in weights):
+        raise PackageError(f"{label}: its parameters do not name the weights it stores")
+    precision = processed_json.field(processed, "precision", str, label)
+    if precision not in PRECISIONS:
+        raise PackageError(f"{label}: precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    missing = [name for name in (MODEL_NAME, CONSTANTS_NAME) if name not in named_data]
+    if missing:
+        raise PackageError(f"{label}: the package holds no named data {', '.join(map(repr, missing))}")
+    return Part(
+        xml=bytes(named_data[MODEL_NAME]),
+        constants=named_data[CONSTANTS_NAME],
+        weights=weights,
+        parameters=parameters,
+        outputs=result_indices(processed, label),
+        precision=precision,
+        boundary=boundary,
+    )
+
+
+def result_indices(processed: Mapping[str, Any], label: str) -> list[int]:
+    indices = processed_json.field(processed, "outputs", list, label)
+    if not all(type(index) is int for index in indices) or sorted(set(indices)) != list(range(len(set(indices)))):
+        raise PackageError(f"{label}: processed field 'outputs' must map each output to a result, got {indices!r}")
+    return indices
+
+
+@functools.cache
+def core() -> Any:
+    """One OpenVINO ``Core`` per process: it loads the CPU plugin once."""
+    import openvino
+
+    return openvino.Core()
+
+
+def compiled_model(part: Part, label: str) -> Any:
+    """The part's IR read from memory, its weights made constants over the package's bytes, compiled for the CPU."""
+    try:
+        model = core().read_model(part.xml, byte_tensor(part.constants))
+    except Exception as error:
+        raise DelegateInitError(f"{label}: OpenVINO could not read the model: {error}") from error
+    try:
+        with_weights_as_constants(model, part.weights)
+        return core().compile_model(model, "CPU", {
+            "INFERENCE_PRECISION_HINT": part.precision,
+            "INFERENCE_NUM_THREADS": torch.get_num_threads(),
+            "PERFORMANCE_HINT": "LATENCY",
+            "ENABLE_CPU_PINNING": False,
+        })
+    except Exception as error:
+        raise DelegateInitError(f"{label}: OpenVINO could not compile the model: {error}") from error
+
+
+def byte_tensor(data: BytesLike) -> Any:
+    """``data`` as an OpenVINO ``u8`` tensor over the same memory."""
+    import numpy
+    import openvino
+
+    array = numpy.frombuffer(data, dtype=numpy.uint8) if len(data) else numpy.zeros(0, dtype=numpy.uint8)
+    # This constructor wraps read-only memory as it is; OpenVINO only reads it.
+    return openvino.Tensor(array, [array.size], openvino.Type.u8)
+
+
+def with_weights_as_constants(model: Any, weights: Mapping[str, torch.Tensor]) -> None:
+    """Replace each ``weight:<fqn>`` parameter of ``model`` by a constant over the weight's own memory, in place."""
+    import openvino
+
+    for parameter in list(model.get_parameters()):
+        role = parameter.get_friendly_name()
+        if not role.startswith(WEIGHT_ROLE):
+            continue
+        weight = weights[role.removeprefix(WEIGHT_ROLE)]
+        constant = openvino.op.Constant(ov_tensor(weight), shared_memory=True)
+        parameter.output(0).replace(constant.output(0))
+        model.remove_parameter(parameter)
+    model.validate_nodes_and_infer_types()
+
+
+def ov_tensor(tensor: torch.Tensor) -> Any:
+    """An ``openvino.Tensor`` over ``tensor``'s memory, which must be contiguous host memory."""
+    import openvino
+
+    return tensor_wrapper(tensor.dtype, openvino)(tensor)
+
+
+def tensor_wrapper(dtype: torch.dtype, openvino: Any) -> Callable[[torch.Tensor], Any]:
+    """The fastest way to view a contiguous CPU tensor of ``dtype`` as an ``openvino.Tensor``, sharing its memory."""
+    if dtype is torch.bfloat16:
+        # numpy has no bfloat16: the bits go over as int16 and are labelled bf16.
+        bf16 = openvino.Type.bf16
+        return lambda tensor: openvino.Tensor(tensor.view(torch.int16).numpy(), list(tensor.shape), bf16)
+    return lambda tensor: openvino.Tensor(tensor.numpy(), shared_memory=True)
+
+
+@dataclass(frozen=True)
+class Feed:
+    """One input of the compiled model: which of the delegate's inputs it takes, and how to wrap it."""
+
+    index: int
+    wrap: Callable[[torch.Tensor], Any]
+
+
+def feeds(compiled: Any, part: Part, label: str) -> list[Feed]:
+    """For each input of the compiled model, in its order, the delegate input it takes."""
+    import openvino
+
+    feeds = []
+    for port in compiled.inputs:
+        role = port.get_node().get_friendly_name()
+        if not role.startswith(INPUT_ROLE):
+            raise PackageError(f"{label}: the compiled model has an input {role!r} that is not one of the part's")
+        index = int(role.removeprefix(INPUT_ROLE))
+        feeds.append(Feed(index, tensor_wrapper(dtype_from_name(part.boundary.inputs[index].dtype), openvino)))
+    if sorted(feed.index for feed in feeds) != list(range(len(part.boundary.inputs))):
+        raise PackageError(f"{label}: the compiled model's inputs are not the part's {len(part.boundary.inputs)}")
+    return feeds
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    """One output of the compiled model: its torch dtype, and its shape where it is static."""
+
+    port: int
+    dtype: torch.dtype
+    shape: torch.Size | None
+    wrap: Callable[[torch.Tensor], Any]
+
+
+def output_plans(compiled: Any, part: Part, label: str) -> list[OutputPlan]:
+    """The compiled model's outputs in the order of the IR's results (found by the names the compile side gave them)."""
+    import openvino
+
+    torch_types = {getattr(openvino.Type, name): dtype for dtype, name in ELEMENT_TYPES.items()}
+    ports = {output.get_node().get_friendly_name(): port for port, output in enumerate(compiled.outputs)}
+    count = len(set(part.outputs))
+    names = [f"{OUTPUT_ROLE}{index}" for index in range(count)]
+    if sorted(ports) != sorted(names):
+        raise PackageError(f"{label}: the compiled model's outputs are not the part's {count}")
+    plans = []
+    for name in names:
+        output = compiled.outputs[ports[name]]
+        dtype = torch_types.get(output.get_element_type())
+        if dtype is None:
+            raise PackageError(f"{label}: output {name!r} has OpenVINO type {output.get_element_type()}, "
+                               "which no torch dtype here matches")
+        shape = output.get_partial_shape()
+        static = torch.Size(shape.to_shape()) if shape.is_static else None
+        plans.append(OutputPlan(ports[name], dtype, static, tensor_wrapper(dtype, openvino)))
+    return plans
+
+
+@dataclass
+class Request:
+    """An infer request, and for each input port the (address, shape) of what was set on it last."""
+
+    request: Any
+    held: list[tuple[int, torch.Size] | None]
+
+
+@dataclass
+class OpenVinoHandle:
+    compiled: Any
+    feeds: list[Feed]
+    outputs: list[OutputPlan]
+    returned: list[int] | None
+    label: str
+    check: BoundaryCheck | None
+    # The package's views that the model's constants point into: they must outlive it.
+    keep_alive: list[Any]
+    # Requests no call is using; a call takes one (or makes one) and puts it back.
+    idle: list[Request] = field(default_factory=list)
+
+    def request(self) -> Request:
+        try:
+            return self.idle.pop()
+        except IndexError:
+            return Request(self.compiled.create_infer_request(), [None] * len(self.feeds))
+
+
+def run(handle: OpenVinoHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One call: inputs checked, set as views, outputs written into new torch tensors."""
+    if handle.check is not None:
+        handle.check(inputs)
+    slot = handle.request()
+    try:
+        request = slot.request
+        for port, feed in enumerate(handle.feeds):
+            value = inputs[feed.index]
+            if value.requires_grad or not value.is_contiguous() or value.is_neg() or value.is_conj():
+                value = value.detach().resolve_neg().resolve_conj().contiguous()
+            # The same memory and shape as last time: the request already points at it.
+            key = (value.data_ptr(), value.shape)
+            if slot.held[port] != key:
+                request.set_input_tensor(port, feed.wrap(value))
+                slot.held[port] = key
+        results: list[torch.Tensor | None] = []
+        for plan in handle.outputs:
+            if plan.shape is None:
+                results.append(None)
+                continue
+            result = torch.empty(plan.shape, dtype=plan.dtype)
+            request.set_output_tensor(plan.port, plan.wrap(result))
+            results.append(result)
+        request.infer(share_outputs=True)
+        for index, plan in enumerate(handle.outputs):
+            if plan.shape is None:
+                results[index] = taken_output(request, plan)
+        return results if handle.returned is None else [results[index] for index in handle.returned]
+    except BaseException:
+        # Whatever the request holds now is unknown: the next call sets every input again.
+        slot.held = [None] * len(slot.held)
+        raise
+    finally:
+        handle.idle.append(slot)
+
+
+def taken_output(request: Any, plan: OutputPlan) -> torch.Tensor:
+    """A dynamic output as a torch tensor over OpenVINO's own memory; the request gets a new tensor for next time."""
+    import openvino
+
+    tensor = request.get_output_tensor(plan.port)
+    # The array keeps ``tensor`` (and so its memory) alive; torch keeps the array.
+    result = torch.from_numpy(tensor.data)
+    request.set_output_tensor(plan.port, openvino.Tensor(tensor.element_type, tensor.get_shape()))
+    return result if result.dtype == plan.dtype else result.view(plan.dtype)
