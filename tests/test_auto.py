@@ -109,6 +109,8 @@ def test_auto_keeps_the_plan_its_measurement_favours_and_says_why(test_engines, 
     assert saved.delegates[0].run_seconds is not None and saved.delegates[0].run_seconds <= alone.seconds
     text = report.text(width=160)
     assert "engines chosen by measuring" in text and f"{SLEEPY} > aoti_cpu" in text and "linear ×2" in text
+    html = report._repr_html_()
+    assert "engines chosen by measuring" in html and "kept: aoti_cpu is the fastest" in html
     torch.testing.assert_close(aotstack.load(tmp_path / "auto.pt2").forward(*inputs), model(*inputs).detach())
 
 

@@ -106,7 +106,9 @@ def test_inspect_json_follows_the_schema_and_agrees_with_the_text(stacked):
         assert f"{method['ops']} ops:" in as_text.stdout
         for delegate in method["delegates"]:
             row = next(line for line in as_text.stdout.splitlines() if f" {delegate['id']} " in line)
-            assert delegate["engine"] in row and f" {delegate['ops']} " in row
+            assert delegate["engine"] in row and f" {delegate['ops']}: " in row
+            for op, count in delegate["op_counts"].items():
+                assert f"{op.removeprefix('aten.').removesuffix('.default')} ×{count}" in row
         for group in method["unclaimed"]:
             assert group["op"] in as_text.stdout
             for reason in group["reasons"]:

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 from html import escape
 
-from ..format.placement import PLAIN_ATEN
+from ..format.placement import PLAIN_ATEN, Selection
 from .graph import engine_colour
 from .summary import DelegateSummary, MethodSummary, Summary
-from .text import KIND_LABELS, NODES_SHOWN, check_text, compile_text, megabytes, specs_text
+from .text import (
+    KIND_LABELS,
+    NODES_SHOWN,
+    check_text,
+    compile_text,
+    duration,
+    megabytes,
+    ops_text,
+    plural_threads,
+    specs_text,
+)
 
 # Plain ATen's swatch; each engine's is the one the graph picture uses.
 PLAIN_ATEN_COLOUR = "#c8c8c8"
@@ -47,6 +57,8 @@ def method_html(method: MethodSummary, planned: bool) -> str:
         parts.append("<p><i>where each op went was not recorded in this file</i></p>")
     else:
         parts.append(share_bar(method))
+    if method.selection is not None:
+        parts.append(selection_html(method.selection))
     if method.delegates:
         parts.append(delegates_html(method.delegates, planned))
     if method.unclaimed:
@@ -83,25 +95,43 @@ def share_bar(method: MethodSummary) -> str:
     return f'<p>{method.ops} ops: {" · ".join(legend)}</p><div class="bar">{"".join(cells)}</div>'
 
 
+def selection_html(selection: Selection) -> str:
+    """The plans auto-lowering timed, the kept one marked, and why it won."""
+    rows = []
+    for index, candidate in enumerate(selection.candidates):
+        spent = ", ".join(f"{swatch(engine)}{escape(engine)} {duration(seconds)}"
+                          for engine, seconds in candidate.engine_seconds.items())
+        cells = [
+            "✓" if index == selection.chosen else "",
+            " &gt; ".join(swatch(engine) + escape(engine) for engine in candidate.engines),
+            "failed" if candidate.seconds is None else duration(candidate.seconds),
+            spent if candidate.error is None else escape(candidate.error.splitlines()[0][:160]),
+        ]
+        rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>")
+    caption = f"engines chosen by measuring, {plural_threads(selection.threads)}"
+    return table(caption, ["", "plan", "a call", "in each engine"], rows) + f"<p>kept: {escape(selection.reason)}</p>"
+
+
 def delegates_html(delegates: list[DelegateSummary], planned: bool) -> str:
     rows = []
+    timed = any(d.run_seconds is not None for d in delegates)
     for d in delegates:
-        ops = str(d.op_count) if d.op_count is not None else f"{len(d.distinct_ops)} kinds"
         code = "—" if d.code_bytes is None else megabytes(d.code_bytes)
-        op_list = ", ".join(f"{op} ×{n}" for op, n in sorted(d.op_counts.items())) or ", ".join(d.distinct_ops)
         cells = [
             escape(d.id),
             swatch(d.engine) + escape(d.engine),
             escape(d.device),
-            f'<span title="{escape(op_list)}">{ops}</span>',
+            escape(ops_text(d)),
             escape(f"{specs_text(d.inputs)} → {specs_text(d.outputs)}"),
             code,
             megabytes(d.weight_bytes),
             escape(compile_text(d, planned)),
         ]
+        if timed:
+            cells.append("—" if d.run_seconds is None else duration(d.run_seconds))
         rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>")
     header = ["id", "engine", "device", "ops", "inputs → outputs", "code", "weights", "compile"]
-    return table("delegates", header, rows)
+    return table("delegates", header + (["a call"] if timed else []), rows)
 
 
 def sizes_html(report: Summary) -> str:
