@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import json
 
 import pytest
 import torch
@@ -93,3 +94,17 @@ def test_an_onnx_runtime_partition_is_exported_once_and_its_weights_come_from_th
     blob.write_bytes(b"not the model")
     with pytest.raises(aotstack.LoweringError, match="exported again"):
         aotstack.lower(program, [aotstack.OrtPartitioner()], jobs=1)
+
+
+def test_a_kept_result_whose_weight_the_backend_changed_is_compiled_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path))
+    program = aotstack.export(models.build("linear"), {"forward": models.example_inputs("linear")})
+    aotstack.lower(program, [aotstack.OrtPartitioner()], jobs=1)
+    (header,) = (tmp_path / ".preprocess").glob("*.json")
+    kept = json.loads(header.read_text())
+    kept["weights"] = {fqn: "0" * 64 for fqn in kept["weights"]}
+    header.write_text(json.dumps(kept))
+
+    again = aotstack.lower(program, [aotstack.OrtPartitioner()], jobs=1)
+
+    assert [r.state for r in again.compile_log["forward"]] == ["compiled"]

@@ -77,6 +77,11 @@ class Backend(BackendRuntime):
                 return [inputs[0] * 2]
     """
 
+    # The packages whose versions, with a partition's program and compile specs, key a cache of
+    # ``preprocess``'s results that lowering keeps for this backend (``compile/cache.py``), so an
+    # unchanged partition is not compiled twice; None: no such cache (or the backend keeps its own).
+    cached_by_packages: ClassVar[tuple[str, ...] | None] = None
+
     def preprocess(
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
     ) -> PreprocessResult:

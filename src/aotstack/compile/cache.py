@@ -12,6 +12,7 @@ import torch
 from torch.export import ExportedProgram
 
 from .. import __version__
+from ..backends.base import Backend
 from ..format.specs import CompileSpec, PreprocessResult
 from ..format.tensor_data import WEIGHT_PREFIX, content_key, weights_as_named_data
 from .program_parts import program_fingerprint, program_weights
@@ -66,12 +67,17 @@ def write_entry(kind: str, name: str, data: bytes) -> None:
 PREPROCESS_KIND = "preprocess"
 
 
-def preprocess_key(backend_id: str, program: ExportedProgram, compile_specs: list[CompileSpec],
-                   packages: tuple[str, ...]) -> str:
-    """What a partition's compile depends on: its program (weights' values included), its specs, the versions."""
-    parts = [backend_id, torch.__version__, __version__, str(torch.get_num_threads())]
+def preprocess_key(backend: Backend, program: ExportedProgram, compile_specs: list[CompileSpec]) -> str | None:
+    """What a partition's compile depends on: its program (weights' values included), its specs, the versions.
+
+    None where ``backend`` asks for no cache of its results (``Backend.cached_by_packages``).
+    """
+    if backend.cached_by_packages is None:
+        return None
+    parts = [backend.backend_id, type(backend).__qualname__, torch.__version__, __version__,
+             str(torch.get_num_threads())]
     parts += [f"{spec.key}={spec.value.hex()}" for spec in compile_specs]
-    parts += [f"{name}={package_version(name)}" for name in packages]
+    parts += [f"{name}={package_version(name)}" for name in backend.cached_by_packages]
     digest = hashlib.sha256("\0".join(parts).encode())
     digest.update(program_fingerprint(program).encode())
     return digest.hexdigest()
@@ -94,8 +100,12 @@ def keep_preprocess(key: str, result: PreprocessResult) -> None:
     blobs = {name: bytes(data) for name, data in result.named_data.items() if not name.startswith(WEIGHT_PREFIX)}
     header = {
         "processed": result.processed_bytes.hex(),
-        "weights": sorted(name.removeprefix(WEIGHT_PREFIX) for name in result.named_data
-                          if name.startswith(WEIGHT_PREFIX)),
+        # Each weight's hash, so a backend that stored a weight changed (cast, packed) is compiled again, not misread.
+        "weights": {
+            name.removeprefix(WEIGHT_PREFIX): content_key(data)
+            for name, data in result.named_data.items()
+            if name.startswith(WEIGHT_PREFIX)
+        },
         "blobs": {name: content_key(data) for name, data in blobs.items()},
     }
     for data in blobs.values():
@@ -112,6 +122,9 @@ def kept_preprocess(key: str, program: ExportedProgram) -> PreprocessResult | No
         header = json.loads(data)
         weights = program_weights(program)
         named_data, _ = weights_as_named_data({fqn: weights[fqn].detach().contiguous() for fqn in header["weights"]})
+        for fqn, weight_key in header["weights"].items():
+            if content_key(named_data[WEIGHT_PREFIX + fqn]) != weight_key:
+                return None
         for name, blob_key in header["blobs"].items():
             blob = read_entry(PREPROCESS_KIND, blob_key)
             if blob is None or content_key(blob) != blob_key:

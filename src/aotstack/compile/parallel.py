@@ -36,6 +36,7 @@ from ..forking import pause_openmp
 from ..format.archive import usable_cores
 from ..format.specs import PreprocessResult
 from ..format.tensor_data import BytesLike, tensor_buffer, tensor_is_viewable
+from .cache import keep_preprocess, kept_preprocess, preprocess_key
 from .jobs import CompileJob, CompileOutcome
 from .program_parts import program_weights
 from .progress import Progress
@@ -91,7 +92,7 @@ def cached_outcomes(jobs: Sequence[CompileJob], progress: Progress) -> dict[Comp
         started = time.perf_counter()
         try:
             with quiet_torch_warnings():
-                result = job.backend.cached_preprocess(job.program, job.compile_specs)
+                result = job.backend.cached_preprocess(job.program, job.compile_specs) or kept_result(job)
         except Exception:
             # preprocess, in a worker, meets the same problem and reports it.
             continue
@@ -101,6 +102,12 @@ def cached_outcomes(jobs: Sequence[CompileJob], progress: Progress) -> dict[Comp
             progress.started(job, None)
             progress.finished(outcomes[job])
     return outcomes
+
+
+def kept_result(job: CompileJob) -> PreprocessResult | None:
+    """The result lowering kept for ``job`` from an earlier compile, where its backend asks for that cache."""
+    key = preprocess_key(job.backend, job.program, job.compile_specs)
+    return None if key is None else kept_preprocess(key, job.program)
 
 
 def warm_up_backends(jobs: Sequence[CompileJob]) -> None:
@@ -141,14 +148,21 @@ def compiled_here(
 
 
 def compiled(job: CompileJob) -> CompileOutcome:
+    """``job``'s outcome: its backend's result kept from an earlier lowering, or a compile now."""
     started = time.perf_counter()
     try:
-        with quiet_torch_warnings():
-            result = job.backend.preprocess(job.program, job.compile_specs)
-        if not isinstance(result, PreprocessResult):
-            raise LoweringError(
-                f"{type(job.backend).__name__}.preprocess returned {type(result).__name__}, not a PreprocessResult"
-            )
+        # Keyed before preprocess, which may change the program it is given.
+        key = preprocess_key(job.backend, job.program, job.compile_specs)
+        result = None if key is None else kept_preprocess(key, job.program)
+        if result is None:
+            with quiet_torch_warnings():
+                result = job.backend.preprocess(job.program, job.compile_specs)
+            if not isinstance(result, PreprocessResult):
+                raise LoweringError(
+                    f"{type(job.backend).__name__}.preprocess returned {type(result).__name__}, not a PreprocessResult"
+                )
+            if key is not None:
+                keep_preprocess(key, result)
     except Exception as exc:
         return CompileOutcome(job, error=exc, seconds=time.perf_counter() - started)
     return CompileOutcome(job, result=result, seconds=time.perf_counter() - started)

@@ -42,6 +42,7 @@ class OpenVinoBackend(Backend):
     """
 
     backend_id = "openvino"
+    cached_by_packages = ("openvino",)
 
     def preprocess(
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]

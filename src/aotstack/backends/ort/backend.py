@@ -7,7 +7,6 @@ import json
 import torch
 from torch.export import ExportedProgram
 
-from ...compile.cache import keep_preprocess, kept_preprocess, preprocess_key
 from ...compile.program_parts import partition_boundary
 from ...errors import LoweringError
 from ...format.specs import CompileSpec, PreprocessResult, partition_label
@@ -25,28 +24,11 @@ class OrtBackend(Backend):
     """
 
     backend_id = "onnxruntime"
-
-    def cached_preprocess(
-        self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
-    ) -> PreprocessResult | None:
-        return kept_preprocess(self.cache_key(exported_program, compile_specs), exported_program)
-
-    def cache_key(self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]) -> str:
-        return preprocess_key(self.backend_id, exported_program, compile_specs, ("onnx", "onnxscript"))
+    cached_by_packages = ("onnx", "onnxscript")
 
     def preprocess(
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
     ) -> PreprocessResult:
-        # Keyed before the export, which changes the program it is given.
-        key = self.cache_key(exported_program, compile_specs)
-        cached = kept_preprocess(key, exported_program)
-        if cached is not None:
-            return cached
-        result = self.exported(exported_program, compile_specs)
-        keep_preprocess(key, result)
-        return result
-
-    def exported(self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]) -> PreprocessResult:
         label = partition_label(self.backend_id, compile_specs)
         providers(compile_specs)  # a bad spec fails here, not in the process that loads the package
         check_boundary_dtypes(exported_program, label)
