@@ -56,8 +56,9 @@ class OpenVinoBackend(Backend):
             if refused is not None:
                 raise LoweringError(f"{label}: input {index} is {item.dtype}, and {refused}")
         partition = convert_partition(exported_program, label)
-        if sum(role.startswith(INPUT_ROLE) for role in partition.parameters) != len(boundary.inputs):
-            raise LoweringError(f"{label}: the OpenVINO model's inputs are not the partition's {len(boundary.inputs)}")
+        if sum(role.startswith(INPUT_ROLE) for role in partition.parameters) > len(boundary.inputs):
+            raise LoweringError(f"{label}: the OpenVINO model takes more inputs than the partition's "
+                                f"{len(boundary.inputs)}")
         named_data, weights = weights_as_named_data(partition.weights)
         named_data[MODEL_NAME] = partition.xml
         named_data[CONSTANTS_NAME] = partition.constants

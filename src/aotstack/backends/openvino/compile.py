@@ -14,7 +14,7 @@ from torch.utils import _pytree as pytree
 
 from ...compile.program_parts import program_weights
 from ...errors import LoweringError
-from .frontend import decompositions
+from .frontend import DROPPED, decompositions
 from .packages import require_openvino
 from .run import INPUT_ROLE, OUTPUT_ROLE, WEIGHT_ROLE
 
@@ -30,6 +30,7 @@ class OpenVinoPartition:
     constants: bytes
     weights: dict[str, torch.Tensor]
     # Each parameter of the IR, in order: ``input:<index>`` or ``weight:<fqn>`` (also its friendly name).
+    # An input nothing reads may have none.
     parameters: list[str]
     # For each output of the partition, the result of the IR that holds it (one result may hold two).
     outputs: list[int]
@@ -52,16 +53,13 @@ def convert_partition(exported_program: ExportedProgram, label: str) -> OpenVino
     except Exception as error:
         raise LoweringError(f"{label}: OpenVINO's decompositions failed: {error}") from error
     roles = parameter_roles(decomposed, label)
+    without_dropped_checks(decomposed.graph_module)
     outputs = distinct_outputs(decomposed.graph_module)
     model = converted(decomposed.graph_module, label)
     if len(model.get_results()) != len(set(outputs)):
         raise LoweringError(f"{label}: the OpenVINO model has {len(model.get_results())} outputs, "
                             f"the partition {len(set(outputs))}")
-    parameters = model.get_parameters()
-    if len(parameters) != len(roles):
-        raise LoweringError(f"{label}: the OpenVINO model has {len(parameters)} inputs, the partition {len(roles)}")
-    for parameter, role in zip(parameters, roles):
-        parameter.set_friendly_name(role)
+    taken = named_parameters(model, roles, label)
     # Names the run side finds its outputs by, whatever order compiling gives them.
     for index, result in enumerate(model.get_results()):
         result.set_friendly_name(f"{OUTPUT_ROLE}{index}")
@@ -72,30 +70,57 @@ def convert_partition(exported_program: ExportedProgram, label: str) -> OpenVino
         constants=constants,
         weights={
             role.removeprefix(WEIGHT_ROLE): weights[role.removeprefix(WEIGHT_ROLE)].detach().contiguous()
-            for role in roles
+            for role in taken
             if role.startswith(WEIGHT_ROLE)
         },
-        parameters=roles,
+        parameters=taken,
         outputs=outputs,
         precision=part_precision(exported_program),
     )
 
 
-def parameter_roles(exported_program: ExportedProgram, label: str) -> list[str]:
-    """What each placeholder is, in graph order: a user input (by position) or a weight (by FQN)."""
-    roles, user_inputs = [], 0
+def named_parameters(model: Any, roles: dict[str, str], label: str) -> list[str]:
+    """Give each parameter of ``model`` its role as friendly name; return the roles, in the model's order.
+
+    A parameter carries the name of the placeholder it came from. A placeholder nothing reads may
+    have none: the run side then takes that input without handing it to OpenVINO.
+    """
+    taken = []
+    for parameter in model.get_parameters():
+        names = parameter.output(0).get_names() & roles.keys()
+        if len(names) != 1:
+            raise LoweringError(f"{label}: OpenVINO input {sorted(parameter.output(0).get_names())} names no one "
+                                "input of the partition")
+        role = roles[names.pop()]
+        parameter.set_friendly_name(role)
+        taken.append(role)
+    return taken
+
+
+def parameter_roles(exported_program: ExportedProgram, label: str) -> dict[str, str]:
+    """Each placeholder's name -> what it is: a user input (by position) or a weight (by FQN)."""
+    roles, user_inputs = {}, 0
     for spec in exported_program.graph_signature.input_specs:
         if spec.kind == InputKind.USER_INPUT:
-            roles.append(f"{INPUT_ROLE}{user_inputs}")
+            roles[spec.arg.name] = f"{INPUT_ROLE}{user_inputs}"
             user_inputs += 1
         elif spec.kind in _WEIGHT_KINDS and spec.target is not None:
-            roles.append(f"{WEIGHT_ROLE}{spec.target}")
+            roles[spec.arg.name] = f"{WEIGHT_ROLE}{spec.target}"
         else:
             raise LoweringError(f"{label}: input {spec.arg.name!r} is a {spec.kind.name}, which OpenVINO cannot take")
     for spec in exported_program.graph_signature.output_specs:
         if spec.kind != OutputKind.USER_OUTPUT:
             raise LoweringError(f"{label}: output {spec.arg.name!r} is a {spec.kind.name}; a part returns values only")
     return roles
+
+
+def without_dropped_checks(graph_module: torch.fx.GraphModule) -> None:
+    """Remove the metadata checks the frontend has no rule for (see ``frontend.DROPPED``), in place."""
+    graph = graph_module.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and str(node.target) in DROPPED and not node.users:
+            graph.erase_node(node)
+    graph_module.recompile()
 
 
 def distinct_outputs(graph_module: torch.fx.GraphModule) -> list[int]:

@@ -85,10 +85,15 @@ def has_conversion_rule(op: torch._ops.OperatorBase) -> bool:
     return True
 
 
+# Checks of a tensor's dtype, device and sizes, which the trace fixed: a partition drops them before
+# converting (compile.py), as the ONNX exporter does, since the frontend has no rule for them.
+DROPPED = frozenset({"aten._assert_tensor_metadata.default"})
+
+
 @functools.cache
 def frontend_refusal(op: torch._ops.OperatorBase) -> str | None:
     """Why OpenVINO cannot convert ``op`` wherever it appears; None where it can, or where that depends on the node."""
-    if decomposes(op):
+    if str(op) in DROPPED or decomposes(op):
         return None  # decided per node: see decomposition_refusal
     if has_conversion_rule(op):
         return None

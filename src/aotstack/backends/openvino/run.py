@@ -104,9 +104,10 @@ def read_part(processed_bytes: bytes, named_data: Mapping[str, BytesLike], label
     processed = processed_json.read_processed(processed_bytes, label, PROCESSED_VERSION)
     boundary = processed_json.boundary(processed, label)
     parameters = processed_json.string_list(processed, "parameters", label)
-    inputs = [role for role in parameters if role.startswith(INPUT_ROLE)]
-    if inputs != [f"{INPUT_ROLE}{index}" for index in range(len(boundary.inputs))]:
-        raise PackageError(f"{label}: its parameters {parameters} do not list its {len(boundary.inputs)} input(s)")
+    inputs = [role.removeprefix(INPUT_ROLE) for role in parameters if role.startswith(INPUT_ROLE)]
+    known = {str(index) for index in range(len(boundary.inputs))}
+    if len(set(inputs)) != len(inputs) or not set(inputs) <= known:
+        raise PackageError(f"{label}: its parameters {parameters} are not among its {len(boundary.inputs)} input(s)")
     weights = processed_json.weights(processed, named_data, label)
     if sorted(role for role in parameters if role.startswith(WEIGHT_ROLE)) != sorted(WEIGHT_ROLE + w for w in weights):
         raise PackageError(f"{label}: its parameters do not name the weights it stores")
@@ -220,8 +221,9 @@ def feeds(compiled: Any, part: Part, label: str) -> list[Feed]:
             raise PackageError(f"{label}: the compiled model has an input {role!r} that is not one of the part's")
         index = int(role.removeprefix(INPUT_ROLE))
         feeds.append(Feed(index, tensor_wrapper(dtype_from_name(part.boundary.inputs[index].dtype), openvino)))
-    if sorted(feed.index for feed in feeds) != list(range(len(part.boundary.inputs))):
-        raise PackageError(f"{label}: the compiled model's inputs are not the part's {len(part.boundary.inputs)}")
+    expected = sorted(int(role.removeprefix(INPUT_ROLE)) for role in part.parameters if role.startswith(INPUT_ROLE))
+    if sorted(feed.index for feed in feeds) != expected:
+        raise PackageError(f"{label}: the compiled model's inputs are not the ones its parameters name")
     return feeds
 
 
