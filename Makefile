@@ -23,8 +23,13 @@ test: $(VENV)/.installed
 	$(BIN)/ruff check src tests bench examples
 	$(BIN)/python -m pytest tests
 
+# The benchmarks' extra engines (ExecuTorch), torch pinned on the same command line so it is not upgraded.
+$(VENV)/.installed-bench: $(VENV)/.installed
+	$(BIN)/pip install --quiet "$(TORCH_SPEC)" -e ".[test,bench]"
+	touch $@
+
 # Every benchmark; one table, and the figures in build/bench-results.json. BENCH_ARGS="--quick --only latency"
-bench: $(VENV)/.installed
+bench: $(VENV)/.installed-bench
 	$(BIN)/python bench/run.py $(BENCH_ARGS)
 
 clean:

@@ -45,6 +45,7 @@ from draw import draw_times
 from large import large_model
 from latency import latency
 from load import load_times
+from peers import peers
 from stacked import stacked
 
 DEFAULT_OUTPUT = os.path.join(REPO, "build", "bench-results.json")
@@ -61,6 +62,8 @@ BENCHMARKS: dict[str, tuple[str, Callable[[Settings], Figures]]] = {
     "stacked": ("AOTInductor, ONNX Runtime and both stacked, per call", stacked),
     "decode": ("greedy decoding tokens/s vs plain AOTI, eager, torch.compile; memory", decode_rates),
     "draw": ("graph picture: SVG of a 500- and a 2000-node method, median of 5 draws", draw_times),
+    "peers": ("BERT, ResNet-50, Llama decode: aotstack vs plain AOTI, ONNX Runtime, OpenVINO, ExecuTorch, eager; "
+              "1 and 2 threads, fp32 and bf16", peers),
 }
 
 

@@ -109,3 +109,62 @@ WORKLOADS: dict[str, Callable[[], Workload]] = {
     "boundary_chain": boundary_chain,
     "large": large,
 }
+
+
+# The peers benchmark's models (bench/peers.py): full size, and much smaller ones for --quick.
+# Seeded random weights, no downloads. BERT 28.8 M parameters, ResNet-50 23.5 M, Llama 99.5 M.
+PEER_BERT = {"full": {"vocab_size": 30522, "hidden_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+                      "intermediate_size": 2048},
+             "quick": {"vocab_size": 1000, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "intermediate_size": 512}}
+PEER_BERT_LENGTH = {"full": 128, "quick": 32}
+PEER_RESNET = {"full": {},  # transformers' default ResNetConfig: ResNet-50
+               "quick": {"embedding_size": 16, "hidden_sizes": [32, 64, 128, 256], "depths": [1, 1, 1, 1]}}
+PEER_IMAGE = {"full": 224, "quick": 64}
+PEER_LLAMA = {"full": {"vocab_size": 32000, "hidden_size": 768, "num_hidden_layers": 8, "num_attention_heads": 12,
+                       "num_key_value_heads": 4, "intermediate_size": 2048},
+              "quick": {"vocab_size": 1000, "hidden_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+                        "num_key_value_heads": 2, "intermediate_size": 256}}
+
+
+class Field(torch.nn.Module):
+    """``model(x).<field>``: one plain tensor out, so every engine's output compares the same way."""
+
+    def __init__(self, model: torch.nn.Module, field: str) -> None:
+        super().__init__()
+        self.model = model
+        self.field = field
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self.model(x), self.field)
+
+
+def peer_bert(size: str = "full") -> Workload:
+    """A BERT encoder, batch 1: token ids in, the last hidden state out."""
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(0)
+    config = BertConfig(**PEER_BERT[size])
+    ids = torch.randint(0, config.vocab_size, (1, PEER_BERT_LENGTH[size]), generator=torch.Generator().manual_seed(1))
+    return Field(BertModel(config).eval(), "last_hidden_state").eval(), (ids,)
+
+
+def peer_resnet(size: str = "full") -> Workload:
+    """ResNet-50 (``--quick``: a narrow, one-block-per-stage one), one image in, the logits out."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    torch.manual_seed(0)
+    model = ResNetForImageClassification(ResNetConfig(**PEER_RESNET[size])).eval()
+    side = PEER_IMAGE[size]
+    image = torch.randn(1, 3, side, side, generator=torch.Generator().manual_seed(2))
+    return Field(model, "logits").eval(), (image,)
+
+
+def peer_llama(size: str = "full", cache: int = 256) -> torch.nn.Module:
+    """A Llama-style causal LM with grouped-query attention, set up for a static KV cache of ``cache``."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**PEER_LLAMA[size], max_position_embeddings=cache)).eval()
+    model.generation_config = GenerationConfig(use_cache=True, cache_implementation="static")
+    return model
