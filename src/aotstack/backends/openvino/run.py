@@ -18,8 +18,10 @@ Inputs are handed over as ``openvino.Tensor`` views of the torch tensors' memory
 negated or conjugated view is made contiguous first), and an input whose memory and shape are
 those of the last call on that request is not set again. An output whose shape is static is
 written by OpenVINO straight into a new torch tensor; a dynamic one is OpenVINO's own tensor,
-handed to torch as it is, and the request gets a fresh one for its next call. A call from
-another thread while one runs gets its own request, so concurrent calls are safe.
+handed to torch as it is, and the request gets a fresh one for its next call. A static tensor of
+at most ``COPY_LIMIT`` bytes is copied instead, into or out of the request's own memory: for
+small tensors a copy costs less than wrapping memory. A call from another thread while one runs
+gets its own request, so concurrent calls are safe.
 """
 
 from __future__ import annotations
@@ -51,6 +53,10 @@ ELEMENT_TYPES = {
     torch.int64: "i64", torch.int32: "i32", torch.int16: "i16", torch.int8: "i8", torch.uint8: "u8",
     torch.bool: "boolean",
 }
+# Up to this many bytes, a static input or output is copied between torch's memory and the request's
+# own instead of shared: wrapping memory in an ``openvino.Tensor`` and setting it costs about 3 µs,
+# copying 16 KiB less than that.
+COPY_LIMIT = 16 * 1024
 # Precisions the compile side may ask the CPU plugin to compute in.
 PRECISIONS = ("f32", "bf16")
 # A parameter of the IR is ``input:<index>`` (the partition's user input) or ``weight:<fqn>``.
@@ -69,6 +75,8 @@ class OpenVinoRuntime(BackendRuntime):
     ) -> OpenVinoHandle:
         label = partition_label(self.backend_id, compile_specs)
         require_openvino(f"{label} needs openvino to run", DelegateInitError)
+        import numpy
+
         part = read_part(processed_bytes, named_data, label)
         compiled = compiled_model(part, label)
         return OpenVinoHandle(
@@ -80,6 +88,8 @@ class OpenVinoRuntime(BackendRuntime):
             label=label,
             check=part.boundary.checker(label),
             keep_alive=[part.weights, part.constants],
+            copyto=numpy.copyto,
+            infer=base_infer(),
         )
 
     def execute(self, handle: OpenVinoHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -98,6 +108,13 @@ class Part:
     outputs: list[int]
     precision: str
     boundary: Any
+
+
+def base_infer() -> Callable[..., Any]:
+    """``InferRequest.infer`` of OpenVINO's compiled module, which ``openvino.InferRequest`` wraps."""
+    import openvino
+
+    return next(vars(cls)["infer"] for cls in openvino.InferRequest.__mro__[1:] if "infer" in vars(cls))
 
 
 def read_part(processed_bytes: bytes, named_data: Mapping[str, BytesLike], label: str) -> Part:
@@ -196,18 +213,45 @@ def ov_tensor(tensor: torch.Tensor) -> Any:
 def tensor_wrapper(dtype: torch.dtype, openvino: Any) -> Callable[[torch.Tensor], Any]:
     """The fastest way to view a contiguous CPU tensor of ``dtype`` as an ``openvino.Tensor``, sharing its memory."""
     if dtype is torch.bfloat16:
-        # numpy has no bfloat16: the bits go over as int16 and are labelled bf16.
         bf16 = openvino.Type.bf16
-        return lambda tensor: openvino.Tensor(tensor.view(torch.int16).numpy(), list(tensor.shape), bf16)
+        return lambda tensor: openvino.Tensor(numpy_view(tensor), list(tensor.shape), bf16)
     return lambda tensor: openvino.Tensor(tensor.numpy(), shared_memory=True)
+
+
+def numpy_view(tensor: torch.Tensor) -> Any:
+    """``tensor``'s memory as a numpy array; numpy has no bfloat16, so its bits show as int16."""
+    return numpy_view_of(tensor.dtype)(tensor)
+
+
+def numpy_view_of(dtype: torch.dtype) -> Callable[[torch.Tensor], Any]:
+    if dtype is torch.bfloat16:
+        return lambda tensor: tensor.view(torch.int16).numpy()
+    return torch.Tensor.numpy
+
+
+def host_array(tensor: Any, dtype: torch.dtype) -> Any:
+    """The memory of an ``openvino.Tensor`` of ``dtype`` as numpy sees a torch tensor of it (see ``numpy_view``)."""
+    return tensor.data.view(numpy_view(torch.empty(0, dtype=dtype)).dtype)
+
+
+def copied(shape: torch.Size | None, dtype: torch.dtype) -> bool:
+    """Whether a tensor of ``shape`` crosses by a copy into (or out of) the request's own memory, not as a view."""
+    return shape is not None and shape.numel() * dtype.itemsize <= COPY_LIMIT
+
+
+def static_shape(shape: Any) -> torch.Size | None:
+    return torch.Size(shape.to_shape()) if shape.is_static else None
 
 
 @dataclass(frozen=True)
 class Feed:
-    """One input of the compiled model: which of the delegate's inputs it takes, and how to wrap it."""
+    """One input of the compiled model: which of the delegate's inputs it takes, and how it crosses."""
 
     index: int
     wrap: Callable[[torch.Tensor], Any]
+    dtype: torch.dtype
+    # Small and static: copied into the request's own tensor rather than wrapped.
+    copied: bool
 
 
 def feeds(compiled: Any, part: Part, label: str) -> list[Feed]:
@@ -220,7 +264,9 @@ def feeds(compiled: Any, part: Part, label: str) -> list[Feed]:
         if not role.startswith(INPUT_ROLE):
             raise PackageError(f"{label}: the compiled model has an input {role!r} that is not one of the part's")
         index = int(role.removeprefix(INPUT_ROLE))
-        feeds.append(Feed(index, tensor_wrapper(dtype_from_name(part.boundary.inputs[index].dtype), openvino)))
+        dtype = dtype_from_name(part.boundary.inputs[index].dtype)
+        shape = static_shape(port.get_partial_shape())
+        feeds.append(Feed(index, tensor_wrapper(dtype, openvino), dtype, copied(shape, dtype)))
     expected = sorted(int(role.removeprefix(INPUT_ROLE)) for role in part.parameters if role.startswith(INPUT_ROLE))
     if sorted(feed.index for feed in feeds) != expected:
         raise PackageError(f"{label}: the compiled model's inputs are not the ones its parameters name")
@@ -229,12 +275,14 @@ def feeds(compiled: Any, part: Part, label: str) -> list[Feed]:
 
 @dataclass(frozen=True)
 class OutputPlan:
-    """One output of the compiled model: its torch dtype, and its shape where it is static."""
+    """One output of the compiled model: its torch dtype, its shape where static, and how it crosses."""
 
     port: int
     dtype: torch.dtype
     shape: torch.Size | None
     wrap: Callable[[torch.Tensor], Any]
+    # Small and static: copied out of the request's own tensor rather than written into torch's.
+    copied: bool
 
 
 def output_plans(compiled: Any, part: Part, label: str) -> list[OutputPlan]:
@@ -254,18 +302,21 @@ def output_plans(compiled: Any, part: Part, label: str) -> list[OutputPlan]:
         if dtype is None:
             raise PackageError(f"{label}: output {name!r} has OpenVINO type {output.get_element_type()}, "
                                "which no torch dtype here matches")
-        shape = output.get_partial_shape()
-        static = torch.Size(shape.to_shape()) if shape.is_static else None
-        plans.append(OutputPlan(ports[name], dtype, static, tensor_wrapper(dtype, openvino)))
+        shape = static_shape(output.get_partial_shape())
+        plans.append(OutputPlan(ports[name], dtype, shape, tensor_wrapper(dtype, openvino), copied(shape, dtype)))
     return plans
 
 
 @dataclass
 class Request:
-    """An infer request, and for each input port the (address, shape) of what was set on it last."""
+    """An infer request and what a call needs of it at hand."""
 
     request: Any
+    # Per input port, the (address, shape) of the tensor set on it last; None where unknown or copied.
     held: list[tuple[int, torch.Size] | None]
+    # Per port, a numpy view of the request's own tensor where that port's tensors are copied; else None.
+    inputs: list[Any]
+    outputs: list[Any]
 
 
 @dataclass
@@ -278,44 +329,79 @@ class OpenVinoHandle:
     check: BoundaryCheck | None
     # The package's views that the model's constants point into: they must outlive it.
     keep_alive: list[Any]
+    # ``numpy.copyto``, imported with OpenVINO rather than with this module.
+    copyto: Callable[..., None]
+    # The infer request's own ``infer(inputs, share_outputs, decode_strings)``, without the Python
+    # wrapper's dispatch of its arguments, which costs about a microsecond a call and is not needed.
+    infer: Callable[..., Any]
     # Requests no call is using; a call takes one (or makes one) and puts it back.
     idle: list[Request] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # What a call walks, laid out once: (port, input index, copied, numpy view, wrap) per input,
+        # and the outputs by how they cross.
+        self.feed_steps = [
+            (port, feed.index, feed.copied, numpy_view_of(feed.dtype), feed.wrap)
+            for port, feed in enumerate(self.feeds)
+        ]
+        self.written_outputs = [(i, plan) for i, plan in enumerate(self.outputs) if plan.shape and not plan.copied]
+        self.copied_outputs = [
+            (i, None if plan.dtype is not torch.bfloat16 else torch.bfloat16)
+            for i, plan in enumerate(self.outputs) if plan.copied
+        ]
+        self.dynamic_outputs = [(i, plan) for i, plan in enumerate(self.outputs) if plan.shape is None]
 
     def request(self) -> Request:
         try:
             return self.idle.pop()
         except IndexError:
-            return Request(self.compiled.create_infer_request(), [None] * len(self.feeds))
+            return self.new_request()
+
+    def new_request(self) -> Request:
+        request = self.compiled.create_infer_request()
+        return Request(
+            request,
+            [None] * len(self.feeds),
+            [host_array(request.get_input_tensor(port), feed.dtype) if feed.copied else None
+             for port, feed in enumerate(self.feeds)],
+            [host_array(request.get_output_tensor(plan.port), plan.dtype) if plan.copied else None
+             for plan in self.outputs],
+        )
 
 
 def run(handle: OpenVinoHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """One call: inputs checked, set as views, outputs written into new torch tensors."""
+    """One call: inputs checked, then handed over; outputs in new torch tensors."""
     if handle.check is not None:
         handle.check(inputs)
-    slot = handle.request()
     try:
-        request = slot.request
-        for port, feed in enumerate(handle.feeds):
-            value = inputs[feed.index]
-            if value.requires_grad or not value.is_contiguous() or value.is_neg() or value.is_conj():
-                value = value.detach().resolve_neg().resolve_conj().contiguous()
+        slot = handle.idle.pop()
+    except IndexError:
+        slot = handle.new_request()
+    request = slot.request
+    try:
+        for port, index, copied, to_numpy, wrap in handle.feed_steps:
+            value = inputs[index]
+            if value.requires_grad or value.is_neg() or value.is_conj():
+                value = value.detach().resolve_neg().resolve_conj()
+            if copied:
+                handle.copyto(slot.inputs[port], to_numpy(value))
+                continue
+            value = value.contiguous()
             # The same memory and shape as last time: the request already points at it.
             key = (value.data_ptr(), value.shape)
             if slot.held[port] != key:
-                request.set_input_tensor(port, feed.wrap(value))
+                request.set_input_tensor(port, wrap(value))
                 slot.held[port] = key
-        results: list[torch.Tensor | None] = []
-        for plan in handle.outputs:
-            if plan.shape is None:
-                results.append(None)
-                continue
-            result = torch.empty(plan.shape, dtype=plan.dtype)
+        results: list[Any] = [None] * len(handle.outputs)
+        for index, plan in handle.written_outputs:
+            results[index] = result = torch.empty(plan.shape, dtype=plan.dtype)
             request.set_output_tensor(plan.port, plan.wrap(result))
-            results.append(result)
-        request.infer(share_outputs=True)
-        for index, plan in enumerate(handle.outputs):
-            if plan.shape is None:
-                results[index] = taken_output(request, plan)
+        handle.infer(request, {}, True, False)
+        for index, view in handle.copied_outputs:
+            result = torch.from_numpy(slot.outputs[index].copy())
+            results[index] = result if view is None else result.view(view)
+        for index, plan in handle.dynamic_outputs:
+            results[index] = taken_output(request, plan)
         return results if handle.returned is None else [results[index] for index in handle.returned]
     except BaseException:
         # Whatever the request holds now is unknown: the next call sets every input again.
