@@ -211,8 +211,8 @@ def int64_literal_refusal(node: Node) -> str | None:
     if all(tensor.dtype != torch.int64 for tensor in node_tensors(node)):
         return None
     for index, argument in enumerate(node.target._schema.arguments):
-        if not str(argument.type).startswith("Scalar"):
-            continue  # sizes and indices (int, SymInt) are not computed in int32
+        if str(argument.type).rstrip("?") not in ("Scalar", "Tensor"):
+            continue  # a size or an index (int, SymInt) is not a value computed in int32
         value = node.args[index] if index < len(node.args) else node.kwargs.get(argument.name)
         if isinstance(value, int) and not isinstance(value, bool) and value not in INT32:
             return (f"its int64 argument {argument.name}={value} does not fit the int32 OpenVINO's CPU plugin "

@@ -1,0 +1,420 @@
+"""OpenVINO as an engine: real conversions and compiles, compared with eager PyTorch, loaded in a fresh process.
+
+Stacked in every order with ONNX Runtime and AOTInductor; a dynamic batch; bfloat16; float32
+kept float32 on a CPU that would otherwise compute in bfloat16; a decoder with a static KV cache;
+the partitioner's reasons; weights stored once; and the errors of each side.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+
+import pytest
+import torch
+
+import aotstack
+from aotstack.backends.openvino import run as ov_run
+from aotstack.backends.openvino.partitioner import OpenVinoPartitioner
+from aotstack.format.archive import read_manifest
+from aotstack.format.specs import CompileSpec, SpecKey, partition_label
+from aotstack.format.tensor_data import WEIGHT_PREFIX, content_key, tensor_bytes
+from tests import models
+from tests.conftest import assert_matches_eager, run_child, run_in_fresh_process
+from tests.test_language_models import CACHE, GENERATE_FROM_FILE, PROMPT, STEPS, small_llama, token_by_token
+from tests.test_stacked_end_to_end import plain_ops
+
+# Lowerings of the "stacked" model (linear, gelu, layer_norm, linear, tanh, mul, slice, add), by name:
+# the partitioners in order, and the engines that must end up with a delegate.
+ORDERS = {
+    "ov": (lambda: [aotstack.OpenVinoPartitioner()], {"openvino"}),
+    "ov-then-aoti": (
+        lambda: [aotstack.OpenVinoPartitioner(ops=["aten.linear", "aten.gelu"]), aotstack.AotiCpuPartitioner()],
+        {"openvino", "aoti_cpu"},
+    ),
+    "aoti-then-ov": (
+        lambda: [aotstack.AotiCpuPartitioner(exclude_ops=["aten.linear"]), aotstack.OpenVinoPartitioner()],
+        {"openvino", "aoti_cpu"},
+    ),
+    "ort-ov-aoti": (
+        lambda: [
+            aotstack.OrtPartitioner(ops=["aten.linear"]),
+            aotstack.OpenVinoPartitioner(ops=["aten.gelu", "aten.layer_norm"]),
+            aotstack.AotiCpuPartitioner(),
+        ],
+        {"onnxruntime", "openvino", "aoti_cpu"},
+    ),
+    "ov-ort": (
+        lambda: [aotstack.OpenVinoPartitioner(ops=["aten.linear"]), aotstack.OrtPartitioner()],
+        {"openvino", "onnxruntime"},
+    ),
+    "aoti-ov-ort": (
+        lambda: [
+            aotstack.AotiCpuPartitioner(exclude_ops=["aten.linear", "aten.layer_norm"]),
+            aotstack.OpenVinoPartitioner(ops=["aten.layer_norm"]),
+            aotstack.OrtPartitioner(),
+        ],
+        {"aoti_cpu", "openvino", "onnxruntime"},
+    ),
+}
+
+
+def lowered_stacked(lowered_with, order: str):
+    make, _ = ORDERS[order]
+    return lowered_with("stacked", f"openvino-{order}", make)
+
+
+def handle_of(loaded: aotstack.LoadedProgram, method: str = "forward") -> list[ov_run.OpenVinoHandle]:
+    """The OpenVINO handles a loaded method's steps hold."""
+    found = []
+    for step in loaded.method(method).body.actions:
+        for cell in step.__closure__ or ():
+            if isinstance(cell.cell_contents, ov_run.OpenVinoHandle):
+                found.append(cell.cell_contents)
+    return found
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_openvino_stacked_in_any_order_matches_eager_from_a_fresh_process(lowered_with, order):
+    lowered, path = lowered_stacked(lowered_with, order)
+
+    delegates = lowered.delegates("forward")
+    assert {d.backend_id for d in delegates} == ORDERS[order][1]
+    assert plain_ops(lowered) == [], "every op is claimed by one engine or another"
+    assert_matches_eager(run_in_fresh_process(path, "forward", "stacked"), "stacked")
+
+
+def test_openvino_takes_what_the_earlier_engine_left(lowered_with):
+    lowered, _ = lowered_stacked(lowered_with, "aoti-then-ov")
+    by_backend = {}
+    for delegate in lowered.delegates("forward"):
+        by_backend.setdefault(delegate.backend_id, set()).update(delegate.ops)
+    assert by_backend["openvino"] == {"aten.linear.default"}
+    assert "aten.linear.default" not in by_backend["aoti_cpu"]
+
+
+def test_a_dynamic_batch_runs_at_every_size_in_its_range(tmp_path):
+    model = models.build("stacked")
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = aotstack.export(
+        model, {"forward": models.example_inputs("stacked")}, dynamic_shapes={"forward": ({0: batch},)}
+    )
+    aotstack.lower(program, [aotstack.OpenVinoPartitioner()]).save(tmp_path / "dynamic.pt2")
+
+    loaded = aotstack.load(tmp_path / "dynamic.pt2")
+    [handle] = handle_of(loaded)
+    assert handle.outputs[0].shape is None, "the output's batch stays dynamic in the compiled model"
+    for size in (1, 5, 33, 64, 2):
+        x = torch.randn(size, 16)
+        torch.testing.assert_close(loaded.forward(x), model(x).detach(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(aotstack.InputError, match="outside the range"):
+        loaded.forward(torch.randn(65, 16))
+
+
+def test_dynamic_outputs_of_successive_calls_do_not_share_memory(tmp_path):
+    model = models.build("stacked")
+    program = aotstack.export(
+        model, {"forward": models.example_inputs("stacked")},
+        dynamic_shapes={"forward": ({0: torch.export.Dim("batch", min=1, max=64)},)},
+    )
+    aotstack.lower(program, [aotstack.OpenVinoPartitioner()]).save(tmp_path / "dynamic.pt2")
+    loaded = aotstack.load(tmp_path / "dynamic.pt2")
+
+    inputs = [torch.randn(3, 16), torch.randn(3, 16), torch.randn(7, 16)]
+    outputs = [loaded.forward(x) for x in inputs]
+    for x, y in zip(inputs, outputs, strict=True):
+        torch.testing.assert_close(y, model(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_bfloat16_runs_in_openvino_in_bfloat16_even_with_onnx_runtime_first(tmp_path):
+    model = models.build("stacked").to(torch.bfloat16)
+    x = models.example_inputs("stacked")[0].to(torch.bfloat16)
+    program = aotstack.export(model, {"forward": (x,)})
+    lowered = aotstack.lower(
+        program, [aotstack.OrtPartitioner(), aotstack.OpenVinoPartitioner(), aotstack.AotiCpuPartitioner()]
+    )
+    assert {d.backend_id for d in lowered.delegates("forward")} == {"openvino"}
+    assert json.loads(lowered.delegates("forward")[0].processed_bytes)["precision"] == "bf16"
+    lowered.save(tmp_path / "bf16.pt2")
+
+    loaded = aotstack.load(tmp_path / "bf16.pt2")
+    for seed in (1, 2):
+        x = models.example_inputs("stacked", seed)[0].to(torch.bfloat16)
+        got = loaded.forward(x)
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, model(x).detach(), rtol=1.6e-2, atol=2e-2)
+
+
+class WideLinear(torch.nn.Module):
+    """Long dot products: computed in bfloat16 they are visibly off float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(512, 512)
+        self.second = torch.nn.Linear(512, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
+def test_float32_stays_float32_where_openvino_would_pick_bfloat16(tmp_path):
+    model = WideLinear().eval()
+    x = torch.randn(8, 512, generator=torch.Generator().manual_seed(1))
+    lowered = aotstack.lower(aotstack.export(model, {"forward": (x,)}), [aotstack.OpenVinoPartitioner()])
+    [delegate] = lowered.delegates("forward")
+    lowered.save(tmp_path / "wide.pt2")
+    expected = model(x).detach()
+
+    loaded = aotstack.load(tmp_path / "wide.pt2")
+    [handle] = handle_of(loaded)
+    assert str(handle.compiled.get_property("INFERENCE_PRECISION_HINT")) in ("<Type: 'float32'>", "f32")
+    torch.testing.assert_close(loaded.forward(x), expected, rtol=1e-5, atol=1e-5)
+
+    # The same part asked to compute in bfloat16 misses that tolerance: the check above can tell.
+    label = partition_label("openvino", delegate.compile_specs)
+    part = ov_run.read_part(delegate.processed_bytes, delegate.named_data, label)
+    in_bf16 = ov_run.compiled_model(dataclasses.replace(part, precision="bf16"), label)
+    request = in_bf16.create_infer_request()
+    request.infer({0: x.numpy()})
+    with pytest.raises(AssertionError):
+        torch.testing.assert_close(torch.from_numpy(request.get_output_tensor(0).data.copy()), expected,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_a_static_cache_decoder_generates_eager_tokens_from_a_fresh_process(tmp_path):
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    model = small_llama()
+    exported = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE).export(
+        input_ids=torch.tensor([[1]]), cache_position=torch.tensor([0])
+    )
+    lowered = aotstack.lower(
+        aotstack.Program({"forward": exported}), [aotstack.OpenVinoPartitioner(), aotstack.AotiCpuPartitioner()]
+    )
+    delegates = lowered.delegates("forward")
+    assert {d.backend_id for d in delegates} == {"openvino"}
+    # The cache stays the method's state: the delegate takes it and returns its new value.
+    cache = [1, 2, CACHE, 8]  # batch, key-value heads, positions, head size
+    assert all(d.updated_buffers == [] for d in delegates)
+    assert any(spec.shape == cache for d in delegates for spec in d.inputs)
+    assert any(spec.shape == cache for d in delegates for spec in d.outputs)
+    path = tmp_path / "lm.pt2"
+    lowered.save(path)
+
+    eager = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE).model
+    expected = token_by_token(lambda ids, pos: eager(input_ids=ids, cache_position=pos), PROMPT, STEPS)
+    tokens = run_child(GENERATE_FROM_FILE, str(path))
+    assert tokens["first"] == expected
+    assert tokens["again"] == expected, "reset() puts the KV cache back to its saved state"
+
+
+def test_weights_are_stored_once_across_methods_and_engines(lowered_with):
+    lowered, path = lowered_with(
+        "shared", "openvino-then-aoti",
+        lambda: [aotstack.OpenVinoPartitioner(ops=["aten.linear"]), aotstack.AotiCpuPartitioner()],
+        methods=("forward", "score"),
+    )
+    encoder = models.build("shared").encoder.weight
+    key = content_key(tensor_bytes(encoder))
+    readers = [
+        d for method in ("forward", "score") for d in lowered.delegates(method)
+        if key in {content_key(blob) for blob in d.named_data.values()}
+    ]
+    assert {d.backend_id for d in readers} == {"openvino"} and len(readers) == 2
+    for delegate in readers:
+        # The IR does not hold the weight: its constants file is far smaller than the weight.
+        assert len(delegate.named_data[ov_run.CONSTANTS_NAME]) < encoder.numel() * 4 // 100
+    manifest = read_manifest(path)
+    assert key in manifest.blobs
+    stored = [k for method in manifest.methods.values() for d in method.delegates
+              for local, k in d.named_data.items() if local == WEIGHT_PREFIX + "encoder.weight"]
+    assert len(stored) == 2 and len(set(stored)) == 1, "two delegates, one blob"
+    assert_matches_eager(run_in_fresh_process(path, "score", "shared"), "shared", "score")
+
+
+def refusals(model: torch.nn.Module, x: torch.Tensor, partitioner: OpenVinoPartitioner) -> list[tuple[str, str]]:
+    """What ``partitioner`` says of each node of ``model`` it leaves: (op name, reason)."""
+    exported = aotstack.export(model, {"forward": (x,)}).methods["forward"]
+    result = partitioner.partition(exported)
+    ops = {node.name: str(node.target) for node in exported.graph.nodes}
+    return [(ops[name], f"{reason.kind}: {reason.detail}") for name, reason in result.refusals.items()]
+
+
+class Declined(torch.nn.Module):
+    """One node for each reason OpenVINO has to leave an op."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        wide = x.to(torch.float64) * 3  # the CPU plugin computes float64 in float32
+        ids = (x * 10).to(torch.int64)
+        return (
+            wide,
+            torch.median(x),  # no conversion rule
+            x.frac(),  # decomposed into trunc, which has none
+            ids + 2**40,  # an int64 literal the CPU plugin's int32 arithmetic would wrap
+            torch.view_as_real(x.to(torch.complex64)),
+            torch.relu(x) + ids,
+        )
+
+
+def test_the_partitioner_says_why_it_leaves_each_op():
+    reasons = refusals(Declined(), torch.randn(4, 4), OpenVinoPartitioner())
+    texts = [text for _, text in reasons]
+
+    assert ("aten.median.default", "unsupported: OpenVINO's PyTorch frontend has no conversion rule for it") in reasons
+    assert ("aten.frac.default", "unsupported: OpenVINO decomposes it into ops its frontend has no conversion rule "
+            "for: aten.trunc.default") in reasons
+    assert any("float64 tensor, and OpenVINO's CPU plugin computes float64 in float32" in text for text in texts)
+    assert any(f"int64 argument other={2**40} does not fit" in text for text in texts)
+    assert any("torch.complex64 tensor, and OpenVINO's PyTorch frontend has no element type" in text for text in texts)
+    assert "aten.relu.default" not in {op for op, _ in reasons}, "an op it converts is claimed"
+
+
+def test_ops_narrows_what_it_claims():
+    reasons = dict(refusals(models.build("stacked"), models.example_inputs("stacked")[0],
+                            OpenVinoPartitioner(ops=["aten.linear"])))
+    assert reasons["aten.gelu.default"] == "excluded: the user's ops= list does not name it"
+    assert "aten.linear.default" not in reasons
+
+
+def test_min_block_size_leaves_small_parts(lowered_with):
+    lowered, _ = lowered_with(
+        "island", "openvino-min2",
+        lambda: [aotstack.OpenVinoPartitioner(ops=["aten.linear", "aten.relu", "aten.add"], min_block_size=2)],
+    )
+    assert [sorted(d.ops) for d in lowered.delegates("forward")] == [
+        ["aten.linear.default", "aten.relu.default"], ["aten.linear.default", "aten.relu.default"]
+    ]
+
+
+class Crowded(torch.nn.Module):
+    """A model whose ops OpenVINO converts, with ``median``, which it cannot."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x) + torch.median(x)
+
+
+class ClaimsEverything(OpenVinoPartitioner):
+    """A partitioner that claims what OpenVINO cannot convert, to reach the compile side's error."""
+
+    def op_refusal(self, op):
+        return None
+
+
+def test_a_partition_openvino_cannot_convert_is_a_lowering_error_naming_it():
+    program = aotstack.export(Crowded(), {"forward": (torch.randn(4, 4),)})
+    with pytest.raises(aotstack.LoweringError, match="an openvino partition of method 'forward'") as raised:
+        aotstack.lower(program, [ClaimsEverything()], jobs=1)
+    assert "aten.median" in str(raised.value)
+
+    lowered = aotstack.lower(program, [ClaimsEverything(), aotstack.AotiCpuPartitioner()],
+                             on_compile_error="fallback", jobs=1)
+    assert [failure.backend_id for failure in lowered.compile_failures["forward"]] == ["openvino"]
+
+
+def test_a_target_device_other_than_the_cpu_is_refused():
+    program = aotstack.export(models.build("linear"), {"forward": models.example_inputs("linear")})
+    spec = CompileSpec(SpecKey.TARGET_DEVICE, b"cuda")
+    with pytest.raises(aotstack.LoweringError, match="target_device"):
+        aotstack.lower(program, [aotstack.OpenVinoPartitioner(compile_specs=[spec])], jobs=1)
+
+
+def delegate_record(lowered_with):
+    lowered, _ = lowered_with("linear", "openvino", lambda: [aotstack.OpenVinoPartitioner()])
+    [delegate] = lowered.delegates("forward")
+    return delegate
+
+
+def test_a_malformed_processed_blob_is_a_package_error(lowered_with):
+    delegate = delegate_record(lowered_with)
+    runtime = ov_run.OpenVinoRuntime()
+    processed = json.loads(delegate.processed_bytes)
+    bad = [
+        b"not json",
+        json.dumps({**processed, "version": 99}).encode(),
+        json.dumps({k: v for k, v in processed.items() if k != "parameters"}).encode(),
+        json.dumps({**processed, "precision": "f64"}).encode(),
+        json.dumps({**processed, "outputs": [1]}).encode(),
+        json.dumps({**processed, "parameters": ["input:0", "input:0"]}).encode(),
+    ]
+    for processed_bytes in bad:
+        with pytest.raises(aotstack.PackageError):
+            runtime.init(processed_bytes, delegate.named_data, delegate.compile_specs)
+    named_data = {k: v for k, v in delegate.named_data.items() if k != ov_run.MODEL_NAME}
+    with pytest.raises(aotstack.PackageError, match="openvino.xml"):
+        runtime.init(delegate.processed_bytes, named_data, delegate.compile_specs)
+
+
+def test_a_model_openvino_cannot_read_is_a_delegate_init_error(lowered_with):
+    delegate = delegate_record(lowered_with)
+    named_data = {**delegate.named_data, ov_run.MODEL_NAME: b"<net><layers><layer/></layers></net>"}
+    with pytest.raises(aotstack.DelegateInitError, match="OpenVINO could not read the model"):
+        ov_run.OpenVinoRuntime().init(delegate.processed_bytes, named_data, delegate.compile_specs)
+
+
+WITHOUT_OPENVINO = """
+import json, sys
+sys.modules["openvino"] = None  # as if it were not installed
+import aotstack
+try:
+    aotstack.load(sys.argv[1])
+    print(json.dumps(None))
+except aotstack.DelegateInitError as exc:
+    print(json.dumps(str(exc)))
+"""
+
+
+def test_loading_without_openvino_installed_is_a_delegate_init_error(lowered_with):
+    _, path = lowered_with("linear", "openvino", lambda: [aotstack.OpenVinoPartitioner()])
+    message = run_child(WITHOUT_OPENVINO, str(path))
+    assert message is not None and "pip install 'aotstack[openvino]'" in message
+
+
+def test_a_bad_call_reaching_the_delegate_is_an_input_error(lowered_with):
+    delegate = delegate_record(lowered_with)
+    runtime = ov_run.OpenVinoRuntime()
+    handle = runtime.init(delegate.processed_bytes, delegate.named_data, delegate.compile_specs)
+    x = models.example_inputs("linear")[0]
+    for bad in ([x[:2]], [x.double()], [x, x], [x.to("meta")], [3.0]):
+        with pytest.raises(aotstack.InputError):
+            runtime.execute(handle, bad)
+    # Views a call may pass are made what OpenVINO reads: transposed, negated, asking for gradients.
+    model = models.build("linear")
+    for view in (x.t().contiguous().t(), torch.neg(x)._neg_view(), x.clone().requires_grad_()):
+        torch.testing.assert_close(runtime.execute(handle, [view])[0], model(view).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_large_tensors_cross_without_a_copy(tmp_path):
+    model = WideLinear().eval()
+    x = torch.randn(128, 512)  # in 256 kB, out 32 kB: both past the size that is copied
+    aotstack.lower(aotstack.export(model, {"forward": (x,)}), [aotstack.OpenVinoPartitioner()]).save(
+        tmp_path / "wide.pt2"
+    )
+    loaded = aotstack.load(tmp_path / "wide.pt2")
+    [handle] = handle_of(loaded)
+
+    y = loaded.forward(x)
+    [slot] = handle.idle
+    assert slot.request.get_input_tensor(0).data.__array_interface__["data"][0] == x.data_ptr()
+    assert slot.request.get_output_tensor(0).data.__array_interface__["data"][0] == y.data_ptr()
+    torch.testing.assert_close(y, model(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_threads_calling_one_delegate_each_get_their_own_answer(lowered_with):
+    _, path = lowered_with("stacked", "openvino-ov", ORDERS["ov"][0])
+    loaded, model = aotstack.load(path), models.build("stacked")
+    inputs = [torch.randn(4, 16) for _ in range(8)]
+    results: dict[int, torch.Tensor] = {}
+
+    def call(index: int) -> None:
+        for _ in range(50):
+            results[index] = loaded.forward(inputs[index])
+
+    threads = [threading.Thread(target=call, args=(index,)) for index in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for index, x in enumerate(inputs):
+        torch.testing.assert_close(results[index], model(x).detach(), rtol=1e-5, atol=1e-5)
