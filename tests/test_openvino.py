@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 
 import pytest
@@ -418,3 +419,22 @@ def test_threads_calling_one_delegate_each_get_their_own_answer(lowered_with):
         thread.join()
     for index, x in enumerate(inputs):
         torch.testing.assert_close(results[index], model(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_forked_child_can_call_a_delegate_its_parent_loaded(lowered_with):
+    _, path = lowered_with("stacked", "openvino-ov", ORDERS["ov"][0])
+    loaded = aotstack.load(path)
+    x = models.example_inputs("stacked")[0]
+    expected = loaded.forward(x)
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the child computes nothing but the call, and ends without exit handlers
+        os.close(read)
+        os.write(write, loaded.forward(x).numpy().tobytes())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        got = pipe.read()
+    _, status = os.waitpid(child, 0)
+    assert status == 0
+    assert got == expected.numpy().tobytes()
