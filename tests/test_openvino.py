@@ -438,3 +438,28 @@ def test_a_forked_child_can_call_a_delegate_its_parent_loaded(lowered_with):
     _, status = os.waitpid(child, 0)
     assert status == 0
     assert got == expected.numpy().tobytes()
+
+
+def test_random_bad_calls_are_input_errors_and_odd_good_ones_match_eager(tmp_path):
+    from tests.test_bad_calls import MAX_N, MIN_N, RANDOM_CALLS, build_model
+
+    n = torch.export.Dim("n", min=MIN_N, max=MAX_N)
+    program = aotstack.export(
+        build_model(), {"forward": (torch.randn(4, 8), torch.randn(4, 8))},
+        dynamic_shapes={"forward": {"x": {0: n}, "y": {0: n}}},
+    )
+    paths = {}
+    for name, partitioners in {
+        "openvino": [aotstack.OpenVinoPartitioner()],
+        # OpenVINO between two AOTInductor delegates: it takes cat's [2*n, 8] and sigmoid.
+        "aoti-openvino": [aotstack.AotiCpuPartitioner(exclude_ops=["aten.cat", "aten.sigmoid"]),
+                          aotstack.OpenVinoPartitioner()],
+    }.items():
+        lowered = aotstack.lower(program, partitioners)
+        assert "openvino" in {d.backend_id for d in lowered.delegates("forward")}
+        paths[name] = str(tmp_path / f"{name}.pt2")
+        lowered.save(paths[name])
+
+    result = run_child(RANDOM_CALLS, json.dumps(paths), "20261124", "500")
+    assert result["failures"] == []
+    assert any("(good)" in kind for kind in result["counts"])

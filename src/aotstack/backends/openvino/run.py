@@ -378,6 +378,9 @@ def run(handle: OpenVinoHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor
     except IndexError:
         slot = handle.new_request()
     request = slot.request
+    # Tensors the request reads in place, which this call may have made (a contiguous copy): the
+    # request holds their address only, so they must live until it has run.
+    shared = []
     try:
         for port, index, copied, to_numpy, wrap in handle.feed_steps:
             value = inputs[index]
@@ -387,6 +390,7 @@ def run(handle: OpenVinoHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor
                 handle.copyto(slot.inputs[port], to_numpy(value))
                 continue
             value = value.contiguous()
+            shared.append(value)
             # The same memory and shape as last time: the request already points at it.
             key = (value.data_ptr(), value.shape)
             if slot.held[port] != key:
