@@ -463,3 +463,28 @@ def test_random_bad_calls_are_input_errors_and_odd_good_ones_match_eager(tmp_pat
     result = run_child(RANDOM_CALLS, json.dumps(paths), "20261124", "500")
     assert result["failures"] == []
     assert any("(good)" in kind for kind in result["counts"])
+
+
+class PassThrough(torch.nn.Module):
+    """Outputs that only copy an input, which OpenVINO's CPU plugin compiles into the input's memory."""
+
+    def forward(self, small: torch.Tensor, large: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return small.clone(), large.clone(), large.to(torch.float32), small * 2, large.view(-1)
+
+
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
+def test_an_output_that_copies_an_input_leaves_the_input_alone(tmp_path, dynamic):
+    small, large = torch.randn(3, 4), torch.randn(128, 64)
+    shapes = {"forward": ({0: torch.export.Dim("a", min=1, max=8)}, {0: torch.export.Dim("b", min=2, max=512)})}
+    program = aotstack.export(PassThrough(), {"forward": (small, large)}, dynamic_shapes=shapes if dynamic else None)
+    aotstack.lower(program, [aotstack.OpenVinoPartitioner()]).save(tmp_path / "pass.pt2")
+    loaded = aotstack.load(tmp_path / "pass.pt2")
+
+    for _ in range(3):
+        small, large = torch.randn(3, 4), torch.randn(128, 64)
+        before = (small.clone(), large.clone())
+        got = loaded.forward(small, large)
+        assert torch.equal(small, before[0]) and torch.equal(large, before[1]), "the call changed its inputs"
+        for out, want in zip(got, PassThrough()(*before), strict=True):
+            torch.testing.assert_close(out, want)
+        assert got[1].data_ptr() != large.data_ptr(), "a copy of an input is a tensor of its own"

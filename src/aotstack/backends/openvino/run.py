@@ -248,16 +248,15 @@ class Feed:
     """One input of the compiled model: which of the delegate's inputs it takes, and how it crosses."""
 
     index: int
-    wrap: Callable[[torch.Tensor], Any]
     dtype: torch.dtype
+    element_type: Any
+    shape: torch.Size | None
     # Small and static: copied into the request's own tensor rather than wrapped.
     copied: bool
 
 
 def feeds(compiled: Any, part: Part, label: str) -> list[Feed]:
     """For each input of the compiled model, in its order, the delegate input it takes."""
-    import openvino
-
     feeds = []
     for port in compiled.inputs:
         role = port.get_node().get_friendly_name()
@@ -266,7 +265,7 @@ def feeds(compiled: Any, part: Part, label: str) -> list[Feed]:
         index = int(role.removeprefix(INPUT_ROLE))
         dtype = dtype_from_name(part.boundary.inputs[index].dtype)
         shape = static_shape(port.get_partial_shape())
-        feeds.append(Feed(index, tensor_wrapper(dtype, openvino), dtype, copied(shape, dtype)))
+        feeds.append(Feed(index, dtype, port.get_element_type(), shape, copied(shape, dtype)))
     expected = sorted(int(role.removeprefix(INPUT_ROLE)) for role in part.parameters if role.startswith(INPUT_ROLE))
     if sorted(feed.index for feed in feeds) != expected:
         raise PackageError(f"{label}: the compiled model's inputs are not the ones its parameters name")
@@ -275,14 +274,16 @@ def feeds(compiled: Any, part: Part, label: str) -> list[Feed]:
 
 @dataclass(frozen=True)
 class OutputPlan:
-    """One output of the compiled model: its torch dtype, its shape where static, and how it crosses."""
+    """One output of the compiled model: its types, its shape where static, and how it crosses."""
 
     port: int
     dtype: torch.dtype
+    element_type: Any
     shape: torch.Size | None
-    wrap: Callable[[torch.Tensor], Any]
     # Small and static: copied out of the request's own tensor rather than written into torch's.
     copied: bool
+    # The delegate input the CPU plugin hands out as this output, untouched; None for a computed one.
+    source: int | None
 
 
 def output_plans(compiled: Any, part: Part, label: str) -> list[OutputPlan]:
@@ -295,6 +296,7 @@ def output_plans(compiled: Any, part: Part, label: str) -> list[OutputPlan]:
     names = [f"{OUTPUT_ROLE}{index}" for index in range(count)]
     if sorted(ports) != sorted(names):
         raise PackageError(f"{label}: the compiled model's outputs are not the part's {count}")
+    sources = passed_through(compiled)
     plans = []
     for name in names:
         output = compiled.outputs[ports[name]]
@@ -303,8 +305,27 @@ def output_plans(compiled: Any, part: Part, label: str) -> list[OutputPlan]:
             raise PackageError(f"{label}: output {name!r} has OpenVINO type {output.get_element_type()}, "
                                "which no torch dtype here matches")
         shape = static_shape(output.get_partial_shape())
-        plans.append(OutputPlan(ports[name], dtype, shape, tensor_wrapper(dtype, openvino), copied(shape, dtype)))
+        source = sources.get(name)
+        plans.append(OutputPlan(
+            ports[name], dtype, output.get_element_type(), shape, copied(shape, dtype),
+            None if source is None else int(source.removeprefix(INPUT_ROLE)),
+        ))
     return plans
+
+
+def passed_through(compiled: Any) -> dict[str, str]:
+    """Output name -> input name, for each output the CPU plugin hands straight from an input.
+
+    The plugin compiles an output that only copies an input (``clone``, a cast to the same type)
+    into the input's own memory. Given memory of the caller's for both, it writes the output's
+    into the input's, so such an output is never given memory: the run side copies the input.
+    """
+    found = {}
+    for result in compiled.get_runtime_model().get_results():
+        source = result.input_value(0).get_node()
+        if source.get_type_name() == "Parameter":
+            found[result.get_friendly_name()] = source.get_friendly_name()
+    return found
 
 
 @dataclass
@@ -314,7 +335,8 @@ class Request:
     request: Any
     # Per input port, the (address, shape) of the tensor set on it last; None where unknown or copied.
     held: list[tuple[int, torch.Size] | None]
-    # Per port, a numpy view of the request's own tensor where that port's tensors are copied; else None.
+    # Per port where tensors are copied, a numpy view of the tensor this request was given for
+    # good (and keeps); None elsewhere.
     inputs: list[Any]
     outputs: list[Any]
 
@@ -338,35 +360,46 @@ class OpenVinoHandle:
     idle: list[Request] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        import openvino
+
         # What a call walks, laid out once: (port, input index, copied, numpy view, wrap) per input,
         # and the outputs by how they cross.
         self.feed_steps = [
-            (port, feed.index, feed.copied, numpy_view_of(feed.dtype), feed.wrap)
+            (port, feed.index, feed.copied, numpy_view_of(feed.dtype), tensor_wrapper(feed.dtype, openvino))
             for port, feed in enumerate(self.feeds)
         ]
-        self.written_outputs = [(i, plan) for i, plan in enumerate(self.outputs) if plan.shape and not plan.copied]
-        self.copied_outputs = [
-            (i, None if plan.dtype is not torch.bfloat16 else torch.bfloat16)
-            for i, plan in enumerate(self.outputs) if plan.copied
+        crossing = [(i, plan) for i, plan in enumerate(self.outputs) if plan.source is None]
+        self.written_outputs = [
+            (i, plan.port, plan.shape, plan.dtype, tensor_wrapper(plan.dtype, openvino))
+            for i, plan in crossing if plan.shape is not None and not plan.copied
         ]
-        self.dynamic_outputs = [(i, plan) for i, plan in enumerate(self.outputs) if plan.shape is None]
-
-    def request(self) -> Request:
-        try:
-            return self.idle.pop()
-        except IndexError:
-            return self.new_request()
+        self.copied_outputs = [(i, bfloat16_or_none(plan.dtype)) for i, plan in crossing if plan.copied]
+        self.dynamic_outputs = [(i, plan) for i, plan in crossing if plan.shape is None]
+        self.passed_outputs = [(i, plan.source) for i, plan in enumerate(self.outputs) if plan.source is not None]
 
     def new_request(self) -> Request:
+        import openvino
+
         request = self.compiled.create_infer_request()
-        return Request(
-            request,
-            [None] * len(self.feeds),
-            [host_array(request.get_input_tensor(port), feed.dtype) if feed.copied else None
-             for port, feed in enumerate(self.feeds)],
-            [host_array(request.get_output_tensor(plan.port), plan.dtype) if plan.copied else None
-             for plan in self.outputs],
-        )
+        inputs: list[Any] = [None] * len(self.feeds)
+        for port, feed in enumerate(self.feeds):
+            if feed.copied:
+                # A tensor of the request's for good: calls copy into it, and it is never replaced.
+                tensor = openvino.Tensor(feed.element_type, list(feed.shape))
+                request.set_input_tensor(port, tensor)
+                inputs[port] = host_array(tensor, feed.dtype)
+        outputs: list[Any] = [None] * len(self.outputs)
+        for index, plan in enumerate(self.outputs):
+            if plan.copied and plan.source is None:
+                tensor = openvino.Tensor(plan.element_type, list(plan.shape))
+                request.set_output_tensor(plan.port, tensor)
+                outputs[index] = host_array(tensor, plan.dtype)
+        return Request(request, [None] * len(self.feeds), inputs, outputs)
+
+
+def bfloat16_or_none(dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a copied output is viewed as after it crosses: bfloat16's bits cross as int16."""
+    return torch.bfloat16 if dtype is torch.bfloat16 else None
 
 
 def run(handle: OpenVinoHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -397,15 +430,17 @@ def run(handle: OpenVinoHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor
                 request.set_input_tensor(port, wrap(value))
                 slot.held[port] = key
         results: list[Any] = [None] * len(handle.outputs)
-        for index, plan in handle.written_outputs:
-            results[index] = result = torch.empty(plan.shape, dtype=plan.dtype)
-            request.set_output_tensor(plan.port, plan.wrap(result))
+        for index, port, shape, dtype, wrap in handle.written_outputs:
+            results[index] = result = torch.empty(shape, dtype=dtype)
+            request.set_output_tensor(port, wrap(result))
         handle.infer(request, {}, True, False)
         for index, view in handle.copied_outputs:
             result = torch.from_numpy(slot.outputs[index].copy())
             results[index] = result if view is None else result.view(view)
         for index, plan in handle.dynamic_outputs:
             results[index] = taken_output(request, plan)
+        for index, source in handle.passed_outputs:
+            results[index] = inputs[source].detach().resolve_neg().resolve_conj().clone()
         return results if handle.returned is None else [results[index] for index in handle.returned]
     except BaseException:
         # Whatever the request holds now is unknown: the next call sets every input again.
