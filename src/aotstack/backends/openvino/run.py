@@ -20,8 +20,9 @@ those of the last call on that request is not set again. An output whose shape i
 written by OpenVINO straight into a new torch tensor; a dynamic one is OpenVINO's own tensor,
 handed to torch as it is, and the request gets a fresh one for its next call. A static tensor of
 at most ``COPY_LIMIT`` bytes is copied instead, into or out of the request's own memory: for
-small tensors a copy costs less than wrapping memory. A call from another thread while one runs
-gets its own request, so concurrent calls are safe.
+small tensors a copy costs less than wrapping memory. An output the plugin makes an input's own
+(see ``passed_through``) is a copy of that input. A call from another thread while one runs gets
+its own request, so concurrent calls are safe.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 
 from ...errors import DelegateInitError, PackageError
 from ...format import processed as processed_json
-from ...format.boundary import BoundaryCheck
+from ...format.boundary import Boundary, BoundaryCheck
 from ...format.specs import CompileSpec, partition_label
 from ...format.tensor_data import BytesLike, dtype_from_name
 from ..base import BackendRuntime
@@ -61,7 +62,7 @@ COPY_LIMIT = 16 * 1024
 PRECISIONS = ("f32", "bf16")
 # A parameter of the IR is ``input:<index>`` (the partition's user input) or ``weight:<fqn>``.
 INPUT_ROLE, WEIGHT_ROLE = "input:", "weight:"
-# The tensor name the compile side gives output ``i``: ``output:<i>``.
+# The friendly name the compile side gives the IR's result ``i``: ``output:<i>``.
 OUTPUT_ROLE = "output:"
 
 
@@ -107,17 +108,18 @@ class Part:
     # For each output of the part, the IR result that holds it.
     outputs: list[int]
     precision: str
-    boundary: Any
+    boundary: Boundary
 
 
 def base_infer() -> Callable[..., Any]:
-    """``InferRequest.infer`` of OpenVINO's compiled module, which ``openvino.InferRequest`` wraps."""
+    """The compiled ``infer`` that ``openvino.InferRequest.infer`` wraps: ``infer(request, {}, True, False)``."""
     import openvino
 
     return next(vars(cls)["infer"] for cls in openvino.InferRequest.__mro__[1:] if "infer" in vars(cls))
 
 
 def read_part(processed_bytes: bytes, named_data: Mapping[str, BytesLike], label: str) -> Part:
+    """The delegate's processed JSON and named data, every field checked: a bad one is a ``PackageError``."""
     processed = processed_json.read_processed(processed_bytes, label, PROCESSED_VERSION)
     boundary = processed_json.boundary(processed, label)
     parameters = processed_json.string_list(processed, "parameters", label)
