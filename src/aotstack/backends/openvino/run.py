@@ -419,11 +419,15 @@ def run(handle: OpenVinoHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor
     try:
         for port, index, copied, to_numpy, wrap in handle.feed_steps:
             value = inputs[index]
+            if copied:
+                try:
+                    array = to_numpy(value)
+                except RuntimeError:  # numpy takes no tensor that asks for gradients or is a negated view
+                    array = to_numpy(value.detach().resolve_neg().resolve_conj())
+                handle.copyto(slot.inputs[port], array)
+                continue
             if value.requires_grad or value.is_neg() or value.is_conj():
                 value = value.detach().resolve_neg().resolve_conj()
-            if copied:
-                handle.copyto(slot.inputs[port], to_numpy(value))
-                continue
             value = value.contiguous()
             shared.append(value)
             # The same memory and shape as last time: the request already points at it.
