@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -105,9 +106,9 @@ def decomposition_refusal(op: torch._ops.OpOverload, signature: Hashable) -> str
     """Why the ops OpenVINO decomposes ``op`` into, for arguments like ``signature``, do not all convert."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    args, kwargs = example_call(signature)
     decomposition = decomposition_functions()[op]
     try:
+        args, kwargs = example_call(signature)
         traced = make_fx(lambda *a: decomposition(*a, **kwargs), decomposition_table=decomposition_functions())(*args)
     except Exception as error:
         return f"OpenVINO decomposes it, and its decomposition could not be traced here ({type(error).__name__})"
@@ -135,7 +136,20 @@ def signature_of(value: Any) -> Hashable:
         return (type(value).__name__, tuple(signature_of(item) for item in value))
     if isinstance(value, dict):
         return ("dict", tuple((key, signature_of(item)) for key, item in value.items()))
-    return value
+    if value is None or isinstance(value, _PLAIN_ARGUMENTS):
+        return value
+    return Opaque(repr(value))
+
+
+# Arguments a signature holds as they are: hashable, and rebuilt by being themselves.
+_PLAIN_ARGUMENTS = (int, float, bool, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+@dataclass(frozen=True)
+class Opaque:
+    """An argument a signature cannot rebuild; a decomposition called with it is not traced."""
+
+    text: str
 
 
 def size_hint(size: Any) -> Any:
@@ -154,6 +168,8 @@ def example_call(signature: Hashable) -> tuple[tuple[Any, ...], dict[str, Any]]:
 
 
 def example_value(signature: Any) -> Any:
+    if isinstance(signature, Opaque):
+        raise TypeError(f"cannot rebuild the argument {signature.text}")
     if isinstance(signature, tuple) and signature and signature[0] == "tensor":
         return torch.empty(signature[2], dtype=signature[1], device="meta")
     if isinstance(signature, tuple) and signature and signature[0] in ("list", "tuple", "immutable_list"):
