@@ -48,7 +48,6 @@ def convert_partition(exported_program: ExportedProgram, label: str) -> OpenVino
     the package's bytes, before compiling.
     """
     require_openvino("OpenVinoBackend needs openvino to convert a partition", LoweringError)
-    without_outer_guards(exported_program)
     try:
         decomposed = exported_program.run_decompositions(decompositions())
     except Exception as error:
@@ -96,19 +95,6 @@ def named_parameters(model: Any, roles: dict[str, str], label: str) -> list[str]
         parameter.set_friendly_name(role)
         taken.append(role)
     return taken
-
-
-def without_outer_guards(exported_program: ExportedProgram) -> None:
-    """Drop the shape guards the partition inherits from its method, in place.
-
-    A partition's fake tensors share its method's shape environment, so torch gives it the
-    method's guards, written over the method's inputs (``L['x']``); re-tracing it for the
-    decompositions evaluates them over the partition's own inputs, and fails (``name 'L' is not
-    defined``) where the two differ, as when two inputs share a dynamic size. The method checks
-    its inputs, and the run side the partition's.
-    """
-    if hasattr(exported_program, "_guards_code"):
-        exported_program._guards_code = []
 
 
 def parameter_roles(exported_program: ExportedProgram, label: str) -> dict[str, str]:

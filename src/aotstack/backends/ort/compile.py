@@ -37,7 +37,6 @@ def export_partition(exported_program: ExportedProgram, label: str) -> OnnxParti
 
     try:
         contiguous_attention_outputs(exported_program)
-        without_outer_guards(exported_program)
         with quiet_exporter():
             onnx_program = torch.onnx.export(exported_program, (), dynamo=True, optimize=False, verbose=False)
     except Exception as error:
@@ -55,19 +54,6 @@ def export_partition(exported_program: ExportedProgram, label: str) -> OnnxParti
         input_names=[value.name for value in model.graph.input],
         output_names=[value.name for value in model.graph.output],
     )
-
-
-def without_outer_guards(exported_program: ExportedProgram) -> None:
-    """Drop the shape guards a partition inherits from its method's program, in place.
-
-    A partition's fake tensors share the method's shape environment, so torch gives the partition
-    the method's guards, written over the method's inputs (``L['x']``, ``L['y']``). The exporter
-    re-traces the partition with those guards as a function of the partition's own inputs, and
-    fails (``name 'L' is not defined``) wherever the two differ, as with two inputs sharing a
-    dynamic size. The method checks its inputs itself, and the run side checks the partition's.
-    """
-    if hasattr(exported_program, "_guards_code"):
-        exported_program._guards_code = []
 
 
 def contiguous_attention_outputs(exported_program: ExportedProgram) -> None:
