@@ -94,14 +94,14 @@ def compile_package(kind: str, workload: str, package: str, threads: int, exclud
         report = explain(program, [partitioner])
         compiled = time.perf_counter()
         delegates, details = len(report.method("forward").delegates), {}
-    elif kind == "aotstack":
+    elif kind in ("aotstack", "auto"):
         export, lower = aotstack.export, aotstack.lower  # imports the compile side, untimed
-        partitioner = aotstack.AotiCpuPartitioner(exclude_ops=exclude)
+        partitioners = "auto" if kind == "auto" else [aotstack.AotiCpuPartitioner(exclude_ops=exclude)]
         options = {} if jobs is None else {"jobs": jobs}
         started = time.perf_counter()
         program = export(model, {"forward": args})
         exported = time.perf_counter()
-        lowered = lower(program, [partitioner], **options)
+        lowered = lower(program, partitioners, **options)
         compiled = time.perf_counter()
         lowered.save(package)
         delegates = len(lowered.delegates("forward"))
@@ -134,7 +134,7 @@ def main() -> None:
     loading.add_argument("inputs")
     loading.add_argument("threads", type=int)
     compiling = commands.add_parser("compile")
-    compiling.add_argument("kind", choices=["aotstack", "aoti", "explain"])
+    compiling.add_argument("kind", choices=["aotstack", "auto", "aoti", "explain"])
     compiling.add_argument("workload")
     compiling.add_argument("package")
     compiling.add_argument("threads", type=int)

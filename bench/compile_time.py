@@ -20,7 +20,10 @@ so four distinct AOTInductor partitions, lowered cold with ``lower(..., jobs=1)`
 ``aotstack.lower`` takes no ``jobs`` keyword, that is recorded and only the default (sequential) lowering
 is timed.
 
-    .venv/bin/python bench/compile_time.py [--quick] [--threads 1] [--only compile|jobs|explain]
+``auto``: ``lower(program, "auto")`` of the peers' BERT encoder cold, against a cold lower with AOTInductor
+alone, and again with the caches it filled (its measurements are cached with the compiles).
+
+    .venv/bin/python bench/compile_time.py [--quick] [--threads 1] [--only compile|jobs|explain|auto]
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from common import Figure, Figures, Settings, cache_env, median, progress, run_c
 from workloads import JOBS_WIDTHS
 
 COLD_TARGET = 1.10  # aotstack cold / aoti_compile_and_package cold
+AUTO_COLD_TARGET = 2.0  # lower(program, "auto") cold / lower with AOTInductor alone, cold
 RELOWER_TARGET = 0.05  # re-lowering unchanged / cold
 JOBS_TARGET = 0.65  # jobs=2 / jobs=1
 
@@ -108,6 +112,32 @@ def compile_times(settings: Settings) -> Figures:
     }
 
 
+def auto_times(settings: Settings) -> Figures:
+    """Auto-lowering's cost: cold against AOTInductor alone, and warm against its own cold, fresh processes.
+
+    The peers benchmark's BERT encoder (``--quick``: its small one), where the engines differ most.
+    """
+    workload = settings.pick("peer_bert", "peer_bert_quick")
+    progress(f"{workload}: AOTInductor alone, cold caches ...")
+    alone = compile_child(settings, "aotstack", workload, "auto-alone")
+    progress(describe("AOTInductor alone, cold", alone))
+    progress(f"{workload}: auto, cold caches ...")
+    cold = compile_child(settings, "auto", workload, "auto")
+    progress(describe("auto, cold", cold))
+    progress(f"{workload}: auto again, the caches it filled ...")
+    warm = compile_child(settings, "auto", workload, "auto")
+    progress(describe("auto, warm", warm))
+    return {
+        "auto cold lower+save / AOTInductor alone cold": Figure(
+            cold["to_file_s"], "s", alone["to_file_s"], AUTO_COLD_TARGET,
+            note=f"{workload}; auto lowers and times one plan per installed engine",
+        ),
+        "auto re-lower unchanged / auto cold": Figure(
+            warm["to_file_s"], "s", cold["to_file_s"], RELOWER_TARGET, note="measurements read from the cache"
+        ),
+    }
+
+
 def jobs_supported() -> bool:
     return "jobs" in inspect.signature(aotstack.lower).parameters
 
@@ -173,7 +203,7 @@ def dry_run_times(settings: Settings) -> Figures:
 
 def main() -> None:
     def options(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--only", choices=["compile", "jobs", "explain"], default=None)
+        parser.add_argument("--only", choices=["compile", "jobs", "explain", "auto"], default=None)
 
     def both(settings: Settings, only: str | None) -> Figures:
         figures: Figures = {}
@@ -183,6 +213,8 @@ def main() -> None:
             figures.update(parallel_jobs(settings))
         if only in (None, "explain"):
             figures.update(dry_run_times(settings))
+        if only in (None, "auto"):
+            figures.update(auto_times(settings))
         return figures
 
     run_standalone(__doc__, both, extra=options)

@@ -39,7 +39,7 @@ from common import (
     quiet_known_warnings,
     use_private_caches,
 )
-from compile_time import compile_times, dry_run_times, parallel_jobs
+from compile_time import auto_times, compile_times, dry_run_times, parallel_jobs
 from decode import decode_rates
 from draw import draw_times
 from large import large_model
@@ -57,6 +57,7 @@ BENCHMARKS: dict[str, tuple[str, Callable[[Settings], Figures]]] = {
     "compile": ("cold and warm compile vs aoti_compile_and_package, fresh processes", compile_times),
     "jobs": ("4 partitions compiled cold with jobs=1 and jobs=2", parallel_jobs),
     "explain": ("the dry run of 4 partitions vs their cold lower, fresh processes", dry_run_times),
+    "auto": ("lower(program, 'auto') cold vs AOTInductor alone, and warm, on BERT, fresh processes", auto_times),
     "large": ("500 MB model: load + first call, peak memory, file size", large_model),
     "load": ("demo: load + first call in a fresh process vs aoti_load_package", load_times),
     "stacked": ("AOTInductor, ONNX Runtime and both stacked, per call", stacked),

@@ -168,3 +168,9 @@ def peer_llama(size: str = "full", cache: int = 256) -> torch.nn.Module:
     model = LlamaForCausalLM(LlamaConfig(**PEER_LLAMA[size], max_position_embeddings=cache)).eval()
     model.generation_config = GenerationConfig(use_cache=True, cache_implementation="static")
     return model
+
+
+WORKLOADS.update({
+    "peer_bert": lambda: peer_bert("full"),
+    "peer_bert_quick": lambda: peer_bert("quick"),
+})
