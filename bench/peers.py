@@ -7,7 +7,9 @@ Workloads (``bench/workloads.py``; random weights, batch 1):
 - llama:  a Llama-style LM (99.5 M parameters: hidden 768, 8 layers, 12 heads, 4 KV heads) behind transformers'
           ``TorchExportableModuleForDecoderOnlyLM`` (static KV cache of 256); an 8-token prompt fed token by
           token, then 64 greedy tokens; tokens/s over the generated ones. An engine whose tokens differ from
-          eager's gets no figure.
+          eager's gets no figure: "wrong" when, fed eager's tokens, its logits differ beyond the tolerance
+          too; "differs" when they are within it (a near-tie: random weights leave the top logits close, and
+          bf16 rounding in another order swaps two), its speed then in the note.
 
 Engines (columns), every one given the same thread count (``torch.set_num_threads`` and its own setting):
 
@@ -22,6 +24,12 @@ Engines (columns), every one given the same thread count (``torch.set_num_thread
 - aotstack ORT+AOTI: ``[OrtPartitioner(), AotiCpuPartitioner()]``
 - aotstack OV+AOTI:  ``[OpenVinoPartitioner(), AotiCpuPartitioner()]``, where aotstack has it
 - aotstack auto:     ``lower(program, "auto")``, where aotstack takes it
+
+A column the environment lacks (executorch not installed, a partitioner aotstack does not have yet)
+says "unavailable" with the reason under the table. OpenVINO compiles in a child process first
+(its CPU plugin has died of SIGFPE compiling a model here), and so does an aotstack file holding
+OpenVINO delegates (``bench/child.py load``). Under ``bench/run.py`` (``make bench``) the benchmark
+runs at 1 and 2 threads whatever ``--threads`` says.
 
 ONNX Runtime and OpenVINO have no in-place buffers, so for the decoder the exported program's cache updates
 become inputs and outputs (``CacheInOut``): ONNX Runtime's session is handed the cache and returns the new
@@ -86,7 +94,7 @@ from common import (
     save_inputs,
     use_private_caches,
 )
-from decode import decode
+from decode import PROMPT, decode
 from stacked import engines as delegate_engines
 from workloads import peer_bert, peer_llama, peer_resnet
 
@@ -99,6 +107,7 @@ ROUNDS = 5
 TOKENS = {"full": 64, "quick": 16}
 CACHE = {"full": 256, "quick": 64}
 BLOCK_SECONDS = {"full": 0.5, "quick": 0.05}  # a forward workload's timed block, per engine and round
+ENGINE_SECONDS = 60  # an engine slower than this over all its rounds is timed in fewer (ExecuTorch's bf16 decode)
 SETTLE_SECONDS = 0.02  # untimed, before each block: the previous engine's spinning threads go idle
 STACKING_TARGET = 1.1  # ORT+AOTI at 2 threads / the slower of ORT alone and AOTI alone
 
@@ -112,6 +121,7 @@ AOTSTACK_ENGINES = (STACK, STACK_ORT, STACK_OV, STACK_AUTO)
 # Edge ops that only reshape or alias: not counted as work left to ExecuTorch's portable kernels.
 VIEW_OPS = ("view", "squeeze", "unsqueeze", "expand", "permute", "transpose", "select", "slice", "alias", "t_copy",
             "clone", "_to_copy", "sym_size", "scalar_tensor")
+MATMUL_OPS = ("mm", "bmm", "addmm", "baddbmm", "linear", "convolution", "matmul")
 
 
 class Unavailable(Exception):
@@ -120,6 +130,14 @@ class Unavailable(Exception):
 
 class Wrong(Exception):
     """The engine ran and its output differs from eager's."""
+
+
+class NearTie(Exception):
+    """The decoder's tokens differ from eager's, its logits do not: timed, reported without a figure."""
+
+    def __init__(self, message: str, tokens: list[int]) -> None:
+        super().__init__(message)
+        self.tokens = tokens
 
 
 @dataclass
@@ -136,11 +154,14 @@ class Cell:
     """One engine's outcome at one (workload, dtype, threads): a median, or why there is none."""
 
     value: float | None = None
-    kind: str = ""  # "" (measured), "unavailable", "failed", "wrong"
+    kind: str = ""  # "" (measured), "unavailable", "failed", "wrong", "differs" (a near-tie; timed, no figure)
     reason: str = ""
     samples: list[float] = field(default_factory=list)
     difference: float | None = None  # max |engine - eager|, forward workloads
     detail: str = ""  # what the engine made of the model, e.g. an aotstack file's delegates
+    tokens: list[int] | None = None  # the decoder's tokens every round must repeat: eager's, or its own near-tie
+    rounds: int = 0  # rounds it was timed in
+    check_seconds: float = 0.0  # how long checking it against eager took
 
     def text(self) -> str:
         return self.kind if self.kind else quantity(self.value, "")
@@ -156,7 +177,7 @@ class Case:
     model: torch.nn.Module  # forward workloads: the module; the decoder: the export wrapper's module
     args: tuple[torch.Tensor, ...]  # forward workloads only
     exported: torch.export.ExportedProgram
-    reference: Any  # forward: eager's output tensor; the decoder: eager's tokens
+    reference: Any  # eager's output tensor, or its tokens, at the thread count being run
     artifacts: dict[str, Any] = field(default_factory=dict)  # engine -> its artifact, or the exception making it
 
     @property
@@ -262,18 +283,19 @@ def build_case(workload: str, dtype: str, size: str) -> Case:
         from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
         model = peer_llama(size, CACHE[size]).to(torch_dtype)
-        wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE[size])
-        exported = wrapper.export(input_ids=decoder_inputs()[0], cache_position=decoder_inputs()[1])
-        module = wrapper.model
-        tokens, _ = decode(lambda ids, pos: module(input_ids=ids, cache_position=pos), TOKENS[size])
-        return Case(workload, dtype, size, module, (), exported, tokens)
+
+        def wrapped() -> TorchExportableModuleForDecoderOnlyLM:
+            return TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE[size])
+
+        exported = wrapped().export(input_ids=decoder_inputs()[0], cache_position=decoder_inputs()[1])
+        # Eager runs a cache of its own: the exported program's buffers stay as exported (zeros).
+        return Case(workload, dtype, size, wrapped().model, (), exported, None)
     model, args = {"bert": peer_bert, "resnet": peer_resnet}[workload](size)
     model = model.to(torch_dtype)
     args = tuple(a.to(torch_dtype) if a.is_floating_point() else a for a in args)
     with torch.no_grad():
         exported = torch.export.export(model, args)
-        reference = model(*args)
-    return Case(workload, dtype, size, model, args, exported, reference)
+    return Case(workload, dtype, size, model, args, exported, None)
 
 
 # The engines. Each builder returns a Runner at the current thread count, or raises.
@@ -476,12 +498,15 @@ def executorch_runner(case: Case, threads: int, settings: Settings) -> Runner:
             from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
             from executorch.exir import to_edge_transform_and_lower
         edge = to_edge_transform_and_lower(case.exported, partitioner=[XnnpackPartitioner()])
-        targets = [str(n.target) for n in edge.exported_program().graph.nodes if n.op == "call_function"]
-        delegates = sum("executorch_call_delegate" in t for t in targets)
+        graph = edge.exported_program().graph
+        names = [getattr(n.target, "__name__", str(n.target)) for n in graph.nodes if n.op == "call_function"]
+        delegates = names.count("executorch_call_delegate")
         if not delegates:
             raise Unavailable(f"XNNPACK takes no part of the {case.dtype} model (portable kernels only)")
-        left = sum(t.startswith("aten.") and not any(v in t for v in VIEW_OPS) for t in targets)
-        detail = f"{delegates} XNNPACK delegates, {left} ops on ExecuTorch's portable kernels"
+        left = [name for name in names if name.startswith("aten.") and not any(v in name for v in VIEW_OPS)]
+        heavy = sum(name.split(".")[1] in MATMUL_OPS for name in left)
+        detail = (f"{delegates} XNNPACK delegates; on portable kernels {heavy} matmul/conv ops, "
+                  f"{len(left) - heavy} others")
         progress(f"{case.name}: ExecuTorch: {detail}")
         return edge.to_executorch().buffer, detail
 
@@ -566,7 +591,8 @@ def short(exc: BaseException, limit: int = 200) -> str:
 
 
 def outcome(exc: BaseException) -> Cell:
-    kind = "unavailable" if isinstance(exc, Unavailable) else "wrong" if isinstance(exc, Wrong) else "failed"
+    kinds = {Unavailable: "unavailable", Wrong: "wrong", NearTie: "differs"}
+    kind = next((name for cls, name in kinds.items() if isinstance(exc, cls)), "failed")
     return Cell(kind=kind, reason=str(exc) if kind != "failed" else short(exc))
 
 
@@ -582,10 +608,39 @@ def check_forward(case: Case, runner: Runner) -> float:
     return difference
 
 
-def check_tokens(case: Case, tokens: list[int]) -> None:
-    if tokens != case.reference:
-        first = next(i for i, (a, b) in enumerate(zip(tokens, case.reference)) if a != b)
-        raise Wrong(f"generated tokens differ from eager's from token {first} on")
+def first_difference(tokens: list[int], expected: list[int]) -> int:
+    return next(i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b)
+
+
+def forced_logits(step: Callable[..., torch.Tensor], case: Case) -> torch.Tensor:
+    """Last-position logits of every step, fed the prompt and then eager's tokens (teacher forcing)."""
+    with torch.no_grad():
+        sequence = [*PROMPT, *case.reference]
+        return torch.stack([step(*decoder_inputs(p, t))[0, -1].float() for p, t in enumerate(sequence)])
+
+
+def check_decoder(case: Case, runner: Runner, eager_logits: Callable[[], torch.Tensor]) -> list[int]:
+    """The engine's greedy tokens, when they are eager's; otherwise raise Wrong or NearTie.
+
+    With random weights the top logits are close, and in bf16 summing in another order can swap
+    two of them. So where the tokens differ the engine is fed eager's tokens, and its logits at
+    every step are compared with eager's: within the dtype's tolerance, a near-tie (no figure all
+    the same); beyond it, wrong.
+    """
+    runner.reset()
+    tokens = decode(runner.call, TOKENS[case.size])[0]
+    if tokens == case.reference:
+        return tokens
+    first = first_difference(tokens, case.reference)
+    runner.reset()
+    expected = eager_logits()
+    difference = (forced_logits(runner.call, case) - expected).abs().max().item()
+    allowed = TOLERANCE[case.dtype] * max(1.0, expected.abs().max().item())
+    differ = f"generated tokens differ from eager's from token {first} on"
+    if not difference <= allowed:
+        raise Wrong(f"{differ}; fed eager's tokens, max |logits - eager's| {difference:.3g}, allowed {allowed:.3g}")
+    raise NearTie(f"{differ}, a near-tie: fed eager's tokens, its logits are within {difference:.2g} of "
+                  f"eager's (allowed {allowed:.2g})", tokens)
 
 
 def timed_block(runner: Runner, calls: int) -> float:
@@ -597,17 +652,24 @@ def timed_block(runner: Runner, calls: int) -> float:
 
 
 def measure_rounds(case: Case, runners: dict[str, Runner], cells: dict[str, Cell], rounds: int) -> None:
-    """Each round times every engine once, the order rotated by one per round; medians into ``cells``."""
+    """Each round times every engine once, the order rotated by one per round; medians into ``cells``.
+
+    An engine whose every round together would take over ENGINE_SECONDS sits out the later rounds.
+    """
     tokens = TOKENS[case.size]
     calls: dict[str, int] = {}
-    if not case.decoder:  # a block lasts about BLOCK_SECONDS
-        for name, runner in list(runners.items()):
+    limit: dict[str, int] = {}
+    for name, runner in list(runners.items()):
+        elapsed = cells[name].check_seconds  # the decoder's: one generation, or more
+        if not case.decoder:  # a block lasts about BLOCK_SECONDS
             try:
                 per_call = timed_block(runner, 1) / 1e3
             except Exception as exc:
                 cells[name], _ = outcome(exc), runners.pop(name)
                 continue
             calls[name] = max(1, math.ceil(BLOCK_SECONDS[case.size] / max(per_call, 1e-6)))
+            elapsed = per_call * calls[name]
+        limit[name] = max(1, min(rounds, int(ENGINE_SECONDS / max(elapsed, 1e-6))))
     order = list(runners)
     gc.collect()
     gc.disable()
@@ -615,7 +677,7 @@ def measure_rounds(case: Case, runners: dict[str, Runner], cells: dict[str, Cell
         for index in range(rounds):
             shift = index % max(1, len(order))
             for name in order[shift:] + order[:shift]:
-                if name not in runners:
+                if name not in runners or len(cells[name].samples) >= limit[name]:
                     continue
                 time.sleep(SETTLE_SECONDS)
                 runner = runners[name]
@@ -623,7 +685,9 @@ def measure_rounds(case: Case, runners: dict[str, Runner], cells: dict[str, Cell
                     if case.decoder:
                         runner.reset()
                         generated, seconds = decode(runner.call, tokens)
-                        check_tokens(case, generated)
+                        if generated != cells[name].tokens:
+                            first = first_difference(generated, cells[name].tokens)
+                            raise Wrong(f"round {index + 1}: tokens differ from its first run's from token {first} on")
                         cells[name].samples.append(tokens / seconds)
                     else:
                         cells[name].samples.append(timed_block(runner, calls[name]))
@@ -632,28 +696,52 @@ def measure_rounds(case: Case, runners: dict[str, Runner], cells: dict[str, Cell
     finally:
         gc.enable()
     for name in runners:
-        cells[name].value = median(cells[name].samples)
+        cells[name].rounds = len(cells[name].samples)
+        slow = f"timed in {cells[name].rounds} of {rounds} rounds (slow)" if cells[name].rounds < rounds else ""
+        if slow:
+            cells[name].detail = f"{cells[name].detail}; {slow}" if cells[name].detail else slow
+        if cells[name].kind:  # a near-tie: the figure goes in the note, not in the table
+            measured = quantity(median(cells[name].samples), case.unit)
+            cells[name].reason += f"; measured {measured}" + (f", {slow}" if slow else "")
+        else:
+            cells[name].value = median(cells[name].samples)
     spread = ", ".join(f"{name} {quantity(min(c.samples), '')}-{quantity(max(c.samples), '')}"
-                       for name, c in cells.items() if c.value is not None)
+                       for name, c in cells.items() if name in runners)
     progress(f"{case.name}: range over the rounds: {spread}")
 
 
 def run_threads(case: Case, threads: int, settings: Settings, rounds: int) -> dict[str, Cell]:
     """Every engine on ``case`` at ``threads``: built, checked against eager, timed."""
     torch.set_num_threads(threads)
+    eager = eager_runner(case, threads, settings)
+    with torch.no_grad():  # the reference, at this thread count: summing in another order may change a token
+        case.reference = decode(eager.call, TOKENS[case.size])[0] if case.decoder else eager.call()
+    logits: list[torch.Tensor] = []
+
+    def eager_logits() -> torch.Tensor:  # eager's, fed its own tokens; once, where an engine's tokens differ
+        if not logits:
+            logits.append(forced_logits(eager.call, case))
+        return logits[0]
+
     cells: dict[str, Cell] = {}
     runners: dict[str, Runner] = {}
     for engine in ENGINES:
+        runner = None
         try:
             runner = BUILDERS[engine](case, threads, settings)
+            started = time.perf_counter()
             if case.decoder:  # also the warm-up
-                runner.reset()
-                check_tokens(case, decode(runner.call, TOKENS[case.size])[0])
-                cells[engine] = Cell(detail=runner.detail)
+                cells[engine] = Cell(detail=runner.detail, tokens=check_decoder(case, runner, eager_logits))
             else:
                 runner.call()  # the first call may set up
                 cells[engine] = Cell(difference=check_forward(case, runner), detail=runner.detail)
+            cells[engine].check_seconds = time.perf_counter() - started
             runners[engine] = runner
+        except NearTie as tie:  # timed all the same; the figure goes in its note
+            cells[engine] = Cell(kind="differs", reason=str(tie), detail=runner.detail, tokens=tie.tokens,
+                                 check_seconds=time.perf_counter() - started)
+            runners[engine] = runner
+            progress(f"{case.name} {threads}t: {engine}: differs: {tie}")
         except Exception as exc:  # one engine failing must not stop the others
             cells[engine] = outcome(exc)
             progress(f"{case.name} {threads}t: {engine}: {cells[engine].kind}: {cells[engine].reason}")
