@@ -13,6 +13,7 @@ from aotstack.compile import auto as auto_module
 from aotstack.compile import lower as lower_module
 from aotstack.format.placement import Candidate
 from aotstack.report.schema import REPORT_SCHEMA
+from tests import models
 from tests.schema_check import schema_errors
 
 SLEEPY = "test_sleepy_relu"
@@ -114,8 +115,10 @@ def test_auto_keeps_the_plan_its_measurement_favours_and_says_why(test_engines, 
     torch.testing.assert_close(aotstack.load(tmp_path / "auto.pt2").forward(*inputs), model(*inputs).detach())
 
 
-def test_a_warm_auto_lower_reads_its_measurements_instead_of_timing_again(test_engines, monkeypatch):
-    _, _, program = mlp_program()
+def test_a_warm_auto_lower_reads_its_measurements_instead_of_timing_again(test_engines, monkeypatch, tmp_path):
+    model = models.build("shared")
+    x = models.example_inputs("shared")
+    program = aotstack.export(model, {"forward": x, "score": x})
     cold = aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu", SLEEPY]), progress=False)
 
     def no_timing(*args, **kwargs):
@@ -124,8 +127,12 @@ def test_a_warm_auto_lower_reads_its_measurements_instead_of_timing_again(test_e
     monkeypatch.setattr(lower_module, "measured_methods", no_timing)
     warm = aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu", SLEEPY]), progress=False)
 
-    assert warm.placements["forward"].selection == cold.placements["forward"].selection
-    assert [r.state for r in warm.compile_log["forward"]] == ["cached"]
+    for method in ("forward", "score"):
+        assert warm.placements[method].selection == cold.placements[method].selection
+        assert {r.state for r in warm.compile_log[method]} == {"cached"}
+    warm.save(tmp_path / "warm.pt2")
+    loaded = aotstack.load(tmp_path / "warm.pt2")
+    torch.testing.assert_close(loaded.run("score", *x), model.score(*x).detach())
 
 
 def test_a_plan_that_cannot_run_is_reported_and_another_kept(test_engines, tmp_path):

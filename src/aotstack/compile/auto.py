@@ -38,7 +38,6 @@ from ..format.placement import Candidate, Selection
 from .cache import package_version, read_entry, write_entry
 from .measure import MethodTiming
 from .partitioner import Partitioner
-from .program_parts import program_fingerprint
 
 logger = logging.getLogger("aotstack")
 
@@ -118,8 +117,10 @@ def plan_text(plan: Sequence[str]) -> str:
     return " > ".join(plan)
 
 
-def measurement_key(exported: ExportedProgram, plan: Plan, threads: int) -> str:
-    """What a measurement depends on: the program and its example inputs, the plan, threads and versions."""
+def measurement_key(fingerprint: str, exported: ExportedProgram, plan: Plan, threads: int) -> str:
+    """What a measurement depends on: the program (its ``program_fingerprint``), its example inputs, the plan,
+    the thread count and the versions of torch, aotstack and the plan's engines.
+    """
     inputs = getattr(exported, "example_inputs", None)
     shapes = [
         [str(leaf.dtype), list(leaf.shape)] if isinstance(leaf, torch.Tensor) else repr(leaf)
@@ -127,9 +128,7 @@ def measurement_key(exported: ExportedProgram, plan: Plan, threads: int) -> str:
     ]
     parts = [torch.__version__, __version__, str(threads), json.dumps(list(plan)), json.dumps(shapes)]
     parts += [f"{name}={package_version(name)}" for backend_id in plan for name in BUILT_IN[backend_id].packages]
-    digest = hashlib.sha256("\0".join(parts).encode())
-    digest.update(program_fingerprint(exported).encode())
-    return digest.hexdigest()
+    return hashlib.sha256("\0".join([*parts, fingerprint]).encode()).hexdigest()
 
 
 def cached_measurement(key: str, plan: Plan) -> tuple[Candidate, dict[str, float]] | None:

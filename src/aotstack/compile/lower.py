@@ -47,7 +47,7 @@ from .measure import measured_methods
 from .package import save, unsaved_manifest
 from .parallel import compile_all, default_workers, quiet_torch_warnings
 from .partitioner import DELEGATION_TAG, Partitioner, PartitionResult, get_non_lowered_nodes
-from .program_parts import constant_placeholders, is_size_computation, program_weights
+from .program_parts import constant_placeholders, is_size_computation, program_fingerprint, program_weights
 from .progress import Progress, progress_for
 from .splice import (
     clear_tags,
@@ -249,8 +249,12 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowerer) -> Lower
     """
     threads = torch.get_num_threads()
     plans = candidate_plans(auto)
-    keys = {(name, plan): measurement_key(exported, plan, threads)
-            for name, exported in program.methods.items() for plan in plans}
+    fingerprints = {name: program_fingerprint(exported) for name, exported in program.methods.items()}
+    keys = {
+        (name, plan): measurement_key(fingerprints[name], exported, plan, threads)
+        for name, exported in program.methods.items()
+        for plan in plans
+    }
     found = {pair: cached_measurement(key, pair[1]) for pair, key in keys.items()}
     candidates = {pair: entry[0] for pair, entry in found.items() if entry is not None}
     delegate_seconds = {pair: entry[1] for pair, entry in found.items() if entry is not None}
@@ -277,17 +281,16 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowerer) -> Lower
         name: selection(name, [candidates[name, plan] for plan in plans], threads) for name in program.methods
     }
     chosen = {name: plans[chosen.chosen] for name, chosen in selections.items()}
-    # A method whose plan was measured from the cache is lowered now, from the compile cache where its engines keep one.
-    unlowered = {name: exported for name, exported in program.methods.items() if chosen[name] not in lowered_by_plan}
+    by_method = {name: lowered_by_plan[plan] for name, plan in chosen.items() if plan in lowered_by_plan}
+    # A method whose plans were measured from the cache is lowered now, from the compile caches.
+    unlowered = [name for name in program.methods if name not in by_method]
     if unlowered:
         again = lower_plan(
-            Program(unlowered), {name: plan_partitioners(chosen[name], auto.device) for name in unlowered}
+            Program({name: program.methods[name] for name in unlowered}),
+            {name: plan_partitioners(chosen[name], auto.device) for name in unlowered},
         )
-        lowered_by_plan.update({("again", name): again for name in unlowered})
-    by_method = {
-        name: lowered_by_plan[chosen[name]] if chosen[name] in lowered_by_plan else lowered_by_plan["again", name]
-        for name in program.methods
-    }
+        by_method.update(dict.fromkeys(unlowered, again))
+    by_method = {name: by_method[name] for name in program.methods}
     merged = merged_methods(by_method)
     for name, placement in merged.placements.items():
         merged.placements[name] = measured_placement(
