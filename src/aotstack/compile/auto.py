@@ -31,10 +31,11 @@ import torch
 from torch.export import ExportedProgram
 
 from .. import __version__
-from ..backends.base import BUILT_IN, Engine
+from ..backends.base import BUILT_IN
 from ..errors import LoweringError
 from ..format.devices import parse_device_spec
 from ..format.placement import Candidate, Selection
+from ..format.specs import CompileSpec, SpecKey
 from .cache import package_version, read_entry, write_entry
 from .measure import MethodTiming
 from .partitioner import Partitioner
@@ -108,8 +109,6 @@ def plan_partitioners(plan: Plan, device: str) -> list[Partitioner]:
 
 
 def aoti_partitioner(cls: type, device: str) -> Partitioner:
-    from ..format.specs import CompileSpec, SpecKey
-
     return cls(compile_specs=[CompileSpec(SpecKey.TARGET_DEVICE, device.encode())])
 
 
@@ -195,13 +194,3 @@ def selection(method: str, candidates: list[Candidate], threads: int) -> Selecti
 
 def milliseconds(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms" if seconds >= 1e-4 else f"{seconds * 1e6:.3g} µs"
-
-
-def installed_engines(device: str = "cpu") -> dict[str, Engine]:
-    """The built-in engines for ``device`` whose packages are installed here."""
-    device_type, _ = parse_device_spec(device)
-    return {
-        backend_id: engine
-        for backend_id, engine in BUILT_IN.items()
-        if device_type.value in engine.devices and engine.installed()
-    }
