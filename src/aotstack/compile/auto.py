@@ -130,26 +130,46 @@ def measurement_key(fingerprint: str, exported: ExportedProgram, plan: Plan, thr
     return hashlib.sha256("\0".join([*parts, fingerprint]).encode()).hexdigest()
 
 
-def cached_measurement(key: str, plan: Plan) -> tuple[Candidate, dict[str, float]] | None:
-    """A measurement of ``plan`` kept by an earlier lowering: its candidate, and each delegate's seconds a call."""
+# What the cache holds for a plan whose first engine took no op of a method: for that method it is
+# AOTInductor alone again, so it is neither timed nor listed (two timings of one plan would let noise choose).
+SAME_AS_ALONE = "same_as_alone"
+
+Measurement = tuple[Candidate, dict[str, float]]
+
+
+def cached_measurement(key: str, plan: Plan) -> Measurement | str | None:
+    """A measurement of ``plan`` kept by an earlier lowering (its candidate, and each delegate's seconds a
+    call), ``SAME_AS_ALONE``, or None where there is none."""
     data = read_entry(CACHE_KIND, key + ".json")
     if data is None:
         return None
     try:
         entry = json.loads(data)
+        if entry.get(SAME_AS_ALONE) is True:
+            return SAME_AS_ALONE
         candidate = Candidate(list(plan), float(entry["seconds"]), dict(entry["engine_seconds"]))
         return candidate, {str(k): float(v) for k, v in entry["delegate_seconds"].items()}
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
-def store_measurement(key: str, candidate: Candidate, delegate_seconds: Mapping[str, float]) -> None:
-    """Keep a measured plan; a failed one is not kept, as its cause may be gone next time."""
-    if candidate.seconds is None:
-        return
-    entry = {"seconds": candidate.seconds, "engine_seconds": candidate.engine_seconds,
-             "delegate_seconds": dict(delegate_seconds)}
+def store_measurement(key: str, measured: Measurement | str) -> None:
+    """Keep a measured plan, or that it is AOTInductor alone for this method; a failed plan is not kept, as
+    its cause may be gone next time."""
+    if isinstance(measured, str):
+        entry: dict[str, object] = {SAME_AS_ALONE: True}
+    else:
+        candidate, delegate_seconds = measured
+        if candidate.seconds is None:
+            return
+        entry = {"seconds": candidate.seconds, "engine_seconds": candidate.engine_seconds,
+                 "delegate_seconds": dict(delegate_seconds)}
     write_entry(CACHE_KIND, key + ".json", json.dumps(entry).encode())
+
+
+def takes_nothing(plan: Plan, backends: Sequence[str]) -> bool:
+    """Whether ``plan``'s first engine took no op of a method whose delegates run on ``backends``."""
+    return len(plan) > 1 and plan[0] not in backends
 
 
 def measured_candidate(plan: Plan, timing: MethodTiming, backends: Mapping[str, str]) -> Candidate:

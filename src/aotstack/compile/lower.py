@@ -25,6 +25,7 @@ from ..format.specs import CompileSpec, DelegationSpec, PreprocessResult, SpecKe
 from ..format.tensor_data import WEIGHT_PREFIX
 from ..report.model import Report, program_report
 from .auto import (
+    SAME_AS_ALONE,
     Auto,
     Plan,
     auto_option,
@@ -37,6 +38,7 @@ from .auto import (
     plan_text,
     selection,
     store_measurement,
+    takes_nothing,
 )
 from .check import Check, CheckResult, check_lowered, check_option
 from .constants import without_unused_constants
@@ -255,32 +257,45 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowerer) -> Lower
         for name, exported in program.methods.items()
         for plan in plans
     }
-    found = {pair: cached_measurement(key, pair[1]) for pair, key in keys.items()}
-    candidates = {pair: entry[0] for pair, entry in found.items() if entry is not None}
-    delegate_seconds = {pair: entry[1] for pair, entry in found.items() if entry is not None}
+    # (method, plan) -> its measurement, or SAME_AS_ALONE; absent where neither is known yet.
+    measured = {pair: entry for pair, key in keys.items() if (entry := cached_measurement(key, pair[1])) is not None}
     lowered_by_plan: dict[Plan, LoweredProgram] = {}
     for plan in plans:
-        if all((name, plan) in candidates for name in program.methods):
+        if all((name, plan) in measured for name in program.methods):
             continue
         try:
             lowered = lower_plan(program, plan_partitioners(plan, auto.device))
-            timings = measured_methods(lowered.methods, lowered.delegate_table, program.methods)
+            backends = {name: [d.backend_id for d in lowered.delegate_table[name]] for name in program.methods}
+            timed = [name for name in program.methods if not takes_nothing(plan, backends[name])]
+            timings = measured_methods(
+                {name: lowered.methods[name] for name in timed},
+                {name: lowered.delegate_table[name] for name in timed},
+                program.methods,
+            ) if timed else {}
         except Exception as error:  # noqa: BLE001 - a plan that fails is one the report names, not the end of auto
             logger.warning("auto: %s could not be lowered or run: %s: %s", plan_text(plan), type(error).__name__, error)
             for name in program.methods:
-                candidates[name, plan] = failed_candidate(plan, error)
+                measured[name, plan] = (failed_candidate(plan, error), {})
             continue
         lowered_by_plan[plan] = lowered
         for name in program.methods:
-            backends = {d.delegate_id: d.backend_id for d in lowered.delegate_table[name]}
-            candidates[name, plan] = measured_candidate(plan, timings[name], backends)
-            delegate_seconds[name, plan] = timings[name].delegate_seconds
-            store_measurement(keys[name, plan], candidates[name, plan], timings[name].delegate_seconds)
-            logger.info("auto: %s: %s takes %.3g ms a call", name, plan_text(plan), timings[name].seconds * 1e3)
-    selections = {
-        name: selection(name, [candidates[name, plan] for plan in plans], threads) for name in program.methods
+            if name not in timings:
+                measured[name, plan] = SAME_AS_ALONE
+            else:
+                by_id = {d.delegate_id: d.backend_id for d in lowered.delegate_table[name]}
+                measured[name, plan] = (measured_candidate(plan, timings[name], by_id), timings[name].delegate_seconds)
+                logger.info("auto: %s: %s takes %.3g ms a call", name, plan_text(plan), timings[name].seconds * 1e3)
+            store_measurement(keys[name, plan], measured[name, plan])
+    # Per method, the plans that differ from AOTInductor alone there, with what each measured.
+    listed = {
+        name: {plan: entry for plan in plans if isinstance(entry := measured[name, plan], tuple)}
+        for name in program.methods
     }
-    chosen = {name: plans[chosen.chosen] for name, chosen in selections.items()}
+    selections = {
+        name: selection(name, [candidate for candidate, _ in entries.values()], threads)
+        for name, entries in listed.items()
+    }
+    chosen = {name: list(listed[name])[kept.chosen] for name, kept in selections.items()}
     by_method = {name: lowered_by_plan[plan] for name, plan in chosen.items() if plan in lowered_by_plan}
     # A method whose plans were measured from the cache is lowered now, from the compile caches.
     unlowered = [name for name in program.methods if name not in by_method]
@@ -293,9 +308,7 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowerer) -> Lower
     by_method = {name: by_method[name] for name in program.methods}
     merged = merged_methods(by_method)
     for name, placement in merged.placements.items():
-        merged.placements[name] = measured_placement(
-            placement, selections[name], delegate_seconds.get((name, chosen[name]), {})
-        )
+        merged.placements[name] = measured_placement(placement, selections[name], listed[name][chosen[name]][1])
     return merged
 
 
