@@ -44,10 +44,12 @@ Every engine's output is compared with eager's first (max |difference| over max(
 1e-3 for fp32, 5e-2 for bf16); an engine that fails, or is wrong, shows that in its cell and the
 benchmark goes on. Then rounds: each round times every engine once, in an order rotated by one per
 round (a forward workload: a block of calls lasting about half a second, per call; the decoder: one
-whole generation); the figure is the median over the rounds. One table per (threads, dtype); an
-aotstack cell has its ratio to the fastest single engine (plain AOTI, ONNX Runtime, OpenVINO,
-ExecuTorch). The stacking table compares aotstack ORT+AOTI at 2 threads with the slower of ONNX Runtime
-alone and plain AOTI alone: two thread pools fighting over the cores would show there.
+whole generation); the figure is the median over the rounds. An engine whose rounds so far took 90 s
+sits out the rest (ExecuTorch's bf16 decode on portable kernels); its note says in how many it was
+timed. One table per (threads, dtype); an aotstack cell has its ratio to the fastest single engine
+(plain AOTI, ONNX Runtime, OpenVINO, ExecuTorch). The stacking table compares aotstack ORT+AOTI at 2
+threads with the slower of ONNX Runtime alone and plain AOTI alone: two thread pools fighting over the
+cores would show there.
 
     .venv/bin/python bench/peers.py [--workloads bert,resnet,llama] [--threads 1,2] [--dtypes fp32,bf16]
                                     [--rounds 5] [--quick]
@@ -107,7 +109,7 @@ ROUNDS = 5
 TOKENS = {"full": 64, "quick": 16}
 CACHE = {"full": 256, "quick": 64}
 BLOCK_SECONDS = {"full": 0.5, "quick": 0.05}  # a forward workload's timed block, per engine and round
-ENGINE_SECONDS = 60  # an engine slower than this over all its rounds is timed in fewer (ExecuTorch's bf16 decode)
+ENGINE_SECONDS = 90  # an engine whose rounds so far took this long sits out the rest (ExecuTorch's bf16 decode)
 SETTLE_SECONDS = 0.02  # untimed, before each block: the previous engine's spinning threads go idle
 STACKING_TARGET = 1.1  # ORT+AOTI at 2 threads / the slower of ORT alone and AOTI alone
 
@@ -161,7 +163,6 @@ class Cell:
     detail: str = ""  # what the engine made of the model, e.g. an aotstack file's delegates
     tokens: list[int] | None = None  # the decoder's tokens every round must repeat: eager's, or its own near-tie
     rounds: int = 0  # rounds it was timed in
-    check_seconds: float = 0.0  # how long checking it against eager took
 
     def text(self) -> str:
         return self.kind if self.kind else quantity(self.value, "")
@@ -654,22 +655,19 @@ def timed_block(runner: Runner, calls: int) -> float:
 def measure_rounds(case: Case, runners: dict[str, Runner], cells: dict[str, Cell], rounds: int) -> None:
     """Each round times every engine once, the order rotated by one per round; medians into ``cells``.
 
-    An engine whose every round together would take over ENGINE_SECONDS sits out the later rounds.
+    An engine whose rounds so far took ENGINE_SECONDS sits out the rest.
     """
     tokens = TOKENS[case.size]
     calls: dict[str, int] = {}
-    limit: dict[str, int] = {}
-    for name, runner in list(runners.items()):
-        elapsed = cells[name].check_seconds  # the decoder's: one generation, or more
-        if not case.decoder:  # a block lasts about BLOCK_SECONDS
+    spent = dict.fromkeys(runners, 0.0)
+    if not case.decoder:  # a block lasts about BLOCK_SECONDS
+        for name, runner in list(runners.items()):
             try:
                 per_call = timed_block(runner, 1) / 1e3
             except Exception as exc:
                 cells[name], _ = outcome(exc), runners.pop(name)
                 continue
             calls[name] = max(1, math.ceil(BLOCK_SECONDS[case.size] / max(per_call, 1e-6)))
-            elapsed = per_call * calls[name]
-        limit[name] = max(1, min(rounds, int(ENGINE_SECONDS / max(elapsed, 1e-6))))
     order = list(runners)
     gc.collect()
     gc.disable()
@@ -677,10 +675,11 @@ def measure_rounds(case: Case, runners: dict[str, Runner], cells: dict[str, Cell
         for index in range(rounds):
             shift = index % max(1, len(order))
             for name in order[shift:] + order[:shift]:
-                if name not in runners or len(cells[name].samples) >= limit[name]:
+                if name not in runners or spent[name] >= ENGINE_SECONDS:
                     continue
                 time.sleep(SETTLE_SECONDS)
                 runner = runners[name]
+                started = time.perf_counter()
                 try:
                     if case.decoder:
                         runner.reset()
@@ -693,6 +692,7 @@ def measure_rounds(case: Case, runners: dict[str, Runner], cells: dict[str, Cell
                         cells[name].samples.append(timed_block(runner, calls[name]))
                 except Exception as exc:
                     cells[name], _ = outcome(exc), runners.pop(name)
+                spent[name] += time.perf_counter() - started
     finally:
         gc.enable()
     for name in runners:
@@ -729,17 +729,14 @@ def run_threads(case: Case, threads: int, settings: Settings, rounds: int) -> di
         runner = None
         try:
             runner = BUILDERS[engine](case, threads, settings)
-            started = time.perf_counter()
             if case.decoder:  # also the warm-up
                 cells[engine] = Cell(detail=runner.detail, tokens=check_decoder(case, runner, eager_logits))
             else:
                 runner.call()  # the first call may set up
                 cells[engine] = Cell(difference=check_forward(case, runner), detail=runner.detail)
-            cells[engine].check_seconds = time.perf_counter() - started
             runners[engine] = runner
         except NearTie as tie:  # timed all the same; the figure goes in its note
-            cells[engine] = Cell(kind="differs", reason=str(tie), detail=runner.detail, tokens=tie.tokens,
-                                 check_seconds=time.perf_counter() - started)
+            cells[engine] = Cell(kind="differs", reason=str(tie), detail=runner.detail, tokens=tie.tokens)
             runners[engine] = runner
             progress(f"{case.name} {threads}t: {engine}: differs: {tie}")
         except Exception as exc:  # one engine failing must not stop the others
