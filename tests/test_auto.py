@@ -55,16 +55,6 @@ class BrokenReluPartitioner(SleepyReluPartitioner):
     backend_id = "test_broken_relu"
 
 
-class Mlp(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = torch.nn.Linear(16, 32)
-        self.second = torch.nn.Linear(32, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.second(torch.relu(self.first(x)))
-
-
 def engine(partitioner: str) -> Engine:
     return Engine(__name__, __name__, f"{__name__}:{partitioner}")
 
@@ -83,9 +73,9 @@ def test_engines(monkeypatch: pytest.MonkeyPatch, cache_dir):
 
 
 def mlp_program() -> tuple[torch.nn.Module, tuple[torch.Tensor], aotstack.Program]:
-    torch.manual_seed(0)
-    model, x = Mlp().eval(), torch.randn(8, 16)
-    return model, (x,), aotstack.export(model, {"forward": (x,)})
+    """Linear, relu, linear: the shared model's forward alone."""
+    model, inputs = models.build("shared"), models.example_inputs("shared")
+    return model, inputs, aotstack.export(model, {"forward": inputs})
 
 
 def test_auto_keeps_the_plan_its_measurement_favours_and_says_why(test_engines, tmp_path):
