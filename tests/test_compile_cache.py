@@ -45,17 +45,21 @@ def test_changed_weights_change_the_key():
 
 def test_a_corrupt_cache_entry_is_ignored(tmp_path, monkeypatch):
     monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path))
-    aoti_compile.store_library("k", b"library bytes")
-    assert aoti_compile.cached_library("k") == b"library bytes"
+    files = aoti_compile.CompiledFiles(b"library bytes", b'{"nodes": []}')
+    aoti_compile.store_files("k", files)
+    assert aoti_compile.cached_files("k") == files
 
+    (tmp_path / "k.json").write_bytes(b'{"nodes": [1]}')
+    assert aoti_compile.cached_files("k") is None
+    aoti_compile.store_files("k", files)
     (tmp_path / "k.so").write_bytes(b"library bytez")
-    assert aoti_compile.cached_library("k") is None
+    assert aoti_compile.cached_files("k") is None
 
 
 def test_the_cache_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("AOTSTACK_CACHE_DIR", "off")
-    aoti_compile.store_library("k", b"library bytes")
-    assert aoti_compile.cached_library("k") is None
+    aoti_compile.store_files("k", aoti_compile.CompiledFiles(b"library bytes", None))
+    assert aoti_compile.cached_files("k") is None
 
 
 def test_the_thread_count_changes_the_key():

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import aotstack
-from aotstack.backends.aoti.compile import cached_library, store_library
+from aotstack.backends.aoti.compile import CompiledFiles, cached_files, store_files
 from aotstack.compile.jobs import CompileJob
 from aotstack.compile.program_parts import program_weights
 from aotstack.format.tensor_data import weights_as_named_data
@@ -247,12 +247,12 @@ def test_the_compile_cache_never_holds_a_partial_entry(tmp_path: Path, monkeypat
         original_replace(source, target)
 
     monkeypatch.setattr(os, "replace", replace_once_then_fail)
-    store_library(key, b"\x7fELF not really a library")
+    store_files(key, CompiledFiles(b"\x7fELF not really a library", None))
     monkeypatch.setattr(os, "replace", original_replace)
-    assert cached_library(key) is None
+    assert cached_files(key) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == [key + ".so.sha256"]
-    store_library(key, b"\x7fELF not really a library")
-    assert cached_library(key) == b"\x7fELF not really a library"
+    store_files(key, CompiledFiles(b"\x7fELF not really a library", None))
+    assert cached_files(key) == CompiledFiles(b"\x7fELF not really a library", None)
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".partial-")]
 
 

@@ -275,29 +275,32 @@ def test_draw_and_inspect_graph_draw_a_box_per_delegate(stacked, tmp_path):
         assert {g.get("data-engine") for g in boxes} == {"onnxruntime", "aoti_cpu"}
 
 
-@torch.library.custom_op("aotstack_test::twice", mutates_args=())
-def twice(x: torch.Tensor) -> torch.Tensor:
+# A custom op with a CUDA kernel only: no CPU engine takes it, so it is left to the plan.
+@torch.library.custom_op("aotstack_test::twice_on_cuda", mutates_args=(), device_types="cuda")
+def twice_on_cuda(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 
 
-@twice.register_fake
+@twice_on_cuda.register_fake
 def _(x):
     return torch.empty_like(x)
 
 
 class CustomOpModel(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(twice(torch.sin(x))) + 1
+        return torch.relu(twice_on_cuda(torch.sin(x))) + 1
 
 
-def test_the_dry_run_warns_of_an_op_no_package_could_run():
+def test_the_dry_run_says_a_custom_op_left_to_the_plan_needs_allow_ops():
     program = aotstack.export(CustomOpModel(), {"forward": (torch.randn(3),)})
     report = aotstack.explain(program, [aotstack.AotiCpuPartitioner()])
 
     assert reasons(report.method("forward")) == {
-        "aotstack_test.twice.default": [("aoti_cpu", "unsupported"), ("aotstack", "not_runnable")]
+        "aotstack_test.twice_on_cuda.default": [("aoti_cpu", "unsupported"), ("aotstack", "needs_allow_ops")]
     }
-    assert "saving will fail" in report.text(width=300)
+    text = report.text(width=300)
+    assert "no kernel for cpu" in text
+    assert "allow_ops=['aotstack_test.twice_on_cuda']" in text
 
 
 def test_an_op_needing_a_kernel_the_runtime_lacks_is_reported_with_the_kernel():

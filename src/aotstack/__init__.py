@@ -48,6 +48,7 @@ _EXPORTS = {
     "MethodNotFoundError": "errors",
     "MissingFallbackKernelsError": "errors",
     "PackageError": "errors",
+    "CustomOpError": "errors",
     "SignatureError": "errors",
     "RunError": "errors",
     "sign": "format.archive",

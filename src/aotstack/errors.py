@@ -13,6 +13,14 @@ class ExportError(AotstackError):
     """A method could not be exported: it does not exist or ``torch.export`` refused it."""
 
 
+class UnsupportedModelError(ExportError):
+    """A model cannot be exported for the task asked: an unknown task, or an architecture export cannot trace."""
+
+
+class ModelFolderError(AotstackError):
+    """A model folder lacks a file an export needs, or asks to run code of its own; the message names it."""
+
+
 class LoweringError(AotstackError):
     """A partition could not be lowered: bad partition, bad compile spec, failed compile."""
 
@@ -76,6 +84,22 @@ class DelegateInitError(AotstackError):
 
 class PackageError(AotstackError):
     """A file is not an aotstack package, is truncated, or holds a blob whose hash does not match."""
+
+
+class CustomOpError(AotstackError):
+    """A file calls custom ops this process cannot run: not registered here, or not allowed in the plan.
+
+    ``missing`` names the ops to register (by importing their module) before loading;
+    ``not_allowed`` the ops a plan step calls, which ``load(..., allow_ops=[...])`` must name.
+    """
+
+    def __init__(self, message: str, missing: list[str] | None = None, not_allowed: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.missing = list(missing or [])
+        self.not_allowed = list(not_allowed or [])
+
+    def __reduce__(self) -> tuple[type, tuple[str, list[str], list[str]]]:
+        return (type(self), (str(self), self.missing, self.not_allowed))
 
 
 class SignatureError(PackageError):

@@ -239,7 +239,7 @@ def check_package(
     if absent:
         raise LoweringError(f"the package {path} lacks method(s) {absent} to check")
     calls: dict[str, list[DelegateCall]] = {}
-    loaded = loaded_program(path, wrap_delegate=recording_into(calls) if check.partition else None)
+    loaded = loaded_program(path, allowed_ops=None, wrap_delegate=recording_into(calls) if check.partition else None)
     outputs: list[Difference] = []
     by_delegate: list[Difference] = []
     watched = [*program.methods.values(), *(ref for refs in references.values() for ref in refs.values())]

@@ -16,6 +16,7 @@ from torch.fx.passes.utils.fuser_utils import validate_partition
 
 from ..backends.base import backend_class
 from ..errors import CheckError, CompileSpecError, LoweringError, MissingFallbackKernelsError, PackageError
+from ..format.custom_ops import is_custom_op_name
 from ..format.op_names import op_name
 from ..format.ops import is_delegate_call
 from ..format.placement import DelegatePlacement, Placement, Reason, Selection, UnclaimedOp
@@ -49,7 +50,13 @@ from .measure import measured_methods
 from .package import save, unsaved_manifest
 from .parallel import compile_all, default_workers, quiet_torch_warnings
 from .partitioner import DELEGATION_TAG, Partitioner, PartitionResult, get_non_lowered_nodes
-from .program_parts import constant_placeholders, is_size_computation, program_fingerprint, program_weights
+from .program_parts import (
+    called_ops,
+    constant_placeholders,
+    is_size_computation,
+    program_fingerprint,
+    program_weights,
+)
 from .progress import Progress, progress_for
 from .splice import (
     clear_tags,
@@ -585,8 +592,7 @@ class MethodLowering:
         for node in get_non_lowered_nodes(lowered.graph):
             if is_counted_op(node):
                 reasons = list(self.reasons.get(node.name, ()))
-                if not runs_as_plain_op(op_name(node.target)):
-                    reasons.append(NOT_RUNNABLE)
+                reasons.extend(plain_op_reasons(node))
                 unclaimed.append(UnclaimedOp(node.name, op_name(node.target), reasons))
         return Placement(dict(self.taken), unclaimed)
 
@@ -596,6 +602,23 @@ NOT_RUNNABLE = Reason(
     "not_runnable",
     "a package calls only ATen and prims ops outside delegates, so saving will fail; claim it with a partitioner",
 )
+
+
+def plain_op_reasons(node: torch.fx.Node) -> list[Reason]:
+    """What the report adds for an op left to the plan: why it cannot run there, or what its loader must allow."""
+    names = [op_name(op) for op in called_ops(node)]
+    custom = [name for name in names if is_custom_op_name(name)]
+    if custom:
+        allow = sorted({name.rsplit(".", 1)[0] for name in custom})
+        return [
+            Reason(
+                "aotstack",
+                "needs_allow_ops",
+                f"no engine claimed this custom op, so it runs in the plan where the loader allows it: "
+                f"aotstack.load(path, allow_ops={allow!r})",
+            )
+        ]
+    return [] if runs_as_plain_op(op_name(node.target)) else [NOT_RUNNABLE]
 
 
 def runs_as_plain_op(name: str) -> bool:
@@ -723,8 +746,11 @@ def compiled_delegate(claim: Claim, result: PreprocessResult, delegate_id: str) 
 
 
 def partition_ops(nodes: list[torch.fx.Node]) -> tuple[str, ...]:
-    """The op names the nodes call, sorted, each once (getitems and other Python callables left out)."""
-    return tuple(sorted({op_name(n.target) for n in nodes if isinstance(n.target, torch._ops.OperatorBase)}))
+    """The op names the nodes call, sorted, each once (getitems and other Python callables left out).
+
+    A functionalized call names the op it wraps too, so a custom op inside one is listed.
+    """
+    return tuple(sorted({op_name(op) for node in nodes for op in called_ops(node)}))
 
 
 def ops_text(ops: Sequence[str]) -> str:

@@ -22,6 +22,7 @@ from ..format.manifest import DelegateRecord, Dim, InputRecord, Manifest, Method
 from ..format.placement import Placement
 from ..format.records import Delegate
 from ..format.tensor_data import BytesLike, content_key, dtype_name, tensor_buffer, tensor_is_viewable
+from .custom_ops import custom_op_records
 from .plan import method_plan
 from .program_parts import program_weights
 
@@ -146,6 +147,7 @@ def manifest_of(
         torch_version=torch.__version__,
         methods=records,
         blobs=store.sizes(),
+        custom_ops=custom_op_records(records),
     )
 
 

@@ -25,6 +25,7 @@ from ..format.placement import Reason
 from ..format.specs import CompileSpec, DelegationSpec, SpecKey
 from .program_parts import (
     constant_placeholders,
+    functionalized_call,
     is_size_computation,
     mutated_buffer_names,
     subgraph_modules,
@@ -140,6 +141,9 @@ class SupportedOpsPartitioner(Partitioner):
             if not isinstance(source, Node):
                 return self.refusal("unsupported", "it takes an item of a value no op computed")
             return self.node_refusal(source, owner)
+        if functionalized_call(node):
+            # An op that writes into its arguments, called on copies: the engine takes it or not.
+            return self.op_refusal(node.args[0])
         if isinstance(node.target, torch._ops.HigherOrderOperator):
             return self.control_flow_refusal(node, owner)
         if not isinstance(node.target, torch._ops.OpOverload):

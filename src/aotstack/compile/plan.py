@@ -12,12 +12,14 @@ from torch.fx import GraphModule, Node
 from torch.utils import _pytree as pytree
 
 from ..errors import LoweringError, PackageError
+from ..format.custom_ops import is_custom_op_name
 from ..format.op_names import op_name
 from ..format.ops import is_delegate_call, is_delegate_output
 from ..format.plan import (
     DelegateStep,
     InputStep,
     MethodPlan,
+    OpRef,
     OpStep,
     Ref,
     Step,
@@ -71,7 +73,10 @@ def subgraph_plan(graph_module: GraphModule, node: Node, runnable_only: bool = T
 
 
 def target_name(node: Node, runnable_only: bool = True) -> str:
-    """The name a step calls ``node``'s target by; one the loader's closed list refuses is refused here."""
+    """The name a step calls ``node``'s target by; one the loader's closed list refuses is refused here.
+
+    A custom op passes: the loader runs it where its ``allow_ops`` names it (format/custom_ops.py).
+    """
     target = node.target
     if isinstance(target, (torch._ops.OpOverload, torch._ops.HigherOrderOperator)):
         name = op_name(target)
@@ -81,7 +86,7 @@ def target_name(node: Node, runnable_only: bool = True) -> str:
         raise LoweringError(f"node {node.name!r} calls {target!r}, which a package cannot store; only ops can run")
     try:
         if runnable_only:
-            resolved_op(name)
+            resolved_op(name, frozenset({name}) if is_custom_op_name(name) else frozenset())
     except PackageError as exc:
         raise LoweringError(
             f"node {node.name!r} {exc}; claim it with a backend's partitioner, as a loaded package runs only "
@@ -90,9 +95,19 @@ def target_name(node: Node, runnable_only: bool = True) -> str:
     return name
 
 
+def op_value(op: torch._ops.OpOverload, node: Node | None) -> OpRef:
+    """An op handed to another (``auto_functionalized``'s first argument): only a custom op can be."""
+    name = op_name(op)
+    if not is_custom_op_name(name):
+        where = f"node {node.name!r}" if node is not None else "the method's output"
+        raise LoweringError(f"{where} takes op {name} as a value, which a package can store only for a custom op")
+    return OpRef(name)
+
+
 def plan_value(value: Any, node: Node | None) -> Any:
-    """``value`` with node references as ``Ref``, checked to be storable in JSON."""
+    """``value`` with node references as ``Ref`` and ops as ``OpRef``, checked to be storable in JSON."""
     value = pytree.tree_map_only(Node, lambda n: Ref(n.name), value)
+    value = pytree.tree_map_only(torch._ops.OpOverload, lambda op: op_value(op, node), value)
     try:
         value_to_json(value)
     except TypeError as exc:

@@ -13,6 +13,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import LoweringError
 from ..format.boundary import Boundary, BoundaryInput
+from ..format.plan import FUNCTIONALIZED_OPS
 from ..format.tensor_data import content_key, dtype_name, tensor_buffer
 
 _CONSTANT_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
@@ -27,6 +28,26 @@ def subgraph_nodes(node: Node) -> list[Node]:
 def subgraph_modules(node: Node, owner: GraphModule) -> list[GraphModule]:
     modules = [getattr(owner, attr.target) for attr in subgraph_nodes(node)]
     return [module for module in modules if isinstance(module, GraphModule)]
+
+
+def called_ops(node: Node) -> list[torch._ops.OperatorBase]:
+    """The ops ``node`` calls: its target, and the op a functionalized call (``auto_functionalized``) wraps."""
+    target = node.target
+    if not isinstance(target, torch._ops.OperatorBase):
+        return []
+    if functionalized_call(node):
+        return [target, node.args[0]]
+    return [target]
+
+
+def functionalized_call(node: Node) -> bool:
+    """Whether ``node`` calls ``auto_functionalized``, which runs the op it is given on copies of its inputs."""
+    return (
+        isinstance(node.target, torch._ops.HigherOrderOperator)
+        and node.target.__name__ in FUNCTIONALIZED_OPS
+        and bool(node.args)
+        and isinstance(node.args[0], torch._ops.OpOverload)
+    )
 
 
 def is_size_computation(node: Node) -> bool:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import PackageError
+from .custom_ops import PLAN, CustomOpRecord, custom_op_from_json, custom_op_to_json, is_custom_op_name
 from .placement import Placement, placement_from_json, placement_to_json
 from .plan import (
     DelegateStep,
@@ -24,6 +25,7 @@ from .plan import (
     bounded,
     check_reads,
     checked_names,
+    custom_op_names,
     expect,
     method_plan_from_json,
     method_plan_to_json,
@@ -145,6 +147,8 @@ class Manifest:
     blobs: dict[str, int]
     # Every other entry the archive holds (programs, torch's records) -> its SHA-256.
     records: dict[str, str] = field(default_factory=dict)
+    # Ops outside ATen that the methods call, in their libraries or plans (format/custom_ops.py).
+    custom_ops: list[CustomOpRecord] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
 
     def to_json(self) -> dict[str, Any]:
@@ -156,6 +160,7 @@ class Manifest:
             "methods": {name: method_to_json(method) for name, method in self.methods.items()},
             "blobs": dict(self.blobs),
             "records": dict(self.records),
+            "custom_ops": [custom_op_to_json(record) for record in self.custom_ops],
         }
 
     @classmethod
@@ -177,15 +182,18 @@ class Manifest:
         for name, key in records.items():
             if not is_sha256(key):
                 raise PackageError(f"record {name[:80]!r} has hash {str(key)[:80]!r}; expected a SHA-256 in hex")
+        custom_ops = bounded(data.get("custom_ops", []), list, "the manifest's custom ops", MAX_ITEMS)
         manifest = cls(
             aotstack_version=str(data.get("aotstack_version")),
             torch_version=str(data.get("torch_version")),
             methods={name: within(f"method {name!r}", method_from_json, method) for name, method in methods.items()},
             blobs=blobs,
             records=records,
+            custom_ops=[custom_op_from_json(record) for record in custom_ops],
         )
         for name, method in manifest.methods.items():
             within(f"method {name!r}", lambda m: check_method(m, manifest.blobs), method)
+        check_custom_ops_listed(manifest)
         return manifest
 
     def blob_owners(self) -> dict[str, str]:
@@ -199,6 +207,23 @@ class Manifest:
                 for local, key in delegate.named_data.items():
                     owners.setdefault(key, f"{local!r} of delegate {delegate.id}")
         return owners
+
+
+def check_custom_ops_listed(manifest: Manifest) -> None:
+    """Every custom op a plan or delegate calls is in the manifest's list, where the loader checks it."""
+    listed = {record.name: record for record in manifest.custom_ops}
+    if len(listed) != len(manifest.custom_ops):
+        raise PackageError("the manifest lists a custom op twice")
+    for name, method in manifest.methods.items():
+        for op in sorted(custom_op_names(method.plan.steps)):
+            if op not in listed or PLAN not in listed[op].used_by:
+                raise PackageError(f"method {name!r}: its plan calls custom op {op!r}, which the manifest omits")
+        for delegate in method.delegates:
+            for op in delegate.ops:
+                if is_custom_op_name(op) and (op not in listed or delegate.id not in listed[op].used_by):
+                    raise PackageError(
+                        f"method {name!r}: delegate {delegate.id} calls custom op {op!r}, which the manifest omits"
+                    )
 
 
 def is_sha256(key: Any) -> bool:

@@ -21,10 +21,12 @@ from .plan import bounded, expect
 # - ``missing_kernels``: it needs fallback kernels the target's runtime lacks;
 # - ``compile_failed``: its part failed to compile, and ``on_compile_error="fallback"`` kept it;
 # - ``not_claimed``: the partitioner left it without saying why;
-# - ``not_runnable`` (engine ``aotstack``): nor can the runtime call it as a plain op, so saving fails.
+# - ``not_runnable`` (engine ``aotstack``): nor can the runtime call it as a plain op, so saving fails;
+# - ``needs_allow_ops`` (engine ``aotstack``): a custom op, run in the plan where the loader allows it.
 REASON_KINDS = (
-    "excluded", "unsupported", "min_block_size", "missing_kernels", "compile_failed", "not_claimed", "not_runnable"
-)
+    "excluded", "unsupported", "min_block_size", "missing_kernels", "compile_failed", "not_claimed", "not_runnable",
+    "needs_allow_ops",
+)  # fmt: skip
 
 # The engine named for ops no delegate took: they run as plain ATen calls.
 PLAIN_ATEN = "aten"

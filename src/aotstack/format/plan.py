@@ -18,8 +18,10 @@ formats and layouts.
 
 The plan is closed: a step may call only what a lowered program contains (ATen and prims ops that
 write into none of their arguments, aotstack's copies, the control-flow ops, and the ``operator``
-functions export emits), so an edited manifest cannot reach arbitrary Python. Reading checks
-that every name a step reads was computed before it, and bounds sizes and nesting.
+functions export emits), so an edited manifest cannot reach arbitrary Python. A custom op
+(``format/custom_ops.py``) is callable only where the loader names it in ``allow_ops``, and one
+that writes into its arguments only through ``auto_functionalized``, which hands it copies.
+Reading checks that every name a step reads was computed before it, and bounds sizes and nesting.
 """
 
 from __future__ import annotations
@@ -33,12 +35,20 @@ from typing import Any
 import torch
 
 from ..errors import PackageError
+from .custom_ops import OP_NAME_PATTERN, is_allowed, is_custom_op_name, qualified_name, registered_op
 from .tensor_data import dtype_from_name, dtype_name
 
 
 @dataclass(frozen=True)
 class Ref:
     """The value another step computed, by that step's name."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class OpRef:
+    """An op passed as a value, by name: the op ``auto_functionalized`` calls on copies of its inputs."""
 
     name: str
 
@@ -119,6 +129,8 @@ OPERATOR_FUNCTIONS = frozenset(
     }
 )  # fmt: skip
 CONTROL_FLOW_OPS = frozenset({"cond", "while_loop", "map_impl", "scan"})
+# Functionalized calls of an op that writes into its arguments; the op is an ``OpRef`` argument.
+FUNCTIONALIZED_OPS = frozenset({"auto_functionalized", "auto_functionalized_v2"})
 OP_NAMESPACES = frozenset({"aten", "prims"})
 AOTSTACK_OPS = frozenset({"aotstack.h2d_copy.default", "aotstack.d2h_copy.default"})
 # ATen ops that reach outside the program: a file, the console.
@@ -126,8 +138,10 @@ OUTSIDE_OPS = frozenset({"aten.from_file", "aten._print"})
 
 
 @functools.cache
-def resolved_op(name: str) -> Any:
+def resolved_op(name: str, allowed: frozenset[str] = frozenset()) -> Any:
     """What a step named ``name`` calls, if a lowered program may call it; else ``PackageError``.
+
+    ``allowed`` names the custom ops the loader lets the plan call (see ``format/custom_ops.py``).
 
     >>> resolved_op("aten.relu.default")
     <OpOverload(op='aten.relu', overload='default')>
@@ -138,9 +152,14 @@ def resolved_op(name: str) -> Any:
             raise PackageError(f"calls {name!r}, which is not one of the operator functions a lowered program uses")
         return getattr(operator, rest)
     if namespace == "higher_order":
-        if rest not in CONTROL_FLOW_OPS:
+        if rest not in CONTROL_FLOW_OPS | FUNCTIONALIZED_OPS:
             raise PackageError(f"calls {name!r}, which is not one of the control-flow ops {sorted(CONTROL_FLOW_OPS)}")
         return torch_op(name, lambda: getattr(torch.ops.higher_order, rest))
+    if is_custom_op_name(name):
+        op = resolved_custom_op(name, allowed)
+        if op._schema.is_mutable:
+            raise PackageError(f"calls {name!r}, which writes into its arguments outside auto_functionalized")
+        return op
     packet, _, overload = rest.rpartition(".")
     if name in AOTSTACK_OPS:
         from . import ops  # noqa: F401  (registers torch.ops.aotstack)
@@ -151,6 +170,26 @@ def resolved_op(name: str) -> Any:
         raise PackageError(f"calls {name!r}, which is not an op overload")
     if op._schema.is_mutable:
         raise PackageError(f"calls {name!r}, which writes into its arguments; a lowered program is functional")
+    return op
+
+
+@functools.cache
+def resolved_custom_op(name: str, allowed: frozenset[str]) -> torch._ops.OpOverload:
+    """Custom op ``name``, if ``allowed`` names it and this process registered it; else ``PackageError``.
+
+    It may write into its arguments: a step calls such an op only through ``auto_functionalized``.
+    """
+    if not OP_NAME_PATTERN.fullmatch(name):
+        raise PackageError(f"calls {name[:80]!r}, which is not an op name like 'mylib.op.default'")
+    if not is_allowed(name, allowed):
+        raise PackageError(
+            f"calls custom op {qualified_name(name)} outside any engine; a run plan may call only ATen and prims "
+            f"ops and aotstack's copies unless the loader names it: aotstack.load(path, "
+            f"allow_ops=[{name.rsplit('.', 1)[0]!r}])"
+        )
+    op = registered_op(name)
+    if op is None:
+        raise PackageError(f"calls custom op {qualified_name(name)}, which this process has not registered")
     return op
 
 
@@ -225,7 +264,9 @@ def step_from_json(data: Any, depth: int = 0) -> Step:
             raise PackageError(f"plan step {data.get('name')!r} has malformed arguments")
         name, target = text(data, "name"), text(data, "target")
         try:
-            resolved_op(target)
+            # A custom op is resolved at load, against the loader's allow_ops; its name is checked here.
+            if not (is_custom_op_name(target) and OP_NAME_PATTERN.fullmatch(target)):
+                resolved_op(target)
         except PackageError as exc:
             raise PackageError(f"plan step {name!r}: {exc}") from None
         return OpStep(name, target, args, kwargs)
@@ -243,6 +284,8 @@ def value_to_json(value: Any) -> Any:
     """``value`` as JSON; a value no step can take raises ``TypeError`` (the caller names the node)."""
     if isinstance(value, Ref):
         return {"ref": value.name}
+    if isinstance(value, OpRef):
+        return {"op": value.name}
     if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
         return value
     if isinstance(value, float):
@@ -273,6 +316,11 @@ def value_from_json(value: Any, depth: int = 0) -> Any:
     try:
         if "ref" in value:
             return Ref(expect(value["ref"], str, "a reference"))
+        if "op" in value:
+            name = expect(value["op"], str, "an op")
+            if not (is_custom_op_name(name) and OP_NAME_PATTERN.fullmatch(name)):
+                raise PackageError(f"an op value may name only a custom op, got {name[:80]!r}")
+            return OpRef(name)
         if "list" in value:
             items = [value_from_json(item, depth + 1) for item in expect(value["list"], list, "a list")]
             return tuple(items) if value.get("tuple") else items
@@ -370,6 +418,29 @@ def step_writes(step: Step) -> list[str]:
 
 def step_label(step: Step) -> str:
     return step.delegate if isinstance(step, DelegateStep) else step.name
+
+
+def custom_op_names(steps: list[Step]) -> set[str]:
+    """The custom ops ``steps`` call, as step targets or as ops handed to ``auto_functionalized``."""
+    names: set[str] = set()
+    for step in steps:
+        if isinstance(step, SubgraphStep):
+            names |= custom_op_names(step.plan.steps)
+        elif isinstance(step, OpStep):
+            if is_custom_op_name(step.target):
+                names.add(step.target)
+            names |= set(op_refs([step.args, step.kwargs]))
+    return names
+
+
+def op_refs(value: Any) -> list[str]:
+    if isinstance(value, OpRef):
+        return [value.name]
+    if isinstance(value, (list, tuple)):
+        return [name for item in value for name in op_refs(item)]
+    if isinstance(value, dict):
+        return [name for item in value.values() for name in op_refs(item)]
+    return []
 
 
 def refs(value: Any) -> list[str]:

@@ -19,19 +19,23 @@ from .boundary import Boundary
 from .tensor_data import WEIGHT_PREFIX, BytesLike, dtype_from_name, tensor_from_bytes
 
 
-def read_processed(processed_bytes: bytes, label: str, version: int) -> dict[str, Any]:
-    """The processed JSON of ``label`` as a dict, refused unless it is ``version`` (what this run side reads)."""
+def read_processed(processed_bytes: bytes, label: str, version: int | tuple[int, ...]) -> dict[str, Any]:
+    """The processed JSON of ``label`` as a dict, refused unless it is ``version`` (what this run side reads).
+
+    A run side that still reads older versions passes them all, as a tuple.
+    """
     try:
         data = json.loads(processed_bytes)
     except (ValueError, UnicodeDecodeError) as exc:
         raise PackageError(f"{label}: its processed data is not JSON ({exc})") from None
     if not isinstance(data, dict):
         raise PackageError(f"{label}: its processed data must be a JSON object, got {type(data).__name__}")
+    readable = (version,) if isinstance(version, int) else version
     found = data.get("version")
-    if found != version:
+    if isinstance(found, bool) or found not in readable:
         raise PackageError(
             f"{label}: its processed data is version {found!r} (none means written before versions); this "
-            f"aotstack reads version {version}: lower the model again"
+            f"aotstack reads version {' or '.join(map(str, readable))}: lower the model again"
         )
     return data
 

@@ -32,6 +32,7 @@ KIND_LABELS = {
     "compile_failed": "compile failed",
     "not_claimed": "not claimed",
     "not_runnable": "cannot run",
+    "needs_allow_ops": "needs allow_ops",
 }
 
 # How many node names an unclaimed group lists before it says how many more.

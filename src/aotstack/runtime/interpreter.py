@@ -15,7 +15,18 @@ import torch
 
 from ..backends.base import BackendRuntime
 from ..errors import AotstackError, PackageError, RunError
-from ..format.plan import DelegateStep, InputStep, Ref, Step, SubgraphPlan, SubgraphStep, WeightStep, resolved_op
+from ..format.plan import (
+    DelegateStep,
+    InputStep,
+    OpRef,
+    Ref,
+    Step,
+    SubgraphPlan,
+    SubgraphStep,
+    WeightStep,
+    resolved_custom_op,
+    resolved_op,
+)
 
 Slots = list[Any]
 # One step: reads some slots, fills others.
@@ -33,11 +44,19 @@ class LoadedDelegate:
 
 
 class StepProgram:
-    """A plan's steps as closures over one list of slots, ``template`` holding the weights and subgraphs."""
+    """A plan's steps as closures over one list of slots, ``template`` holding the weights and subgraphs.
+
+    ``allowed_ops`` names the custom ops the loader lets a step call (``format/custom_ops.py``).
+    """
 
     def __init__(
-        self, steps: Sequence[Step], weights: Mapping[str, torch.Tensor], delegates: Mapping[str, LoadedDelegate]
+        self,
+        steps: Sequence[Step],
+        weights: Mapping[str, torch.Tensor],
+        delegates: Mapping[str, LoadedDelegate],
+        allowed_ops: frozenset[str] = frozenset(),
     ) -> None:
+        self.allowed_ops = allowed_ops
         self.slots: dict[str, int] = {}
         self.template: Slots = []
         self.input_slots: list[int] = []
@@ -53,7 +72,7 @@ class StepProgram:
         elif isinstance(step, WeightStep):
             self.new_slot(step.name, weights.get(step.fqn))
         elif isinstance(step, SubgraphStep):
-            self.new_slot(step.name, subgraph_function(step.plan))
+            self.new_slot(step.name, subgraph_function(step.plan, self.allowed_ops))
         elif isinstance(step, DelegateStep):
             inputs = [self.slot(name) for name in step.inputs]
             outputs = [(index, self.new_slot(name)) for index, name in step.outputs]
@@ -64,7 +83,8 @@ class StepProgram:
         else:
             args = [self.resolver(arg) for arg in step.args]
             kwargs = {key: self.resolver(value) for key, value in step.kwargs.items()}
-            self.actions.append(op_action(resolved_op(step.target), args, kwargs, self.new_slot(step.name)))
+            target = resolved_op(step.target, self.allowed_ops)
+            self.actions.append(op_action(target, args, kwargs, self.new_slot(step.name)))
             self.labels[self.actions[-1]] = f"step {step.name!r} ({step.target})"
 
     def new_slot(self, name: str, value: Any = None) -> int:
@@ -83,6 +103,9 @@ class StepProgram:
         if isinstance(value, Ref):
             index = self.slot(value.name)
             return lambda slots: slots[index]
+        if isinstance(value, OpRef):
+            op = resolved_custom_op(value.name, self.allowed_ops)
+            return lambda slots: op
         if isinstance(value, (list, tuple)) and has_ref(value):
             parts = [self.resolver(item) for item in value]
             kind = type(value)
@@ -106,9 +129,9 @@ class StepProgram:
         return slots
 
 
-def subgraph_function(plan: SubgraphPlan) -> Callable[..., Any]:
+def subgraph_function(plan: SubgraphPlan, allowed_ops: frozenset[str] = frozenset()) -> Callable[..., Any]:
     """A branch or loop body, callable the way a control-flow op calls it."""
-    body = StepProgram(plan.steps, {}, {})
+    body = StepProgram(plan.steps, {}, {}, allowed_ops)
     output = body.resolver(plan.output)
     return lambda *args: output(body.run(args))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -13,7 +13,9 @@ from torch.utils import _pytree as pytree
 from ..backends.base import runtime_class
 from ..errors import AotstackError, DelegateInitError, MethodNotFoundError, PackageError
 from ..format.archive import PackageContents, read_package
+from ..format.custom_ops import allowed_op_names, check_custom_ops
 from ..format.manifest import DelegateRecord, MethodRecord, WeightRecord
+from ..format.op_names import OpName
 from ..format.plan import MethodPlan, WeightStep, refs, step_reads
 from ..format.seal import PublicKeyLike, keys_from_environment, public_keys
 from ..format.tensor_data import WEIGHT_PREFIX, BytesLike, dtype_from_name, tensor_from_bytes
@@ -32,12 +34,13 @@ class Method:
         delegates: Mapping[str, LoadedDelegate],
         check: InputCheck,
         out_spec: pytree.TreeSpec,
+        allowed_ops: frozenset[str] = frozenset(),
     ) -> None:
         self.name = name
         self.check = check
         self.out_spec = out_spec
         self.single_output = out_spec.is_leaf()
-        self.body = StepProgram(plan.steps, weights, delegates)
+        self.body = StepProgram(plan.steps, weights, delegates, allowed_ops)
         self.outputs = [self.body.resolver(value) for value in plan.outputs]
         self.mutations = [(weights[fqn], self.body.slot(name)) for fqn, name in plan.mutations]
         # The program's one state lock (ProgramState.lock) where this method reads or updates a
@@ -118,7 +121,9 @@ class LoadedProgram:
         return file_report(self.path)._repr_html_()
 
 
-def load(path: str | os.PathLike[str], public_key: PublicKeyLike = None) -> LoadedProgram:
+def load(
+    path: str | os.PathLike[str], public_key: PublicKeyLike = None, *, allow_ops: Iterable[OpName] = ()
+) -> LoadedProgram:
     """Open a ``.pt2`` written by :meth:`LoweredProgram.save` and get it ready to run.
 
     Example::
@@ -130,8 +135,13 @@ def load(path: str | os.PathLike[str], public_key: PublicKeyLike = None) -> Load
     With ``public_key`` (a key, a PEM file's path or PEM bytes, or a list of them), or with
     ``AOTSTACK_TRUSTED_KEYS`` set to such paths, a file not signed by one of those keys is
     refused before its manifest is parsed.
+
+    A file calling custom ops (``torch.library`` ops outside ATen) needs them registered in this
+    process first, by importing the module that defines them; ``CustomOpError`` names any missing.
+    A custom op that no engine claimed runs as a step of the plan only where ``allow_ops`` names
+    it, e.g. ``aotstack.load(path, allow_ops=["mylib.gather_qmv"])``.
     """
-    return loaded_program(path, public_key)
+    return loaded_program(path, public_key, allowed_ops=allowed_op_names(allow_ops))
 
 
 # Given a delegate's id and its run side, what the plan calls in its place.
@@ -139,18 +149,28 @@ DelegateWrapper = Callable[[str, LoadedDelegate], LoadedDelegate]
 
 
 def loaded_program(
-    path: str | os.PathLike[str], public_key: PublicKeyLike = None, *, wrap_delegate: DelegateWrapper | None = None
+    path: str | os.PathLike[str],
+    public_key: PublicKeyLike = None,
+    *,
+    allowed_ops: frozenset[str] | None = frozenset(),
+    wrap_delegate: DelegateWrapper | None = None,
 ) -> LoadedProgram:
     """What :func:`load` returns; with ``wrap_delegate``, every delegate is passed through it first.
 
     Internal: the numerical check wraps each delegate to record what it was given and gave
     back. Wrapping happens once, at load, so a plain load's calls run exactly as before.
+    ``allowed_ops=None`` allows every custom op the file lists: for the process that lowered it.
     """
     trusted = public_keys(public_key) if public_key is not None else keys_from_environment()
     contents = read_package(path, trusted)
+    custom_ops = contents.manifest.custom_ops
+    if allowed_ops is None:
+        allowed_ops = frozenset(record.name for record in custom_ops)
+    check_custom_ops(custom_ops, allowed_ops)
     state = ProgramState(contents)
     methods = {
-        name: load_method(state, name, record, wrap_delegate) for name, record in contents.manifest.methods.items()
+        name: load_method(state, name, record, wrap_delegate, allowed_ops)
+        for name, record in contents.manifest.methods.items()
     }
     return LoadedProgram(contents.path, methods, state)
 
@@ -213,7 +233,11 @@ def reads_state(method: MethodRecord, mutable: set[str]) -> bool:
 
 
 def load_method(
-    state: ProgramState, name: str, record: MethodRecord, wrap_delegate: DelegateWrapper | None = None
+    state: ProgramState,
+    name: str,
+    record: MethodRecord,
+    wrap_delegate: DelegateWrapper | None = None,
+    allowed_ops: frozenset[str] = frozenset(),
 ) -> Method:
     weights = state.method_weights(record.weights)
     delegates = {delegate.id: loaded_delegate(state, delegate) for delegate in record.delegates}
@@ -223,7 +247,8 @@ def load_method(
     if in_spec.num_leaves != len(record.inputs) or out_spec.num_leaves != len(record.plan.outputs):
         raise PackageError(f"method {name!r}: its pytree specs do not match its inputs and outputs")
     try:
-        return Method(name, record.plan, weights, delegates, InputCheck(name, record.inputs, in_spec), out_spec)
+        check = InputCheck(name, record.inputs, in_spec)
+        return Method(name, record.plan, weights, delegates, check, out_spec, allowed_ops)
     except PackageError as exc:
         raise PackageError(f"method {name!r}: {exc}") from None
 

@@ -26,7 +26,7 @@ from .compile import CompileSteps, KernelCheck, compile_partition
 from .kernels import kernel_allowed, parse_kernel_list
 from .passes import GraphPass, ReplaceViewCopyWithViewPass
 from .probe import needed_fallback_kernels
-from .run import LIBRARY_NAME, PROCESSED_VERSION, device_available, target_device
+from .run import EXTERN_NODES_NAME, LIBRARY_NAME, PROCESSED_VERSION, device_available, target_device
 
 
 class AotiBackend(Backend):
@@ -164,6 +164,8 @@ class AotiBackend(Backend):
             return None
         named_data, weights = weights_as_named_data(compiled.constants)
         named_data[LIBRARY_NAME] = compiled.library
+        if compiled.extern_nodes is not None:
+            named_data[EXTERN_NODES_NAME] = compiled.extern_nodes
         processed = {
             "version": PROCESSED_VERSION,
             "library": content_key(compiled.library),

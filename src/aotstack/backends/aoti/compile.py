@@ -51,8 +51,19 @@ class CompiledPartition:
 
     library: bytes
     constants: dict[str, torch.Tensor]
+    # The calls the library makes through AOTInductor's proxy executor (custom ops), as the JSON
+    # it reads beside the library; None where it makes none.
+    extern_nodes: bytes | None = None
     # Taken from aotstack's compile cache rather than compiled.
     from_cache: bool = False
+
+
+@dataclass(frozen=True)
+class CompiledFiles:
+    """What a compile leaves: the library and, where it calls ops by proxy, their JSON."""
+
+    library: bytes
+    extern_nodes: bytes | None
 
 
 def compile_partition(
@@ -74,20 +85,20 @@ def compile_partition(
     # Inductor's own cache skips code generation, where fallback kernels are recorded.
     options = steps.options if kernel_check is None else {**steps.options, "fx_graph_cache": False}
     key = cache_key(program, {**options, "aotstack.device": str(steps.device)})
-    library = cached_library(key)
-    if library is not None:
+    files = cached_files(key)
+    if files is not None:
         logger.debug("%s: reusing the library from the compile cache", label)
-        return CompiledPartition(library=library, constants=constants, from_cache=True)
+        return CompiledPartition(files.library, constants, files.extern_nodes, from_cache=True)
     if cache_only:
         return None
-    library = compiled_library(program, replace(steps, options=options), label, kernel_check)
-    store_library(key, library)
-    return CompiledPartition(library=library, constants=constants)
+    files = compiled_files(program, replace(steps, options=options), label, kernel_check)
+    store_files(key, files)
+    return CompiledPartition(files.library, constants, files.extern_nodes)
 
 
-def compiled_library(
+def compiled_files(
     program: ExportedProgram, steps: CompileSteps, label: str, kernel_check: KernelCheck | None
-) -> bytes:
+) -> CompiledFiles:
     with tempfile.TemporaryDirectory(prefix="aotstack-aoti-") as workdir:
         package_path = os.path.join(workdir, "partition.pt2")
         with recorded_fallback_kernels() as kernels:
@@ -97,7 +108,7 @@ def compiled_library(
                 raise LoweringError(f"AOTInductor failed to compile {label}: {exc}") from exc
         if kernel_check is not None:
             kernel_check(frozenset(kernels))
-        return library_from_package(package_path, label)
+        return files_from_package(package_path, label)
 
 
 def aoti_package(program: ExportedProgram, package_path: str, steps: CompileSteps) -> None:
@@ -128,14 +139,20 @@ def prepared_program(exported_program: ExportedProgram, steps: CompileSteps) -> 
     return program
 
 
-def library_from_package(package_path: str, label: str) -> bytes:
+def files_from_package(package_path: str, label: str) -> CompiledFiles:
+    """The library of an AOTInductor package, and the proxy executor's JSON AOTInductor writes beside it."""
     with zipfile.ZipFile(package_path) as archive:
-        libraries = [name for name in archive.namelist() if name.endswith(".so")]
+        names = set(archive.namelist())
+        libraries = [name for name in names if name.endswith(".so")]
         if len(libraries) != 1:
             raise LoweringError(
                 f"AOTInductor package for {label} holds {len(libraries)} shared libraries, expected 1"
             )
-        return archive.read(libraries[0])
+        extern_nodes = libraries[0].removesuffix(".so") + ".json"
+        return CompiledFiles(
+            library=archive.read(libraries[0]),
+            extern_nodes=archive.read(extern_nodes) if extern_nodes in names else None,
+        )
 
 
 def cache_key(program: ExportedProgram, options: dict[str, Any]) -> str:
@@ -143,22 +160,41 @@ def cache_key(program: ExportedProgram, options: dict[str, Any]) -> str:
 
     So is the thread count, which the generated OpenMP code bakes in.
     """
-    parts = (torch.__version__, __version__, str(torch.get_num_threads()), repr(sorted(options.items())))
+    # "extern-nodes": entries from before the proxy executor's JSON was kept beside a library are not reused.
+    threads, options_text = str(torch.get_num_threads()), repr(sorted(options.items()))
+    parts = (torch.__version__, __version__, threads, options_text, "extern-nodes")
     digest = hashlib.sha256("\0".join(parts).encode())
     digest.update(program_fingerprint(program).encode())
     return digest.hexdigest()
 
 
-def cached_library(key: str) -> bytes | None:
-    library = read_entry(CACHE_KIND, key + ".so")
-    # An entry is named by its key, and its content hash is kept beside it.
-    expected = read_entry(CACHE_KIND, key + ".so.sha256")
-    if library is None or expected is None:
+def cached_files(key: str) -> CompiledFiles | None:
+    library = cached_entry(key + ".so")
+    if library is None:
         return None
-    return library if content_key(library) == expected.decode().strip() else None
+    # Stored before the library, so a library in the cache never lacks its proxy calls.
+    extern_nodes = read_entry(CACHE_KIND, key + ".json")
+    if extern_nodes is not None and cached_entry(key + ".json") is None:
+        return None
+    return CompiledFiles(library, extern_nodes)
 
 
-def store_library(key: str, library: bytes) -> None:
-    """Add ``library`` to the cache, its hash first, so a library without its hash is never read."""
-    write_entry(CACHE_KIND, key + ".so.sha256", content_key(library).encode())
-    write_entry(CACHE_KIND, key + ".so", library)
+def cached_entry(name: str) -> bytes | None:
+    data = read_entry(CACHE_KIND, name)
+    # An entry is named by its key, and its content hash is kept beside it.
+    expected = read_entry(CACHE_KIND, name + ".sha256")
+    if data is None or expected is None:
+        return None
+    return data if content_key(data) == expected.decode().strip() else None
+
+
+def store_files(key: str, files: CompiledFiles) -> None:
+    """Add a compile's files to the cache, each hash before its file, the library last."""
+    if files.extern_nodes is not None:
+        store_entry(key + ".json", files.extern_nodes)
+    store_entry(key + ".so", files.library)
+
+
+def store_entry(name: str, data: bytes) -> None:
+    write_entry(CACHE_KIND, name + ".sha256", content_key(data).encode())
+    write_entry(CACHE_KIND, name, data)

@@ -13,7 +13,8 @@ from torch.fx import GraphModule, Node
 from ...compile.partitioner import PartitionResult, SupportedOpsPartitioner
 from ...compile.program_parts import subgraph_modules
 from ...errors import MissingFallbackKernelsError
-from ...format.op_names import OpName, matches_any, normalized_op_name
+from ...format.custom_ops import has_kernel, is_custom_op_name
+from ...format.op_names import OpName, matches_any, normalized_op_name, op_name
 from ...format.placement import Reason
 from ...format.specs import CompileSpec
 from .backend import AotiBackend
@@ -65,10 +66,25 @@ class AotiPartitioner(SupportedOpsPartitioner):
         return self.op_refusal(op) is None
 
     def op_refusal(self, op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> Reason | None:
+        if isinstance(op, torch._ops.OpOverload) and is_custom_op_name(op_name(op)):
+            return self.custom_op_refusal(op)
         if op.namespace not in ("aten", "prims", "higher_order"):
             return self.refusal("unsupported", f"AOTInductor compiles ATen and prims ops, not {op.namespace} ops")
         if matches_any(op, self.exclude_ops):
             return self.refusal("excluded", "the user's exclude_ops names it")
+        return None
+
+    def custom_op_refusal(self, op: torch._ops.OpOverload) -> Reason | None:
+        """A custom op is claimed, as plain AOTInductor takes it, where it has a kernel for the target.
+
+        The library calls it through AOTInductor's proxy executor, so the loading process must
+        register it too (the package lists it; ``format/custom_ops.py``).
+        """
+        if matches_any(op, self.exclude_ops):
+            return self.refusal("excluded", "the user's exclude_ops names it")
+        device = self.aoti_backend.target_device(self.compile_specs).type.value
+        if not has_kernel(op, device):
+            return self.refusal("unsupported", f"custom op {op.name()} has no kernel for {device}")
         return None
 
     def node_refusal(self, node: Node, owner: GraphModule) -> Reason | None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import os
 import shutil
 import tempfile
@@ -19,10 +20,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from ...errors import CompileSpecError, DelegateInitError, PackageError
+from ...errors import CompileSpecError, CustomOpError, DelegateInitError, PackageError
 from ...forking import pause_openmp
 from ...format import processed as processed_json
 from ...format.boundary import BoundaryCheck
+from ...format.custom_ops import registered_op
 from ...format.devices import HOST, Device, DeviceType
 from ...format.seal import is_hex
 from ...format.specs import CompileSpec, SpecKey, compile_spec_value, partition_label
@@ -31,8 +33,13 @@ from ..base import BackendRuntime
 
 # The named data holding a partition's shared library.
 LIBRARY_NAME = "model.so"
-# The processed JSON this run side reads; version 2 added the boundary. Older files are refused by name.
-PROCESSED_VERSION = 2
+# The named data listing the ops the library calls through AOTInductor's proxy executor (custom
+# ops), the JSON the executor reads from beside the library; absent where it calls none.
+EXTERN_NODES_NAME = "extern_nodes.json"
+# The processed JSON this side writes; version 2 added the boundary, 3 the proxy executor's calls
+# (a reader of 2 would open such a library without them). Older files are refused by name.
+PROCESSED_VERSION = 3
+READABLE_VERSIONS = (2, 3)
 
 
 class AotiRuntime(BackendRuntime):
@@ -45,7 +52,7 @@ class AotiRuntime(BackendRuntime):
     ) -> AotiHandle:
         label = partition_label(self.backend_id, compile_specs)
         device = target_device(compile_specs, self.backend_id, self.device_name)
-        processed = processed_json.read_processed(processed_bytes, label, PROCESSED_VERSION)
+        processed = processed_json.read_processed(processed_bytes, label, READABLE_VERSIONS)
         boundary = processed_json.boundary(processed, label)
         strides = input_strides(processed, [item.sizes for item in boundary.inputs], label)
         key = processed_json.field(processed, "library", str, label)
@@ -55,7 +62,10 @@ class AotiRuntime(BackendRuntime):
         weights = processed_json.weights(processed, named_data, label)
         if LIBRARY_NAME not in named_data:
             raise PackageError(f"{label}: the package holds no named data {LIBRARY_NAME!r}")
-        runner = open_runner(named_data[LIBRARY_NAME], key, device, label)
+        extern_nodes = named_data.get(EXTERN_NODES_NAME)
+        if extern_nodes is not None:
+            check_proxy_calls(bytes(extern_nodes), label)
+        runner = open_runner(named_data[LIBRARY_NAME], key, device, label, extern_nodes)
         if device != HOST:
             weights = {fqn: tensor.to(str(device)) for fqn, tensor in weights.items()}
         bound = bind_constants(runner, weights, label)
@@ -157,11 +167,45 @@ def non_overlapping(stride: list[int], sizes: list[int | str]) -> bool:
     return True
 
 
-def open_runner(library: BytesLike, key: str, device: Device, label: str) -> Any:
-    """A runner over ``library`` (already verified, ``key`` its SHA-256) on ``device``, with its own weights slot."""
+def check_proxy_calls(extern_nodes: bytes, label: str) -> None:
+    """Refuse, before the library opens, one that calls an op this process has not registered.
+
+    The proxy executor looks each op up by name when the library is opened and calls it from
+    then on; an op it cannot find would fail there, without the op's name.
+    """
+    try:
+        nodes = json.loads(extern_nodes).get("nodes")
+        targets = [entry["node"]["target"] for entry in nodes]
+    except (ValueError, UnicodeDecodeError, AttributeError, KeyError, TypeError):
+        raise PackageError(f"{label}: its {EXTERN_NODES_NAME} is not the proxy executor's list of calls") from None
+    named = [target for target in targets if isinstance(target, str) and "::" in target]
+    missing = sorted(target for target in named if registered_op(dotted(target)) is None)
+    if missing:
+        raise CustomOpError(
+            f"{label} calls {', '.join(missing)}, which this process has not registered; import the module that "
+            "defines them before loading",
+            [dotted(target) for target in missing],
+        )
+
+
+def dotted(target: str) -> str:
+    """``ns.op.overload`` for the ``ns::op`` or ``ns::op.overload`` a proxy call names."""
+    namespace, _, rest = target.partition("::")
+    op, _, overload = rest.partition(".")
+    return f"{namespace}.{op}.{overload or 'default'}"
+
+
+def open_runner(
+    library: BytesLike, key: str, device: Device, label: str, extern_nodes: BytesLike | None = None
+) -> Any:
+    """A runner over ``library`` (already verified, ``key`` its SHA-256) on ``device``, with its own weights slot.
+
+    ``extern_nodes`` is written beside the library, where AOTInductor's runner looks for the
+    proxy executor's calls.
+    """
     open_on_device = runner_factory(device, label)
     try:
-        return open_on_device(library_path(library, key))
+        return open_on_device(library_path(library, key, extern_nodes))
     except RuntimeError as exc:
         raise PackageError(f"cannot open the AOTInductor library of {label}: {exc}") from exc
 
@@ -194,18 +238,22 @@ def visible_devices() -> str:
 _LIBRARY_PATHS: dict[str, str] = {}
 
 
-def library_path(library: BytesLike, key: str) -> str:
+def library_path(library: BytesLike, key: str, extern_nodes: BytesLike | None = None) -> str:
     """A private file holding ``library``, written once per process for each distinct library.
 
     Delegates compiled to the same code share it, so the dynamic loader opens it once; each
     runner still keeps its own weights. ``key`` is the library's hash, recorded when it was
-    compiled, so loading does not hash it a second time.
+    compiled, so loading does not hash it a second time. ``extern_nodes`` goes beside it, named
+    as the runner looks for it (the same code makes the same calls, so it is written once too).
     """
     if key not in _LIBRARY_PATHS:
         directory = private_directory()
         fd, path = tempfile.mkstemp(prefix=key[:16] + "-", suffix=".so", dir=directory)
         with os.fdopen(fd, "wb") as file:
             file.write(library)
+        if extern_nodes is not None:
+            with open(path.removesuffix(".so") + ".json", "xb") as file:
+                file.write(extern_nodes)
         _LIBRARY_PATHS[key] = path
     return _LIBRARY_PATHS[key]
 
