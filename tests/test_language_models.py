@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import aotstack
+from aotstack.integrations.generation import PrefillDecode
 from tests.conftest import ROOT, run_child
 
 CACHE = 32
@@ -105,7 +106,7 @@ for prompt in prompts:
     loaded.reset()
     logits.append(loaded.prefill(torch.tensor([prompt])).flatten().tolist())
 loaded.reset()
-tokens = example.generate(loaded, prompts[0], 16)
+tokens = example.greedy_decoder(loaded, prompts[0], 16)
 try:
     loaded.prefill(torch.zeros(1, int(sys.argv[3]), dtype=torch.long))
     error = None
@@ -118,7 +119,7 @@ print(json.dumps({"logits": logits, "tokens": tokens, "error": error}))
 @pytest.fixture(scope="module")
 def two_method_lm(tmp_path_factory) -> tuple[aotstack.LoweredProgram, Path]:
     example = decoder_lm_example()
-    program = example.exported(example.small_llama(), CACHE)
+    program = example.export_decoder_lm(example.small_llama(), CACHE)
     lowered = aotstack.lower(program, [aotstack.OrtPartitioner(), aotstack.AotiCpuPartitioner()])
     path = tmp_path_factory.mktemp("lm") / "prefill_decode.pt2"
     lowered.save(path)
@@ -133,10 +134,10 @@ def test_prefill_and_decode_share_weights_and_cache_in_one_file(two_method_lm):
 
     for prompt, got in zip(prompts, result["logits"], strict=True):
         with torch.no_grad():
-            want = example.PrefillDecode(example.small_llama(), CACHE).prefill(torch.tensor([prompt]))
+            want = PrefillDecode(example.small_llama(), CACHE).prefill(torch.tensor([prompt]))
         torch.testing.assert_close(torch.tensor(got), want.flatten(), rtol=1e-4, atol=1e-5)
-    eager = example.PrefillDecode(example.small_llama(), CACHE)
-    assert result["tokens"] == example.generate(eager, prompts[0], 16)
+    eager = PrefillDecode(example.small_llama(), CACHE)
+    assert result["tokens"] == example.greedy_decoder(eager, prompts[0], 16)
     assert "argument 'tokens' dimension 1 is 33, outside the range [1, 32]" in result["error"]
     for method in ("prefill", "decode"):
         assert any(d.backend_id == "onnxruntime" for d in lowered.delegates(method))

@@ -1,4 +1,4 @@
-"""The ``aotstack`` command: demo, compile, run, inspect, and keygen, sign, verify."""
+"""The ``aotstack`` command: demo, compile, run, inspect, keygen, sign, verify, and export-hf, generate."""
 
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ if TYPE_CHECKING:
     from .compile.auto import Auto
     from .compile.check import Check
     from .compile.lower import PartitionerPlan
-    from .compile.partitioner import Partitioner
     from .format.manifest import InputRecord
     from .report.model import Report
 
@@ -76,6 +75,36 @@ def argument_parser() -> argparse.ArgumentParser:
     add_partitioner_options(explain)
     add_report_options(explain)
     explain.set_defaults(command=explain_command)
+
+    export_hf = commands.add_parser(
+        "export-hf", help="export a Hugging Face model folder into a folder holding one .pt2, its configs and tokenizer"
+    )
+    export_hf.add_argument("model_dir", metavar="MODEL_DIR", help="a folder saved with save_pretrained (safetensors)")
+    export_hf.add_argument("-o", "--output", required=True, metavar="OUT_DIR",
+                           help="the folder to write; written beside it first and renamed when complete")
+    export_hf.add_argument("--task", default=None, metavar="TASK",
+                           help="text-generation, text2text-generation, feature-extraction, image-classification "
+                                "or audio-classification (default: from the model's config)")
+    export_hf.add_argument("--engines", default="auto", metavar="auto|ENGINE,...",
+                           help="auto (default: time each installed engine's plan, keep the fastest per method), "
+                                "or engines in claiming order, e.g. aoti, ort,aoti or ov,aoti")
+    export_hf.add_argument("--device", default="cpu", metavar="DEVICE",
+                           help="where AOTInductor's parts run: cpu (default), cuda[:N] or mps")
+    export_hf.add_argument("--max-cache-len", type=positive_int, default=None, metavar="N",
+                           help="generation: the KV cache's length, the longest prompt plus new tokens "
+                                "(default: the model's max_position_embeddings, at most 1024)")
+    export_hf.add_argument("-j", "--jobs", type=positive_int, default=None, metavar="N",
+                           help="compile up to N parts at once, in worker processes (default: one per core)")
+    export_hf.add_argument("--progress", choices=("auto", "live", "log"), default="auto",
+                           help="a live table (live), log lines (log), or the table only in a terminal (auto)")
+    export_hf.set_defaults(command=export_hf_command)
+
+    generate = commands.add_parser("generate", help="generate text greedily from an export-hf folder")
+    generate.add_argument("folder", metavar="OUT_DIR", help="a folder aotstack export-hf wrote")
+    generate.add_argument("--prompt", required=True, metavar="TEXT")
+    generate.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N",
+                          help="generate at most N tokens (default 32); fewer when the model ends its text")
+    generate.set_defaults(command=generate_command)
 
     run = commands.add_parser("run", help="run a method on random inputs of the recorded shapes")
     run.add_argument("package", metavar="FILE.pt2")
@@ -226,53 +255,20 @@ def explain_command(args: argparse.Namespace) -> int:
     return 0
 
 
-# Short names ``--engines`` takes beside backend ids.
-ENGINE_ALIASES = {"ort": "onnxruntime", "ov": "openvino"}
-
-
 def cli_partitioners(args: argparse.Namespace, default: str = "aoti") -> PartitionerPlan | Auto:
     """The engines ``--engines`` names, in order; without it, ``default`` unless an engine's own option is given.
 
     ``--ort``, ``--ort-op``, ``--exclude-op`` and ``--min-block-size`` keep their meaning: ONNX
     Runtime first when asked for, then AOTInductor for ``--device``.
     """
-    from .compile.auto import Auto
+    from .compile.engines import partitioners_for
 
     engines = args.engines
     if engines is None:
         explicit = args.exclude_op or args.min_block_size != 1
         engines = "ort,aoti" if args.ort or args.ort_op else "aoti" if explicit else default
-    if engines.strip() == "auto":
-        return Auto(device=args.device)
-    names = [ENGINE_ALIASES.get(name.strip(), name.strip()) for name in engines.split(",") if name.strip()]
-    return [engine_partitioner(name, args) for name in names]
-
-
-def engine_partitioner(name: str, args: argparse.Namespace) -> Partitioner:
-    """The partitioner of engine ``name`` (``aoti`` is AOTInductor for ``--device``), with the options it takes."""
-    from .backends.base import BUILT_IN
-    from .errors import LoweringError
-    from .format.devices import parse_device_spec
-    from .format.specs import CompileSpec, SpecKey
-
-    device_type, _ = parse_device_spec(args.device)
-    if name == "aoti":
-        name = next(n for n, e in BUILT_IN.items() if e.takes_every_op and device_type.value in e.devices)
-    engine = BUILT_IN.get(name)
-    if engine is None:
-        raise LoweringError(f"--engines names {name!r}; engines: auto, aoti, ort, ov, {', '.join(BUILT_IN)}")
-    if not engine.installed():
-        raise LoweringError(f"engine {name!r} is not installed here; pip install 'aotstack[{engine.extra}]'")
-    cls = engine.partitioner_class()
-    if engine.takes_every_op:
-        return cls(
-            exclude_ops=args.exclude_op,
-            compile_specs=[CompileSpec(SpecKey.TARGET_DEVICE, args.device.encode())],
-            min_block_size=args.min_block_size,
-        )
-    if name == "onnxruntime":
-        return cls(ops=args.ort_op or None, min_block_size=args.min_block_size)
-    return cls(min_block_size=args.min_block_size)
+    return partitioners_for(engines, args.device, exclude_ops=args.exclude_op, ort_ops=args.ort_op,
+                            min_block_size=args.min_block_size, option="--engines")
 
 
 def model_from_target(target: str) -> tuple[torch.nn.Module, dict[str, tuple[Any, ...]]]:
@@ -289,6 +285,32 @@ def model_from_target(target: str) -> tuple[torch.nn.Module, dict[str, tuple[Any
     if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], dict)):
         raise AotstackError(f"{target} must return (model, {{method: example args}}), got {type(result).__name__}")
     return result
+
+
+def export_hf_command(args: argparse.Namespace) -> int:
+    from .integrations.hf_folder import export_folder
+
+    done = export_folder(
+        args.model_dir, args.output, task=args.task, engines=args.engines, device=args.device,
+        max_cache_len=args.max_cache_len, progress={"auto": None, "live": True, "log": False}[args.progress],
+        jobs=args.jobs, step=lambda text: print(f"aotstack: {text}", file=sys.stderr),
+    )
+    seconds = done.seconds
+    print(f"wrote {done.output} ({done.task}: {', '.join(done.methods)}; {done.bytes / 1e6:.2f} MB) in "
+          f"{seconds['total']:.1f} s: loading {seconds['load']:.1f} s, torch.export {seconds['export']:.1f} s, "
+          f"lowering {seconds['lower']:.1f} s, saving {seconds['save']:.1f} s")
+    return 0
+
+
+def generate_command(args: argparse.Namespace) -> int:
+    from .integrations.hf_folder import generate_text
+
+    result = generate_text(args.folder, args.prompt, args.max_new_tokens)
+    print(result.text)
+    print(f"{len(result.tokens)} tokens after a {result.prompt_tokens}-token prompt; loaded in "
+          f"{result.load_seconds * 1e3:.0f} ms, first token {result.first_token_seconds * 1e3:.1f} ms, then "
+          f"{result.decode_tokens_per_second:.1f} tokens/s", file=sys.stderr)
+    return 0
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -1,0 +1,398 @@
+"""From a Hugging Face model folder to an export folder, and from that folder to generated text.
+
+``export_folder`` is ``aotstack export-hf``: it checks the folder, infers the task from its config,
+loads the model from safetensors only, exports it through the ``aotstack`` transformers backend and
+writes ``model.pt2``, ``export.json``, the configs and the tokenizer or processor into a staging
+folder beside the output, renamed into place only once everything is written.
+``generate_text`` is ``aotstack generate``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..compile.progress import Progress
+from ..errors import AotstackError, ModelFolderError, UnsupportedModelError
+
+logger = logging.getLogger("aotstack")
+
+GENERATION_TASKS = ("text-generation", "text2text-generation")
+TASKS = (*GENERATION_TASKS, "feature-extraction", "image-classification", "audio-classification")
+TASK_ALIASES = {"text2text": "text2text-generation", "causal-lm": "text-generation", "seq2seq": "text2text-generation"}
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+PROCESSOR_FILE = "preprocessor_config.json"
+# Example sizes the non-generation exports trace with; batch and sequence stay dynamic for text.
+EXAMPLE_BATCH, EXAMPLE_LENGTH = 2, 8
+AUDIO_SECONDS = 1
+
+
+def auto_class(task: str) -> type:
+    """The ``transformers`` auto class that loads a model for ``task``."""
+    import transformers
+
+    return getattr(transformers, {
+        "text-generation": "AutoModelForCausalLM",
+        "text2text-generation": "AutoModelForSeq2SeqLM",
+        "feature-extraction": "AutoModel",
+        "image-classification": "AutoModelForImageClassification",
+        "audio-classification": "AutoModelForAudioClassification",
+    }[task])
+
+
+def task_architectures() -> dict[str, set[str]]:
+    """Per task, the architecture names (``config.architectures``) its auto class loads."""
+    from transformers.models.auto import modeling_auto as auto
+
+    def names(mapping: dict[str, Any]) -> set[str]:
+        found: set[str] = set()
+        for value in mapping.values():
+            found.update([value] if isinstance(value, str) else value)
+        return found
+
+    return {
+        "text-generation": names(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
+        "text2text-generation": names(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
+        "image-classification": names(auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES),
+        "audio-classification": names(auto.MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES),
+        "feature-extraction": names(auto.MODEL_MAPPING_NAMES),
+    }
+
+
+def infer_task(config: Any) -> str:
+    """The task ``config.architectures`` names; a base model, or a head no task here covers, is feature extraction."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
+
+    architectures = list(getattr(config, "architectures", None) or [])
+    by_task = task_architectures()
+    for architecture in architectures:
+        for task in TASKS:
+            if architecture in by_task[task]:
+                return task
+    if config.model_type in MODEL_MAPPING_NAMES:
+        return "feature-extraction"
+    raise UnsupportedModelError(
+        f"cannot tell the task of model type {config.model_type!r} (architectures {architectures}); "
+        f"pass --task, one of: {', '.join(TASKS)}"
+    )
+
+
+def checked_task(task: str | None, config: Any) -> str:
+    if task is None:
+        return infer_task(config)
+    task = TASK_ALIASES.get(task, task)
+    if task not in TASKS:
+        raise UnsupportedModelError(f"unknown task {task!r}; supported tasks: {', '.join(TASKS)}")
+    return task
+
+
+def read_config_json(model_dir: Path) -> dict[str, Any]:
+    """``config.json`` of a model folder, refusing a folder that is missing it or asks to run its own code."""
+    if not model_dir.is_dir():
+        raise ModelFolderError(f"{model_dir} is not a folder; expected a model folder saved with save_pretrained")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelFolderError(f"{model_dir} has no config.json; a model folder holds config.json, "
+                               f"the weights ({' or '.join(WEIGHT_FILES)}) and its tokenizer or processor files")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelFolderError(f"{path} is not a JSON object: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ModelFolderError(f"{path} is not a JSON object")
+    if "auto_map" in raw:
+        raise ModelFolderError(
+            f"{path} names code of its own (auto_map: {sorted(raw['auto_map'])}); aotstack runs no code from a "
+            "model folder: export architectures transformers itself defines"
+        )
+    return raw
+
+
+def check_weights(model_dir: Path) -> None:
+    if any((model_dir / name).is_file() for name in WEIGHT_FILES):
+        return
+    pickled = [name for name in ("pytorch_model.bin", "pytorch_model.bin.index.json") if (model_dir / name).exists()]
+    why = (f" (it has {pickled[0]}, a pickle, which aotstack does not load: save the model again with "
+           "save_pretrained, whose default is safetensors)") if pickled else ""
+    raise ModelFolderError(f"{model_dir} has no weights: expected {' or '.join(WEIGHT_FILES)}{why}")
+
+
+def require_any(model_dir: Path, names: tuple[str, ...], what: str, task: str) -> None:
+    if not any((model_dir / name).is_file() for name in names):
+        raise ModelFolderError(f"{model_dir} has no {what} ({' or '.join(names)}), which task {task} needs")
+
+
+@dataclass
+class FolderExport:
+    """What ``export_folder`` did: the task, where it wrote, and how long each part took (seconds)."""
+
+    task: str
+    output: Path
+    methods: list[str]
+    seconds: dict[str, float] = field(default_factory=dict)
+    bytes: int = 0
+
+
+def export_folder(
+    model_dir: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    *,
+    task: str | None = None,
+    engines: str = "auto",
+    device: str = "cpu",
+    max_cache_len: int | None = None,
+    progress: bool | Progress | None = None,
+    jobs: int | None = None,
+    step: Callable[[str], None] | None = None,
+) -> FolderExport:
+    """Export the model in ``model_dir`` for ``task`` (inferred when None) into the folder ``output``.
+
+    ``output`` must not exist, be empty, or hold an earlier aotstack export (replaced). ``step`` is
+    told each stage as it begins.
+    """
+    started = time.perf_counter()
+    say = step or (lambda text: logger.info("%s", text))
+    model_dir, output = Path(model_dir), Path(output)
+    check_output(output)
+    raw = read_config_json(model_dir)
+    check_weights(model_dir)
+
+    from transformers import AutoConfig
+
+    from .transformers import AotstackConfig, AotstackExporter
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (ValueError, KeyError, OSError) as exc:
+        raise UnsupportedModelError(
+            f"transformers cannot read {model_dir / 'config.json'} (model_type {raw.get('model_type')!r}): {exc}"
+        ) from exc
+    task = checked_task(task, config)
+    say(f"task {task}; loading {model_dir}")
+    model = load_model(model_dir, task, config)
+    preprocessor = load_preprocessor(model_dir, task, model)
+    seconds = {"load": time.perf_counter() - started}
+
+    exporter = AotstackExporter(progress=progress, jobs=jobs)
+    say(f"exporting {type(model).__name__} with engines {engines}")
+    try:
+        if task in GENERATION_TASKS:
+            exported = exporter.export_for_generation(
+                model, {"input_ids": torch.zeros(1, 4, dtype=torch.long)},
+                AotstackConfig(engines=engines, device=device, max_cache_len=max_cache_len),
+            )
+        else:
+            inputs, dynamic_shapes = example_inputs(model, preprocessor)
+            exported = exporter.export(
+                model, inputs, AotstackConfig(engines=engines, device=device, dynamic_shapes=dynamic_shapes)
+            )
+    except UnsupportedModelError:
+        raise
+    except AotstackError as exc:
+        if exporter.lower_seconds:
+            raise
+        raise UnsupportedModelError(f"{type(model).__name__} ({task}) cannot be exported: {exc}") from exc
+    seconds["export"], seconds["lower"] = exporter.export_seconds, exporter.lower_seconds
+
+    saving = time.perf_counter()
+    staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        exported.save_pretrained(staging)
+        preprocessor.save_pretrained(staging)
+        size = sum(file.stat().st_size for file in staging.iterdir())
+        install(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    seconds["save"] = time.perf_counter() - saving
+    seconds["total"] = time.perf_counter() - started
+    runner_methods = exported.runners[next(iter(exported.components))].methods
+    return FolderExport(task, output, runner_methods, seconds, size)
+
+
+def check_output(output: Path) -> None:
+    """Refuse an output that is a file, or a folder holding anything but an earlier aotstack export."""
+    if not output.parent.is_dir():
+        raise ModelFolderError(f"cannot write {output}: its parent folder {output.parent} does not exist")
+    if output.exists() and not (output.is_dir() and (not any(output.iterdir()) or is_aotstack_export(output))):
+        raise ModelFolderError(f"{output} exists and is not an aotstack export folder; choose another output")
+
+
+def is_aotstack_export(folder: Path) -> bool:
+    try:
+        manifest = json.loads((folder / "export.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("export_format") == "aotstack"
+
+
+def install(staging: Path, output: Path) -> None:
+    """``staging`` becomes ``output``; an earlier export there is moved aside first and removed after."""
+    check_output(output)
+    old = None
+    if output.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{output.name}.old.", dir=output.parent))
+        os.replace(output, old / "export")
+    os.replace(staging, output)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def load_model(model_dir: Path, task: str, config: Any) -> torch.nn.Module:
+    """The model for ``task`` from safetensors, in eval mode; a mismatch of task and architecture is named."""
+    cls = auto_class(task)
+    try:
+        model = cls.from_pretrained(model_dir, config=config, local_files_only=True, use_safetensors=True)
+    except ValueError as exc:
+        architectures = getattr(config, "architectures", None)
+        raise UnsupportedModelError(
+            f"task {task} cannot load model type {config.model_type!r} (architectures {architectures}): "
+            f"{str(exc).splitlines()[0]}; supported tasks: {', '.join(TASKS)}"
+        ) from exc
+    if task in GENERATION_TASKS and task == "text-generation" and config.is_encoder_decoder:
+        raise UnsupportedModelError(f"{type(model).__name__} is an encoder-decoder; use --task text2text-generation")
+    return model.eval()
+
+
+PROCESSOR_FILES = (PROCESSOR_FILE, "processor_config.json")
+
+
+@dataclass
+class Preprocessor:
+    """A tokenizer (text input), or an image or audio processor's files, kept verbatim beside the export.
+
+    A processor is copied rather than built: building one can need packages (Pillow, torchvision)
+    the export itself does not.
+    """
+
+    tokenizer: Any = None
+    files: list[Path] = field(default_factory=list)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def model_input_names(self) -> list[str]:
+        return list(getattr(self.tokenizer, "model_input_names", ()))
+
+    def save_pretrained(self, folder: Path) -> None:
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(folder)
+        for file in self.files:
+            shutil.copyfile(file, folder / file.name)
+
+
+def load_preprocessor(model_dir: Path, task: str, model: torch.nn.Module) -> Preprocessor:
+    """The tokenizer (text input) or processor files (images, audio) the folder holds."""
+    main_input = getattr(model, "main_input_name", "input_ids")
+    if main_input == "input_ids":
+        require_any(model_dir, TOKENIZER_FILES, "tokenizer", task)
+        from transformers import AutoTokenizer
+
+        try:
+            return Preprocessor(tokenizer=AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
+        except (ValueError, OSError, KeyError) as exc:
+            raise ModelFolderError(f"cannot read the tokenizer of {model_dir}: {exc}") from exc
+    require_any(model_dir, (PROCESSOR_FILE,), "processor", task)
+    try:
+        settings = json.loads((model_dir / PROCESSOR_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelFolderError(f"{model_dir / PROCESSOR_FILE} is not JSON: {exc}") from exc
+    files = [model_dir / name for name in PROCESSOR_FILES if (model_dir / name).is_file()]
+    return Preprocessor(files=files, settings=settings if isinstance(settings, dict) else {})
+
+
+def example_inputs(
+    model: torch.nn.Module, preprocessor: Preprocessor
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Inputs to trace ``model.forward`` with, and which of their sizes stay dynamic."""
+    from torch.export import Dim
+
+    config = model.config
+    generator = torch.Generator().manual_seed(0)
+    batch = Dim("batch", min=1, max=64)
+    main_input = getattr(model, "main_input_name", "input_ids")
+    if main_input == "input_ids":
+        length = Dim("sequence", min=2, max=getattr(config, "max_position_embeddings", None) or 512)
+        ids = torch.randint(0, config.vocab_size, (EXAMPLE_BATCH, EXAMPLE_LENGTH), generator=generator)
+        inputs = {"input_ids": ids}
+        for name in preprocessor.model_input_names:
+            if name == "attention_mask":
+                inputs[name] = torch.ones_like(ids)
+            elif name == "token_type_ids":
+                inputs[name] = torch.zeros_like(ids)
+        return inputs, {name: {0: batch, 1: length} for name in inputs}
+    if main_input == "pixel_values":
+        size = getattr(config, "image_size", 224)
+        height, width = (size, size) if isinstance(size, int) else tuple(size)
+        channels = getattr(config, "num_channels", 3)
+        pixels = torch.randn(EXAMPLE_BATCH, channels, height, width, generator=generator)
+        return {"pixel_values": pixels}, {"pixel_values": {0: batch}}
+    if main_input == "input_values":
+        rate = int(preprocessor.settings.get("sampling_rate", 16000))
+        audio = torch.randn(EXAMPLE_BATCH, rate * AUDIO_SECONDS, generator=generator)
+        return {"input_values": audio}, {"input_values": {0: batch}}
+    if main_input == "input_features":
+        frames = 2 * getattr(config, "max_source_positions", 1500)
+        features = torch.randn(EXAMPLE_BATCH, config.num_mel_bins, frames, generator=generator)
+        return {"input_features": features}, {"input_features": {0: batch}}
+    raise UnsupportedModelError(f"{type(model).__name__} takes {main_input!r}, an input aotstack cannot make up")
+
+
+@dataclass
+class Generation:
+    """What ``generate_text`` produced, and how fast."""
+
+    text: str
+    tokens: list[int]
+    prompt_tokens: int
+    load_seconds: float
+    first_token_seconds: float
+    decode_seconds: float
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens after the first, per second of decoding (the prompt's prefill excluded)."""
+        return (len(self.tokens) - 1) / self.decode_seconds if len(self.tokens) > 1 and self.decode_seconds else 0.0
+
+
+def generate_text(folder: str | os.PathLike[str], prompt: str, max_new_tokens: int = 32) -> Generation:
+    """Greedy generation from an ``export_folder`` output of a text-generation or text2text-generation model."""
+    from transformers import AutoTokenizer
+    from transformers.exporters import ExportedModel
+
+    from .transformers import COMPONENT, AotstackModelRunner
+
+    folder = Path(folder)
+    if not is_aotstack_export(folder):
+        raise ModelFolderError(f"{folder} holds no aotstack export (export.json); make one with aotstack export-hf")
+    require_any(folder, TOKENIZER_FILES, "tokenizer", "generate")
+    if max_new_tokens < 1:
+        raise AotstackError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    started = time.perf_counter()
+    exported = ExportedModel.from_pretrained(folder, local_files_only=True)
+    runner = exported.runners[COMPONENT]
+    assert isinstance(runner, AotstackModelRunner)
+    if "decode" not in runner.methods:
+        raise UnsupportedModelError(f"{folder} holds methods {runner.methods}, not a text generation export")
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    load_seconds = time.perf_counter() - started
+    ids = tokenizer(prompt)["input_ids"]
+    from .transformers import generation_ids
+
+    eos, start = generation_ids(exported)
+    stamps: list[float] = []
+    began = time.perf_counter()
+    tokens = runner.generate(ids, max_new_tokens, eos, start, on_token=lambda _: stamps.append(time.perf_counter()))
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    first = stamps[0] - began if stamps else 0.0
+    return Generation(text, tokens, len(ids), load_seconds, first, stamps[-1] - stamps[0] if stamps else 0.0)

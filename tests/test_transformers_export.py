@@ -1,0 +1,280 @@
+"""aotstack as a ``transformers.exporters`` backend, and ``aotstack export-hf`` / ``generate`` on model folders.
+
+Tiny random models saved with ``save_pretrained``, with a word-level tokenizer built offline; each
+folder is exported once per module and shared by its tests. Most lower with AOTInductor alone
+(``aoti``); one export measures engines (``auto``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers.exporters")
+
+import transformers  # noqa: E402
+from transformers.exporters import ExportedModel  # noqa: E402
+from transformers.exporters.auto import get_exporter_class  # noqa: E402
+
+import aotstack  # noqa: E402
+from aotstack.cli import main  # noqa: E402
+from aotstack.errors import ModelFolderError, UnsupportedModelError  # noqa: E402
+from aotstack.integrations import transformers as aotstack_hf  # noqa: E402
+from aotstack.integrations.hf_folder import export_folder, generate_text  # noqa: E402
+
+WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "to", "park", "and", "then", "it", "slept"]
+SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
+VOCAB = 96
+PROMPT = "the cat sat on the mat and then"
+NEW_TOKENS = 12
+TEXT = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "max_position_embeddings": 64, "pad_token_id": 0, "bos_token_id": 1,
+        "eos_token_id": 2}
+
+
+def tokenizer() -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer of ``VOCAB`` entries, made here, not downloaded."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    names = SPECIAL + WORDS + [f"w{i}" for i in range(VOCAB - len(SPECIAL) - len(WORDS))]
+    model = Tokenizer(models.WordLevel({name: i for i, name in enumerate(names)}, unk_token="<unk>"))
+    model.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    model.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<pad>", bos_token="<s>",
+                                                eos_token="</s>", unk_token="<unk>")
+
+
+def decoder_lm(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if name == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**TEXT, num_key_value_heads=2))
+    if name == "qwen3":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**TEXT, num_key_value_heads=2, head_dim=8))
+    return transformers.Phi3ForCausalLM(transformers.Phi3Config(**TEXT, num_key_value_heads=2))
+
+
+def t5() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4, pad_token_id=0, eos_token_id=2,
+        decoder_start_token_id=0))
+
+
+def bert() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.BertModel(transformers.BertConfig(**TEXT))
+
+
+def vit() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, num_labels=5))
+
+
+def saved(model: torch.nn.Module, folder: Path, processor: dict | None = None) -> Path:
+    """``model`` saved in ``folder`` with the tokenizer, or with ``processor`` as its preprocessor_config.json."""
+    model.eval().save_pretrained(folder)
+    if processor is None:
+        tokenizer().save_pretrained(folder)
+    else:  # written as JSON: building an image processor needs Pillow or torchvision, which tests lack
+        (folder / "preprocessor_config.json").write_text(json.dumps(processor))
+    return folder
+
+
+def greedy_reference(model: torch.nn.Module, ids: list[int]) -> list[int]:
+    """transformers' own greedy ``generate``: the new tokens (an encoder-decoder's after its start token)."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0].tolist()
+    return out[1:] if model.config.is_encoder_decoder else out[len(ids):]
+
+
+def export_hf(*args: str) -> None:
+    assert main(["export-hf", *args, "--progress", "log"]) == 0
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "phi3"])
+def decoder_export(request, tmp_path_factory) -> tuple[torch.nn.Module, Path]:
+    model = decoder_lm(request.param)
+    root = tmp_path_factory.mktemp(request.param)
+    folder = saved(model, root / "model")
+    export_hf(str(folder), "-o", str(root / "out"), "--engines", "aoti", "--max-cache-len", "32")
+    return model.eval(), root / "out"
+
+
+def test_export_hf_then_generate_gives_transformers_greedy_text(decoder_export, capsys):
+    model, out = decoder_export
+    assert sorted(path.name for path in out.iterdir()) == [
+        "config.json", "export.json", "generation_config.json", "model.pt2", "tokenizer.json", "tokenizer_config.json"]
+    ids = tokenizer()(PROMPT)["input_ids"]
+    expected = greedy_reference(model, ids)
+
+    capsys.readouterr()
+    assert main(["generate", str(out), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS)]) == 0
+    printed = capsys.readouterr()
+    assert printed.out.strip() == tokenizer().decode(expected, skip_special_tokens=True)
+    assert "tokens/s" in printed.err
+
+    # The same file through transformers' own loader: one component, both stages in it.
+    exported = ExportedModel.from_pretrained(out)
+    assert list(exported.components) == ["model"]
+    assert set(exported.runners["model"].methods) == {"prefill", "decode"}
+    assert aotstack_hf.generate(exported, ids, NEW_TOKENS) == expected
+
+
+def test_prefill_and_decode_share_each_weight_in_one_file(decoder_export):
+    from aotstack.format.archive import read_manifest
+
+    manifest = read_manifest(decoder_export[1] / "model.pt2")
+    assert set(manifest.methods) == {"prefill", "decode"}
+    blob_of: dict[str, set[str]] = {}
+    readers: dict[str, set[str]] = {}
+    for name, method in manifest.methods.items():
+        named = dict(method.weights.items())
+        named.update({local.removeprefix("weight:"): key for delegate in method.delegates
+                      for local, key in delegate.named_data.items() if local.startswith("weight:")})
+        for fqn, weight in named.items():
+            blob_of.setdefault(fqn, set()).add(getattr(weight, "blob", weight))
+            readers.setdefault(fqn, set()).add(name)
+    assert any(readers[fqn] == {"prefill", "decode"} for fqn in readers), "both methods read the same weights"
+    assert all(len(keys) == 1 for keys in blob_of.values()), "a weight both methods read is one blob"
+
+
+def test_a_prompt_too_long_for_the_cache_is_refused(decoder_export):
+    exported = ExportedModel.from_pretrained(decoder_export[1])
+    with pytest.raises(aotstack.AotstackError, match="needs 40 cache slots; this export has 32"):
+        aotstack_hf.generate(exported, list(range(4, 12)), 32)
+
+
+def test_encoder_decoder_folder_generates_transformers_greedy_text(tmp_path, capsys):
+    model = t5()
+    folder = saved(model, tmp_path / "t5")
+    export_hf(str(folder), "-o", str(tmp_path / "out"), "--engines", "aoti", "--max-cache-len", "32")
+    assert "text2text-generation" in capsys.readouterr().out  # inferred from the config
+    ids = tokenizer()(PROMPT)["input_ids"]
+    expected = greedy_reference(model.eval(), ids)
+
+    assert main(["generate", str(tmp_path / "out"), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS)]) == 0
+    assert capsys.readouterr().out.strip() == tokenizer().decode(expected, skip_special_tokens=True)
+    assert aotstack_hf.generate(ExportedModel.from_pretrained(tmp_path / "out"), ids, NEW_TOKENS) == expected
+
+
+def test_round_trip_through_the_registered_backend_matches_eager(tmp_path):
+    model = bert().eval()
+    ids = torch.randint(4, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    exporter = get_exporter_class("aotstack")(progress=False)
+    assert isinstance(exporter, aotstack_hf.AotstackExporter)
+    config = aotstack_hf.AotstackConfig(engines="aoti", dynamic=True)
+    exported = exporter.export(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, config)
+    exported.save_pretrained(tmp_path / "bert")
+    assert json.loads((tmp_path / "bert" / "export.json").read_text())["export_format"] == "aotstack"
+
+    loaded = ExportedModel.from_pretrained(tmp_path / "bert")
+    other = torch.randint(4, VOCAB, (2, 11), generator=torch.Generator().manual_seed(2))
+    for batch in (ids, other):
+        mask = torch.ones_like(batch)
+        mask[1, -2:] = 0
+        got = loaded(input_ids=batch, attention_mask=mask)
+        with torch.no_grad():
+            want = model(input_ids=batch, attention_mask=mask)
+        torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=1e-4, atol=1e-5)
+
+
+def test_feature_extraction_folder_with_auto_engines(tmp_path, capsys):
+    model = bert().eval()
+    export_hf(str(saved(model, tmp_path / "bert")), "-o", str(tmp_path / "out"))  # --engines auto
+    assert "feature-extraction" in capsys.readouterr().out
+    report = aotstack.file_report(tmp_path / "out" / "model.pt2").to_json()
+    assert report["methods"], "the file reports what auto kept"
+    ids = torch.randint(4, VOCAB, (3, 5), generator=torch.Generator().manual_seed(3))
+    got = ExportedModel.from_pretrained(tmp_path / "out")(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                                            token_type_ids=torch.zeros_like(ids))
+    with torch.no_grad():
+        want = model(input_ids=ids)
+    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=1e-4, atol=1e-5)
+
+
+def test_image_classification_folder_matches_eager(tmp_path, capsys):
+    model = vit().eval()
+    processor = {"image_processor_type": "ViTImageProcessor", "size": {"height": 32, "width": 32},
+                 "do_resize": True, "do_normalize": True, "image_mean": [0.5] * 3, "image_std": [0.5] * 3}
+    export_hf(str(saved(model, tmp_path / "vit", processor)), "-o", str(tmp_path / "out"), "--engines", "aoti")
+    assert "image-classification" in capsys.readouterr().out
+    assert (tmp_path / "out" / "preprocessor_config.json").is_file()
+    pixels = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    got = ExportedModel.from_pretrained(tmp_path / "out")(pixel_values=pixels)
+    with torch.no_grad():
+        torch.testing.assert_close(got.logits, model(pixel_values=pixels).logits, rtol=1e-4, atol=1e-5)
+
+
+# Errors: each names what is wrong and what is expected, and leaves nothing in or beside the output.
+
+
+@pytest.fixture(scope="module")
+def small_folder(tmp_path_factory) -> Path:
+    return saved(decoder_lm("llama"), tmp_path_factory.mktemp("small") / "llama")
+
+
+def copy_without(folder: Path, tmp_path: Path, *names: str) -> Path:
+    target = tmp_path / "model"
+    shutil.copytree(folder, target, ignore=shutil.ignore_patterns(*names))
+    return target
+
+
+def assert_nothing_written(tmp_path: Path) -> None:
+    assert not (tmp_path / "out").exists()
+    assert not [path.name for path in tmp_path.iterdir() if path.name.startswith(".out")]
+
+
+@pytest.mark.parametrize(("missing", "message"), [
+    ("config.json", "has no config.json"),
+    ("model.safetensors", "has no weights: expected model.safetensors"),
+    ("tokenizer*", "has no tokenizer (tokenizer.json or tokenizer_config.json), which task text-generation needs"),
+])
+def test_a_folder_missing_a_file_is_refused_by_name(small_folder, tmp_path, missing, message):
+    folder = copy_without(small_folder, tmp_path, missing)
+    with pytest.raises(ModelFolderError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        export_folder(folder, tmp_path / "out", engines="aoti")
+    assert_nothing_written(tmp_path)
+
+
+def test_pickled_weights_and_remote_code_are_refused(small_folder, tmp_path):
+    folder = copy_without(small_folder, tmp_path, "model.safetensors")
+    (folder / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(ModelFolderError, match="pytorch_model.bin, a pickle, which aotstack does not load"):
+        export_folder(folder, tmp_path / "out")
+    config = json.loads((small_folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoModel": "mine.Model"}}))
+    with pytest.raises(ModelFolderError, match="names code of its own"):
+        export_folder(folder, tmp_path / "out")
+    assert_nothing_written(tmp_path)
+
+
+def test_unknown_task_and_unloadable_architecture_are_refused(small_folder, tmp_path, capsys):
+    with pytest.raises(UnsupportedModelError, match="unknown task 'translation'; supported tasks: text-generation"):
+        export_folder(small_folder, tmp_path / "out", task="translation")
+    with pytest.raises(UnsupportedModelError, match="task image-classification cannot load model type 'llama'"):
+        export_folder(small_folder, tmp_path / "out", task="image-classification")
+    folder = copy_without(small_folder, tmp_path, "config.json")
+    (folder / "config.json").write_text(json.dumps({"model_type": "no-such-model"}))
+    with pytest.raises(UnsupportedModelError, match="transformers cannot read .* 'no-such-model'"):
+        export_folder(folder, tmp_path / "out")
+    assert_nothing_written(tmp_path)
+    # The command line says the same, as an error line rather than a traceback.
+    assert main(["export-hf", str(small_folder), "-o", str(tmp_path / "out"), "--task", "translation"]) == 1
+    assert "aotstack: error: unknown task 'translation'" in capsys.readouterr().err
+
+
+def test_an_output_that_is_not_an_export_is_left_alone(small_folder, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "notes.txt").write_text("mine")
+    with pytest.raises(ModelFolderError, match="exists and is not an aotstack export folder"):
+        export_folder(small_folder, tmp_path / "out")
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
+    with pytest.raises(ModelFolderError, match="holds no aotstack export"):
+        generate_text(tmp_path / "out", "the cat")
