@@ -21,14 +21,6 @@ class ModelFolderError(AotstackError):
     """A model folder lacks a file an export needs, or asks to run code of its own; the message names it."""
 
 
-class UnsupportedModelError(ExportError):
-    """A model cannot be exported for the task asked: an unknown task, or an architecture export cannot trace."""
-
-
-class ModelFolderError(AotstackError):
-    """A model folder lacks a file an export needs, or asks to run code of its own; the message names it."""
-
-
 class LoweringError(AotstackError):
     """A partition could not be lowered: bad partition, bad compile spec, failed compile."""
 
