@@ -119,6 +119,22 @@ def gpt2() -> torch.nn.Module:
     return Outputs(GPT2LMHeadModel(config), ("logits",))
 
 
+def mixtral() -> torch.nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(**TEXT, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=64, use_cache=False)
+    return Outputs(MixtralForCausalLM(config), ("logits",))
+
+
+def qwen3_moe() -> torch.nn.Module:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(**TEXT, moe_intermediate_size=16, num_key_value_heads=2, head_dim=8, num_experts=4,
+                            num_experts_per_tok=2, max_position_embeddings=64, use_cache=False)
+    return Outputs(Qwen3MoeForCausalLM(config), ("logits",))
+
+
 def bert() -> torch.nn.Module:
     from transformers import BertConfig, BertModel
 
@@ -196,6 +212,8 @@ CORPUS = {
         Architecture("qwen2", "decoder LM (GQA, rotary)", seeded(qwen2), token_inputs),
         Architecture("gemma", "decoder LM (MQA, rotary)", seeded(gemma), token_inputs),
         Architecture("gpt2", "decoder LM", seeded(gpt2), token_inputs),
+        Architecture("mixtral", "mixture of experts", seeded(mixtral), token_inputs),
+        Architecture("qwen3_moe", "mixture of experts", seeded(qwen3_moe), token_inputs),
         Architecture("bert", "encoder", seeded(bert), token_and_mask_inputs),
         Architecture("roberta", "encoder", seeded(roberta), token_and_mask_inputs),
         Architecture("t5", "encoder-decoder", seeded(t5), seq2seq_inputs),

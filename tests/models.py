@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+# Registers the custom ops of the "custom_ops" model, in this process and in every child that builds or loads it.
+from tests import custom_ops_lib
+
 
 class AddModel(torch.nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -209,6 +212,7 @@ MODELS = {
     "add": (AddModel, [(4, 5), (4, 5)]),
     "conv": (ConvModel, [(2, 3, 8, 8)]),
     "linear": (LinearModel, [(4, 16)]),
+    "custom_ops": (custom_ops_lib.CustomOpModel, [(4, 8), (4,)]),
     "split": (SplitModel, [(4, 16)]),
     "shared": (SharedModel, [(2, 256)]),
     "unused": (UnusedStateModel, [(3, 8)]),

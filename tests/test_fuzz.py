@@ -24,7 +24,12 @@ SEED = int(os.environ.get("AOTSTACK_FUZZ_SEED", "11"))
 def test_damaged_and_tampered_packages_end_in_aotstack_errors_or_correct_runs(
     lowered_package, lowered_with, tmp_path
 ):
-    packages = {"linear": lowered_package("linear")[1], "stacked": lowered_with("stacked", *ORT_THEN_AOTI)[1]}
+    packages = {
+        "linear": lowered_package("linear")[1],
+        "stacked": lowered_with("stacked", *ORT_THEN_AOTI)[1],
+        # A library calling custom ops through the proxy executor, and the manifest's list of them.
+        "custom_ops": lowered_package("custom_ops")[1],
+    }
     work, temporary, cwd = tmp_path / "work", tmp_path / "tmp", tmp_path / "cwd"
     for directory in (work, temporary, cwd):
         directory.mkdir()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from html import escape
 
+from ..format.custom_ops import qualified_name
 from ..format.placement import PLAIN_ATEN, Selection
 from .graph import engine_colour
 from .summary import DelegateSummary, MethodSummary, Summary
@@ -12,6 +13,7 @@ from .text import (
     NODES_SHOWN,
     check_text,
     compile_text,
+    custom_op_uses,
     duration,
     megabytes,
     ops_text,
@@ -38,6 +40,14 @@ def report_html(report: Summary) -> str:
     parts = [STYLE, '<div class="aotstack-report">', f"<p><b>{escape(title(report))}</b></p>"]
     for method in report.methods:
         parts.append(method_html(method, report.planned))
+    if report.custom_ops:
+        rows = [
+            f"<tr><td>{escape(qualified_name(r.name))}</td><td>{escape(custom_op_uses(r))}</td>"
+            f"<td>{escape(r.module or 'unknown (not Python)')}</td></tr>"
+            for r in report.custom_ops
+        ]
+        header = ["op", "runs in", "registered by"]
+        parts.append(table("custom ops (a loading process registers them first)", header, rows))
     parts.append(sizes_html(report))
     if report.check is not None:
         parts.append(f"<pre>{escape(check_text(report.check).plain.strip())}</pre>")

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..format.archive import read_manifest
+from ..format.custom_ops import custom_op_to_json
 from ..format.manifest import DelegateRecord, Manifest, MethodRecord, record_text
 from ..format.placement import PLAIN_ATEN, Placement, Reason, selection_to_json
 from ..format.plan import OpStep, Ref
@@ -92,6 +93,7 @@ def program_report(
         size_parts=size_parts(manifest, file_bytes),
         file_bytes=file_bytes,
         check=check,
+        custom_ops=list(manifest.custom_ops),
         manifest=manifest,
     )
 
@@ -223,6 +225,7 @@ def report_to_json(report: Report) -> dict[str, Any]:
             "parts": [{"part": part.part, "bytes": part.bytes} for part in report.size_parts],
         },
         "check": report.check,
+        "custom_ops": [custom_op_to_json(record) for record in report.custom_ops],
     }
 
 

@@ -153,6 +153,23 @@ REPORT_SCHEMA: dict[str, Any] = {
                 **nullable({"type": "object"}),
                 "description": "what lower(check=...) measured (CheckResult.to_json()); null where nothing was",
             },
+            "custom_ops": {
+                "type": "array",
+                "description": "ops outside ATen the file calls; a loading process must register each first",
+                "items": strict(
+                    {
+                        "name": {**TEXT, "description": "namespace.op.overload"},
+                        "schema": TEXT,
+                        "module": {**nullable(TEXT), "description": "the module whose import registers it"},
+                        "used_by": {
+                            "type": "array",
+                            "items": TEXT,
+                            "description": "delegate ids calling it; 'plan' where a plan step does (allow_ops)",
+                        },
+                        "devices": {"type": "array", "items": TEXT},
+                    }
+                ),
+            },
         }
     ),
 }

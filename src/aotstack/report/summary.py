@@ -6,9 +6,10 @@ ways to show them, so nothing here imports a renderer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from ..format.custom_ops import CustomOpRecord
 from ..format.placement import Reason, Selection
 from ..format.records import TensorSpec
 
@@ -100,6 +101,8 @@ class Summary:
     # The file's size; None for a program not saved, whose parts are the blobs it would store.
     file_bytes: int | None
     check: dict[str, Any] | None = None
+    # The custom ops the file calls, which the loading process must register (format/custom_ops.py).
+    custom_ops: list[CustomOpRecord] = field(default_factory=list)
 
     @property
     def total_bytes(self) -> int:

@@ -10,6 +10,7 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from ..format.custom_ops import PLAN, CustomOpRecord, qualified_name
 from ..format.placement import PLAIN_ATEN, Selection
 from ..format.records import TensorSpec
 from .summary import DelegateSummary, MethodSummary, Summary
@@ -59,10 +60,30 @@ def report_renderable(report: Summary) -> RenderableType:
     parts: list[RenderableType] = [heading(report)]
     for method in report.methods:
         parts.extend(method_parts(method, report.planned))
+    if report.custom_ops:
+        parts.append(custom_ops_table(report))
     parts.append(sizes_table(report))
     if report.check is not None:
         parts.append(check_text(report.check))
     return Group(*parts)
+
+
+def custom_ops_table(report: Summary) -> Table:
+    """The custom ops the file calls: where each runs and what registers it (see format/custom_ops.py)."""
+    table = Table(title="custom ops (a loading process registers them first)", title_justify="left")
+    for column in ("op", "runs in", "registered by"):
+        table.add_column(column)
+    for record in report.custom_ops:
+        table.add_row(qualified_name(record.name), custom_op_uses(record), record.module or "unknown (not Python)")
+    return table
+
+
+def custom_op_uses(record: CustomOpRecord) -> str:
+    """``delegate forward.0; the plan (load with allow_ops)``."""
+    uses = [f"delegate {use}" for use in record.used_by if use != PLAN]
+    if record.in_plan:
+        uses.append(f"the plan (load with allow_ops=[{record.name.rsplit('.', 1)[0]!r}])")
+    return "; ".join(uses)
 
 
 def heading(report: Summary) -> Text:
