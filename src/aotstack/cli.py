@@ -112,6 +112,10 @@ def argument_parser() -> argparse.ArgumentParser:
     run.add_argument("--calls", type=int, default=100, help="timed calls per method (default 100)")
     run.add_argument("--public-key", action="append", metavar="PUB",
                      help="refuse the file unless a key in PUB (PEM) signed it; repeatable")
+    run.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
+                     help="import MODULE first, to register the custom ops the file calls; repeatable")
+    run.add_argument("--allow-op", dest="allow_ops", action="append", default=[], metavar="NS.OP",
+                     help="let the run plan call custom op NS.OP, which no engine claimed; repeatable")
     run.set_defaults(command=run_command)
 
     inspect = commands.add_parser(
@@ -318,8 +322,13 @@ def run_command(args: argparse.Namespace) -> int:
 
     from .format.archive import read_manifest
 
+    for module in args.imports:
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise ValueError(f"--import {module}: {exc}") from None
     started = time.perf_counter()
-    loaded = aotstack.load(args.package, public_key=args.public_key)
+    loaded = aotstack.load(args.package, public_key=args.public_key, allow_ops=args.allow_ops)
     manifest = read_manifest(args.package)
     print(f"loaded {args.package} in {(time.perf_counter() - started) * 1e3:.1f} ms")
     names = [args.method] if args.method else loaded.method_names
