@@ -260,7 +260,7 @@ def load_model(model_dir: Path, task: str, config: Any) -> torch.nn.Module:
             f"task {task} cannot load model type {config.model_type!r} (architectures {architectures}): "
             f"{str(exc).splitlines()[0]}; supported tasks: {', '.join(TASKS)}"
         ) from exc
-    if task in GENERATION_TASKS and task == "text-generation" and config.is_encoder_decoder:
+    if task == "text-generation" and config.is_encoder_decoder:
         raise UnsupportedModelError(f"{type(model).__name__} is an encoder-decoder; use --task text2text-generation")
     return model.eval()
 
