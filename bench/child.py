@@ -1,7 +1,7 @@
 """What the benchmarks measure in a fresh process; its last line of output is one JSON object.
 
     child.py sha256 FILE                                     read and SHA-256-hash FILE once
-    child.py load aotstack|aoti PACKAGE INPUTS THREADS       load + first call; resident memory
+    child.py load aotstack|aoti PACKAGE INPUTS THREADS [--import M]   load + first call; resident memory
     child.py compile aotstack|aoti WORKLOAD PACKAGE THREADS [--exclude OP ...] [--jobs N]
 
 Run through ``common.run_child``, which puts ``bench/`` and the repository root on the path. Imports
@@ -52,11 +52,17 @@ def sha256(path: str) -> None:
     emit(read_hash_s=time.perf_counter() - started, bytes=size, **memory())
 
 
-def load(kind: str, package: str, inputs: str, threads: int) -> None:
+def load(kind: str, package: str, inputs: str, threads: int, imports: list[str]) -> None:
     started = time.perf_counter()
+    import importlib
+
     import torch
 
     import aotstack  # noqa: F401
+
+    # The modules registering the package's custom ops (a mixture of experts' grouped matmul).
+    for module in imports:
+        importlib.import_module(module)
 
     import_rss = status("VmRSS")  # a fresh process after `import torch, aotstack`
     if kind == "aotstack":
@@ -133,6 +139,7 @@ def main() -> None:
     loading.add_argument("package")
     loading.add_argument("inputs")
     loading.add_argument("threads", type=int)
+    loading.add_argument("--import", dest="imports", action="append", default=[])
     compiling = commands.add_parser("compile")
     compiling.add_argument("kind", choices=["aotstack", "auto", "aoti", "explain"])
     compiling.add_argument("workload")
@@ -144,7 +151,7 @@ def main() -> None:
     if args.command == "sha256":
         sha256(args.path)
     elif args.command == "load":
-        load(args.kind, args.package, args.inputs, args.threads)
+        load(args.kind, args.package, args.inputs, args.threads, args.imports)
     else:
         compile_package(args.kind, args.workload, args.package, args.threads, args.exclude, args.jobs)
 

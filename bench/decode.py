@@ -41,14 +41,30 @@ CACHE = 128
 PROMPT = [1, 5, 9, 2, 7, 3, 8, 4]
 
 
-def language_model(vocab: int, hidden: int, layers: int) -> torch.nn.Module:
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+# The decoder architectures the benchmark builds; the mixtures of experts call transformers'
+# grouped_mm_fallback custom op once per expert projection.
+ARCHITECTURES = ("llama", "mixtral", "qwen3_moe")
+
+
+def language_model(vocab: int, hidden: int, layers: int, arch: str = "llama") -> torch.nn.Module:
+    import transformers
+    from transformers import GenerationConfig
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
-                         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
-                         max_position_embeddings=CACHE)
-    model = LlamaForCausalLM(config).eval()
+    shared = {"vocab_size": vocab, "hidden_size": hidden, "num_hidden_layers": layers, "num_attention_heads": 8,
+              "num_key_value_heads": 2, "max_position_embeddings": CACHE}
+    if arch == "mixtral":
+        config = transformers.MixtralConfig(**shared, intermediate_size=hidden * 11 // 4, num_local_experts=8,
+                                            num_experts_per_tok=2)
+        model = transformers.MixtralForCausalLM(config)
+    elif arch == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**shared, intermediate_size=hidden * 11 // 4, head_dim=hidden // 8,
+                                             moe_intermediate_size=hidden // 2, num_experts=16, num_experts_per_tok=4)
+        model = transformers.Qwen3MoeForCausalLM(config)
+    else:
+        config = transformers.LlamaConfig(**shared, intermediate_size=hidden * 11 // 4)
+        model = transformers.LlamaForCausalLM(config)
+    model.eval()
     model.generation_config = GenerationConfig(use_cache=True, cache_implementation="static")
     return model
 
@@ -76,13 +92,14 @@ def decode_rates(
     hidden: int = 512,
     layers: int = 4,
     vocab: int = 8192,
+    arch: str = "llama",
 ) -> Figures:
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
     tokens, rounds = tokens or settings.pick(64, 32), rounds or settings.pick(5, 2)
-    model = language_model(vocab, hidden, layers)
+    model = language_model(vocab, hidden, layers, arch)
     size = weights_bytes(model)
-    print(f"  Llama-style model: {size / 1e6:.1f} MB of float32 weights, KV cache {CACHE}, {tokens} tokens a round")
+    print(f"  {arch} model: {size / 1e6:.1f} MB of float32 weights, KV cache {CACHE}, {tokens} tokens a round")
     wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE)
     exported = wrapper.export(input_ids=torch.tensor([[1]]), cache_position=torch.tensor([0]))
 
@@ -126,7 +143,8 @@ def decode_rates(
 
     inputs = save_inputs(settings.path("decode-inputs.pt"),
                          kwargs={"input_ids": torch.tensor([[1]]), "cache_position": torch.tensor([0])})
-    memory = run_child(["load", "aotstack", path, inputs, str(settings.threads)])
+    registers_ops = ["--import", "transformers.integrations.moe"] if arch != "llama" else []
+    memory = run_child(["load", "aotstack", path, inputs, str(settings.threads), *registers_ops])
     added = memory["rss"] - memory["import_rss"]
 
     rate = {name: tokens / median(values) for name, values in seconds.items()}
@@ -156,6 +174,7 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--arch", choices=ARCHITECTURES, default="llama")
 
 
 if __name__ == "__main__":

@@ -227,3 +227,34 @@ def test_the_cli_runs_a_plan_custom_op_only_with_allow_op(in_plan, capsys):
     assert "forward(" in capsys.readouterr().out
     assert main(["run", path, "--import", "no_such_module_here", *allowed]) == 1
     assert "--import no_such_module_here" in capsys.readouterr().err
+
+
+class ExpertsMatmul(torch.nn.Module):
+    """transformers' grouped expert matmul on its own: rows sorted by expert, cumulative counts."""
+
+    def __init__(self, experts: int = 4) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(experts, 8, 6, generator=torch.Generator().manual_seed(5)))
+
+    def forward(self, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return torch.ops.transformers.grouped_mm_fallback(rows, self.weight, offs=offsets)
+
+
+def test_few_static_expert_rows_compile_as_a_batched_matmul_and_many_keep_the_op(tmp_path):
+    from transformers.integrations import moe  # noqa: F401  (registers the op)
+
+    from aotstack.backends.aoti.experts import with_dense_experts
+
+    model = ExpertsMatmul().eval()
+    cases = {
+        "decode": (torch.randn(3, 8), torch.tensor([1, 1, 3, 3])),  # rows <= experts, one expert empty
+        "prompt": (torch.randn(9, 8), torch.tensor([2, 5, 5, 9])),  # more rows than experts
+    }
+    for name, inputs in cases.items():
+        program = aotstack.export(model, {"forward": inputs}).methods["forward"]
+        targets = {str(node.target) for node in with_dense_experts(program).graph.nodes}
+        assert ("transformers.grouped_mm_fallback.default" in targets) == (name == "prompt"), name
+        lowered = aotstack.lower(aotstack.Program({"forward": program}), [aotstack.AotiCpuPartitioner()])
+        lowered.save(tmp_path / f"{name}.pt2")
+        with torch.no_grad():
+            torch.testing.assert_close(aotstack.load(tmp_path / f"{name}.pt2").forward(*inputs), model(*inputs))

@@ -22,6 +22,7 @@ from ...compile.program_parts import program_fingerprint, program_weights
 from ...errors import LoweringError
 from ...format.devices import HOST, Device, DeviceType
 from ...format.tensor_data import content_key
+from .experts import with_dense_experts
 from .kernels import recorded_fallback_kernels
 from .passes import GraphPass
 
@@ -128,7 +129,7 @@ def prepared_program(exported_program: ExportedProgram, steps: CompileSteps) -> 
     """The partition on the target device, after the backend's passes and decompositions."""
     from torch.export.passes import move_to_device_pass
 
-    program = exported_program
+    program = with_dense_experts(exported_program)
     if steps.device != HOST:
         program = move_to_device_pass(program, str(steps.device))
     for graph_pass in steps.passes:
