@@ -55,10 +55,7 @@ def argument_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--on-compile-error", choices=("raise", "fallback"), default="raise",
                           help="when an engine fails to compile a part: stop with an error (raise, the default), "
                                "or warn and leave the part to the next engine or plain ATen (fallback)")
-    compile_.add_argument("-j", "--jobs", type=positive_int, default=None, metavar="N",
-                          help="compile up to N parts at once, in worker processes (default: one per core)")
-    compile_.add_argument("--progress", choices=("auto", "live", "log"), default="auto",
-                          help="a live table (live), log lines (log), or the table only in a terminal (auto)")
+    add_compile_run_options(compile_)
     compile_.add_argument("--check", nargs="?", const="outputs", choices=("outputs", "partition"), default=None,
                           help="run each method on its example inputs, eagerly and from the package, and fail past "
                                "the tolerance; =partition also compares each delegate with the eager ops it replaced")
@@ -93,10 +90,7 @@ def argument_parser() -> argparse.ArgumentParser:
     export_hf.add_argument("--max-cache-len", type=positive_int, default=None, metavar="N",
                            help="generation: the KV cache's length, the longest prompt plus new tokens "
                                 "(default: the model's max_position_embeddings, at most 1024)")
-    export_hf.add_argument("-j", "--jobs", type=positive_int, default=None, metavar="N",
-                           help="compile up to N parts at once, in worker processes (default: one per core)")
-    export_hf.add_argument("--progress", choices=("auto", "live", "log"), default="auto",
-                           help="a live table (live), log lines (log), or the table only in a terminal (auto)")
+    add_compile_run_options(export_hf)
     export_hf.set_defaults(command=export_hf_command)
 
     generate = commands.add_parser("generate", help="generate text greedily from an export-hf folder")
@@ -158,6 +152,14 @@ def add_partitioner_options(parser: argparse.ArgumentParser) -> None:
                         help="like --ort, but ONNX Runtime claims only OP; repeatable")
     parser.add_argument("--min-block-size", type=int, default=1, metavar="N",
                         help="leave parts with fewer than N compute ops to the next engine (default 1)")
+
+
+def add_compile_run_options(parser: argparse.ArgumentParser) -> None:
+    """How a long compile runs: parts at once, and how its progress shows."""
+    parser.add_argument("-j", "--jobs", type=positive_int, default=None, metavar="N",
+                        help="compile up to N parts at once, in worker processes (default: one per core)")
+    parser.add_argument("--progress", choices=("auto", "live", "log"), default="auto",
+                        help="a live table (live), log lines (log), or the table only in a terminal (auto)")
 
 
 def add_report_options(parser: argparse.ArgumentParser) -> None:

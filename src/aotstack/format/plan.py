@@ -434,21 +434,21 @@ def custom_op_names(steps: list[Step]) -> set[str]:
 
 
 def op_refs(value: Any) -> list[str]:
-    if isinstance(value, OpRef):
-        return [value.name]
-    if isinstance(value, (list, tuple)):
-        return [name for item in value for name in op_refs(item)]
-    if isinstance(value, dict):
-        return [name for item in value.values() for name in op_refs(item)]
-    return []
+    """The custom ops ``value`` hands to another op, in order."""
+    return [op.name for op in found_in(value, OpRef)]
 
 
 def refs(value: Any) -> list[str]:
     """The names ``value`` reads, in order."""
-    if isinstance(value, Ref):
-        return [value.name]
+    return [ref.name for ref in found_in(value, Ref)]
+
+
+def found_in(value: Any, kind: type) -> list[Any]:
+    """Every ``kind`` inside ``value``'s lists, tuples and dicts, in order."""
+    if isinstance(value, kind):
+        return [value]
     if isinstance(value, (list, tuple)):
-        return [name for item in value for name in refs(item)]
+        return [found for item in value for found in found_in(item, kind)]
     if isinstance(value, dict):
-        return [name for item in value.values() for name in refs(item)]
+        return [found for item in value.values() for found in found_in(item, kind)]
     return []
