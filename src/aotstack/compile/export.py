@@ -31,8 +31,10 @@ class Program:
                 )
         # A program exported elsewhere (transformers' export wrappers, say) may update its
         # buffers in place; lowering needs those updates as outputs of a functional graph.
+        # One exported from a model quantized with torchao holds its weights as tensor subclasses;
+        # decomposing unwraps them into the plain tensors they pack, which the file can store.
         self.methods = {
-            name: functional(program) if mutates_in_place(program) else program
+            name: functional(program) if mutates_in_place(program) or holds_subclass_weights(program) else program
             for name, program in self.methods.items()
         }
 
@@ -113,6 +115,15 @@ def mutates_in_place(exported: ExportedProgram) -> bool:
         for node in exported.graph.nodes
         if node.op == "call_function"
     )
+
+
+def holds_subclass_weights(exported: ExportedProgram) -> bool:
+    """Whether a weight or constant of ``exported`` is a tensor subclass (a torchao-quantized weight, say)."""
+    values = [*exported.state_dict.values(), *exported.constants.values()]
+    return any(isinstance(value, torch.Tensor) and type(value) not in PLAIN_TENSOR_TYPES for value in values)
+
+
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter, torch.nn.Buffer)
 
 
 def module_calling(model: torch.nn.Module, name: str) -> torch.nn.Module:
