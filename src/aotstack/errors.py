@@ -21,6 +21,10 @@ class ModelFolderError(AotstackError):
     """A model folder lacks a file an export needs, or asks to run code of its own; the message names it."""
 
 
+class QuantizationError(AotstackError):
+    """A model cannot be quantized as asked: an unknown scheme, a group size that does not fit a layer, no torchao."""
+
+
 class LoweringError(AotstackError):
     """A partition could not be lowered: bad partition, bad compile spec, failed compile."""
 
