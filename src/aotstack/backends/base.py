@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from ..errors import BackendNotFoundError
+from ..format.custom_ops import is_custom_op_name
 from ..format.specs import CompileSpec, PreprocessResult
 from ..format.tensor_data import BytesLike
 
@@ -104,6 +105,15 @@ class Backend(BackendRuntime):
         ``lower`` calls it in its own process before it forks compile workers, which inherit the
         result instead of each paying for it. The default does nothing.
         """
+
+    def custom_ops_called(self, claimed: list[str], result: PreprocessResult) -> list[str]:
+        """The custom ops (``ns.op.overload``) of ``claimed`` that the compiled partition calls back through torch.
+
+        A process loading the package must register these first. The default assumes every
+        claimed custom op is called; an engine that translates ops into its own returns none, and
+        one whose compiled code lists its calls returns exactly those.
+        """
+        return [name for name in claimed if is_custom_op_name(name)]
 
     def updates_in_place(self, buffer: torch.Tensor, compile_specs: list[CompileSpec]) -> bool:
         """Whether a partition may own ``buffer``, which it updates, changing it in place at run time.

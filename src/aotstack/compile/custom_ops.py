@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import torch
 
 from ..errors import LoweringError
-from ..format.custom_ops import PLAN, CustomOpRecord, is_custom_op_name, qualified_name, registered_op
+from ..format.custom_ops import PLAN, CustomOpRecord, qualified_name, registered_op
 from ..format.devices import Device
 from ..format.manifest import MethodRecord
 from ..format.plan import custom_op_names
@@ -24,7 +24,7 @@ def custom_op_records(methods: Mapping[str, MethodRecord]) -> list[CustomOpRecor
         for name in custom_op_names(method.plan.steps):
             used_by[name].add(PLAN)
         for delegate in method.delegates:
-            for name in filter(is_custom_op_name, delegate.ops):
+            for name in delegate.calls:
                 used_by[name].add(delegate.id)
                 devices[name].add(Device.parse(delegate.target_device).type.value)
     return [custom_op_record(name, used_by[name], devices[name]) for name in sorted(used_by)]

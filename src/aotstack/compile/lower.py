@@ -732,6 +732,7 @@ def compile_record(outcome: CompileOutcome, state: str, delegate_id: str | None)
 
 def compiled_delegate(claim: Claim, result: PreprocessResult, delegate_id: str) -> Delegate:
     part = claim.part
+    calls = backend_class(claim.backend_id)().custom_ops_called(list(claim.ops), result)
     return Delegate(
         delegate_id=delegate_id,
         backend_id=claim.backend_id,
@@ -742,6 +743,7 @@ def compiled_delegate(claim: Claim, result: PreprocessResult, delegate_id: str) 
         processed_bytes=result.processed_bytes,
         named_data=dict(result.named_data),
         updated_buffers=list(part.updated_buffers),
+        calls=sorted(set(calls)),
     )
 
 

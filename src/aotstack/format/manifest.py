@@ -121,6 +121,8 @@ class DelegateRecord:
     named_data: dict[str, str]
     # Buffers the delegate updates in place; their state is its named data ``weight:<fqn>``.
     updates: list[str] = field(default_factory=list)
+    # Custom ops its compiled code calls back through torch; a subset of ``ops``'s custom ones.
+    calls: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -219,8 +221,8 @@ def check_custom_ops_listed(manifest: Manifest) -> None:
             if op not in listed or PLAN not in listed[op].used_by:
                 raise PackageError(f"method {name!r}: its plan calls custom op {op!r}, which the manifest omits")
         for delegate in method.delegates:
-            for op in delegate.ops:
-                if is_custom_op_name(op) and (op not in listed or delegate.id not in listed[op].used_by):
+            for op in delegate.calls:
+                if op not in listed or delegate.id not in listed[op].used_by:
                     raise PackageError(
                         f"method {name!r}: delegate {delegate.id} calls custom op {op!r}, which the manifest omits"
                     )
@@ -315,6 +317,7 @@ def delegate_to_json(delegate: DelegateRecord) -> dict[str, Any]:
         "processed": delegate.processed,
         "named_data": dict(delegate.named_data),
         "updates": list(delegate.updates),
+        "calls": list(delegate.calls),
     }
 
 
@@ -328,17 +331,22 @@ def delegate_fields(data: dict[str, Any]) -> DelegateRecord:
     named_data = bounded(data.get("named_data"), dict, "named_data", MAX_ITEMS)
     if not all(is_sha256(key) for key in named_data.values()):
         raise PackageError("named_data must map names to blob keys")
+    ops = [expect(op, str, "an op") for op in bounded(data.get("ops"), list, "ops", MAX_ITEMS)]
+    # A file written before delegates listed their calls: every custom op claimed was called.
+    calls = data["calls"] if "calls" in data else [op for op in ops if is_custom_op_name(op)]
+    calls = [expect(op, str, "a call") for op in bounded(calls, list, "calls", MAX_ITEMS)]
     return DelegateRecord(
         id=data["id"],
         backend_id=expect(data.get("backend_id"), str, "backend_id"),
         target_device=expect(data.get("target_device"), str, "target_device"),
         compile_specs=[compile_spec_from_json(s) for s in bounded(data.get("compile_specs"), list, "specs", 256)],
-        ops=[expect(op, str, "an op") for op in bounded(data.get("ops"), list, "ops", MAX_ITEMS)],
+        ops=ops,
         inputs=[tensor_spec_from_json(spec) for spec in bounded(data.get("inputs"), list, "inputs", MAX_ITEMS)],
         outputs=[tensor_spec_from_json(spec) for spec in bounded(data.get("outputs"), list, "outputs", MAX_ITEMS)],
         processed=blob_key(data.get("processed"), "processed"),
         named_data=named_data,
         updates=[expect(fqn, str, "an update") for fqn in bounded(data.get("updates"), list, "updates", MAX_ITEMS)],
+        calls=calls,
     )
 
 

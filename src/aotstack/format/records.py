@@ -37,6 +37,8 @@ class Delegate:
     named_data: dict[str, BytesLike] = field(repr=False)
     # Buffers the delegate updates in place (their state is its named data ``weight:<fqn>``).
     updated_buffers: list[str] = field(default_factory=list)
+    # Custom ops its compiled code calls back through torch, which a loading process registers.
+    calls: list[str] = field(default_factory=list)
 
     @property
     def target_device(self) -> str:

@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend
 
 from ...compile.program_parts import partition_boundary, user_input_placeholders
 from ...errors import LoweringError, MissingFallbackKernelsError
+from ...format.custom_ops import is_custom_op_name
 from ...format.devices import HOST, Device
 from ...format.specs import CompileSpec, PreprocessResult, SpecKey, compile_spec_value, partition_label
 from ...format.tensor_data import content_key, weights_as_named_data
@@ -26,7 +27,7 @@ from .compile import CompileSteps, KernelCheck, compile_partition
 from .kernels import kernel_allowed, parse_kernel_list
 from .passes import GraphPass, ReplaceViewCopyWithViewPass
 from .probe import needed_fallback_kernels
-from .run import EXTERN_NODES_NAME, LIBRARY_NAME, PROCESSED_VERSION, device_available, target_device
+from .run import EXTERN_NODES_NAME, LIBRARY_NAME, PROCESSED_VERSION, device_available, proxy_calls, target_device
 
 
 class AotiBackend(Backend):
@@ -175,6 +176,14 @@ class AotiBackend(Backend):
             "boundary": partition_boundary(exported_program, label, device.type.value).to_json(),
         }
         return PreprocessResult(json.dumps(processed).encode(), named_data, from_cache=compiled.from_cache)
+
+    def custom_ops_called(self, claimed: list[str], result: PreprocessResult) -> list[str]:
+        # Inductor compiles most custom ops into the library (torchao's quantize ops decompose);
+        # the proxy executor's list names the ones it still calls.
+        extern_nodes = result.named_data.get(EXTERN_NODES_NAME)
+        if extern_nodes is None:
+            return []
+        return [name for name in proxy_calls(bytes(extern_nodes), self.backend_id) if is_custom_op_name(name)]
 
     def kernel_check(self, allowed: frozenset[str], compile_specs: list[CompileSpec]) -> KernelCheck:
         method = compile_spec_value(compile_specs, SpecKey.METHOD_NAME)

@@ -173,19 +173,23 @@ def check_proxy_calls(extern_nodes: bytes, label: str) -> None:
     The proxy executor looks each op up by name when the library is opened and calls it from
     then on; an op it cannot find would fail there, without the op's name.
     """
+    missing = [name for name in proxy_calls(extern_nodes, label) if registered_op(name) is None]
+    if missing:
+        raise CustomOpError(
+            f"{label} calls {', '.join(missing)}, which this process has not registered; import the module that "
+            "defines them before loading",
+            missing,
+        )
+
+
+def proxy_calls(extern_nodes: bytes, label: str) -> list[str]:
+    """The ops (``ns.op.overload``) a library calls through the proxy executor, from its list of calls."""
     try:
         nodes = json.loads(extern_nodes).get("nodes")
         targets = [entry["node"]["target"] for entry in nodes]
     except (ValueError, UnicodeDecodeError, AttributeError, KeyError, TypeError):
         raise PackageError(f"{label}: its {EXTERN_NODES_NAME} is not the proxy executor's list of calls") from None
-    named = [target for target in targets if isinstance(target, str) and "::" in target]
-    missing = sorted(target for target in named if registered_op(dotted(target)) is None)
-    if missing:
-        raise CustomOpError(
-            f"{label} calls {', '.join(missing)}, which this process has not registered; import the module that "
-            "defines them before loading",
-            [dotted(target) for target in missing],
-        )
+    return sorted({dotted(target) for target in targets if isinstance(target, str) and "::" in target})
 
 
 def dotted(target: str) -> str:
