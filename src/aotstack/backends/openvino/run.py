@@ -175,6 +175,9 @@ def compiled_model(part: Part, label: str) -> Any:
             "INFERENCE_NUM_THREADS": torch.get_num_threads(),
             "PERFORMANCE_HINT": "LATENCY",
             "ENABLE_CPU_PINNING": False,
+            # Left on, OpenVINO quantizes the activations of a compressed-weight matmul by itself,
+            # so a weight-only model would no longer compute what the eager model does.
+            "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0,
         })
     except Exception as error:
         raise DelegateInitError(f"{label}: OpenVINO could not compile the model: {error}") from error
