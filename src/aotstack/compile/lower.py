@@ -58,6 +58,7 @@ from .program_parts import (
     program_weights,
 )
 from .progress import Progress, progress_for
+from .quantize import quantized_layers
 from .splice import (
     clear_tags,
     drop_buffer_mutations,
@@ -556,11 +557,13 @@ class MethodLowering:
                     "became delegate calls (it would create a dependency cycle)"
                 )
             delegate_id = f"{self.name}.{self.first_id + len(self.delegates)}"
+            # Read before the splice takes the nodes out of the graph.
+            delegate = compiled_delegate(claim, outcome.result, delegate_id)
             inputs = [replaced.get(node, node) for node in claim.part.inputs]
             drop_buffer_mutations(self.working, claim.part.updated_buffers)
             replaced.update(splice_delegate_call(graph, claim.nodes, delegate_id, inputs, claim.part.outputs))
             drop_unused_subgraphs(self.working.graph_module)
-            self.delegates.append(compiled_delegate(claim, outcome.result, delegate_id))
+            self.delegates.append(delegate)
             self.taken[delegate_id] = DelegatePlacement(
                 dict(Counter(op_name(n.target) for n in claim.nodes if is_counted_op(n))),
                 "planned" if self.planned else outcome.state,
@@ -744,6 +747,7 @@ def compiled_delegate(claim: Claim, result: PreprocessResult, delegate_id: str) 
         named_data=dict(result.named_data),
         updated_buffers=list(part.updated_buffers),
         calls=sorted(set(calls)),
+        quantized=quantized_layers(claim.nodes),
     )
 
 

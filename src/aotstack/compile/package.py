@@ -286,4 +286,5 @@ def delegate_record(delegate: Delegate, store: BlobStore) -> DelegateRecord:
         named_data=dict(zip(delegate.named_data, named_keys)),
         updates=list(delegate.updated_buffers),
         calls=list(delegate.calls),
+        quantized=dict(delegate.quantized),
     )

@@ -12,7 +12,7 @@ quantized kernels.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,3 +156,63 @@ def embedding_config(quantization: Quantization) -> Any:
 
     bits = EMBEDDING_SCHEMES[quantization.embedding]
     return IntxWeightOnlyConfig(weight_dtype=weight_dtype(bits), granularity=granularity(quantization.group_size))
+
+
+def quantized_layers(nodes: Iterable[torch.fx.Node]) -> dict[str, int]:
+    """How many quantized linears and embeddings ``nodes`` hold, by ``"linear 8da4w, group 32"``-style label.
+
+    Read from the graph torchao's configs leave: a linear or embedding whose weight is a
+    ``dequantize_affine`` of integer weights, and, for ``8da…``, a linear whose input is a
+    quantize-dequantize round of the activations. Any engine's partition can be described so.
+    """
+    counts: dict[str, int] = {}
+    for node in nodes:
+        label = quantized_layer_label(node)
+        if label is not None:
+            counts[label] = counts.get(label, 0) + 1
+    return dict(sorted(counts.items()))
+
+
+def quantized_layer_label(node: torch.fx.Node) -> str | None:
+    if node.op != "call_function" or node.target not in QUANTIZABLE_OPS:
+        return None
+    linear = node.target is torch.ops.aten.linear.default
+    weight = node.args[1] if linear else node.args[0]
+    bits_and_group = dequantized_weight(weight)
+    if bits_and_group is None:
+        return None
+    bits, group = bits_and_group
+    activations = "8da" if linear and is_dequantize(node.args[0]) and is_quantize(node.args[0].args[0]) else ""
+    grouping = "per channel" if group == 0 else f"group {group}"
+    return f"{'linear' if linear else 'embedding'} {activations}{bits}w, {grouping}"
+
+
+def dequantized_weight(value: Any) -> tuple[int, int] | None:
+    """(bits, group size; 0 per channel) of a weight dequantized from stored integers, or None."""
+    if not is_dequantize(value) or value.args[0].op != "placeholder":
+        return None
+    stored, block_size = value.args[0].meta.get("val"), value.args[1]
+    quant_min, quant_max = (list(value.args[5:7]) + [None, None])[:2]
+    if not isinstance(stored, torch.Tensor) or quant_min is None or quant_max is None:
+        return None
+    bits = int(quant_max - quant_min + 1).bit_length() - 1
+    group = int(block_size[-1])
+    return bits, 0 if group == stored.shape[-1] else group
+
+
+def is_dequantize(value: Any) -> bool:
+    return isinstance(value, torch.fx.Node) and value.op == "call_function" and op_qualname(value) == DEQUANTIZE
+
+
+def is_quantize(value: Any) -> bool:
+    return isinstance(value, torch.fx.Node) and value.op == "call_function" and op_qualname(value) == QUANTIZE
+
+
+def op_qualname(node: torch.fx.Node) -> str | None:
+    schema = getattr(node.target, "_schema", None)
+    return None if schema is None else schema.name
+
+
+QUANTIZABLE_OPS = (torch.ops.aten.linear.default, torch.ops.aten.embedding.default)
+DEQUANTIZE = "torchao::dequantize_affine"
+QUANTIZE = "torchao::quantize_affine"

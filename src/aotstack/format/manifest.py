@@ -123,6 +123,8 @@ class DelegateRecord:
     updates: list[str] = field(default_factory=list)
     # Custom ops its compiled code calls back through torch; a subset of ``ops``'s custom ones.
     calls: list[str] = field(default_factory=list)
+    # Its quantized layers, counted by kind and scheme: ``{"linear 8da4w, group 32": 28}``.
+    quantized: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -318,6 +320,7 @@ def delegate_to_json(delegate: DelegateRecord) -> dict[str, Any]:
         "named_data": dict(delegate.named_data),
         "updates": list(delegate.updates),
         "calls": list(delegate.calls),
+        "quantized": dict(delegate.quantized),
     }
 
 
@@ -347,7 +350,15 @@ def delegate_fields(data: dict[str, Any]) -> DelegateRecord:
         named_data=named_data,
         updates=[expect(fqn, str, "an update") for fqn in bounded(data.get("updates"), list, "updates", MAX_ITEMS)],
         calls=calls,
+        quantized=quantized_counts(data.get("quantized", {})),
     )
+
+
+def quantized_counts(data: Any) -> dict[str, int]:
+    counts = bounded(data, dict, "quantized", MAX_ITEMS)
+    if not all(isinstance(count, int) and not isinstance(count, bool) and count > 0 for count in counts.values()):
+        raise PackageError("quantized must map layer kinds to positive counts")
+    return dict(counts)
 
 
 def blob_key(value: Any, what: str) -> str:

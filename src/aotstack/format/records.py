@@ -39,6 +39,8 @@ class Delegate:
     updated_buffers: list[str] = field(default_factory=list)
     # Custom ops its compiled code calls back through torch, which a loading process registers.
     calls: list[str] = field(default_factory=list)
+    # Its quantized layers, counted by kind and scheme: ``{"linear 8da4w, group 32": 28}``.
+    quantized: dict[str, int] = field(default_factory=dict)
 
     @property
     def target_device(self) -> str:

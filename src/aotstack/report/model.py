@@ -136,6 +136,7 @@ def delegate_summary(
         compile_state=placed.compile_state if placed is not None else None,
         compile_seconds=placed.compile_seconds if placed is not None else None,
         run_seconds=placed.run_seconds if placed is not None else None,
+        quantized=dict(record.quantized),
     )
 
 
@@ -261,4 +262,5 @@ def delegate_to_json(delegate: DelegateSummary) -> dict[str, Any]:
         "compile_state": delegate.compile_state,
         "compile_seconds": delegate.compile_seconds,
         "run_seconds": delegate.run_seconds,
+        "quantized": dict(delegate.quantized),
     }

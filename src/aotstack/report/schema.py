@@ -64,6 +64,11 @@ DELEGATE = strict(
         "compile_state": nullable({"enum": list(COMPILE_STATES)}),
         "compile_seconds": nullable({"type": "number", "minimum": 0}),
         "run_seconds": {**nullable(SECONDS), "description": "median seconds a call, where auto measured it"},
+        "quantized": {
+            "type": "object",
+            "additionalProperties": COUNT,
+            "description": "its quantized layers by kind and scheme, e.g. 'linear 8da4w, group 32' -> 28",
+        },
     }
 )
 

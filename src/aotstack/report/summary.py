@@ -41,6 +41,8 @@ class DelegateSummary:
     compile_seconds: float | None
     # Median seconds a call, as auto-lowering measured it; None where it did not.
     run_seconds: float | None = None
+    # Its quantized layers by kind and scheme, e.g. ``{"linear 8da4w, group 32": 28}``.
+    quantized: dict[str, int] = field(default_factory=dict)
 
     @property
     def op_count(self) -> int | None:

@@ -183,7 +183,15 @@ def delegates_table(delegates: list[DelegateSummary], planned: bool) -> Table:
 
 
 def ops_text(delegate: DelegateSummary) -> str:
-    """``12: linear ×4, gelu ×2, add ×6``: how many ops, then which, most first (or the kinds, where not counted)."""
+    """``12: linear ×4, gelu ×2, add ×6``: how many ops, then which, most first (or the kinds, where not counted).
+
+    Quantized layers follow on their own lines: ``quantized: linear 8da4w, group 32 ×4``.
+    """
+    quantized = "".join(f"\nquantized: {label} ×{count}" for label, count in delegate.quantized.items())
+    return plain_ops_text(delegate) + quantized
+
+
+def plain_ops_text(delegate: DelegateSummary) -> str:
     if delegate.op_counts:
         counted = sorted(delegate.op_counts.items(), key=lambda item: (-item[1], item[0]))
         return f"{delegate.op_count}: " + ", ".join(f"{short_op(op)} ×{count}" for op, count in counted)
