@@ -8,8 +8,8 @@ import torch
 from torch.export import ExportedProgram
 
 from ...compile.program_parts import partition_boundary
-from ...errors import LoweringError
-from ...format.specs import CompileSpec, PreprocessResult, partition_label
+from ...errors import CompileSpecError, LoweringError
+from ...format.specs import CompileSpec, PreprocessResult, compile_spec_value, partition_label
 from ...format.tensor_data import weights_as_named_data
 from ..base import Backend
 from .compile import export_partition
@@ -20,7 +20,8 @@ class OrtBackend(Backend):
     """ONNX Runtime as a stacked engine.
 
     Compile specs: ``providers``, a comma-separated list of execution providers in priority
-    order (default ``CPUExecutionProvider``).
+    order (default ``CPUExecutionProvider``); ``quantized_activations``, ``on`` (default) or
+    ``off`` (see ``OrtPartitioner``).
     """
 
     backend_id = "onnxruntime"
@@ -35,7 +36,7 @@ class OrtBackend(Backend):
         label = partition_label(self.backend_id, compile_specs)
         providers(compile_specs)  # a bad spec fails here, not in the process that loads the package
         check_boundary_dtypes(exported_program, label)
-        onnx_partition = export_partition(exported_program, label)
+        onnx_partition = export_partition(exported_program, label, quantized_activations(compile_specs))
         named_data, weights = weights_as_named_data(onnx_partition.weights)
         named_data[MODEL_NAME] = onnx_partition.model
         # ONNX Runtime is handed numpy arrays: host memory, whatever its execution providers.
@@ -54,6 +55,20 @@ class OrtBackend(Backend):
             "boundary": boundary.to_json(),
         }
         return PreprocessResult(json.dumps(processed).encode(), named_data)
+
+
+# The compile spec that says whether quantized linears may quantize float activations to int8.
+QUANTIZED_ACTIVATIONS = "quantized_activations"
+
+
+def quantized_activations(compile_specs: list[CompileSpec]) -> bool:
+    """The ``quantized_activations`` spec: ``on`` unless it says ``off``."""
+    value = compile_spec_value(compile_specs, QUANTIZED_ACTIVATIONS)
+    if value is None or value == b"on":
+        return True
+    if value == b"off":
+        return False
+    raise CompileSpecError(f"compile spec {QUANTIZED_ACTIVATIONS!r} must be b'on' or b'off', got {value!r}")
 
 
 # numpy carries the tensors across without a copy, so the boundary takes the dtypes it has.

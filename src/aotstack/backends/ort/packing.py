@@ -1,0 +1,79 @@
+"""torchao's stored integer weights in the layouts ONNX Runtime's quantized kernels read.
+
+torchao keeps signed integers (int4 in an int8 tensor) ``[rows, columns]`` with a float scale and an
+integer zero point per group of ``group`` columns. ONNX Runtime's ``MatMulNBits`` and
+``GatherBlockQuantized`` read unsigned values packed along the columns (two 4-bit values a byte,
+the first in the low nibble) in blocks of ``block`` columns, with unsigned zero points that default
+to ``2**(bits - 1)``: a signed value ``q`` is stored as ``q + 2**(bits - 1)``, so zero points of 0
+need no tensor. ``DynamicQuantizeMatMul`` reads int8 ``[columns, rows]`` with per-row scales.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...errors import LoweringError
+
+
+@dataclass(frozen=True)
+class PackedWeights:
+    """A kernel's weight inputs: the packed values, scales, and zero points (None: the kernel's default)."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    zero_points: torch.Tensor | None
+
+
+def block_packed(
+    stored: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None, bits: int, group: int, block: int,
+    name: str,
+) -> PackedWeights:
+    """Weights for ``MatMulNBits`` (values ``[rows, blocks, block * bits / 8]``) or ``GatherBlockQuantized``.
+
+    ``GatherBlockQuantized`` reads the same bytes as ``[rows, columns * bits / 8]``; the caller reshapes.
+    """
+    rows, columns = stored.shape
+    check_range(stored, bits, f"weights {name!r}")
+    blocks = columns // block
+    values = packed_along_rows(unsigned(stored, bits), bits).reshape(rows, blocks, block * bits // 8)
+    block_scales = scales.reshape(rows, columns // group).repeat_interleave(group // block, dim=1)
+    points = None
+    if zero_points is not None and bool(zero_points.any()):
+        check_range(zero_points, bits, f"zero points of {name!r}")
+        points = zero_points.reshape(rows, columns // group).repeat_interleave(group // block, dim=1)
+        points = packed_along_rows(unsigned(points, bits), bits)
+    return PackedWeights(values.contiguous(), block_scales.to(torch.float32).contiguous(), points)
+
+
+def channel_transposed(
+    stored: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None, name: str
+) -> PackedWeights:
+    """Weights for ``DynamicQuantizeMatMul``: int8 ``[columns, rows]``, one scale and zero point per row."""
+    rows = stored.shape[0]
+    points = None
+    if zero_points is not None and bool(zero_points.any()):
+        check_range(zero_points, 8, f"zero points of {name!r}")
+        points = zero_points.reshape(rows).to(torch.int8).contiguous()
+    return PackedWeights(stored.t().contiguous(), scales.reshape(rows).to(torch.float32).contiguous(), points)
+
+
+def unsigned(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Signed ``bits``-bit integers shifted to ``[0, 2**bits)``, as uint8."""
+    return (values.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
+
+
+def packed_along_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[rows, n]`` uint8 values of ``bits`` bits packed into bytes along each row, low bits first."""
+    if bits == 8:
+        return values.contiguous()
+    if values.shape[-1] % 2:
+        values = torch.nn.functional.pad(values, (0, 1))
+    return (values[:, 0::2] | (values[:, 1::2] << 4)).contiguous()
+
+
+def check_range(values: torch.Tensor, bits: int, what: str) -> None:
+    low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    if values.numel() and (int(values.min()) < low or int(values.max()) > high):
+        raise LoweringError(f"{what} hold values outside the {bits}-bit range [{low}, {high}]")

@@ -1,0 +1,302 @@
+"""A partition's quantized layers as ONNX Runtime contrib ops over packed weights, ready for the ONNX exporter.
+
+Before export, each quantized layer ``quantized.py`` finds is replaced, in a copy of the program,
+by one call to an ``aotstack_ort`` op whose weights are new constants packed for its kernel
+(``packing.py``); torchao's nodes and its unpacked weights leave the program. The exporter then
+translates each ``aotstack_ort`` op into its ``com.microsoft`` op through ``custom_translation_table``.
+The packed weights become initializers named by their new FQN, stored as aotstack named data like
+any other weight, so they stay packed in the file and in memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, TensorArgument
+from torch.fx import Graph, GraphModule, Node
+
+from ...compile.program_parts import program_weights
+from ...errors import LoweringError
+from .packing import PackedWeights, block_packed, channel_transposed
+from .quantized import QuantizedLayer, quantized_graph
+
+# ---------------------------------------------------------------------------------------------
+# The ops a quantized layer becomes in the program the exporter sees. They exist only to be
+# translated: their kernels are ONNX Runtime's.
+
+
+@torch.library.custom_op("aotstack_ort::matmul_nbits", mutates_args=())
+def matmul_nbits(
+    x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+    bias: torch.Tensor | None, k: int, n: int, bits: int, block_size: int, accuracy_level: int,
+) -> torch.Tensor:
+    raise RuntimeError("aotstack_ort::matmul_nbits only marks a layer for ONNX Runtime's MatMulNBits")
+
+
+@matmul_nbits.register_fake
+def _(x, packed, scales, zero_points, bias, k, n, bits, block_size, accuracy_level):  # noqa: ANN001, ANN202
+    return x.new_empty((*x.shape[:-1], n))
+
+
+@torch.library.custom_op("aotstack_ort::dynamic_quantize_matmul", mutates_args=())
+def dynamic_quantize_matmul(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    raise RuntimeError("aotstack_ort::dynamic_quantize_matmul only marks a layer for DynamicQuantizeMatMul")
+
+
+@dynamic_quantize_matmul.register_fake
+def _(x, weight, scales, zero_points, bias):  # noqa: ANN001, ANN202
+    return x.new_empty((*x.shape[:-1], weight.shape[1]))
+
+
+@torch.library.custom_op("aotstack_ort::gather_block_quantized", mutates_args=())
+def gather_block_quantized(
+    data: torch.Tensor, indices: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+    columns: int, bits: int, block_size: int,
+) -> torch.Tensor:
+    raise RuntimeError("aotstack_ort::gather_block_quantized only marks a layer for GatherBlockQuantized")
+
+
+@gather_block_quantized.register_fake
+def _(data, indices, scales, zero_points, columns, bits, block_size):  # noqa: ANN001, ANN202
+    return scales.new_empty((*indices.shape, columns))
+
+
+# ---------------------------------------------------------------------------------------------
+# Their ONNX translations. The exporter builds a node from an ONNX schema; contrib ops have none
+# in the onnx package, so each gets one here with the inputs and attributes aotstack passes.
+
+
+def contrib_op(
+    name: str, inputs: list[tuple[str, str, bool]], types: dict[str, list[str]], attributes: list[str]
+) -> Any:
+    """An onnxscript op for ``com.microsoft``'s ``name``: inputs as (name, type variable, optional), int attributes."""
+    import onnxscript
+    from onnx.defs import OpSchema
+
+    parameter = OpSchema.FormalParameter
+    optional = OpSchema.FormalParameterOption.Optional
+    single = OpSchema.FormalParameterOption.Single
+    schema = OpSchema(
+        name, MICROSOFT_DOMAIN, 1,
+        inputs=[parameter(input_name, kind, param_option=optional if is_optional else single)
+                for input_name, kind, is_optional in inputs],
+        outputs=[parameter("Y", inputs[0][1] if name != "GatherBlockQuantized" else "T2")],
+        type_constraints=[(variable, allowed, "") for variable, allowed in types.items()],
+        attributes=[OpSchema.Attribute(attribute, OpSchema.AttrType.INT, "") for attribute in attributes],
+    )
+    return onnxscript.values.Op(onnxscript.values.Opset(MICROSOFT_DOMAIN, 1), name, schema)
+
+
+MICROSOFT_DOMAIN = "com.microsoft"
+
+
+def translations() -> dict[Any, Callable[..., Any]]:
+    """The exporter's ``custom_translation_table`` for the ``aotstack_ort`` ops."""
+    nbits = contrib_op(
+        "MatMulNBits",
+        [("A", "T1", False), ("B", "T2", False), ("scales", "T1", False), ("zero_points", "T3", True),
+         ("g_idx", "T4", True), ("bias", "T1", True)],
+        {"T1": ["tensor(float)"], "T2": ["tensor(uint8)"], "T3": ["tensor(uint8)"], "T4": ["tensor(int32)"]},
+        ["K", "N", "bits", "block_size", "accuracy_level"],
+    )
+    dynamic = contrib_op(
+        "DynamicQuantizeMatMul",
+        [("A", "T1", False), ("B", "T2", False), ("b_scale", "T1", False), ("b_zero_point", "T2", True),
+         ("bias", "T1", True)],
+        {"T1": ["tensor(float)"], "T2": ["tensor(int8)"]},
+        [],
+    )
+    gather = contrib_op(
+        "GatherBlockQuantized",
+        [("data", "T1", False), ("indices", "Tind", False), ("scales", "T2", False), ("zero_points", "T1", True)],
+        {"T1": ["tensor(uint8)"], "T2": ["tensor(float)"], "Tind": ["tensor(int32)", "tensor(int64)"]},
+        ["bits", "block_size", "gather_axis", "quantize_axis"],
+    )
+
+    def matmul_nbits_onnx(x, packed, scales, zero_points, bias, k, n, bits, block_size, accuracy_level):  # noqa: ANN001, ANN202
+        return nbits(x, packed, scales, zero_points, None, bias, K=k, N=n, bits=bits, block_size=block_size,
+                     accuracy_level=accuracy_level)
+
+    def dynamic_quantize_matmul_onnx(x, weight, scales, zero_points, bias):  # noqa: ANN001, ANN202
+        return dynamic(x, weight, scales, zero_points, bias)
+
+    def gather_block_quantized_onnx(data, indices, scales, zero_points, columns, bits, block_size):  # noqa: ANN001, ANN202
+        return gather(data, indices, scales, zero_points, bits=bits, block_size=block_size, gather_axis=0,
+                      quantize_axis=1)
+
+    return {
+        torch.ops.aotstack_ort.matmul_nbits.default: matmul_nbits_onnx,
+        torch.ops.aotstack_ort.dynamic_quantize_matmul.default: dynamic_quantize_matmul_onnx,
+        torch.ops.aotstack_ort.gather_block_quantized.default: gather_block_quantized_onnx,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# The rewrite.
+
+
+def with_quantized_kernels(
+    exported_program: ExportedProgram, quantized_activations: bool, label: str
+) -> tuple[ExportedProgram, dict[Any, Callable[..., Any]]]:
+    """``exported_program`` with its quantized layers as ``aotstack_ort`` ops, and the translations they need.
+
+    A program with no torchao ops is returned as it is, with no translations. The program given
+    is not changed.
+    """
+    if not any(is_torchao_node(node) for node in exported_program.graph.nodes):
+        return exported_program, {}
+    module = GraphModule(exported_program.graph_module, copied_graph(exported_program.graph))
+    graph = module.graph
+    fqns = weight_fqns(exported_program)
+    analysis = quantized_graph(graph, frozenset(fqns), quantized_activations)
+    if analysis.refusals:
+        node, reason = next(iter(analysis.refusals.items()))
+        raise LoweringError(f"{label}: node {node.name!r} ({node.target}) cannot run in ONNX Runtime: {reason}")
+    weights = program_weights(exported_program)
+    constants: dict[str, torch.Tensor] = {}
+    inserted: dict[str, Node] = {}
+    replaced: dict[Node, Node] = {}
+    fake_mode = torch._guards.detect_fake_mode([node.meta.get("val") for node in graph.nodes])
+    before = first_user_input(graph, exported_program)
+    for layer in analysis.layers:
+        tensors = packed_layer(layer, weights, fqns)
+        inputs = {}
+        for fqn, tensor in tensors.items():
+            if tensor is not None and fqn not in inserted:
+                inserted[fqn] = constant_placeholder(graph, fqn, tensor, fake_mode, before)
+                constants[fqn] = tensor
+            inputs[fqn] = None if tensor is None else inserted[fqn]
+        op, arguments = kernel_call(layer, list(inputs.values()))
+        # A layer may read another's output (a linear over an embedding), replaced by now.
+        arguments = torch.fx.map_arg(arguments, lambda node: replaced.get(node, node))
+        with graph.inserting_before(layer.node):
+            replacement = graph.call_function(op, arguments)
+        replacement.meta = dict(layer.node.meta)
+        layer.node.replace_all_uses_with(replacement)
+        replaced[layer.node] = replacement
+    removed = {fqns[name] for name in erase_replaced(graph, analysis.layers)}
+    left = next((node for node in graph.nodes if is_torchao_node(node)), None)
+    if left is not None:
+        raise LoweringError(f"{label}: node {left.name!r} ({left.target}) is still read after its layer's translation")
+    module.recompile()
+    signature = rebuilt_signature(exported_program, graph, inserted)
+    state_dict = {name: value for name, value in exported_program.state_dict.items() if name not in removed}
+    kept_constants = {name: value for name, value in exported_program.constants.items() if name not in removed}
+    program = exported_program._update(module, signature, state_dict=state_dict, constants={**kept_constants,
+                                                                                              **constants})
+    return program, translations()
+
+
+def packed_layer(layer: QuantizedLayer, weights: dict[str, torch.Tensor], fqns: dict[str, str]) -> dict[str, Any]:
+    """The packed weight tensors ``layer``'s kernel reads, by the FQN each gets (None: an input left out)."""
+    weight = layer.weight
+    stored_fqn = fqns[weight.stored.name]
+    stored = weights[stored_fqn]
+    scales = weights[fqns[weight.scales.name]]
+    zero_points = None if weight.zero_points is None else weights[fqns[weight.zero_points.name]]
+    kernel = layer.kernel
+    if kernel.op == "DynamicQuantizeMatMul":
+        packed = channel_transposed(stored, scales, zero_points, stored_fqn)
+    else:
+        packed = block_packed(stored, scales, zero_points, weight.bits, weight.group, kernel.block_size, stored_fqn)
+        if kernel.op == "GatherBlockQuantized":
+            packed = PackedWeights(packed.values.reshape(stored.shape[0], -1), packed.scales, packed.zero_points)
+    base = f"{stored_fqn}.{kernel.op}"
+    return {f"{base}.values": packed.values, f"{base}.scales": packed.scales,
+            f"{base}.zero_points": packed.zero_points}
+
+
+def kernel_call(layer: QuantizedLayer, weights: list[Node | None]) -> tuple[Any, tuple[Any, ...]]:
+    """The ``aotstack_ort`` op and arguments that replace ``layer``."""
+    values, scales, zero_points = weights
+    kernel = layer.kernel
+    rows, columns = layer.weight.stored.meta["val"].shape
+    if kernel.op == "GatherBlockQuantized":
+        return (torch.ops.aotstack_ort.gather_block_quantized.default,
+                (values, layer.source, scales, zero_points, columns, kernel.bits, kernel.block_size))
+    bias = layer.node.args[2] if len(layer.node.args) > 2 else None
+    if kernel.op == "DynamicQuantizeMatMul":
+        return torch.ops.aotstack_ort.dynamic_quantize_matmul.default, (layer.source, values, scales, zero_points, bias)
+    return (torch.ops.aotstack_ort.matmul_nbits.default,
+            (layer.source, values, scales, zero_points, bias, columns, rows, kernel.bits, kernel.block_size,
+             kernel.accuracy_level))
+
+
+def copied_graph(graph: Graph) -> Graph:
+    copy = Graph()
+    output = copy.graph_copy(graph, {})
+    copy.output(output)
+    return copy
+
+
+def weight_fqns(exported_program: ExportedProgram) -> dict[str, str]:
+    """Each weight placeholder's name → the FQN of the parameter, buffer or constant it reads."""
+    signature = exported_program.graph_signature
+    return {
+        **signature.inputs_to_parameters, **signature.inputs_to_buffers,
+        **signature.inputs_to_lifted_tensor_constants,
+    }
+
+
+def first_user_input(graph: Graph, exported_program: ExportedProgram) -> Node:
+    """Where new weight placeholders go: before the first user input (the signature lists weights first)."""
+    user_inputs = set(exported_program.graph_signature.user_inputs)
+    for node in graph.nodes:
+        if node.op != "placeholder" or node.name in user_inputs:
+            return node
+    raise LoweringError("a graph without an output node")  # a graph always has one
+
+
+def constant_placeholder(graph: Graph, fqn: str, tensor: torch.Tensor, fake_mode: Any, before: Node) -> Node:
+    with graph.inserting_before(before):
+        node = graph.placeholder("c_" + fqn.replace(".", "_"))
+    node.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True) if fake_mode is not None else tensor
+    return node
+
+
+def erase_replaced(graph: Graph, layers: list[QuantizedLayer]) -> set[str]:
+    """Erase the replaced layers, their torchao nodes and the weight placeholders only they read; those names."""
+    erased_placeholders: set[str] = set()
+    candidates = [node for layer in layers for node in layer.nodes]
+    placeholders = {
+        node for layer in layers
+        for node in (layer.weight.stored, layer.weight.scales, layer.weight.zero_points) if node is not None
+    }
+    # Users before the nodes they read: the graph's order, reversed.
+    position = {node: index for index, node in enumerate(graph.nodes)}
+    for node in sorted(set(candidates), key=position.__getitem__, reverse=True):
+        if not node.users:
+            graph.erase_node(node)
+    for node in placeholders:
+        if not node.users:
+            erased_placeholders.add(node.name)
+            graph.erase_node(node)
+    return erased_placeholders
+
+
+def rebuilt_signature(
+    exported_program: ExportedProgram, graph: Graph, inserted: dict[str, Node]
+) -> ExportGraphSignature:
+    """The signature of ``graph``: the old input specs of the placeholders still there, and the new constants'."""
+    signature = exported_program.graph_signature
+    old_placeholders = [node for node in exported_program.graph.nodes if node.op == "placeholder"]
+    specs = {node.name: spec for node, spec in zip(old_placeholders, signature.input_specs, strict=True)}
+    specs.update({
+        node.name: InputSpec(InputKind.CONSTANT_TENSOR, TensorArgument(node.name), fqn)
+        for fqn, node in inserted.items()
+    })
+    return ExportGraphSignature(
+        input_specs=[specs[node.name] for node in graph.nodes if node.op == "placeholder"],
+        output_specs=list(signature.output_specs),
+    )
+
+
+def is_torchao_node(node: Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and target.namespace == "torchao"
