@@ -35,6 +35,8 @@ _EXPORTS = {
     "OrtPartitioner": "backends.ort.partitioner",
     "OpenVinoBackend": "backends.openvino.backend",
     "OpenVinoPartitioner": "backends.openvino.partitioner",
+    "XnnpackBackend": "backends.xnnpack.backend",
+    "XnnpackPartitioner": "backends.xnnpack.partitioner",
     "Backend": "backends.base",
     "BackendRuntime": "backends.base",
     "AotstackError": "errors",

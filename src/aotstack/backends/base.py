@@ -168,6 +168,9 @@ BUILT_IN: dict[str, Engine] = {
     "openvino": Engine("aotstack.backends.openvino.run", "aotstack.backends.openvino.backend",
                        "aotstack.backends.openvino.partitioner:OpenVinoPartitioner",
                        packages=("openvino",), extra="openvino"),
+    "xnnpack": Engine("aotstack.backends.xnnpack.run", "aotstack.backends.xnnpack.backend",
+                      "aotstack.backends.xnnpack.partitioner:XnnpackPartitioner",
+                      packages=("executorch",), extra="xnnpack"),
 }
 
 

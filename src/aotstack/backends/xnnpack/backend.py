@@ -1,0 +1,66 @@
+"""``XnnpackBackend``: the compile side of ExecuTorch's XNNPACK delegate (the run side is ``run.py``).
+
+What a delegate stores: the ``.pte`` ExecuTorch wrote (the XNNPACK graph and ExecuTorch's plan,
+a few kB), the frame of its external data file, and each constant XNNPACK reads as named data
+of its own (``compile.py``). The constants are XNNPACK's serialized form (4-bit weights packed
+two to a byte, ...), keyed in the package by content, so one read by several partitions or
+methods is stored once.
+"""
+
+from __future__ import annotations
+
+import json
+
+from torch.export import ExportedProgram
+
+from ...compile.program_parts import partition_boundary
+from ...errors import CompileSpecError
+from ...format.specs import CompileSpec, PreprocessResult, SpecKey, compile_spec_value, partition_label
+from ..base import Backend
+from .compile import lower_partition
+from .run import FRAME_NAME, PROCESSED_VERSION, PROGRAM_NAME
+
+
+class XnnpackBackend(Backend):
+    """ExecuTorch's XNNPACK delegate as a stacked engine, on the CPU."""
+
+    backend_id = "xnnpack"
+    cached_by_packages = ("executorch", "torchao")
+
+    def preprocess(
+        self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
+    ) -> PreprocessResult:
+        label = partition_label(self.backend_id, compile_specs)
+        check_target_device(compile_specs)
+        # ExecuTorch reads host memory.
+        boundary = partition_boundary(exported_program, label, "cpu")
+        partition = lower_partition(exported_program, label)
+        named_data = {PROGRAM_NAME: partition.program, **partition.data}
+        if partition.frame:
+            named_data[FRAME_NAME] = partition.frame
+        processed = {
+            "version": PROCESSED_VERSION,
+            "segments": [segment.to_json() for segment in partition.segments],
+            "data_size": partition.data_size,
+            "outputs": partition.outputs,
+            # What the program takes; its run side checks every call against it.
+            "boundary": boundary.to_json(),
+        }
+        return PreprocessResult(json.dumps(processed).encode(), named_data)
+
+    def custom_ops_called(self, claimed: list[str], result: PreprocessResult) -> list[str]:
+        # XNNPACK takes torchao's quantize ops into its own kernels (``lower_partition`` refuses a
+        # part with any op left outside the delegate), so a loading process needs none registered.
+        return []
+
+    def warm_up(self) -> None:
+        # Forked compile workers inherit ExecuTorch's compiler, about 2 s to import.
+        import executorch.backends.xnnpack.partition.xnnpack_partitioner  # noqa: F401
+        import executorch.exir  # noqa: F401
+
+
+def check_target_device(compile_specs: list[CompileSpec]) -> None:
+    """XNNPACK runs here on the CPU only; another target device is a bad spec."""
+    device = compile_spec_value(compile_specs, SpecKey.TARGET_DEVICE)
+    if device is not None and device.decode().split(":")[0] != "cpu":
+        raise CompileSpecError(f"compile spec 'target_device': XnnpackBackend runs on the CPU, got {device!r}")

@@ -1,0 +1,222 @@
+"""What ExecuTorch's own ``XnnpackPartitioner`` delegates, asked of it and mapped back to the ATen program's nodes.
+
+ExecuTorch's partitioner works on an edge-dialect program: ``to_edge_transform_and_lower``
+first decomposes the ATen program, keeping whole the ops the partitioner lists in
+``ops_to_not_decompose`` (``linear``, torchao's quantize and dequantize ops, ...), then hands
+the result to the partitioner, which tags the nodes XNNPACK takes. The question is asked inside
+that very call: a stand-in partitioner (``_Asker``) takes the partitioner's place, lets it tag
+the edge program it is handed, and stops the call there by raising, so nothing is lowered or
+compiled. The edge program and its tags are the answer.
+
+Each edge node records the ATen nodes it was made from (``meta["from_node"]``, kept by
+``run_decompositions``); an ATen node is claimed when every edge node made from it is tagged.
+XNNPACK's configs say why they decline a node through ExecuTorch's ``WhyNoPartition`` log
+records, which are caught while the partitioner runs and become each refusal's reason.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch.export import ExportedProgram
+from torch.fx import Node
+
+from ...compile.partitioner import get_non_lowered_nodes
+from ...compile.program_parts import is_size_computation
+from ...compile.subprogram import partition_program
+from ...errors import LoweringError
+from ...format.ops import is_delegate_call
+
+DELEGATION_TAG = "delegation_tag"
+# The logger XNNPACK's partitioner configs report a declined node to (``WhyNoPartition``).
+WHY_LOGGER = "executorch.backends.xnnpack.partition.config.xnnpack_config"
+
+
+@dataclass(frozen=True)
+class XnnpackAnswer:
+    """ExecuTorch's answer for one ATen program: the nodes XNNPACK delegates, and why it leaves the others."""
+
+    claimed: frozenset[str]
+    # ATen node name -> why XNNPACK leaves it (for call_function nodes not claimed).
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    def refusal(self, node: Node) -> str | None:
+        """Why XNNPACK leaves ``node``; None where it takes it."""
+        if node.name in self.claimed:
+            return None
+        return self.reasons.get(node.name, "ExecuTorch's XnnpackPartitioner does not delegate it")
+
+
+def xnnpack_answer(exported_program: ExportedProgram) -> XnnpackAnswer:
+    """Ask ExecuTorch's ``XnnpackPartitioner`` which nodes of ``exported_program`` (ATen dialect) it delegates."""
+    edge, declined = tagged_edge_program(question_program(exported_program))
+    made_from = edge_nodes_by_origin(edge, {node.name for node in exported_program.graph.nodes})
+    claimed, reasons = set(), {}
+    for node in exported_program.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        edge_nodes = made_from.get(node.name, [])
+        left = [edge_node for edge_node in edge_nodes if DELEGATION_TAG not in edge_node.meta]
+        if edge_nodes and not left:
+            claimed.add(node.name)
+        elif not edge_nodes:
+            reasons[node.name] = "ExecuTorch's edge program has no op made from it"
+        else:
+            reasons[node.name] = decline_reason(node, left[0], declined)
+    return XnnpackAnswer(frozenset(claimed), reasons)
+
+
+def question_program(exported_program: ExportedProgram) -> ExportedProgram:
+    """The program ExecuTorch is asked about: ``exported_program`` with what earlier engines took cut out.
+
+    A delegate call cannot be traced (only its run side knows what it computes), so each of its
+    outputs becomes an input of the question, as it is an input of whatever reads it. The other
+    nodes keep their names, so the answer maps back.
+    """
+    graph = exported_program.graph
+    if not any(is_delegate_call(node) for node in graph.nodes):
+        return exported_program
+    offered = [node for node in get_non_lowered_nodes(graph) if not is_size_computation(node)]
+    return partition_program(exported_program, offered).program
+
+
+def decline_reason(node: Node, edge_node: Node, declined: dict[Node, str]) -> str:
+    """Why XNNPACK leaves ``edge_node``, one of the edge nodes made from ``node``, in words."""
+    op = edge_op_name(edge_node)
+    own = str(node.target) == op
+    where = "" if own else f" (ExecuTorch turns it into {op}, which it leaves)"
+    reason = declined.get(edge_node)
+    if reason is not None:
+        return f"ExecuTorch's XnnpackPartitioner declines it{where}: {reason}"
+    return f"ExecuTorch's XnnpackPartitioner does not delegate it{where}"
+
+
+def edge_op_name(node: Node) -> str:
+    """``aten.linear.default`` for an edge op, which prints with its schema."""
+    target = node.target
+    name = getattr(target, "_op", target)
+    return str(name)
+
+
+def edge_nodes_by_origin(edge: ExportedProgram, names: set[str]) -> dict[str, list[Node]]:
+    """ATen node name -> the edge nodes made from it, read from each edge node's ``from_node`` provenance."""
+    found: dict[str, list[Node]] = {}
+    for node in edge.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for origin in origin_names(node.meta.get("from_node") or []):
+            if origin in names:
+                found.setdefault(origin, []).append(node)
+    return found
+
+
+def origin_names(sources: list[Any]) -> set[str]:
+    """The names at the roots of a node's provenance: the nodes of the first program it was made from."""
+    roots, pending = set(), list(sources)
+    while pending:
+        source = pending.pop()
+        parents = getattr(source, "from_node", None) or []
+        if parents:
+            pending.extend(parents)
+        else:
+            roots.add(source.name)
+    return roots
+
+
+def tagged_edge_program(exported_program: ExportedProgram) -> tuple[ExportedProgram, dict[Node, str]]:
+    """The edge program ``to_edge_transform_and_lower`` would hand XNNPACK's partitioner, tagged by it.
+
+    With the reason XNNPACK's configs gave for each edge node they declined.
+    """
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import EdgeCompileConfig, to_edge_transform_and_lower
+
+    asker = asker_for(XnnpackPartitioner())
+    try:
+        with quiet_executorch():
+            # Validity is not checked: the program may call delegates other engines took, which are not core ATen.
+            to_edge_transform_and_lower(
+                exported_program, partitioner=[asker], compile_config=EdgeCompileConfig(_check_ir_validity=False)
+            )
+    except Answered as answered:
+        return answered.edge, answered.declined
+    except Exception as error:
+        raise LoweringError(f"ExecuTorch could not make the edge program XNNPACK's partitioner reads: {error}") from (
+            error
+        )
+    raise LoweringError("ExecuTorch's to_edge_transform_and_lower never asked XNNPACK's partitioner")
+
+
+class Answered(Exception):
+    """Raised by the stand-in partitioner with the tagged edge program, to stop lowering once it is known."""
+
+    def __init__(self, edge: ExportedProgram, declined: dict[Node, str]) -> None:
+        super().__init__("XNNPACK's partitioner has answered")
+        self.edge = edge
+        self.declined = declined
+
+
+def asker_for(partitioner: Any) -> Any:
+    """A partitioner that decomposes as ``partitioner`` asks, lets it tag the edge program, and raises ``Answered``."""
+    from executorch.exir.backend.partitioner import Partitioner
+
+    class _Asker(Partitioner):
+        def __init__(self) -> None:
+            super().__init__()
+
+        def ops_to_not_decompose(self, program: ExportedProgram) -> Any:
+            return partitioner.ops_to_not_decompose(program)
+
+        def transform_for_pre_decomposition(self, program: ExportedProgram) -> ExportedProgram:
+            return partitioner.transform_for_pre_decomposition(program)
+
+        def partition(self, program: ExportedProgram) -> Any:
+            for node in program.graph.nodes:
+                # aotstack tags with the same key; a tag left on the edge program would stop ExecuTorch's partitioner.
+                node.meta.pop(DELEGATION_TAG, None)
+            with declines_recorded() as declined:
+                partitioner.partition(program)
+            raise Answered(program, declined)
+
+    return _Asker()
+
+
+@contextmanager
+def declines_recorded() -> Iterator[dict[Node, str]]:
+    """Collect, by edge node, the reasons XNNPACK's configs log for the nodes they decline."""
+    declined: dict[Node, str] = {}
+
+    class Recorder(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            # ``WhyNoPartition`` logs itself; it is one object reused for every node, so it is read now.
+            node, reason = getattr(record.msg, "node", None), getattr(record.msg, "reason", None)
+            if isinstance(node, Node) and isinstance(reason, str):
+                declined.setdefault(node, reason)
+
+    logger = logging.getLogger(WHY_LOGGER)
+    recorder, level, propagate = Recorder(logging.DEBUG), logger.level, logger.propagate
+    logger.addHandler(recorder)
+    logger.setLevel(logging.DEBUG)
+    # The records are the answer's, not the user's log.
+    logger.propagate = False
+    try:
+        yield declined
+    finally:
+        logger.removeHandler(recorder)
+        logger.setLevel(level)
+        logger.propagate = propagate
+
+
+@contextmanager
+def quiet_executorch() -> Iterator[None]:
+    """ExecuTorch's own warnings while it decomposes (deprecations of torch's pytree specs) are not the user's."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        yield

@@ -1,0 +1,154 @@
+"""XNNPACK compile side: a partition lowered by ExecuTorch into a ``.pte`` whose constants sit in a ``.ptd`` beside it.
+
+ExecuTorch's XNNPACK delegate serializes each constant it reads (a weight as XNNPACK lays it
+out: int4 packed two to a byte, scales in bfloat16, ...) as named data keyed by the SHA-256 of
+its bytes. A constant tagged ``delegate_constant_tag`` goes to an external ``.ptd`` data file
+instead of the program, so the ``.pte`` holds only the XNNPACK graph and ExecuTorch's plan.
+
+The ``.ptd`` is a FlatTensor file: a header and a flatbuffer index (the ``frame``), then each
+segment of data at an aligned offset. The package stores the frame once per partition and
+each segment as named data of its own, keyed by content like every engine's weights, so a
+constant two partitions, two methods or two engines read is stored once. The run side puts the
+file back together in memory (``run.assembled_data_map``); ``ptd_layout`` checks here that this
+gives the very bytes ExecuTorch wrote.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.export import ExportedProgram
+from torch.fx.passes.infra.pass_base import PassResult
+
+from ...errors import LoweringError, PackageError
+from .claims import DELEGATION_TAG, edge_op_name, quiet_executorch
+from .packages import require_executorch
+from .run import DATA_PREFIX, Segment, assembled_data_map, frame_header
+
+# The tag ExecuTorch names the external data file after; one file per partition.
+DATA_TAG = "aotstack"
+# Edge ops that may stay outside the delegate: they only take an output of it.
+_OUTSIDE_THE_DELEGATE = frozenset({"executorch_call_delegate", "getitem"})
+
+
+@dataclass(frozen=True)
+class XnnpackPartition:
+    """A partition as ExecuTorch wrote it: the program, and its external data split into frame and segments."""
+
+    program: bytes
+    # The ``.ptd``'s header and index, up to its first segment; empty where the program has no constants.
+    frame: bytes
+    segments: list[Segment]
+    # Segment name (``data:<key>``) -> its bytes.
+    data: dict[str, bytes]
+    data_size: int
+    outputs: int
+
+
+def lower_partition(exported_program: ExportedProgram, label: str) -> XnnpackPartition:
+    """``exported_program`` lowered by ``to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])``.
+
+    Every op must reach the delegate: one left to ExecuTorch's portable kernels would be slow
+    (or, for torchao's ops, have no kernel at all), so it is a ``LoweringError`` naming the ops.
+    """
+    require_executorch("XnnpackBackend needs executorch to lower a partition", LoweringError)
+    from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
+    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes import MemoryPlanningPass
+
+    try:
+        with quiet_executorch():
+            edge = to_edge_transform_and_lower(
+                exported_program, transform_passes=[constants_kept_outside], partitioner=[XnnpackPartitioner()]
+            )
+    except Exception as error:
+        raise LoweringError(f"{label}: ExecuTorch could not lower it to XNNPACK: {error}") from error
+    left = left_outside(edge.exported_program())
+    if left:
+        raise LoweringError(f"{label}: XNNPACK does not take {', '.join(left)}; ExecuTorch would run "
+                            "it on its portable kernels")
+    try:
+        with quiet_executorch():
+            # Inputs are not planned: ExecuTorch then reads each input where the caller's tensor is, not a copy.
+            program = edge.to_executorch(
+                ExecutorchBackendConfig(memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False))
+            )
+    except Exception as error:
+        raise LoweringError(f"{label}: ExecuTorch could not write the program: {error}") from error
+    ptd = data_file(program, label)
+    frame, segments, data = ptd_layout(ptd, label) if ptd else (b"", [], {})
+    outputs = len(edge.exported_program().graph_signature.user_outputs)
+    return XnnpackPartition(program.buffer, frame, segments, data, len(ptd), outputs)
+
+
+def constants_kept_outside(graph_module: torch.fx.GraphModule) -> PassResult:
+    """Tag every placeholder so XNNPACK writes the constants it reads to the external data file, not the program.
+
+    XNNPACK reads the tag on constants only; a user input's tag is never looked at. aotstack's
+    own partition tags, which the edge program inherits under the key ExecuTorch's partitioner
+    writes, are dropped: that partitioner refuses a node tagged already.
+    """
+    for node in graph_module.graph.nodes:
+        node.meta.pop(DELEGATION_TAG, None)
+        if node.op == "placeholder":
+            node.meta.setdefault("custom", {})["delegate_constant_tag"] = DATA_TAG
+    return PassResult(graph_module, True)
+
+
+def left_outside(edge: ExportedProgram) -> list[str]:
+    """The ops of the lowered edge program that did not go into an XNNPACK delegate."""
+    return sorted({
+        edge_op_name(node)
+        for node in edge.graph.nodes
+        if node.op == "call_function" and getattr(node.target, "__name__", "") not in _OUTSIDE_THE_DELEGATE
+    })
+
+
+def data_file(program: object, label: str) -> bytes:
+    """The one external data file ExecuTorch wrote for ``program``; empty where there is none.
+
+    ExecuTorch writes its data files only to a directory, which is removed before this returns.
+    """
+    with tempfile.TemporaryDirectory(prefix="aotstack-xnnpack-") as directory:
+        try:
+            program.write_tensor_data_to_file(directory)
+        except AssertionError:  # no external data at all
+            return b""
+        files = sorted(Path(directory).iterdir())
+        if len(files) > 1:
+            raise LoweringError(f"{label}: ExecuTorch wrote {len(files)} data files, where one was asked for")
+        return files[0].read_bytes() if files else b""
+
+
+def ptd_layout(ptd: bytes, label: str) -> tuple[bytes, list[Segment], dict[str, bytes]]:
+    """The ``.ptd`` split into its frame and its segments, each named by the first key that reads it.
+
+    Checked by putting it back together as the run side does: a layout this aotstack does not
+    read is a ``LoweringError`` here, never a wrong file at load.
+    """
+    from executorch.extension.flat_tensor.serialize.serialize import _deserialize_to_flat_tensor
+
+    base, data_size = frame_header(ptd, label, LoweringError)
+    header_length = int.from_bytes(ptd[8 + 8:8 + 16], "little") + int.from_bytes(ptd[8 + 16:8 + 24], "little")
+    index = _deserialize_to_flat_tensor(ptd[:header_length])
+    names: dict[int, str] = {}
+    for entry in index.named_data:
+        names.setdefault(entry.segment_index, f"{DATA_PREFIX}{entry.key}")
+    segments, data = [], {}
+    for position, segment in enumerate(index.segments):
+        name = names.get(position, f"{DATA_PREFIX}segment-{position}")
+        segments.append(Segment(name, segment.offset, segment.size))
+        data[name] = ptd[base + segment.offset:base + segment.offset + segment.size]
+    if base + data_size != len(ptd):
+        raise LoweringError(f"{label}: ExecuTorch's data file holds {len(ptd)} bytes, its header {base + data_size}")
+    frame = ptd[:base]
+    try:
+        rebuilt = assembled_data_map(frame, segments, data, len(ptd), label)
+    except PackageError as error:
+        raise LoweringError(str(error)) from None
+    if rebuilt != ptd:
+        raise LoweringError(f"{label}: ExecuTorch's data file is laid out in a way this aotstack cannot rebuild")
+    return frame, segments, data

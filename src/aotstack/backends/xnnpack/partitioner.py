@@ -1,0 +1,56 @@
+"""``XnnpackPartitioner``: claims what ExecuTorch's own ``XnnpackPartitioner`` would delegate (asked: ``claims.py``)."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+
+import torch
+from torch.export import ExportedProgram
+from torch.fx import GraphModule, Node
+
+from ...compile.partitioner import PartitionResult, SupportedOpsPartitioner
+from ...errors import LoweringError
+from ...format.placement import Reason
+from ...format.specs import CompileSpec
+from .backend import XnnpackBackend
+from .claims import XnnpackAnswer, xnnpack_answer
+from .packages import require_executorch
+
+
+class XnnpackPartitioner(SupportedOpsPartitioner):
+    """Claims, for ExecuTorch's XNNPACK delegate on the CPU, every node ExecuTorch's ``XnnpackPartitioner`` delegates.
+
+    ExecuTorch is asked about the whole method each time (its partitioner decides per node, in
+    context: a linear whose weight is not a constant, a dtype XNNPACK lacks), so its answer, not
+    a copy of its op list, decides. torchao-quantized linears (``8da4w``, ``8w``, ...) are claimed
+    with their quantize and dequantize ops and reach XNNPACK's quantized kernels.
+
+    Example::
+
+        lowered = aotstack.lower(program, [XnnpackPartitioner(), AotiCpuPartitioner()])
+    """
+
+    backend_id = XnnpackBackend.backend_id
+
+    def __init__(self, compile_specs: Iterable[CompileSpec] = (), *, min_block_size: int = 1) -> None:
+        super().__init__(min_block_size=min_block_size, compile_specs=compile_specs)
+        require_executorch("XnnpackPartitioner needs executorch", LoweringError)
+        self.answer: XnnpackAnswer | None = None
+
+    def partition(self, exported_program: ExportedProgram) -> PartitionResult:
+        self.answer = xnnpack_answer(exported_program)
+        return super().partition(exported_program)
+
+    def supports_op(self, op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> bool:
+        # Decided per node, from ExecuTorch's answer (``node_refusal``), never by the op alone.
+        return True
+
+    def node_refusal(self, node: Node, owner: GraphModule) -> Reason | None:
+        refused = super().node_refusal(node, owner)
+        if refused is not None or node.target is operator.getitem:
+            return refused
+        if self.answer is None:
+            return self.refusal("not_claimed", "ExecuTorch is asked when a whole program is partitioned")
+        detail = self.answer.refusal(node)
+        return None if detail is None else self.refusal("unsupported", detail)

@@ -1,0 +1,204 @@
+"""XNNPACK run side: each delegate a program loaded by ExecuTorch's runtime from the package's bytes.
+
+ExecuTorch reads a program from a Python ``bytes`` object, and a program's external data from
+a second one (``_load_for_executorch_from_buffer(program, data_map_buffer=...)``); it accepts
+no other buffer, so both are copies of the mapped package: the program is small, and the data
+file is put back together from its frame and segments, each verified named data
+(``assembled_data_map``), in one copy. XNNPACK packs the weights it multiplies into memory of
+its own when it first runs the program. Nothing is written to disk; nothing is unpickled.
+
+Inputs are handed over as they are (contiguous, detached): the programs are written with
+unplanned inputs, so ExecuTorch reads the caller's memory. Outputs are copied once out of
+ExecuTorch's memory, which the next call reuses.
+
+The runtime is imported as its extension module alone: ``portable_lib``, its public face,
+imports ExecuTorch's whole compiler (and torch's) for a warning class, about 2 s.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...errors import AotstackError, DelegateInitError, PackageError
+from ...format import processed as processed_json
+from ...format.boundary import BoundaryCheck
+from ...format.specs import CompileSpec, partition_label
+from ...format.tensor_data import BytesLike
+from ..base import BackendRuntime
+from .packages import require_executorch
+
+# Named data: the ``.pte`` program, the ``.ptd``'s frame, and each of its segments (``data:<key>``).
+PROGRAM_NAME = "program.pte"
+FRAME_NAME = "data.ptd-frame"
+DATA_PREFIX = "data:"
+# The method each program holds.
+METHOD = "forward"
+# The processed JSON this run side reads.
+PROCESSED_VERSION = 1
+# A FlatTensor file: 8 bytes of flatbuffer preamble, then its header's magic.
+FLAT_TENSOR_MAGIC = b"FH01"
+
+# ExecuTorch's runtime shares one thread pool and each program's planned memory between calls:
+# one call at a time in this process (XNNPACK's pool runs one parallel job at a time anyway).
+_RUNTIME_LOCK = threading.Lock()
+# The thread count XNNPACK's pool was last given; None until a call sets it.
+_pool_threads: list[int | None] = [None]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One segment of the data file: the named data holding it, and where it sits after the frame."""
+
+    name: str
+    offset: int
+    size: int
+
+    def to_json(self) -> list[Any]:
+        return [self.name, self.offset, self.size]
+
+
+class XnnpackRuntime(BackendRuntime):
+    """XNNPACK's run side: one ExecuTorch module per delegate."""
+
+    backend_id = "xnnpack"
+
+    def init(
+        self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
+    ) -> XnnpackHandle:
+        label = partition_label(self.backend_id, compile_specs)
+        processed = processed_json.read_processed(processed_bytes, label, PROCESSED_VERSION)
+        boundary = processed_json.boundary(processed, label)
+        outputs = processed_json.field(processed, "outputs", int, label)
+        data_size = processed_json.field(processed, "data_size", int, label)
+        segments = read_segments(processed, label)
+        needed = [PROGRAM_NAME, *([FRAME_NAME] if data_size else []), *(segment.name for segment in segments)]
+        missing = [name for name in needed if name not in named_data]
+        if missing:
+            raise PackageError(f"{label}: the package holds no named data {', '.join(map(repr, missing))}")
+        data_map = assembled_data_map(named_data.get(FRAME_NAME, b""), segments, named_data, data_size, label)
+        program = bytes(named_data[PROGRAM_NAME])
+        module = loaded_module(program, data_map, label)
+        return XnnpackHandle(module, [program, data_map], outputs, label, boundary.checker(label))
+
+    def execute(self, handle: XnnpackHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return run(handle, inputs)
+
+
+def read_segments(processed: Mapping[str, Any], label: str) -> list[Segment]:
+    segments = []
+    for entry in processed_json.field(processed, "segments", list, label):
+        if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], str)
+                and all(type(n) is int and n >= 0 for n in entry[1:])):
+            raise PackageError(f"{label}: processed field 'segments' must list [name, offset, size], got {entry!r}")
+        if not entry[0].startswith(DATA_PREFIX):
+            raise PackageError(f"{label}: segment {entry[0]!r} is not named data {DATA_PREFIX}<key>")
+        segments.append(Segment(*entry))
+    return segments
+
+
+def frame_header(frame: BytesLike, label: str, error: type[AotstackError] = PackageError) -> tuple[int, int]:
+    """Where a FlatTensor file's segments start, and how many bytes they take, read from its header."""
+    view = memoryview(frame)
+    if view.nbytes < 48 or bytes(view[8:12]) != FLAT_TENSOR_MAGIC:
+        raise error(f"{label}: its data file does not start with a FlatTensor header")
+    base = int.from_bytes(view[32:40], "little")
+    data_size = int.from_bytes(view[40:48], "little")
+    return base, data_size
+
+
+def assembled_data_map(
+    frame: BytesLike, segments: list[Segment], data: Mapping[str, BytesLike], size: int, label: str
+) -> bytes | None:
+    """The data file as ExecuTorch wrote it: its frame, then each segment at its offset, zeros between; one copy.
+
+    Every size and offset is checked against the frame's header and the named data first, so a
+    file that does not add up is a ``PackageError`` before ExecuTorch reads it. None where the
+    program has no external data.
+    """
+    if not segments and not len(frame):
+        if size:
+            raise PackageError(f"{label}: processed data gives its data file {size} bytes, but it has no frame")
+        return None
+    base, data_size = frame_header(frame, label)
+    if len(frame) != base or base + data_size != size:
+        raise PackageError(f"{label}: its data file's frame does not match the size it was written with")
+    pieces: list[BytesLike] = [frame]
+    end = 0
+    for segment in segments:
+        blob = data[segment.name]
+        if memoryview(blob).nbytes != segment.size:
+            raise PackageError(f"{label}: named data {segment.name!r} holds {memoryview(blob).nbytes} bytes, "
+                               f"its segment {segment.size}")
+        if segment.offset < end or segment.offset + segment.size > data_size:
+            raise PackageError(f"{label}: segment {segment.name!r} overlaps another or lies outside the data file")
+        pieces += [bytes(segment.offset - end), blob]
+        end = segment.offset + segment.size
+    pieces.append(bytes(data_size - end))
+    return b"".join(pieces)
+
+
+def runtime_module() -> Any:
+    """ExecuTorch's runtime extension (see the module's docstring for why not ``portable_lib``)."""
+    require_executorch("an xnnpack partition needs executorch to run", DelegateInitError)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from executorch.extension.pybindings import _C
+    return _C
+
+
+def loaded_module(program: bytes, data_map: bytes | None, label: str) -> Any:
+    """An ExecuTorch module over ``program`` and its data file, its program read and verified now.
+
+    XNNPACK itself starts (and packs its weights) at the first call.
+    """
+    runtime = runtime_module()
+    if "XnnpackBackend" not in runtime._get_registered_backend_names():
+        raise DelegateInitError(f"{label}: this ExecuTorch runtime has no XNNPACK backend")
+    try:
+        module = runtime._load_for_executorch_from_buffer(
+            program, data_map_buffer=data_map, program_verification=runtime.Verification.InternalConsistency
+        )
+        module.method_meta(METHOD)
+    except Exception as error:
+        raise DelegateInitError(f"{label}: ExecuTorch could not load the program: {error}") from error
+    return module
+
+
+@dataclass
+class XnnpackHandle:
+    module: Any
+    # The program and data file: ExecuTorch reads them where they are, so they must outlive the module.
+    keep_alive: list[bytes | None]
+    outputs: int
+    label: str
+    check: BoundaryCheck | None
+
+
+def run(handle: XnnpackHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One call: inputs checked, handed to ExecuTorch as plain contiguous tensors, outputs copied out once."""
+    if handle.check is not None:
+        handle.check(inputs)
+    # ExecuTorch takes exactly torch.Tensor (not a Parameter), contiguous, with no pending negation.
+    feeds = [value.detach().resolve_neg().resolve_conj().contiguous() for value in inputs]
+    with _RUNTIME_LOCK:
+        threads = torch.get_num_threads()
+        if _pool_threads[0] is None:
+            _pool_threads[0] = runtime_module()._threadpool_get_thread_count()
+        if _pool_threads[0] != threads:
+            # XNNPACK's pool follows torch's thread count, as every other engine here does.
+            runtime_module()._unsafe_reset_threadpool(threads)
+            _pool_threads[0] = threads
+        try:
+            outputs = handle.module.run_method(METHOD, feeds, True)
+        except RuntimeError as error:
+            raise DelegateInitError(f"{handle.label}: ExecuTorch could not run it: {error}") from error
+    if len(outputs) != handle.outputs:
+        raise PackageError(f"{handle.label}: the program returned {len(outputs)} outputs, its record says "
+                           f"{handle.outputs}")
+    return list(outputs)
