@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -142,3 +143,14 @@ def test_compile_for_cuda_without_a_gpu_says_so_and_writes_nothing(tmp_path):
     assert result.returncode == 1
     assert "compiles for cuda:1, which this machine lacks" in result.stderr
     assert not output.exists()
+
+
+def test_explain_shows_the_quantized_layers_each_part_holds():
+    result = aotstack_command("explain", "aotstack.demo:demo_model", "--engines", "ov", "--qlinear", "8da4w", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    quantized = [d["quantized"] for method in report["methods"] for d in method["delegates"]]
+    assert {"linear 8da4w, group 32": 2} in quantized, quantized
+    bad = aotstack_command("explain", "aotstack.demo:demo_model", "--qlinear", "8da4w", "--qgroup-size", "48")
+    assert bad.returncode != 0
+    assert "group_size 48 does not divide the input dimension of proj [64, 512]" in bad.stderr

@@ -278,3 +278,39 @@ def test_an_output_that_is_not_an_export_is_left_alone(small_folder, tmp_path):
     assert (tmp_path / "out" / "notes.txt").read_text() == "mine"
     with pytest.raises(ModelFolderError, match="holds no aotstack export"):
         generate_text(tmp_path / "out", "the cat")
+
+
+def test_export_hf_quantizes_under_executorch_names(tmp_path, capsys):
+    """``--qlinear 8da4w --qembedding 4w``: the file generates what the eager quantized model does."""
+    model = decoder_lm("llama").eval()
+    folder = saved(model, tmp_path / "model")
+    export_hf(str(folder), "-o", str(tmp_path / "out"), "--engines", "ov,aoti", "--max-cache-len", "32",
+              "--qlinear", "8da4w", "--qembedding", "4w", "--qgroup-size", "16")
+    ids = tokenizer()(PROMPT)["input_ids"]
+    expected = greedy_reference(aotstack.quantize(model, linear="8da4w", embedding="4w", group_size=16), ids)
+
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "out"), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS)]) == 0
+    assert capsys.readouterr().out.strip() == tokenizer().decode(expected, skip_special_tokens=True)
+    report = aotstack.file_report(tmp_path / "out" / "model.pt2")
+    labels = {label for method in report.methods for d in method.delegates for label in d.quantized}
+    assert labels == {"linear 8da4w, group 16", "embedding 4w, group 16"}
+
+
+def test_exporter_config_quantizes_a_copy_and_refuses_a_transformers_quantizer(tmp_path):
+    model = bert().eval()
+    ids = torch.randint(4, VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    exporter = get_exporter_class("aotstack")(progress=False)
+    exported = exporter.export(model, dict(inputs), aotstack_hf.AotstackConfig(engines="ov", qlinear="8w"))
+    assert type(model.encoder.layer[0].attention.self.query.weight) is torch.nn.Parameter, "the caller's model"
+    exported.save_pretrained(tmp_path / "bert")
+    got = ExportedModel.from_pretrained(tmp_path / "bert")(**inputs)
+    with torch.no_grad():
+        want = aotstack.quantize(model, linear="8w")(**inputs)
+    torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=1e-4, atol=1e-5)
+
+    with pytest.raises(aotstack.ExportError, match="quantize with qlinear= and qembedding="):
+        exporter.export(model, dict(inputs), aotstack_hf.AotstackConfig(engines="ov", quantizer=object()))
+    with pytest.raises(aotstack.QuantizationError, match="unknown linear quantization 'int4'"):
+        aotstack_hf.AotstackConfig(engines="ov", qlinear="int4")

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .compile.auto import Auto
     from .compile.check import Check
     from .compile.lower import PartitionerPlan
+    from .compile.quantize import Quantization
     from .format.manifest import InputRecord
     from .report.model import Report
 
@@ -52,6 +53,7 @@ def argument_parser() -> argparse.ArgumentParser:
     compile_.add_argument("target", metavar="MODULE:FUNCTION", help="returns (model, {method: example args})")
     compile_.add_argument("-o", "--output", required=True, metavar="FILE.pt2")
     add_partitioner_options(compile_)
+    add_quantize_options(compile_)
     compile_.add_argument("--on-compile-error", choices=("raise", "fallback"), default="raise",
                           help="when an engine fails to compile a part: stop with an error (raise, the default), "
                                "or warn and leave the part to the next engine or plain ATen (fallback)")
@@ -70,6 +72,7 @@ def argument_parser() -> argparse.ArgumentParser:
     )
     explain.add_argument("target", metavar="MODULE:FUNCTION", help="returns (model, {method: example args})")
     add_partitioner_options(explain)
+    add_quantize_options(explain)
     add_report_options(explain)
     explain.set_defaults(command=explain_command)
 
@@ -87,6 +90,7 @@ def argument_parser() -> argparse.ArgumentParser:
                                 "or engines in claiming order, e.g. aoti, ort,aoti or ov,aoti")
     export_hf.add_argument("--device", default="cpu", metavar="DEVICE",
                            help="where AOTInductor's parts run: cpu (default), cuda[:N] or mps")
+    add_quantize_options(export_hf)
     export_hf.add_argument("--max-cache-len", type=positive_int, default=None, metavar="N",
                            help="generation: the KV cache's length, the longest prompt plus new tokens "
                                 "(default: the model's max_position_embeddings, at most 1024)")
@@ -152,6 +156,25 @@ def add_partitioner_options(parser: argparse.ArgumentParser) -> None:
                         help="like --ort, but ONNX Runtime claims only OP; repeatable")
     parser.add_argument("--min-block-size", type=int, default=1, metavar="N",
                         help="leave parts with fewer than N compute ops to the next engine (default 1)")
+
+
+def add_quantize_options(parser: argparse.ArgumentParser) -> None:
+    """Quantization before export, under ExecuTorch's names (``aotstack.quantize``)."""
+    from .compile.quantize import EMBEDDING_SCHEMES, LINEAR_SCHEMES
+
+    parser.add_argument("--qlinear", choices=list(LINEAR_SCHEMES), default=None,
+                        help="quantize every nn.Linear: int8 (8w) or int4 (4w) weights, with activations "
+                             "quantized to int8 as it runs (8da8w, 8da4w)")
+    parser.add_argument("--qembedding", choices=list(EMBEDDING_SCHEMES), default=None,
+                        help="quantize every nn.Embedding to int8 (8w) or int4 (4w) weights")
+    parser.add_argument("--qgroup-size", type=int, default=32, metavar="N",
+                        help="weights share a scale in groups of N inputs (default 32); 0: one per output channel")
+
+
+def cli_quantization(args: argparse.Namespace) -> Quantization:
+    from .compile.quantize import Quantization
+
+    return Quantization(args.qlinear, args.qembedding, args.qgroup_size)
 
 
 def add_compile_run_options(parser: argparse.ArgumentParser) -> None:
@@ -222,7 +245,7 @@ def compile_command(args: argparse.Namespace) -> int:
 
     model, methods = model_from_target(args.target)
     started = time.perf_counter()
-    program = aotstack.export(model, methods)
+    program = aotstack.export(cli_quantization(args).apply(model), methods)
     check = None if args.check is None else cli_check(args)
     try:
         lowered = aotstack.lower(
@@ -256,7 +279,8 @@ def explain_command(args: argparse.Namespace) -> int:
     import aotstack
 
     model, methods = model_from_target(args.target)
-    report = aotstack.explain(aotstack.export(model, methods), cli_partitioners(args))
+    program = aotstack.export(cli_quantization(args).apply(model), methods)
+    report = aotstack.explain(program, cli_partitioners(args))
     show_report(report, args)
     return 0
 
@@ -298,6 +322,7 @@ def export_hf_command(args: argparse.Namespace) -> int:
 
     done = export_folder(
         args.model_dir, args.output, task=args.task, engines=args.engines, device=args.device,
+        quantization=cli_quantization(args),
         max_cache_len=args.max_cache_len, progress={"auto": None, "live": True, "log": False}[args.progress],
         jobs=args.jobs, step=lambda text: print(f"aotstack: {text}", file=sys.stderr),
     )

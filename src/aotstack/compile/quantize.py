@@ -49,6 +49,26 @@ class Quantization:
     def __bool__(self) -> bool:
         return self.linear is not None or self.embedding is not None
 
+    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Quantize ``model``'s layers in place and return it (``quantize``'s work)."""
+        if not isinstance(model, torch.nn.Module):
+            raise QuantizationError(f"quantize needs a torch.nn.Module, got {type(model).__name__}")
+        if not self:
+            return model
+        require_torchao()
+        from torchao.quantization import quantize_
+
+        # Embeddings first: a tied output projection keeps its own float weight to quantize as a linear.
+        if self.embedding is not None:
+            layers = quantizable_layers(model, torch.nn.Embedding)
+            check_group_size(layers, self.group_size, f"embedding {self.embedding}")
+            quantize_(model, embedding_config(self), filter_fn=in_layers(layers))
+        if self.linear is not None:
+            layers = quantizable_layers(model, torch.nn.Linear)
+            check_group_size(layers, self.group_size, f"linear {self.linear}")
+            quantize_(model, linear_config(self), filter_fn=in_layers(layers))
+        return model
+
     def describe(self) -> str:
         """``"linear 8da4w, embedding 4w, group 32"``."""
         parts = [f"{kind} {scheme}" for kind, scheme in (("linear", self.linear), ("embedding", self.embedding))
@@ -70,24 +90,7 @@ def quantize(
     Raises ``QuantizationError`` for an unknown scheme, when torchao is not installed, or when a
     layer's input dimension is not a multiple of ``group_size`` (naming the layer).
     """
-    quantization = Quantization(linear, embedding, group_size)
-    if not isinstance(model, torch.nn.Module):
-        raise QuantizationError(f"quantize needs a torch.nn.Module, got {type(model).__name__}")
-    if not quantization:
-        return model
-    require_torchao()
-    from torchao.quantization import quantize_
-
-    # Embeddings first: a tied output projection keeps its own float weight to quantize as a linear.
-    if quantization.embedding is not None:
-        layers = quantizable_layers(model, torch.nn.Embedding)
-        check_group_size(layers, quantization.group_size, f"embedding {quantization.embedding}")
-        quantize_(model, embedding_config(quantization), filter_fn=in_layers(layers))
-    if quantization.linear is not None:
-        layers = quantizable_layers(model, torch.nn.Linear)
-        check_group_size(layers, quantization.group_size, f"linear {quantization.linear}")
-        quantize_(model, linear_config(quantization), filter_fn=in_layers(layers))
-    return model
+    return Quantization(linear, embedding, group_size).apply(model)
 
 
 def check_scheme(scheme: str | None, schemes: dict[str, Any], kind: str) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..compile.progress import Progress
+from ..compile.quantize import Quantization
 from ..errors import AotstackError, ModelFolderError, UnsupportedModelError
 
 logger = logging.getLogger("aotstack")
@@ -152,11 +153,14 @@ def export_folder(
     engines: str = "auto",
     device: str = "cpu",
     max_cache_len: int | None = None,
+    quantization: Quantization | None = None,
     progress: bool | Progress | None = None,
     jobs: int | None = None,
     step: Callable[[str], None] | None = None,
 ) -> FolderExport:
     """Export the model in ``model_dir`` for ``task`` (inferred when None) into the folder ``output``.
+
+    ``quantization`` (``aotstack.Quantization``) quantizes the model before export.
 
     ``output`` must not exist, be empty, or hold an earlier aotstack export (replaced). ``step`` is
     told each stage as it begins.
@@ -185,7 +189,10 @@ def export_folder(
     seconds = {"load": time.perf_counter() - started}
 
     exporter = AotstackExporter(progress=progress, jobs=jobs)
-    say(f"exporting {type(model).__name__} with engines {engines}")
+    quantization = quantization or Quantization()
+    say(f"exporting {type(model).__name__} with engines {engines}, quantization {quantization.describe()}")
+    # The model was loaded for this export alone: quantized in place, not copied.
+    quantization.apply(model)
     try:
         if task in GENERATION_TASKS:
             exported = exporter.export_for_generation(

@@ -20,6 +20,7 @@ component ``model``, sharing weights and a static KV cache (``aotstack.integrati
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import shutil
@@ -43,6 +44,7 @@ from ..compile.engines import partitioners_for
 from ..compile.export import Program
 from ..compile.lower import LoweredProgram
 from ..compile.progress import Progress
+from ..compile.quantize import Quantization
 from ..errors import AotstackError, ExportError, UnsupportedModelError
 from .generation import (
     export_decoder_lm,
@@ -68,6 +70,10 @@ class AotstackConfig(DynamoConfig):
         device: where AOTInductor's parts run: ``"cpu"`` (default), ``"cuda[:N]"`` or ``"mps"``.
         max_cache_len: generation exports only: the static KV cache's length, the longest prompt
             plus generated tokens (default: the model's ``max_position_embeddings``, at most 1024).
+        qlinear, qembedding, qgroup_size: quantize a copy of the model before export, as
+            ``aotstack.quantize(model, linear=qlinear, embedding=qembedding, group_size=qgroup_size)``
+            does: ``"8w"``, ``"8da8w"``, ``"4w"``, ``"8da4w"`` for linears, ``"8w"``, ``"4w"`` for
+            embeddings (default: None, float). transformers' ``quantizer`` is not taken.
     """
 
     export_format: str = EXPORT_FORMAT
@@ -75,6 +81,17 @@ class AotstackConfig(DynamoConfig):
     engines: str = "auto"
     device: str = "cpu"
     max_cache_len: int | None = None
+    qlinear: str | None = None
+    qembedding: str | None = None
+    qgroup_size: int = 32
+
+    def __post_init__(self) -> None:
+        # An unknown scheme or a bad group size fails here, before any export.
+        Quantization(self.qlinear, self.qembedding, self.qgroup_size)
+
+    @property
+    def quantization(self) -> Quantization:
+        return Quantization(self.qlinear, self.qembedding, self.qgroup_size)
 
 
 class AotstackExporter(HfExporter):
@@ -110,6 +127,7 @@ class AotstackExporter(HfExporter):
         from transformers.exporters.exporter_dynamo import DynamoExporter
 
         refuse_quantizer(config)
+        model = quantized_copy(model, config.quantization)
         dynamo = DynamoConfig(dynamic=config.dynamic, strict=config.strict, dynamic_shapes=config.dynamic_shapes,
                               prefer_deferred_runtime_asserts_over_guards=config.prefer_deferred_runtime_asserts_over_guards)
         started = time.perf_counter()
@@ -144,6 +162,7 @@ class AotstackExporter(HfExporter):
             raise ExportError("aotstack's generation export has no multi_token_decode: its prefill method "
                               "takes any number of tokens from an empty cache")
         refuse_quantizer(config)
+        model = quantized_copy(model, config.quantization)
         ids = sample_inputs.get("input_ids")
         if isinstance(ids, torch.Tensor) and ids.shape[0] != 1:
             raise ExportError(f"a generation export runs batch 1; input_ids has batch {ids.shape[0]}")
@@ -188,7 +207,15 @@ class AotstackExporter(HfExporter):
 
 def refuse_quantizer(config: AotstackConfig) -> None:
     if config.quantizer is not None:
-        raise ExportError("AotstackConfig takes no quantizer yet: export the float model")
+        raise ExportError(
+            "AotstackConfig takes no transformers quantizer; quantize with qlinear= and qembedding= instead "
+            "(torchao's configs under ExecuTorch's names: 8w, 8da8w, 4w, 8da4w)"
+        )
+
+
+def quantized_copy(model: Any, quantization: Quantization) -> Any:
+    """``model`` itself when nothing is quantized; else a quantized copy, so the caller's model stays float."""
+    return quantization.apply(copy.deepcopy(model)) if quantization else model
 
 
 class AotstackModelRunner(ModelRunner):
