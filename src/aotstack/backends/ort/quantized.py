@@ -299,7 +299,7 @@ def shared_with_refused(layer: QuantizedLayer, candidates: dict[Node, QuantizedL
     for user in layer.weight.dequantize.users:
         other = candidates.get(user)
         if not isinstance(other, QuantizedLayer) or other.weight.dequantize is not layer.weight.dequantize:
-            return shared_refusal(layer, "weight", user)
+            return shared_refusal(layer, "weights", user)
     if layer.round_trip is not None:
         dequantized = layer.round_trip.nodes[-1]
         for user in dequantized.users:
@@ -313,7 +313,8 @@ def shared_with_refused(layer: QuantizedLayer, candidates: dict[Node, QuantizedL
 def shared_refusal(layer: QuantizedLayer, what: str, user: Node) -> str:
     return with_layer(
         layer.node,
-        f"its dequantized {what} also feed {user.name!r}, which ONNX Runtime does not take as a quantized layer",
+        f"its dequantized {what} are also read by {user.name!r}, which ONNX Runtime does not take as a quantized "
+        "layer",
         layer.weight, layer.round_trip,
     )
 

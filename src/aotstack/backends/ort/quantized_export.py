@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, TensorArgument
+from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, OutputSpec, TensorArgument
 from torch.fx import Graph, GraphModule, Node
 
 from ...compile.program_parts import program_weights
@@ -185,7 +185,8 @@ def with_quantized_kernels(
     if left is not None:
         raise LoweringError(f"{label}: node {left.name!r} ({left.target}) is still read after its layer's translation")
     module.recompile()
-    signature = rebuilt_signature(exported_program, graph, inserted)
+    renamed = {old.name: new.name for old, new in replaced.items()}
+    signature = rebuilt_signature(exported_program, graph, inserted, renamed)
     state_dict = {name: value for name, value in exported_program.state_dict.items() if name not in removed}
     kept_constants = {name: value for name, value in exported_program.constants.items() if name not in removed}
     program = exported_program._update(module, signature, state_dict=state_dict, constants={**kept_constants,
@@ -281,9 +282,10 @@ def erase_replaced(graph: Graph, layers: list[QuantizedLayer]) -> set[str]:
 
 
 def rebuilt_signature(
-    exported_program: ExportedProgram, graph: Graph, inserted: dict[str, Node]
+    exported_program: ExportedProgram, graph: Graph, inserted: dict[str, Node], renamed: dict[str, str]
 ) -> ExportGraphSignature:
-    """The signature of ``graph``: the old input specs of the placeholders still there, and the new constants'."""
+    """The signature of ``graph``: the old input specs of the placeholders still there, the new constants',
+    and the outputs, by their replacements' names where a replaced layer's output is one."""
     signature = exported_program.graph_signature
     old_placeholders = [node for node in exported_program.graph.nodes if node.op == "placeholder"]
     specs = {node.name: spec for node, spec in zip(old_placeholders, signature.input_specs, strict=True)}
@@ -293,7 +295,11 @@ def rebuilt_signature(
     })
     return ExportGraphSignature(
         input_specs=[specs[node.name] for node in graph.nodes if node.op == "placeholder"],
-        output_specs=list(signature.output_specs),
+        output_specs=[
+            OutputSpec(spec.kind, TensorArgument(renamed[spec.arg.name]), spec.target)
+            if isinstance(spec.arg, TensorArgument) and spec.arg.name in renamed else spec
+            for spec in signature.output_specs
+        ],
     )
 
 
