@@ -1,7 +1,7 @@
 """Real ``transformers`` architectures, lowered as a user would, run in a fresh process, compared with eager.
 
-Every corpus model is lowered three times (AOTInductor alone; ONNX Runtime, or OpenVINO, stacked
-first), and all packages of one lowering are loaded and run in one child process, so the suite
+Every corpus model is lowered four times (AOTInductor alone; ONNX Runtime, OpenVINO or XNNPACK
+stacked first), and all packages of one lowering are loaded and run in one child process, so the suite
 pays one interpreter start per lowering, not per model.
 """
 
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import aotstack
+from aotstack.backends.base import BUILT_IN
 from aotstack.report.schema import REPORT_SCHEMA
 from tests import hf_models
 from tests.conftest import CORPUS_REPORT, run_child
@@ -26,9 +27,10 @@ LOWERINGS: dict[str, Callable[[], list[aotstack.Partitioner]]] = {
     "aoti": lambda: [aotstack.AotiCpuPartitioner()],
     "ort+aoti": lambda: [aotstack.OrtPartitioner(), aotstack.AotiCpuPartitioner()],
     "ov+aoti": lambda: [aotstack.OpenVinoPartitioner(), aotstack.AotiCpuPartitioner()],
+    "xnnpack+aoti": lambda: [aotstack.XnnpackPartitioner(), aotstack.AotiCpuPartitioner()],
 }
 # The engine each stacked lowering puts first, which must run part of every model.
-FIRST_ENGINE = {"ort+aoti": "onnxruntime", "ov+aoti": "openvino"}
+FIRST_ENGINE = {"ort+aoti": "onnxruntime", "ov+aoti": "openvino", "xnnpack+aoti": "xnnpack"}
 
 RUN_CORPUS = """
 import json, sys
@@ -109,6 +111,8 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str
 @pytest.mark.parametrize("lowering", list(LOWERINGS))
 @pytest.mark.parametrize("name", list(hf_models.CORPUS))
 def test_corpus_model_matches_eager_from_a_fresh_process(corpus, name, lowering):
+    if lowering == "xnnpack+aoti" and not BUILT_IN["xnnpack"].installed():
+        pytest.skip("executorch is not installed: pip install 'aotstack[xnnpack]'")
     result = corpus(lowering)[name]
     CORPUS_REPORT.append(
         f"{name:<10} {hf_models.CORPUS[name].kind:<26} {lowering:<9} "

@@ -278,8 +278,9 @@ def declines_recorded() -> Iterator[dict[Node, str]]:
 
 @contextmanager
 def quiet_executorch() -> Iterator[None]:
-    """ExecuTorch's own warnings while it decomposes (deprecations of torch's pytree specs) are not the user's."""
+    """ExecuTorch's own warnings while it works (deprecations in torch and importlib it calls) are not the user's."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", UserWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
         yield

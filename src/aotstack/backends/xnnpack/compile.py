@@ -133,7 +133,8 @@ def ptd_layout(ptd: bytes, label: str) -> tuple[bytes, list[Segment], dict[str, 
 
     base, data_size = frame_header(ptd, label, LoweringError)
     header_length = int.from_bytes(ptd[8 + 8:8 + 16], "little") + int.from_bytes(ptd[8 + 16:8 + 24], "little")
-    index = _deserialize_to_flat_tensor(ptd[:header_length])
+    with quiet_executorch():
+        index = _deserialize_to_flat_tensor(ptd[:header_length])
     names: dict[int, str] = {}
     for entry in index.named_data:
         names.setdefault(entry.segment_index, f"{DATA_PREFIX}{entry.key}")

@@ -1,0 +1,360 @@
+"""ExecuTorch's XNNPACK delegate as an engine: real lowerings and runs, compared with eager PyTorch in a fresh process.
+
+Stacked in several orders with AOTInductor, ONNX Runtime and OpenVINO; torchao-quantized
+linears (``8da4w``, ``8da8w``) reaching XNNPACK's quantized kernels, and the ones it leaves
+(weight-only, grouped int8) left to the next engine; the partitioner's reasons; weights stored
+once across methods, packed; the errors of each side. Every lowering is made once per session.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+import aotstack
+from aotstack.backends.base import BUILT_IN
+
+pytestmark = pytest.mark.skipif(
+    not BUILT_IN["xnnpack"].installed(), reason="executorch is not installed: pip install 'aotstack[xnnpack]'"
+)
+
+from aotstack.backends.xnnpack import run as xnn_run  # noqa: E402
+from aotstack.format.archive import read_manifest  # noqa: E402
+from aotstack.format.tensor_data import content_key, tensor_bytes  # noqa: E402
+from tests import models  # noqa: E402
+from tests.conftest import assert_matches_eager, run_child, run_in_fresh_process  # noqa: E402
+from tests.test_stacked_end_to_end import plain_ops  # noqa: E402
+
+# Lowerings of the "stacked" model (linear, gelu, layer_norm, linear, tanh, mul, slice, add), by name:
+# the partitioners in order, and the engines that must end up with a delegate.
+ORDERS = {
+    "xnnpack-aoti": (lambda: [aotstack.XnnpackPartitioner(), aotstack.AotiCpuPartitioner()], {"xnnpack", "aoti_cpu"}),
+    "aoti-xnnpack": (
+        lambda: [aotstack.AotiCpuPartitioner(exclude_ops=["aten.linear"]), aotstack.XnnpackPartitioner()],
+        {"xnnpack", "aoti_cpu"},
+    ),
+    "ort-xnnpack-aoti": (
+        lambda: [
+            aotstack.OrtPartitioner(ops=["aten.linear"]), aotstack.XnnpackPartitioner(), aotstack.AotiCpuPartitioner()
+        ],
+        {"onnxruntime", "xnnpack", "aoti_cpu"},
+    ),
+    "xnnpack-ov": (lambda: [aotstack.XnnpackPartitioner(), aotstack.OpenVinoPartitioner()], {"xnnpack", "openvino"}),
+}
+
+
+@pytest.mark.parametrize("order", list(ORDERS))
+def test_xnnpack_stacked_in_any_order_matches_eager_from_a_fresh_process(lowered_with, order):
+    make, engines = ORDERS[order]
+    lowered, path = lowered_with("stacked", f"xnnpack-{order}", make)
+
+    assert {d.backend_id for d in lowered.delegates("forward")} == engines
+    assert plain_ops(lowered) == [], "every op is claimed by one engine or another"
+    assert_matches_eager(run_in_fresh_process(path, "forward", "stacked"), "stacked")
+
+
+def test_xnnpack_takes_what_the_earlier_engine_left(lowered_with):
+    lowered, _ = lowered_with("stacked", "xnnpack-aoti-xnnpack", ORDERS["aoti-xnnpack"][0])
+    by_backend: dict[str, set[str]] = {}
+    for delegate in lowered.delegates("forward"):
+        by_backend.setdefault(delegate.backend_id, set()).update(delegate.ops)
+    assert by_backend["xnnpack"] == {"aten.linear.default"}
+    assert "aten.linear.default" not in by_backend["aoti_cpu"]
+
+
+class QuantizedMlp(torch.nn.Module):
+    """Token embeddings and two linears: what ExecuTorch's LLM export quantizes."""
+
+    def __init__(self, hidden: int = 128) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(256, 64)
+        self.up = torch.nn.Linear(64, hidden)
+        self.down = torch.nn.Linear(hidden, 64)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(self.embed(ids))))
+
+
+IDS = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+
+# Quantization (linear, embedding, group size) -> the partitioners it is lowered with, and
+# whether XNNPACK takes its linears. XNNPACK takes the dynamically quantized linears; it leaves
+# weight-only ones and grouped int8 ones (ExecuTorch 1.5.1 miscomputes or refuses them) to
+# AOTInductor, and never takes an embedding.
+QUANTIZED = {
+    "8da4w": (("8da4w", None, 32), True),
+    "8da8w-per-channel": (("8da8w", None, 0), True),
+    "8da4w-embedding-4w": (("8da4w", "4w", 32), True),
+    "8w": (("8w", None, 32), False),
+    "8da8w-group": (("8da8w", None, 32), False),
+}
+
+# A lowering of a quantized model, the eager quantized model's answer, and where the fresh process wrote its answer.
+Quantized = tuple[aotstack.LoweredProgram, torch.Tensor, Path]
+
+RUN_FILES = """
+import json, sys
+import torch
+import aotstack
+
+for line in sys.stdin:
+    path, inputs, out = json.loads(line)
+    torch.save(aotstack.load(path).forward(*torch.load(inputs, weights_only=True)), out)
+print(json.dumps("done"))
+"""
+
+
+@pytest.fixture(scope="session")
+def quantized(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Quantized]:
+    """Each QUANTIZED lowering, saved, with the eager quantized model's answer and the answer from a fresh process."""
+    directory = tmp_path_factory.mktemp("xnnpack-quantized")
+    torch.save((IDS,), directory / "inputs.pt")
+    built, jobs = {}, []
+    for name, ((linear, embedding, group_size), _) in QUANTIZED.items():
+        model = aotstack.quantize(QuantizedMlp().eval(), linear=linear, embedding=embedding, group_size=group_size)
+        with torch.no_grad():
+            expected = model(IDS)
+        lowered = aotstack.lower(
+            aotstack.export(model, {"forward": (IDS,)}), [aotstack.XnnpackPartitioner(), aotstack.AotiCpuPartitioner()]
+        )
+        path = directory / f"{name}.pt2"
+        lowered.save(path)
+        built[name] = (lowered, expected, directory / f"{name}.out")
+        jobs.append(json.dumps([str(path), str(directory / "inputs.pt"), str(directory / f"{name}.out")]))
+    run_child(RUN_FILES, stdin="\n".join(jobs))
+    return built
+
+
+def quantized_tolerance(expected: torch.Tensor) -> dict[str, float]:
+    """How far XNNPACK's quantized kernels may be from torchao's eager reference.
+
+    XNNPACK stores a 4-bit linear's group scales in bfloat16 (a relative rounding of up to
+    2**-9 per scale) and quantizes activations with its own zero points, so an output can move
+    by a few of the activations' int8 steps: measured, 0.4% of the largest output. 2% of it
+    leaves room and still catches a wrong kernel, which misses by orders of magnitude.
+    """
+    return {"atol": 0.02 * float(expected.abs().max()), "rtol": 0.0}
+
+
+@pytest.mark.parametrize("name", list(QUANTIZED))
+def test_quantized_models_match_their_eager_answers_from_a_fresh_process(quantized, name):
+    lowered, expected, out = quantized[name]
+    _, xnnpack_takes_linears = QUANTIZED[name]
+    taken = {op for d in lowered.delegates("forward") if d.backend_id == "xnnpack" for op in d.ops}
+    assert ("aten.linear.default" in taken) == xnnpack_takes_linears
+    if xnnpack_takes_linears:
+        assert {"torchao.dequantize_affine.default", "torchao.quantize_affine.default"} <= taken
+    assert "aten.embedding.default" not in taken
+    got = torch.load(out, weights_only=True)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    if xnnpack_takes_linears:
+        torch.testing.assert_close(got, expected, **quantized_tolerance(expected))
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_quantized_linear_stays_packed_in_the_file(quantized):
+    lowered, _, _ = quantized["8da4w"]
+    [delegate] = [d for d in lowered.delegates("forward") if d.backend_id == "xnnpack"]
+    sizes = sorted(len(blob) for name, blob in delegate.named_data.items() if name.startswith(xnn_run.DATA_PREFIX))
+    model = QuantizedMlp()
+    # Two 4-bit weights a byte: each linear's weight takes half a byte per element.
+    for linear in (model.up, model.down):
+        assert linear.weight.numel() // 2 in sizes
+    assert max(sizes) == max(model.up.weight.numel(), model.down.weight.numel()) // 2
+    assert len(delegate.named_data[xnn_run.PROGRAM_NAME]) < 64 * 1024, "the program holds no weights"
+
+
+def test_weights_are_stored_once_across_methods(lowered_with):
+    lowered, path = lowered_with(
+        "shared", "xnnpack-alone", lambda: [aotstack.XnnpackPartitioner()], methods=("forward", "score")
+    )
+    encoder = models.build("shared").encoder.weight
+    key = content_key(tensor_bytes(encoder))
+    readers = [
+        d for method in ("forward", "score") for d in lowered.delegates(method)
+        if key in {content_key(blob) for blob in d.named_data.values()}
+    ]
+    assert {d.backend_id for d in readers} == {"xnnpack"} and len(readers) == 2
+    for delegate in readers:
+        assert len(delegate.named_data[xnn_run.PROGRAM_NAME]) < encoder.numel() * 4 // 100
+    manifest = read_manifest(path)
+    stored = [k for method in manifest.methods.values() for d in method.delegates for k in d.named_data.values()]
+    assert stored.count(key) == 2, "two delegates name the encoder's weight, one blob holds it"
+    assert_matches_eager(run_in_fresh_process(path, "score", "shared"), "shared", "score")
+
+
+class Declined(torch.nn.Module):
+    """A weight-only quantized linear and ops XNNPACK has no kernel for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.relu(self.linear(x)).cumsum(0), torch.median(x)
+
+
+def test_the_partitioner_says_why_it_leaves_each_op():
+    model = aotstack.quantize(Declined().eval(), linear="8w", group_size=32)
+    exported = aotstack.export(model, {"forward": (torch.randn(4, 64),)}).methods["forward"]
+    result = aotstack.XnnpackPartitioner().partition(exported)
+    ops = {node.name: str(node.target) for node in exported.graph.nodes}
+    reasons = {ops[name]: f"{reason.kind}: {reason.detail}" for name, reason in result.refusals.items()}
+
+    assert reasons["aten.linear.default"].startswith(
+        "unsupported: ExecuTorch's XNNPACK delegate computes a weight-only quantized linear wrongly "
+        "(linear 8w, group 32)"
+    )
+    assert reasons["torchao.dequantize_affine.default"].startswith(
+        "unsupported: ExecuTorch's XnnpackPartitioner takes it only with the quantized op it feeds"
+    )
+    assert "does not delegate it" in reasons["aten.cumsum.default"]
+    assert "aten.median.default" in reasons
+    assert "aten.relu.default" not in reasons, "an op XNNPACK takes is claimed"
+    assert all(reason.engine == "xnnpack" for reason in result.refusals.values())
+
+
+def test_min_block_size_leaves_small_parts(lowered_with):
+    lowered, _ = lowered_with(
+        "stacked", "xnnpack-min3",
+        lambda: [aotstack.XnnpackPartitioner(min_block_size=3), aotstack.AotiCpuPartitioner()],
+    )
+    for delegate in lowered.delegates("forward"):
+        if delegate.backend_id == "xnnpack":
+            assert len(delegate.ops) >= 3
+
+
+def test_a_target_device_other_than_the_cpu_is_refused():
+    program = aotstack.export(models.build("linear"), {"forward": models.example_inputs("linear")})
+    spec = aotstack.CompileSpec(aotstack.SpecKey.TARGET_DEVICE, b"cuda")
+    with pytest.raises(aotstack.LoweringError, match="target_device"):
+        aotstack.lower(program, [aotstack.XnnpackPartitioner(compile_specs=[spec])], jobs=1)
+
+
+def delegate_record(lowered_with) -> aotstack.Delegate:
+    lowered, _ = lowered_with("linear", "xnnpack", lambda: [aotstack.XnnpackPartitioner()])
+    [delegate] = lowered.delegates("forward")
+    return delegate
+
+
+def test_a_malformed_delegate_is_a_package_or_init_error(lowered_with):
+    delegate = delegate_record(lowered_with)
+    runtime = xnn_run.XnnpackRuntime()
+    processed = json.loads(delegate.processed_bytes)
+    [segment, *_] = processed["segments"]
+    bad = [
+        b"not json",
+        json.dumps({**processed, "version": 99}).encode(),
+        json.dumps({k: v for k, v in processed.items() if k != "segments"}).encode(),
+        json.dumps({**processed, "segments": [[segment[0], segment[1], segment[2] + 1]]}).encode(),
+        json.dumps({**processed, "segments": [["weight:x", 0, 4]]}).encode(),
+        json.dumps({**processed, "data_size": processed["data_size"] + 64}).encode(),
+    ]
+    for processed_bytes in bad:
+        with pytest.raises(aotstack.PackageError):
+            runtime.init(processed_bytes, delegate.named_data, delegate.compile_specs)
+    named_data = {k: v for k, v in delegate.named_data.items() if k != xnn_run.PROGRAM_NAME}
+    with pytest.raises(aotstack.PackageError, match="program.pte"):
+        runtime.init(delegate.processed_bytes, named_data, delegate.compile_specs)
+    named_data = {**delegate.named_data, xnn_run.PROGRAM_NAME: b"not a program"}
+    with pytest.raises(aotstack.DelegateInitError, match="ExecuTorch could not load the program"):
+        runtime.init(delegate.processed_bytes, named_data, delegate.compile_specs)
+
+
+def test_a_bad_call_reaching_the_delegate_is_an_input_error(lowered_with):
+    delegate = delegate_record(lowered_with)
+    runtime = xnn_run.XnnpackRuntime()
+    handle = runtime.init(delegate.processed_bytes, delegate.named_data, delegate.compile_specs)
+    x = models.example_inputs("linear")[0]
+    for bad in ([x[:2]], [x.double()], [x, x], [x.to("meta")], [3.0]):
+        with pytest.raises(aotstack.InputError):
+            runtime.execute(handle, bad)
+    # Views a call may pass are made what ExecuTorch reads: transposed, negated, a Parameter, asking for gradients.
+    model = models.build("linear")
+    for view in (x.t().contiguous().t(), torch.neg(x)._neg_view(), torch.nn.Parameter(x.clone()),
+                 x.clone().requires_grad_()):
+        torch.testing.assert_close(runtime.execute(handle, [view])[0], model(view).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_inputs_are_read_in_place_and_outputs_are_fresh(lowered_with):
+    delegate = delegate_record(lowered_with)
+    runtime = xnn_run.XnnpackRuntime()
+    handle = runtime.init(delegate.processed_bytes, delegate.named_data, delegate.compile_specs)
+    x = models.example_inputs("linear")[0]
+    first = runtime.execute(handle, [x])[0]
+    second = runtime.execute(handle, [x * 2])[0]
+    assert first.data_ptr() != second.data_ptr(), "a later call does not overwrite an earlier output"
+    model = models.build("linear")
+    torch.testing.assert_close(first, model(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_threads_calling_one_delegate_each_get_their_own_answer(lowered_with):
+    _, path = lowered_with("stacked", "xnnpack-xnnpack-aoti", ORDERS["xnnpack-aoti"][0])
+    loaded, model = aotstack.load(path), models.build("stacked")
+    inputs = [torch.randn(4, 16) for _ in range(6)]
+    results: dict[int, torch.Tensor] = {}
+
+    def call(index: int) -> None:
+        for _ in range(30):
+            results[index] = loaded.forward(inputs[index])
+
+    threads = [threading.Thread(target=call, args=(index,)) for index in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for index, x in enumerate(inputs):
+        torch.testing.assert_close(results[index], model(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+WITHOUT_EXECUTORCH = """
+import json, sys
+sys.modules["executorch"] = None  # as if it were not installed
+import aotstack
+messages = []
+try:
+    aotstack.load(sys.argv[1])
+except aotstack.DelegateInitError as exc:
+    messages.append(str(exc))
+try:
+    aotstack.XnnpackPartitioner()
+except aotstack.LoweringError as exc:
+    messages.append(str(exc))
+print(json.dumps(messages))
+"""
+
+
+def test_without_executorch_installed_both_sides_say_how_to_install_it(lowered_with):
+    _, path = lowered_with("linear", "xnnpack", lambda: [aotstack.XnnpackPartitioner()])
+    messages = run_child(WITHOUT_EXECUTORCH, str(path))
+    assert len(messages) == 2
+    assert all("executorch" in message and "pip install 'aotstack[xnnpack]'" in message for message in messages)
+
+
+def test_xnnpack_is_a_candidate_of_auto():
+    engine = BUILT_IN["xnnpack"]
+    assert engine.partitioner_class() is aotstack.XnnpackPartitioner
+    assert engine.devices == ("cpu",) and not engine.takes_every_op
+
+
+LOAD_ONLY = """
+import json, sys
+import torch
+import aotstack
+loaded = aotstack.load(sys.argv[1])
+loaded.forward(torch.ones(4, 16))
+print(json.dumps(sorted(m for m in sys.modules if m.startswith(("executorch", "torch._dynamo", "torch._inductor")))))
+"""
+
+
+def test_loading_imports_only_executorchs_runtime(lowered_with):
+    _, path = lowered_with("stacked", "xnnpack-xnnpack-aoti", ORDERS["xnnpack-aoti"][0])
+    modules = run_child(LOAD_ONLY, str(path))
+    assert "executorch.extension.pybindings._C" in modules
+    assert not [m for m in modules if m.startswith(("executorch.exir", "torch._dynamo", "torch._inductor"))]
