@@ -56,19 +56,21 @@ class Case:
     @property
     def name(self) -> str:
         grouping = "channel" if self.group == 0 else f"g{self.group}"
-        float_note = "" if self.quantized_activations else "-float"
-        return f"{self.linear}-{grouping}-emb{self.embedding}-{'x'.join(map(str, self.ids_shape))}{float_note}"
+        int8_note = "-int8-activations" if self.quantized_activations else ""
+        return f"{self.linear}-{grouping}-emb{self.embedding}-{'x'.join(map(str, self.ids_shape))}{int8_note}"
 
 
 CASES = [
     Case("8w", "8w", 32, (2, 3), True, "MatMulNBits", "block"),
     Case("8w", "4w", 0, (2, 3), True, "MatMulNBits", "block", block=128),
     # One row per channel: DynamicQuantizeMatMul rounds activations exactly as torchao does.
-    Case("8da8w", "4w", 0, (1, 1), True, "DynamicQuantizeMatMul", "tensor"),
-    Case("8da8w", "8w", 32, (2, 3), True, "MatMulNBits", "block"),
+    Case("8da8w", "4w", 0, (1, 1), False, "DynamicQuantizeMatMul", "tensor"),
+    Case("8da8w", "8w", 32, (2, 3), False, "MatMulNBits", "block"),
+    # Several rows per channel: torchao's per-token rounding in ONNX ops, then an integer matmul.
+    Case("8da8w", "8w", 0, (2, 3), False, "MatMulInteger", None, block=128),
     Case("4w", "4w", 32, (2, 3), True, "MatMulNBits", "block"),
     Case("4w", "8w", 32, (2, 3), False, "MatMulNBits", None),
-    Case("8da4w", "4w", 32, (2, 3), True, "MatMulNBits", "block"),
+    Case("8da4w", "4w", 32, (2, 3), False, "MatMulNBits", "block"),
 ]
 
 
@@ -162,7 +164,7 @@ def test_each_scheme_matches_eager_after_a_fresh_load(name, lowered_cases, fresh
         excess = ((got - expected).abs() - bound).max()
         assert excess <= 0, f"{name}: differs from eager by {excess:.3g} more than activation rounding allows"
     if built.case.rounding is None:
-        # Float activations: the same arithmetic as eager, up to summation order.
+        # Float activations, or torchao's own rounding: eager's arithmetic, up to summation order.
         torch.testing.assert_close(fresh_outputs["outputs"][name], expected, rtol=1e-5, atol=1e-5)
 
 
@@ -189,7 +191,7 @@ def test_onnx_runtime_takes_every_layer_and_keeps_its_weights_packed(name, lower
     if built.case.kernel == "MatMulNBits":
         attributes = {attribute.name: attribute.i for attribute in ops["MatMulNBits"].attribute}
         bits = 4 if built.case.linear.endswith("4w") else 8
-        level = 4 if built.case.quantized_activations else 0
+        level = 4 if built.case.quantized_activations or built.case.linear.startswith("8da") else 0
         assert attributes == {"K": IN, "N": OUT, "bits": bits, "block_size": built.case.block, "accuracy_level": level}
     weights = {
         initializer.name: onnx.helper.tensor_dtype_to_np_dtype(initializer.data_type)
@@ -219,7 +221,7 @@ def test_file_of_int4_weights_is_under_a_third_of_float(lowered_cases, tmp_path)
     ids = torch.randint(0, VOCAB, (2, 3))
     aotstack.lower(aotstack.export(EmbedThenProject().eval(), {"forward": (ids,)}),
                    [aotstack.OrtPartitioner()]).save(float_path)
-    int4_path = lowered_cases[Case("8da4w", "4w", 32, (2, 3), True, "MatMulNBits", "block").name].path
+    int4_path = lowered_cases[Case("8da4w", "4w", 32, (2, 3), False, "MatMulNBits", "block").name].path
     assert int4_path.stat().st_size <= 0.3 * float_path.stat().st_size
 
 
@@ -235,10 +237,11 @@ def refusals(model: torch.nn.Module, example: torch.Tensor, **options) -> dict[s
 
 def test_8w_with_float_activations_is_refused_naming_the_layer_and_why():
     model = aotstack.quantize(torch.nn.Sequential(torch.nn.Linear(64, 32)).eval(), linear="8w", group_size=32)
-    refused = refusals(model, torch.randn(2, 64), quantized_activations=False)
+    refused = refusals(model, torch.randn(2, 64))
     assert {"linear", "dequantize_affine"} <= set(refused)
     detail = refused["linear"].detail
-    assert "linear 'linear' (8w, group 32)" in detail and "quantized_activations=False" in detail
+    assert "linear 'linear' (8w, group 32): 8-bit weights with float activations" in detail
+    assert "OrtPartitioner(quantized_activations=True)" in detail
     assert refused["linear"].engine == "onnxruntime" and refused["linear"].kind == "unsupported"
 
 
@@ -290,8 +293,8 @@ def test_ops_filter_decides_for_a_quantized_layer_as_for_its_linear():
 
 @pytest.mark.parametrize(
     "linear, embedding, group, options",
-    [("4w", "4w", 32, {"quantized_activations": False}), ("8da8w", "8w", 0, {})],
-    ids=["4w-float-activations", "8da8w-per-channel"],
+    [("4w", "4w", 32, {}), ("8da8w", "8w", 0, {})],
+    ids=["4w", "8da8w-per-channel"],
 )
 def test_a_quantized_llama_decodes_as_eager_through_onnx_runtime_alone(linear, embedding, group, options, tmp_path):
     """Float activations, or torchao's own per-token rounding (DynamicQuantizeMatMul, one token a call):

@@ -20,8 +20,8 @@ class OrtBackend(Backend):
     """ONNX Runtime as a stacked engine.
 
     Compile specs: ``providers``, a comma-separated list of execution providers in priority
-    order (default ``CPUExecutionProvider``); ``quantized_activations``, ``on`` (default) or
-    ``off`` (see ``OrtPartitioner``).
+    order (default ``CPUExecutionProvider``); ``quantized_activations``, ``on`` or ``off``
+    (default; see ``OrtPartitioner``).
     """
 
     backend_id = "onnxruntime"
@@ -62,11 +62,11 @@ QUANTIZED_ACTIVATIONS = "quantized_activations"
 
 
 def quantized_activations(compile_specs: list[CompileSpec]) -> bool:
-    """The ``quantized_activations`` spec: ``on`` unless it says ``off``."""
+    """The ``quantized_activations`` spec: ``off`` unless it says ``on``."""
     value = compile_spec_value(compile_specs, QUANTIZED_ACTIVATIONS)
-    if value is None or value == b"on":
+    if value == b"on":
         return True
-    if value == b"off":
+    if value is None or value == b"off":
         return False
     raise CompileSpecError(f"compile spec {QUANTIZED_ACTIVATIONS!r} must be b'on' or b'off', got {value!r}")
 

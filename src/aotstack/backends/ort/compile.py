@@ -26,7 +26,7 @@ class OnnxPartition:
 
 
 def export_partition(
-    exported_program: ExportedProgram, label: str, quantized_activations: bool = True
+    exported_program: ExportedProgram, label: str, quantized_activations: bool = False
 ) -> OnnxPartition:
     """``exported_program`` as ONNX, by the dynamo exporter.
 

@@ -24,6 +24,9 @@ class PackedWeights:
     values: torch.Tensor
     scales: torch.Tensor
     zero_points: torch.Tensor | None
+    # ``MatMulInteger``'s: each output channel's sum of ``values - zero_points``, which turns the
+    # product of raw activation integers into the product of activations less their zero point.
+    column_sums: torch.Tensor | None = None
 
 
 def block_packed(
@@ -50,13 +53,16 @@ def block_packed(
 def channel_transposed(
     stored: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None, name: str
 ) -> PackedWeights:
-    """Weights for ``DynamicQuantizeMatMul``: int8 ``[columns, rows]``, one scale and zero point per row."""
+    """Weights for ``DynamicQuantizeMatMul`` and ``MatMulInteger``: int8 ``[columns, rows]``, one scale and
+    zero point per row."""
     rows = stored.shape[0]
     points = None
     if zero_points is not None and bool(zero_points.any()):
         check_range(zero_points, 8, f"zero points of {name!r}")
         points = zero_points.reshape(rows).to(torch.int8).contiguous()
-    return PackedWeights(stored.t().contiguous(), scales.reshape(rows).to(torch.float32).contiguous(), points)
+    centred = stored.to(torch.int32) - (0 if points is None else points.to(torch.int32)[:, None])
+    return PackedWeights(stored.t().contiguous(), scales.reshape(rows).to(torch.float32).contiguous(), points,
+                         centred.sum(dim=1, dtype=torch.int32).contiguous())
 
 
 def unsigned(values: torch.Tensor, bits: int) -> torch.Tensor:

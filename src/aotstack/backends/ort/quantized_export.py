@@ -54,6 +54,19 @@ def _(x, weight, scales, zero_points, bias):  # noqa: ANN001, ANN202
     return x.new_empty((*x.shape[:-1], weight.shape[1]))
 
 
+@torch.library.custom_op("aotstack_ort::per_token_matmul_integer", mutates_args=())
+def per_token_matmul_integer(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
+    column_sums: torch.Tensor, bias: torch.Tensor | None, eps: float,
+) -> torch.Tensor:
+    raise RuntimeError("aotstack_ort::per_token_matmul_integer only marks a layer for ONNX Runtime's MatMulInteger")
+
+
+@per_token_matmul_integer.register_fake
+def _(x, weight, scales, zero_points, column_sums, bias, eps):  # noqa: ANN001, ANN202
+    return x.new_empty((*x.shape[:-1], weight.shape[1]))
+
+
 @torch.library.custom_op("aotstack_ort::gather_block_quantized", mutates_args=())
 def gather_block_quantized(
     data: torch.Tensor, indices: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
@@ -131,10 +144,42 @@ def translations() -> dict[Any, Callable[..., Any]]:
                       quantize_axis=1)
 
     return {
+        torch.ops.aotstack_ort.per_token_matmul_integer.default: per_token_matmul_integer_onnx,
         torch.ops.aotstack_ort.matmul_nbits.default: matmul_nbits_onnx,
         torch.ops.aotstack_ort.dynamic_quantize_matmul.default: dynamic_quantize_matmul_onnx,
         torch.ops.aotstack_ort.gather_block_quantized.default: gather_block_quantized_onnx,
     }
+
+
+def per_token_matmul_integer_onnx(x, weight, scales, zero_points, column_sums, bias, eps):  # noqa: ANN001, ANN201
+    """torchao's per-token asymmetric int8 round trip in ONNX ops, then an integer matmul.
+
+    The same arithmetic as torchao's ``choose_qparams_affine`` and ``quantize_affine`` (scale
+    ``(max(x, 0) - min(x, 0)) / 255`` at least ``eps``, zero point ``-round(min / scale)``,
+    ``round(x * (1 / scale))``), on uint8 where torchao has int8, the same grid moved by 128:
+    ``(q - zero point) @ w`` is the integer matmul of the raw ``q`` less the zero point times
+    each column's sum (``column_sums``); its scales multiply the int32 result.
+    """
+    from onnxscript import opset18 as op
+
+    last = op.Constant(value_ints=[-1])
+    zero, top = op.Constant(value_float=0.0), op.Constant(value_float=255.0)
+    high = op.Max(op.ReduceMax(x, last, keepdims=1), zero)
+    low = op.Min(op.ReduceMin(x, last, keepdims=1), zero)
+    scale = op.Max(op.Div(op.Sub(high, low), top), op.Constant(value_float=eps))
+    point = op.Clip(op.Neg(op.Round(op.Div(low, scale))), zero, top)
+    quantized = op.Cast(op.Clip(op.Add(op.Round(op.Mul(x, op.Reciprocal(scale))), point), zero, top),
+                        to=onnx_type("UINT8"))
+    product = op.MatMulInteger(quantized, weight, None, zero_points)
+    centred = op.Sub(product, op.Mul(op.Cast(point, to=onnx_type("INT32")), column_sums))
+    result = op.Mul(op.Cast(centred, to=onnx_type("FLOAT")), op.Mul(scale, scales))
+    return result if bias is None else op.Add(result, bias)
+
+
+def onnx_type(name: str) -> int:
+    import onnx
+
+    return getattr(onnx.TensorProto, name)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -202,20 +247,23 @@ def packed_layer(layer: QuantizedLayer, weights: dict[str, torch.Tensor], fqns: 
     scales = weights[fqns[weight.scales.name]]
     zero_points = None if weight.zero_points is None else weights[fqns[weight.zero_points.name]]
     kernel = layer.kernel
-    if kernel.op == "DynamicQuantizeMatMul":
+    if kernel.op in ("DynamicQuantizeMatMul", "MatMulInteger"):
         packed = channel_transposed(stored, scales, zero_points, stored_fqn)
     else:
         packed = block_packed(stored, scales, zero_points, weight.bits, weight.group, kernel.block_size, stored_fqn)
         if kernel.op == "GatherBlockQuantized":
             packed = PackedWeights(packed.values.reshape(stored.shape[0], -1), packed.scales, packed.zero_points)
     base = f"{stored_fqn}.{kernel.op}"
-    return {f"{base}.values": packed.values, f"{base}.scales": packed.scales,
-            f"{base}.zero_points": packed.zero_points}
+    tensors = {f"{base}.values": packed.values, f"{base}.scales": packed.scales,
+               f"{base}.zero_points": packed.zero_points}
+    if kernel.op == "MatMulInteger":
+        tensors[f"{base}.column_sums"] = packed.column_sums
+    return tensors
 
 
 def kernel_call(layer: QuantizedLayer, weights: list[Node | None]) -> tuple[Any, tuple[Any, ...]]:
     """The ``aotstack_ort`` op and arguments that replace ``layer``."""
-    values, scales, zero_points = weights
+    values, scales, zero_points, *column_sums = weights
     kernel = layer.kernel
     rows, columns = layer.weight.stored.meta["val"].shape
     if kernel.op == "GatherBlockQuantized":
@@ -224,6 +272,9 @@ def kernel_call(layer: QuantizedLayer, weights: list[Node | None]) -> tuple[Any,
     bias = layer.node.args[2] if len(layer.node.args) > 2 else None
     if kernel.op == "DynamicQuantizeMatMul":
         return torch.ops.aotstack_ort.dynamic_quantize_matmul.default, (layer.source, values, scales, zero_points, bias)
+    if kernel.op == "MatMulInteger":
+        return (torch.ops.aotstack_ort.per_token_matmul_integer.default,
+                (layer.source, values, scales, zero_points, column_sums[0], bias, layer.round_trip.eps))
     return (torch.ops.aotstack_ort.matmul_nbits.default,
             (layer.source, values, scales, zero_points, bias, columns, rows, kernel.bits, kernel.block_size,
              kernel.accuracy_level))
