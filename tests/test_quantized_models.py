@@ -147,13 +147,15 @@ def test_quantized_model_matches_eager_from_a_fresh_process(quantized_runs, name
     assert [tuple(t.shape) for t in outputs] == [tuple(t.shape) for t in run.eager_outputs]
     for got, eager, float_ in zip(outputs, run.eager_outputs, run.float_outputs):
         difference = (got - eager).abs().max().item()
+        scale = eager.abs().max().item()
         if SCHEMES[scheme][0].startswith("8da"):
-            # An engine quantizes activations with its own arithmetic: a value on a rounding edge
-            # may land one step away. That must stay well inside what quantizing moved the model.
+            # An engine quantizes activations with its own arithmetic and grouping (per block of a
+            # row, not per row): an activation may land one int8 step, under 1/127 of its row's
+            # range, from torchao's. That stays well inside what quantizing moved the model, or
+            # under 1% of the outputs' range where quantizing 8-bit moved it less than that.
             moved = (eager - float_).abs().max().item()
-            assert difference <= 0.25 * moved + 1e-5, (difference, moved)
+            assert difference <= max(0.25 * moved, 1e-2 * scale) + 1e-5, (difference, moved, scale)
         else:
-            scale = eager.abs().max().item()
             assert difference <= 1e-4 * scale + 1e-5, (difference, scale)
     if lowering in FIRST_ENGINE:
         assert FIRST_ENGINE[lowering] in run.engines[lowering]
