@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import aotstack
-from aotstack.backends.base import BUILT_IN
+from aotstack.backends.xnnpack.packages import executorch_problem
 from aotstack.report.schema import REPORT_SCHEMA
 from tests import hf_models
 from tests.conftest import CORPUS_REPORT, run_child
@@ -111,8 +111,8 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str
 @pytest.mark.parametrize("lowering", list(LOWERINGS))
 @pytest.mark.parametrize("name", list(hf_models.CORPUS))
 def test_corpus_model_matches_eager_from_a_fresh_process(corpus, name, lowering):
-    if lowering == "xnnpack+aoti" and not BUILT_IN["xnnpack"].installed():
-        pytest.skip("executorch is not installed: pip install 'aotstack[xnnpack]'")
+    if lowering == "xnnpack+aoti" and executorch_problem() is not None:
+        pytest.skip(executorch_problem())
     result = corpus(lowering)[name]
     CORPUS_REPORT.append(
         f"{name:<10} {hf_models.CORPUS[name].kind:<26} {lowering:<9} "

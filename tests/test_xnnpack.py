@@ -17,10 +17,9 @@ import torch
 
 import aotstack
 from aotstack.backends.base import BUILT_IN
+from aotstack.backends.xnnpack.packages import executorch_problem
 
-pytestmark = pytest.mark.skipif(
-    not BUILT_IN["xnnpack"].installed(), reason="executorch is not installed: pip install 'aotstack[xnnpack]'"
-)
+pytestmark = pytest.mark.skipif(executorch_problem() is not None, reason=str(executorch_problem()))
 
 from aotstack.backends.xnnpack import run as xnn_run  # noqa: E402
 from aotstack.format.archive import read_manifest  # noqa: E402
