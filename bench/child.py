@@ -1,7 +1,7 @@
 """What the benchmarks measure in a fresh process; its last line of output is one JSON object.
 
     child.py sha256 FILE                                     read and SHA-256-hash FILE once
-    child.py load aotstack|aoti PACKAGE INPUTS THREADS [--import M]   load + first call; resident memory
+    child.py load aotstack|aoti|executorch PACKAGE INPUTS THREADS [--import M]   load + first call; resident memory
     child.py compile aotstack|aoti WORKLOAD PACKAGE THREADS [--exclude OP ...] [--jobs N]
 
 Run through ``common.run_child``, which puts ``bench/`` and the repository root on the path. Imports
@@ -64,9 +64,17 @@ def load(kind: str, package: str, inputs: str, threads: int, imports: list[str])
     for module in imports:
         importlib.import_module(module)
 
-    import_rss = status("VmRSS")  # a fresh process after `import torch, aotstack`
+    import_rss = status("VmRSS")  # a fresh process after `import torch, aotstack`: what each load imports counts
     if kind == "aotstack":
         from aotstack import load as open_package
+    elif kind == "executorch":  # a .pte file, through ExecuTorch's runtime; inputs passed positionally
+
+        def open_package(path: str) -> Any:
+            import executorch.kernels.quantized  # noqa: F401  (a quantized embedding's kernels)
+            from executorch.runtime import Runtime
+
+            method = Runtime.get().load_program(path).load_method("forward")
+            return lambda *args, **kwargs: method.execute([*args, *kwargs.values()])
     else:
         import torch._inductor
 
@@ -135,7 +143,7 @@ def main() -> None:
     hashing = commands.add_parser("sha256")
     hashing.add_argument("path")
     loading = commands.add_parser("load")
-    loading.add_argument("kind", choices=["aotstack", "aoti"])
+    loading.add_argument("kind", choices=["aotstack", "aoti", "executorch"])
     loading.add_argument("package")
     loading.add_argument("inputs")
     loading.add_argument("threads", type=int)

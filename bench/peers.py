@@ -1,4 +1,5 @@
-"""aotstack against the CPU runtimes a user would pick instead, on three models, fp32 and bf16, 1 and 2 threads.
+"""aotstack against the CPU runtimes a user would pick instead, on three models, fp32 and bf16, 1 and 2 threads;
+and the Llama decode quantized.
 
 Workloads (``bench/workloads.py``; random weights, batch 1):
 
@@ -11,6 +12,32 @@ Workloads (``bench/workloads.py``; random weights, batch 1):
           too; "differs" when they are within it (a near-tie: random weights leave the top logits close, and
           bf16 rounding in another order swaps two), its speed then in the note.
 
+Quantized "dtypes" (``--dtypes fp32,8w,8da8w,4w,8da4w``; bert and llama, resnet skipped): the float32 model
+through ``aotstack.quantize`` (torchao, ExecuTorch's scheme names), linears and embeddings alike:
+
+- 8w:    linear 8w (int8 weights),                       embedding 8w; one scale per output channel
+- 8da8w: linear 8da8w (int8 weights, int8 activations),  embedding 8w; one scale per output channel
+- 4w:    linear 4w (int4 weights),                       embedding 4w; groups of 32
+- 8da4w: linear 8da4w (int4 weights, int8 activations),  embedding 4w; groups of 32
+
+(int8 per channel, int4 in groups of 32: what ExecuTorch's LLM export uses; XNNPACK takes group-wise
+scales for int4 only.) Every engine gets the same program: the one ``aotstack.Program`` makes of the
+export (decomposed, torchao's tensor-subclass weights unwrapped into the int8 values, scales and zero
+points they hold, with torchao's quantize/dequantize ops between). Eager runs the quantized module, and
+is every engine's reference; the tolerance is 5e-2 (engines quantize activations and accumulate
+integers in their own order and rounding). ExecuTorch's program is made with
+``do_quant_fusion_and_const_prop`` (what XNNPACK leaves of torchao's patterns, the quantized embedding,
+becomes ExecuTorch's quantized kernels' ops, as its LLM export does). For the decoder, quantized or not,
+three more tables: tokens/s by scheme (rows) and engine; each engine's file size against the weights
+(quantized values counted at their bit width, with their scales and zero points) and the exported
+program's tensors (torchao holds an int4 value in an int8); and the resident memory a fresh process
+adds by load + one call (``bench/child.py load``, over its RSS after ``import torch, aotstack``; what
+the load imports counts) for plain AOTI, ExecuTorch and each aotstack file, against the weights. Then
+the quantization issue's targets, met or not: 8da4w aotstack (its fastest order, and auto) >= 3x the
+tokens/s of fp32 aotstack (AOTI alone) and >= 1.0x ExecuTorch XNNPACK alone; each aotstack order's
+8da4w file <= 0.3x the fp32 aotstack file; its RSS after load <= 1.15x the quantized weights.
+``bench/run.py --only quantized`` runs llama at fp32 and the four schemes at ``--threads``.
+
 Engines (columns), every one given the same thread count (``torch.set_num_threads`` and its own setting):
 
 - eager:             the module itself under ``torch.no_grad``
@@ -21,6 +48,7 @@ Engines (columns), every one given the same thread count (``torch.set_num_thread
 - ExecuTorch:        ``to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()]).to_executorch()``, run by
                      ``executorch.runtime`` from bytes (``pip install -e '.[bench]'``; the column says so without it)
 - aotstack:          ``lower(Program({"forward": ep}), [AotiCpuPartitioner()])``, saved, ``aotstack.load``
+- aotstack XNNPACK+AOTI: ``[XnnpackPartitioner(), AotiCpuPartitioner()]``
 - aotstack ORT+AOTI: ``[OrtPartitioner(), AotiCpuPartitioner()]``
 - aotstack OV+AOTI:  ``[OpenVinoPartitioner(), AotiCpuPartitioner()]``, where aotstack has it
 - aotstack auto:     ``lower(program, "auto")``, where aotstack takes it
@@ -51,8 +79,8 @@ timed. One table per (threads, dtype); an aotstack cell has its ratio to the fas
 threads with the slower of ONNX Runtime alone and plain AOTI alone: two thread pools fighting over the
 cores would show there.
 
-    .venv/bin/python bench/peers.py [--workloads bert,resnet,llama] [--threads 1,2] [--dtypes fp32,bf16]
-                                    [--rounds 5] [--quick]
+    .venv/bin/python bench/peers.py [--workloads bert,resnet,llama] [--threads 1,2]
+                                    [--dtypes fp32,bf16,8w,8da8w,4w,8da4w] [--rounds 5] [--quick]
 
 ``--quick``: much smaller models of the same architectures, fewer tokens and shorter blocks.
 """
@@ -74,6 +102,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,9 +112,11 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 import aotstack
 from common import (
+    FIGURE_HEADERS,
     Figure,
     Figures,
     Settings,
+    figure_rows,
     median,
     print_figures,
     print_table,
@@ -101,8 +132,17 @@ from stacked import engines as delegate_engines
 from workloads import peer_bert, peer_llama, peer_resnet
 
 WORKLOADS = ("bert", "resnet", "llama")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2}  # max |engine - eager| over max(1, max |eager|)
+# A quantization scheme is one more "dtype": a float32 model whose linears and embeddings ``aotstack.quantize``
+# turns to torchao's int8/int4 weights, named after its linear scheme: (linear, embedding, group size). As in
+# ExecuTorch's LLM export: int4 in groups of 32, int8 one scale per output channel (group 0; XNNPACK takes
+# group-wise scales for int4 only).
+QUANTIZED = {"8w": ("8w", "8w", 0), "8da8w": ("8da8w", "8w", 0), "4w": ("4w", "4w", 32), "8da4w": ("8da4w", "4w", 32)}
+QUANTIZED_WORKLOADS = ("bert", "llama")  # the ones with linears and embeddings to quantize; resnet is skipped
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, **dict.fromkeys(QUANTIZED, torch.float32)}
+DEFAULT_DTYPES = ("fp32", "bf16")
+# max |engine - eager| over max(1, max |eager|). A quantized model's engines quantize activations (8da*) and
+# accumulate integers in their own order and rounding: the eager quantized model is the reference.
+TOLERANCE = {"fp32": 1e-3, "bf16": 5e-2, **dict.fromkeys(QUANTIZED, 5e-2)}
 THREADS = (1, 2)
 QUICK_THREADS, QUICK_DTYPES = (2,), ("fp32",)  # --quick, unless given: one table, the stacking row included
 ROUNDS = 5
@@ -115,9 +155,16 @@ STACKING_TARGET = 1.1  # ORT+AOTI at 2 threads / the slower of ORT alone and AOT
 
 EAGER, AOTI, ORT, OV, ET = "eager", "plain AOTI", "ONNX Runtime", "OpenVINO", "ExecuTorch"
 STACK, STACK_ORT, STACK_OV, STACK_AUTO = "aotstack", "aotstack ORT+AOTI", "aotstack OV+AOTI", "aotstack auto"
-ENGINES = (EAGER, AOTI, ORT, OV, ET, STACK, STACK_ORT, STACK_OV, STACK_AUTO)
+STACK_XNN = "aotstack XNNPACK+AOTI"
+ENGINES = (EAGER, AOTI, ORT, OV, ET, STACK, STACK_XNN, STACK_ORT, STACK_OV, STACK_AUTO)
 SINGLE = (AOTI, ORT, OV, ET)  # one engine on the whole model: what an aotstack file is compared with
-AOTSTACK_ENGINES = (STACK, STACK_ORT, STACK_OV, STACK_AUTO)
+AOTSTACK_ENGINES = (STACK, STACK_XNN, STACK_ORT, STACK_OV, STACK_AUTO)
+MEMORY_ENGINES = (AOTI, ET, *AOTSTACK_ENGINES)  # the decoder's resident memory, measured in a fresh process
+# The quantized decode's targets (the quantization issue).
+SPEEDUP_TARGET = 3.0  # 8da4w aotstack tokens/s / fp32 aotstack (AOTI) tokens/s
+VS_EXECUTORCH_TARGET = 1.0  # 8da4w aotstack tokens/s / ExecuTorch XNNPACK alone
+FILE_TARGET = 0.3  # 8da4w aotstack file / fp32 aotstack (AOTI) file
+RSS_TARGET = 1.15  # RSS added by load + one call / the quantized weights' bytes
 
 
 # Edge ops that only reshape or alias: not counted as work left to ExecuTorch's portable kernels.
@@ -149,6 +196,8 @@ class Runner:
     call: Callable[..., torch.Tensor]
     reset: Callable[[], None] = lambda: None
     detail: str = ""  # e.g. an aotstack file's delegates per engine
+    files: Sequence[str] = ()  # what the engine runs from: its size is the cell's file size
+    memory: tuple[str, str] | None = None  # (bench/child.py load kind, file): resident memory, the decoder only
 
 
 @dataclass
@@ -163,6 +212,9 @@ class Cell:
     detail: str = ""  # what the engine made of the model, e.g. an aotstack file's delegates
     tokens: list[int] | None = None  # the decoder's tokens every round must repeat: eager's, or its own near-tie
     rounds: int = 0  # rounds it was timed in
+    file_bytes: int | None = None  # the file(s) the engine runs from
+    rss_bytes: int | None = None  # the decoder: RSS a fresh process adds by load + one call
+    rss_note: str = ""  # why there is no rss_bytes where one was measured for
 
     def text(self) -> str:
         return self.kind if self.kind else quantity(self.value, "")
@@ -180,6 +232,8 @@ class Case:
     exported: torch.export.ExportedProgram
     reference: Any  # eager's output tensor, or its tokens, at the thread count being run
     artifacts: dict[str, Any] = field(default_factory=dict)  # engine -> its artifact, or the exception making it
+    weights: int = 0  # the model's weights in bytes; quantized ones at their bit width, with scales and zero points
+    program_weights: int = 0  # the exported program's weights and constants (int4 held one value per int8)
 
     @property
     def decoder(self) -> bool:
@@ -278,25 +332,74 @@ def cache_in_out(case: Case) -> tuple[torch.export.ExportedProgram, CacheInOut]:
 # Building the cases.
 
 
+def quantized(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """``model`` quantized in place with the scheme ``dtype`` names; float32 and bfloat16 models unchanged."""
+    if dtype not in QUANTIZED:
+        return model
+    linear, embedding, group_size = QUANTIZED[dtype]
+    with contextlib.redirect_stdout(io.StringIO()):  # torchao prints its missing CUDA libraries
+        return aotstack.quantize(model, linear=linear, embedding=embedding, group_size=group_size)
+
+
+def weights_at_bits(model: torch.nn.Module, dtype: str) -> int:
+    """Bytes of ``model``'s parameters and buffers, a quantized weight's values at their bit width.
+
+    torchao keeps an int4 value in an int8 (``qdata``): counted here as half a byte, the size a
+    packed kernel reads; scales and zero points as stored.
+    """
+    linear, embedding, _ = QUANTIZED.get(dtype, (None, None, 0))
+    bits = {torch.nn.Linear: linear, torch.nn.Embedding: embedding}
+    total, seen = 0, set()
+    for module in model.modules():
+        scheme = next((bits[kind] for kind in bits if isinstance(module, kind)), None)
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            if type(tensor) in (torch.Tensor, torch.nn.Parameter):
+                total += tensor.numel() * tensor.element_size()
+                continue
+            for name in tensor.__tensor_flatten__()[0]:
+                inner = getattr(tensor, name)
+                value_bits = 4 if name == "qdata" and scheme in ("4w", "8da4w") else 8 * inner.element_size()
+                total += inner.numel() * value_bits // 8
+    return total
+
+
+def program_bytes(exported: torch.export.ExportedProgram) -> int:
+    tensors = {**exported.state_dict, **exported.constants}
+    return sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor))
+
+
 def build_case(workload: str, dtype: str, size: str) -> Case:
+    """The workload at ``dtype``. A quantized one: every engine gets the program ``aotstack.Program`` makes
+    of it (decomposed, torchao's tensor-subclass weights unwrapped into the plain tensors they pack), the
+    form ExecuTorch's and AOTInductor's own flows also take; eager runs the quantized module itself."""
     torch_dtype = DTYPES[dtype]
     if workload == "llama":
         from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
-        model = peer_llama(size, CACHE[size]).to(torch_dtype)
+        model = quantized(peer_llama(size, CACHE[size]).to(torch_dtype), dtype)
 
         def wrapped() -> TorchExportableModuleForDecoderOnlyLM:
             return TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE[size])
 
         exported = wrapped().export(input_ids=decoder_inputs()[0], cache_position=decoder_inputs()[1])
+        if dtype in QUANTIZED:
+            exported = aotstack.Program({"forward": exported}).methods["forward"]
         # Eager runs a cache of its own: the exported program's buffers stay as exported (zeros).
-        return Case(workload, dtype, size, wrapped().model, (), exported, None)
-    model, args = {"bert": peer_bert, "resnet": peer_resnet}[workload](size)
-    model = model.to(torch_dtype)
-    args = tuple(a.to(torch_dtype) if a.is_floating_point() else a for a in args)
-    with torch.no_grad():
-        exported = torch.export.export(model, args)
-    return Case(workload, dtype, size, model, args, exported, None)
+        case = Case(workload, dtype, size, wrapped().model, (), exported, None)
+    else:
+        model, args = {"bert": peer_bert, "resnet": peer_resnet}[workload](size)
+        model = quantized(model.to(torch_dtype), dtype)
+        args = tuple(a.to(torch_dtype) if a.is_floating_point() else a for a in args)
+        with torch.no_grad():
+            exported = torch.export.export(model, args)
+        if dtype in QUANTIZED:
+            exported = aotstack.Program({"forward": exported}).methods["forward"]
+        case = Case(workload, dtype, size, model, args, exported, None)
+    case.weights, case.program_weights = weights_at_bits(model, dtype), program_bytes(case.exported)
+    return case
 
 
 # The engines. Each builder returns a Runner at the current thread count, or raises.
@@ -323,9 +426,9 @@ def aoti_runner(case: Case, threads: int, settings: Settings) -> Runner:
     progress(f"{case.name}: plain AOTI compiled for {threads} thread(s) in {time.perf_counter() - started:.1f} s")
     package = torch._inductor.aoti_load_package(path)
     if case.decoder:
-        return Runner(lambda ids, pos: package(input_ids=ids, cache_position=pos))
+        return Runner(lambda ids, pos: package(input_ids=ids, cache_position=pos), files=[path], memory=("aoti", path))
     args = case.args
-    return Runner(lambda: package(*args))
+    return Runner(lambda: package(*args), files=[path])
 
 
 def numpy_of(tensor: torch.Tensor) -> Any:
@@ -351,9 +454,10 @@ def ort_runner(case: Case, threads: int, settings: Settings) -> Runner:
     options.log_severity_level = 3
     session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
     names = [i.name for i in session.get_inputs()]
+    files = onnx_files(path)
     if not case.decoder:
         feeds = dict(zip(names, (numpy_of(a) for a in case.args)))
-        return Runner(lambda: torch.from_numpy(session.run(None, feeds)[0]))
+        return Runner(lambda: torch.from_numpy(session.run(None, feeds)[0]), files=files)
     initial = [numpy_of(t) for t in cache_in_out(case)[1].initial]  # ONNX Runtime never writes its inputs
     cache = list(initial)
 
@@ -365,7 +469,13 @@ def ort_runner(case: Case, threads: int, settings: Settings) -> Runner:
     def reset() -> None:
         cache[:] = initial
 
-    return Runner(step, reset)
+    return Runner(step, reset, files=files)
+
+
+def onnx_files(path: str) -> list[str]:
+    """The ONNX file and its external data files, if the exporter wrote any beside it."""
+    directory, stem = os.path.dirname(path), os.path.basename(path)
+    return [os.path.join(directory, name) for name in sorted(os.listdir(directory)) if name.startswith(stem)]
 
 
 def ov_tensor(tensor: torch.Tensor) -> Any:
@@ -471,7 +581,7 @@ def ov_runner(case: Case, threads: int, settings: Settings) -> Runner:
             request.infer(inputs)
             return from_ov(request.get_output_tensor(0))
 
-        return Runner(call)
+        return Runner(call, files=[path, path.removesuffix(".xml") + ".bin"])
 
     initial = cache_in_out(case)[1].initial
     outside = {i: initial[i] for i, t in enumerate(initial) if not t.is_floating_point()}  # passed in and out
@@ -487,7 +597,7 @@ def ov_runner(case: Case, threads: int, settings: Settings) -> Runner:
         request.reset_state()
         outside.update({i: initial[i] for i in outside})
 
-    return Runner(step, reset)
+    return Runner(step, reset, files=[path, path.removesuffix(".xml") + ".bin"])
 
 
 def executorch_runner(case: Case, threads: int, settings: Settings) -> Runner:
@@ -497,7 +607,7 @@ def executorch_runner(case: Case, threads: int, settings: Settings) -> Runner:
     def lower() -> tuple[bytes, str]:
         with contextlib.redirect_stdout(io.StringIO()):  # torchao prints its missing CUDA libraries
             from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
-            from executorch.exir import to_edge_transform_and_lower
+            from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
         edge = to_edge_transform_and_lower(case.exported, partitioner=[XnnpackPartitioner()])
         graph = edge.exported_program().graph
         names = [getattr(n.target, "__name__", str(n.target)) for n in graph.nodes if n.op == "call_function"]
@@ -509,23 +619,34 @@ def executorch_runner(case: Case, threads: int, settings: Settings) -> Runner:
         detail = (f"{delegates} XNNPACK delegates; on portable kernels {heavy} matmul/conv ops, "
                   f"{len(left) - heavy} others")
         progress(f"{case.name}: ExecuTorch: {detail}")
-        return edge.to_executorch().buffer, detail
+        path = settings.path(f"peers-{case.name}.pte")
+        # What XNNPACK leaves of torchao's patterns (a quantized embedding) becomes ExecuTorch's quantized
+        # kernels' ops, as its LLM export does (do_quant_fusion_and_const_prop).
+        config = ExecutorchBackendConfig(do_quant_fusion_and_const_prop=case.dtype in QUANTIZED)
+        with open(path, "wb") as file:
+            file.write(edge.to_executorch(config).buffer)
+        return path, detail
 
-    program_bytes, detail = case.artifact(ET, lower)
+    path, detail = case.artifact(ET, lower)
+    with open(path, "rb") as file:
+        program_bytes = file.read()
     from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
     from executorch.runtime import Runtime
+
+    if case.dtype in QUANTIZED:  # registers the quantized kernels (quantized_decomposed::embedding_4bit)
+        importlib.import_module("executorch.kernels.quantized")
 
     _unsafe_reset_threadpool(threads)  # XNNPACK's pool; no method is running now
     program = Runtime.get().load_program(program_bytes)
     method = [program.load_method("forward")]
     if not case.decoder:
         args = list(case.args)
-        return Runner(lambda: method[0].execute(args)[0], detail=detail)
+        return Runner(lambda: method[0].execute(args)[0], detail=detail, files=[path])
 
     def reset() -> None:  # the cache lives in the method's planned memory
         method[0] = program.load_method("forward")
 
-    return Runner(lambda ids, pos: method[0].execute([ids, pos])[0], reset, detail)
+    return Runner(lambda ids, pos: method[0].execute([ids, pos])[0], reset, detail, [path], ("executorch", path))
 
 
 def aotstack_partitioners(engine: str) -> list[aotstack.Partitioner] | str:
@@ -533,6 +654,12 @@ def aotstack_partitioners(engine: str) -> list[aotstack.Partitioner] | str:
         return [aotstack.AotiCpuPartitioner()]
     if engine == STACK_ORT:
         return [aotstack.OrtPartitioner(), aotstack.AotiCpuPartitioner()]
+    if engine == STACK_XNN:
+        try:
+            xnnpack_partitioner = aotstack.XnnpackPartitioner
+        except (AttributeError, ImportError) as exc:
+            raise Unavailable(f"aotstack has no XnnpackPartitioner here ({type(exc).__name__}: {exc})") from exc
+        return [xnnpack_partitioner(), aotstack.AotiCpuPartitioner()]
     if engine == STACK_OV:
         try:
             openvino_partitioner = aotstack.OpenVinoPartitioner
@@ -549,23 +676,36 @@ def aotstack_runner(engine: str) -> Callable[[Case, int, Settings], Runner]:
         program = aotstack.Program({"forward": case.exported})
         partitioners = aotstack_partitioners(engine)
         started = time.perf_counter()
+        fell_back = ""
         try:
             lowered = aotstack.lower(program, partitioners)
         except (TypeError, aotstack.LoweringError) as exc:
             if partitioners == "auto" and (isinstance(exc, TypeError) or "Partitioner" in str(exc)):
                 raise Unavailable(f"lower(program, 'auto') not taken yet: {exc}") from exc
-            raise
+            if "failed to compile" not in str(exc):
+                raise
+            # A partition its backend could not compile: timed as a user would get it with
+            # on_compile_error="fallback" (those nodes go to the next partitioner), and said so.
+            progress(f"{case.name}: {engine}: {short(exc, 400)}; again with on_compile_error='fallback'")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                lowered = aotstack.lower(aotstack.Program({"forward": case.exported}), aotstack_partitioners(engine),
+                                         on_compile_error="fallback")
+            failures = lowered.compile_failures.get("forward", [])
+            fell_back = (f"; on_compile_error='fallback': {len(failures)} partition(s) failed to compile "
+                         f"({failures[0].backend_id}: {failures[0].error[:160]})" if failures else "")
         lowered.save(path)
-        detail = delegate_engines(lowered.delegates("forward")) or "no delegate"
+        detail = (delegate_engines(lowered.delegates("forward")) or "no delegate") + fell_back
         progress(f"{case.name}: {engine} lowered for {threads} thread(s) in {time.perf_counter() - started:.1f} s "
                  f"({detail})")
         if any(d.backend_id == "openvino" for d in lowered.delegates("forward")):
             probe_aotstack(case, path, threads, settings)  # OpenVINO's compile can kill the process
         loaded = aotstack.load(path)  # after torch.set_num_threads: its ONNX Runtime sessions read it here
         if case.decoder:
-            return Runner(lambda ids, pos: loaded.forward(input_ids=ids, cache_position=pos), loaded.reset, detail)
+            return Runner(lambda ids, pos: loaded.forward(input_ids=ids, cache_position=pos), loaded.reset, detail,
+                          [path], ("aotstack", path))
         args = case.args
-        return Runner(lambda: loaded.forward(*args), detail=detail)
+        return Runner(lambda: loaded.forward(*args), detail=detail, files=[path])
 
     return build
 
@@ -642,6 +782,30 @@ def check_decoder(case: Case, runner: Runner, eager_logits: Callable[[], torch.T
         raise Wrong(f"{differ}; fed eager's tokens, max |logits - eager's| {difference:.3g}, allowed {allowed:.3g}")
     raise NearTie(f"{differ}, a near-tie: fed eager's tokens, its logits are within {difference:.2g} of "
                   f"eager's (allowed {allowed:.2g})", tokens)
+
+
+def file_and_memory(case: Case, engine: str, runner: Runner, cell: Cell, settings: Settings) -> None:
+    """The cell's file size, and for the decoder the RSS a fresh process adds by load + one call.
+
+    Memory is measured once per case and engine (at the first thread count): ``bench/child.py load``,
+    its RSS after the call over its RSS after the imports the load needs.
+    """
+    cell.file_bytes = sum(os.path.getsize(f) for f in runner.files if os.path.exists(f)) or None
+    if not case.decoder or runner.memory is None or engine not in MEMORY_ENGINES:
+        return
+
+    def measure() -> int:
+        kind, path = runner.memory
+        inputs = save_inputs(settings.path(f"peers-{case.name}-inputs.pt"),
+                             kwargs=dict(zip(("input_ids", "cache_position"), decoder_inputs())))
+        sample = run_child(["load", kind, path, inputs, "1"])
+        return sample["rss"] - sample["import_rss"]
+
+    try:
+        cell.rss_bytes = case.artifact(f"{engine} memory", measure)
+    except Exception as exc:
+        cell.rss_note = short(exc)
+        progress(f"{case.name}: {engine}: resident memory not measured: {cell.rss_note}")
 
 
 def timed_block(runner: Runner, calls: int) -> float:
@@ -742,6 +906,8 @@ def run_threads(case: Case, threads: int, settings: Settings, rounds: int) -> di
         except Exception as exc:  # one engine failing must not stop the others
             cells[engine] = outcome(exc)
             progress(f"{case.name} {threads}t: {engine}: {cells[engine].kind}: {cells[engine].reason}")
+        if runner is not None and engine in cells:
+            file_and_memory(case, engine, runner, cells[engine], settings)
     if not case.decoder:
         differences = ", ".join(f"{n} {c.difference:.1e}" for n, c in cells.items() if c.difference is not None)
         progress(f"{case.name} {threads}t: max |engine - eager|: {differences}")
@@ -771,7 +937,7 @@ def print_tables(results: Results, units: dict[str, str]) -> None:
         rows = []
         for workload in WORKLOADS:
             cells = results.get((workload, dtype, threads))
-            if cells is None:
+            if cells is None or (workload == "llama" and dtype in QUANTIZED):  # in the quantized decode's table
                 continue
             best = fastest_single(cells, units[workload])
             row = [workload, units[workload]]
@@ -785,11 +951,132 @@ def print_tables(results: Results, units: dict[str, str]) -> None:
                 row.append(text)
             row.append("-" if best is None else f"{best[0]} {quantity(best[1], '')}")
             rows.append(row)
+        if not rows:
+            continue
         print(f"\n  {threads} thread(s), {dtype}: median of the rounds; ms per forward (lower is better), "
               "tokens/s (higher is better);\n  (x): aotstack's figure / the fastest single engine's")
         print_table(["workload", "unit", *ENGINES, "fastest single"], rows)
         for text, number in notes.items():
             print(f"  [{number}] {text}")
+
+
+def decoder_rows(results: Results, threads: int) -> list[str]:
+    """The llama dtypes measured at ``threads``: fp32 and bf16 first, then the schemes in QUANTIZED's order."""
+    order = [*DEFAULT_DTYPES, *QUANTIZED]
+    return sorted({d for w, d, t in results if w == "llama" and t == threads}, key=order.index)
+
+
+def megabytes(count: int | None) -> str:
+    return "-" if count is None else f"{count / 1e6:.1f}"
+
+
+def quantized_report(results: Results, weights: dict[tuple[str, str], tuple[int, int]]) -> Figures:
+    """The quantized decode: per thread count, tokens/s by scheme and engine; file sizes, resident memory; targets."""
+    figures: Figures = {}
+    threads_run = sorted({t for w, _, t in results if w == "llama"})
+    for threads in threads_run:
+        dtypes = decoder_rows(results, threads)
+        notes: dict[str, int] = {}
+        rows = []
+        for dtype in dtypes:
+            cells = results[("llama", dtype, threads)]
+            best = fastest_single(cells, "tokens/s")
+            row = [dtype]
+            for engine in ENGINES:
+                cell = cells[engine]
+                text = cell.text()
+                if cell.kind:
+                    text += f" [{notes.setdefault(f'{dtype} {engine}: {cell.reason}', len(notes) + 1)}]"
+                elif engine in AOTSTACK_ENGINES and best is not None:
+                    text += f" ({cell.value / best[1]:.2f}x)"
+                row.append(text)
+            row.append("-" if best is None else f"{best[0]} {quantity(best[1], '')}")
+            rows.append(row)
+        schemes = ", ".join(f"{k}: embedding {v[1]}, {f'group {v[2]}' if v[2] else 'per channel'}"
+                            for k, v in QUANTIZED.items())
+        print(f"\n  llama decode, {threads} thread(s), by quantization (the linear scheme; {schemes}): tokens/s, "
+              "median of the rounds;\n  (x): aotstack's figure / the fastest single engine's")
+        print_table(["dtype", *ENGINES, "fastest single"], rows)
+        for text, number in notes.items():
+            print(f"  [{number}] {text}")
+        figures.update(quantized_targets(results, threads))
+    # Files and memory: the same at every thread count; the first one's.
+    threads = threads_run[0]
+    dtypes = decoder_rows(results, threads)
+    sized = [e for e in ENGINES if any(results[("llama", d, threads)][e].file_bytes for d in dtypes)]
+    rows = [[d, megabytes(weights[("llama", d)][0]), megabytes(weights[("llama", d)][1]),
+             *(megabytes(results[("llama", d, threads)][e].file_bytes) for e in sized)] for d in dtypes]
+    print("\n  llama decode: weights (quantized ones at their bit width, with scales), the exported program's "
+          "tensors,\n  and each engine's file(s), MB")
+    print_table(["dtype", "weights", "program", *sized], rows)
+    rows = []
+    for dtype in dtypes:
+        weight = weights[("llama", dtype)][0]
+        row = [dtype, megabytes(weight)]
+        for engine in MEMORY_ENGINES:
+            cell = results[("llama", dtype, threads)][engine]
+            ratio = "" if cell.rss_bytes is None else f" ({cell.rss_bytes / weight:.2f}x)"
+            row.append(megabytes(cell.rss_bytes) + ratio)
+        rows.append(row)
+    print(f"\n  llama decode: RSS a fresh process adds by load + one call (bench/child.py load), MB "
+          f"(x: / the weights; target <= {RSS_TARGET}x)")
+    print_table(["dtype", "weights", *MEMORY_ENGINES], rows)
+    figures.update(size_targets(results, weights, threads))
+    return figures
+
+
+def best_aotstack(cells: dict[str, Cell], engines: Sequence[str] = AOTSTACK_ENGINES) -> tuple[str, float] | None:
+    measured = [(name, cells[name].value) for name in engines if cells[name].value is not None]
+    return max(measured, key=lambda item: item[1]) if measured else None
+
+
+def quantized_targets(results: Results, threads: int) -> Figures:
+    """8da4w aotstack (its fastest order, and auto) >= 3x fp32 aotstack, and >= ExecuTorch XNNPACK alone."""
+    figures: Figures = {}
+    scheme = results.get(("llama", "8da4w", threads))
+    if scheme is None:
+        return figures
+    fp32 = results.get(("llama", "fp32", threads))
+    best = best_aotstack(scheme)
+    picks = {"fastest order": best, "auto": (STACK_AUTO, scheme[STACK_AUTO].value)}
+    for label, pick in picks.items():
+        name, value = pick if pick is not None else ("-", None)
+        what = f"{name}" if label == "auto" else f"{label}: {name}"
+        baseline = None if fp32 is None else fp32[STACK].value
+        figures[f"llama 8da4w {threads}t: aotstack {label} / fp32 aotstack, tokens/s"] = Figure(
+            value, "tokens/s", baseline, None if baseline is None else SPEEDUP_TARGET, higher_is_better=True,
+            note=f"{what}; baseline fp32 {STACK} (AOTI)" + ("" if fp32 else ": fp32 not run"))
+        executorch = scheme[ET].value
+        figures[f"llama 8da4w {threads}t: aotstack {label} / {ET} XNNPACK alone, tokens/s"] = Figure(
+            value, "tokens/s", executorch, None if executorch is None else VS_EXECUTORCH_TARGET, higher_is_better=True,
+            note=what + (f"; {ET}: {scheme[ET].kind}: {scheme[ET].reason}" if scheme[ET].kind else ""))
+    print(f"\n  llama decode targets, {threads} thread(s)")
+    print_table(FIGURE_HEADERS, figure_rows(figures))
+    return figures
+
+
+def size_targets(results: Results, weights: dict[tuple[str, str], tuple[int, int]], threads: int) -> Figures:
+    """The 8da4w file <= 0.3x the fp32 file; RSS after load <= 1.15x the quantized weights (each aotstack order)."""
+    figures: Figures = {}
+    scheme = results.get(("llama", "8da4w", threads))
+    if scheme is None:
+        return figures
+    fp32 = results.get(("llama", "fp32", threads))
+    best = best_aotstack(scheme)
+    fp32_file = None if fp32 is None else fp32[STACK].file_bytes
+    for engine in AOTSTACK_ENGINES:
+        cell = scheme[engine]
+        tag = f"{engine}{' (fastest)' if best and best[0] == engine else ''}"
+        figures[f"llama 8da4w: {tag} file / fp32 aotstack file"] = Figure(
+            None if cell.file_bytes is None else cell.file_bytes / 1e6, "MB",
+            None if fp32_file is None else fp32_file / 1e6, None if fp32_file is None else FILE_TARGET,
+            note=cell.reason if cell.kind and cell.file_bytes is None else "")
+        figures[f"llama 8da4w: {tag} RSS after load / quantized weights"] = Figure(
+            None if cell.rss_bytes is None else cell.rss_bytes / 1e6, "MB", weights[("llama", "8da4w")][0] / 1e6,
+            RSS_TARGET, note=cell.rss_note or "fresh process: RSS after load + one call over RSS after the imports")
+    print("\n  llama decode targets: file size and resident memory")
+    print_table(FIGURE_HEADERS, figure_rows(figures))
+    return figures
 
 
 def stacking_threads(threads: Sequence[int]) -> int | None:
@@ -864,19 +1151,24 @@ def peers(
 ) -> Figures:
     size = settings.pick("full", "quick")
     threads = threads or settings.pick(THREADS, QUICK_THREADS)
-    dtypes = dtypes or settings.pick(tuple(DTYPES), QUICK_DTYPES)
+    dtypes = dtypes or settings.pick(DEFAULT_DTYPES, QUICK_DTYPES)
     print(f"  {versions()}")
     print(f"  workloads {', '.join(workloads)}; threads {', '.join(map(str, threads))}; dtypes {', '.join(dtypes)}; "
           f"{rounds} rounds; {size} models")
     results: Results = {}
+    weights: dict[tuple[str, str], tuple[int, int]] = {}  # (workload, dtype) -> (weights at bit width, program's)
     units = {w: "tokens/s" if w == "llama" else "ms" for w in WORKLOADS}
     before = torch.get_num_threads()
     started = time.perf_counter()
     try:
         for workload in workloads:
             for dtype in dtypes:
+                if dtype in QUANTIZED and workload not in QUANTIZED_WORKLOADS:
+                    progress(f"{workload}-{dtype}: skipped: quantization applies to {', '.join(QUANTIZED_WORKLOADS)}")
+                    continue
                 progress(f"{workload}-{dtype}: building the model, exporting, eager's reference ...")
                 case = build_case(workload, dtype, size)
+                weights[(workload, dtype)] = (case.weights, case.program_weights)
                 for count in threads:
                     results[(workload, dtype, count)] = run_threads(case, count, settings, rounds)
                 del case
@@ -886,10 +1178,17 @@ def peers(
     progress(f"all cases done in {time.perf_counter() - started:.0f} s")
     print_tables(results, units)
     figures = engine_figures(results, units)
+    if any(workload == "llama" and dtype in QUANTIZED for workload, dtype, _ in results):
+        figures.update(quantized_report(results, weights))
     stacking = stacking_threads(threads)
     if stacking is not None:
         figures.update(stacking_figures(results, units, stacking))
     return figures
+
+
+def quantized_decode(settings: Settings) -> Figures:
+    """The quantized decode alone (``bench/run.py --only quantized``): llama, fp32 and each scheme, one thread count."""
+    return peers(settings, ("llama",), (settings.threads,), ("fp32", *QUANTIZED))
 
 
 def comma_list(kind: Callable[[str], Any], allowed: Sequence[Any] | None = None) -> Callable[[str], list[Any]]:
@@ -908,7 +1207,8 @@ def main() -> None:
     parser.add_argument("--threads", type=comma_list(int), default=None,
                         help=f"default {','.join(map(str, THREADS))}; --quick: {','.join(map(str, QUICK_THREADS))}")
     parser.add_argument("--dtypes", type=comma_list(str, tuple(DTYPES)), default=None,
-                        help=f"default {','.join(DTYPES)}; --quick: {','.join(QUICK_DTYPES)}")
+                        help=f"of {','.join(DTYPES)}; default {','.join(DEFAULT_DTYPES)}; "
+                             f"--quick: {','.join(QUICK_DTYPES)}")
     parser.add_argument("--rounds", type=int, default=ROUNDS)
     parser.add_argument("--quick", action="store_true",
                         help="much smaller models, fewer tokens, shorter blocks, one configuration")

@@ -2,6 +2,10 @@
 
     .venv/bin/python bench/run.py [--only NAME ...] [--quick] [--threads 1] [--output build/bench-results.json]
 
+``quantized`` (the Llama decode at fp32, 8w, 8da8w, 4w and 8da4w through every engine, at ``--threads``:
+tokens/s, file size, resident memory) takes half an hour or more on a 2-core machine, so it runs only
+when named: ``--only quantized`` (``make bench BENCH_ARGS="--only quantized"``).
+
 Each benchmark is a function of ``Settings`` returning named ``Figure``s (a value, its baseline measured
 in the same run, their ratio, a target and pass or miss). The whole run uses private compile caches
 (aotstack's and Inductor's) in a temporary directory, so results do not depend on the user's caches;
@@ -45,7 +49,7 @@ from draw import draw_times
 from large import large_model
 from latency import latency
 from load import load_times
-from peers import peers
+from peers import peers, quantized_decode
 from stacked import stacked
 
 DEFAULT_OUTPUT = os.path.join(REPO, "build", "bench-results.json")
@@ -65,7 +69,10 @@ BENCHMARKS: dict[str, tuple[str, Callable[[Settings], Figures]]] = {
     "draw": ("graph picture: SVG of a 500- and a 2000-node method, median of 5 draws", draw_times),
     "peers": ("BERT, ResNet-50, Llama decode: aotstack vs plain AOTI, ONNX Runtime, OpenVINO, ExecuTorch, eager; "
               "1 and 2 threads, fp32 and bf16", peers),
+    "quantized": ("Llama decode quantized (8w, 8da8w, 4w, 8da4w) vs fp32, every engine: tokens/s, file size, memory",
+                  quantized_decode),
 }
+OPT_IN = ("quantized",)  # run only when named with --only
 
 
 def git(*args: str) -> str | None:
@@ -154,7 +161,8 @@ def summary_rows(results: dict[str, dict[str, Any]]) -> list[list[str]]:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", choices=list(BENCHMARKS), metavar="NAME",
-                        help=f"run only these benchmarks: {', '.join(BENCHMARKS)}")
+                        help=f"run only these benchmarks: {', '.join(BENCHMARKS)} "
+                             f"({', '.join(OPT_IN)}: only when named)")
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and calls, for a smoke run")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads, here and in every child")
     parser.add_argument("--output", default=DEFAULT_OUTPUT, help="the JSON results file (default: %(default)s)")
@@ -166,7 +174,7 @@ def main() -> int:
     args = parse_args()
     quiet_known_warnings()
     torch.set_num_threads(args.threads)
-    names = args.only or list(BENCHMARKS)
+    names = args.only or [name for name in BENCHMARKS if name not in OPT_IN]
     started = time.perf_counter()
     scratch = tempfile.mkdtemp(prefix="aotstack-bench-")
     use_private_caches(scratch)
