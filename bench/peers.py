@@ -936,12 +936,13 @@ Results = dict[tuple[str, str, int], dict[str, Cell]]  # (workload, dtype, threa
 
 def print_tables(results: Results, units: dict[str, str]) -> None:
     configurations = sorted({(threads, dtype) for _, dtype, threads in results}, key=lambda c: (c[0], c[1]))
+    quantized_decode_ran = any(workload == "llama" and dtype in QUANTIZED for workload, dtype, _ in results)
     for threads, dtype in configurations:
         notes: dict[str, int] = {}
         rows = []
         for workload in WORKLOADS:
             cells = results.get((workload, dtype, threads))
-            if cells is None or (workload == "llama" and dtype in QUANTIZED):  # in the quantized decode's table
+            if cells is None or (workload == "llama" and quantized_decode_ran):  # in the quantized decode's table
                 continue
             best = fastest_single(cells, units[workload])
             row = [workload, units[workload]]
