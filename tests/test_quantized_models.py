@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import aotstack
-from aotstack.backends.base import BUILT_IN
+from aotstack.backends.xnnpack.packages import executorch_problem
 from tests import hf_models
 from tests.conftest import run_child
 
@@ -32,10 +32,11 @@ LOWERINGS: dict[str, Callable[[], list[aotstack.Partitioner] | str]] = {
     "aoti": lambda: [aotstack.AotiCpuPartitioner()],
     "ort+aoti": lambda: [aotstack.OrtPartitioner(), aotstack.AotiCpuPartitioner()],
     "ov+aoti": lambda: [aotstack.OpenVinoPartitioner(), aotstack.AotiCpuPartitioner()],
+    "xnnpack+aoti": lambda: [aotstack.XnnpackPartitioner(), aotstack.AotiCpuPartitioner()],
     "auto": lambda: "auto",
 }
-if "xnnpack" in BUILT_IN:
-    LOWERINGS["xnnpack+aoti"] = lambda: [aotstack.XnnpackPartitioner(), aotstack.AotiCpuPartitioner()]
+# auto lowers and times every engine's plan, the orders above, again: one scheme shows it picks among them.
+AUTO_SCHEMES = ("8da4w",)
 FIRST_ENGINE = {"ort+aoti": "onnxruntime", "ov+aoti": "openvino", "xnnpack+aoti": "xnnpack"}
 
 RUN_ALL = """
@@ -94,6 +95,8 @@ def quantized_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, s
         result = QuantizedRun(float_outputs, eager_outputs, {}, {}, {}, {})
         jobs = []
         for lowering, partitioners in LOWERINGS.items():
+            if not lowering_applies(lowering, scheme):
+                continue
             try:
                 lowered = aotstack.lower(program, partitioners())
                 path = directory / f"{lowering}.pt2"
@@ -109,7 +112,7 @@ def quantized_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, s
                     result.quantized[lowering][label] = result.quantized[lowering].get(label, 0) + count
             jobs.append(json.dumps([name, str(path), str(directory / f"{lowering}.out")]))
         run_child(RUN_ALL, stdin="\n".join(jobs))
-        for lowering in LOWERINGS:
+        for lowering in filter(lambda lowering: lowering_applies(lowering, scheme), LOWERINGS):
             out = directory / f"{lowering}.out"
             if Path(f"{out}.error").exists():
                 result.errors[lowering] = Path(f"{out}.error").read_text()
@@ -119,6 +122,12 @@ def quantized_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, s
         return result
 
     return run
+
+
+def lowering_applies(lowering: str, scheme: str) -> bool:
+    if lowering == "xnnpack+aoti":
+        return executorch_problem() is None
+    return lowering != "auto" or scheme in AUTO_SCHEMES
 
 
 def expected_layers(name: str, scheme: str) -> dict[str, int]:
@@ -141,6 +150,10 @@ def expected_layers(name: str, scheme: str) -> dict[str, int]:
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 @pytest.mark.parametrize("name", MODELS)
 def test_quantized_model_matches_eager_from_a_fresh_process(quantized_runs, name, scheme, lowering):
+    if lowering == "xnnpack+aoti" and executorch_problem() is not None:
+        pytest.skip(executorch_problem())
+    if not lowering_applies(lowering, scheme):
+        pytest.skip(f"auto is tried on {', '.join(AUTO_SCHEMES)} only: it lowers the orders above again")
     run = quantized_runs(name, scheme)
     assert lowering not in run.errors, run.errors[lowering]
     outputs = run.outputs[lowering]
