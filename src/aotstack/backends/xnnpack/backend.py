@@ -43,6 +43,8 @@ class XnnpackBackend(Backend):
             "segments": [segment.to_json() for segment in partition.segments],
             "data_size": partition.data_size,
             "outputs": partition.outputs,
+            # What ExecuTorch runs outside XNNPACK, on its portable kernels (for the curious; never read).
+            "portable_ops": partition.portable,
             # What the program takes; its run side checks every call against it.
             "boundary": boundary.to_json(),
         }

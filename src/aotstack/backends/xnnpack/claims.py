@@ -24,15 +24,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
 from ...compile.partitioner import get_non_lowered_nodes
-from ...compile.program_parts import is_size_computation
+from ...compile.program_parts import constant_placeholders, is_size_computation
 from ...compile.quantize import quantized_layer_label
 from ...compile.subprogram import partition_program
 from ...errors import LoweringError
-from ...format.ops import is_delegate_call
 
 DELEGATION_TAG = "delegation_tag"
 # The logger XNNPACK's partitioner configs report a declined node to (``WhyNoPartition``).
@@ -58,7 +58,7 @@ def xnnpack_answer(exported_program: ExportedProgram) -> XnnpackAnswer:
     """Ask ExecuTorch's ``XnnpackPartitioner`` which nodes of ``exported_program`` (ATen dialect) it delegates."""
     edge, declined = tagged_edge_program(question_program(exported_program))
     made_from = edge_nodes_by_origin(edge, {node.name for node in exported_program.graph.nodes})
-    claimed, reasons = set(), {}
+    claimed, vanished, reasons = set(), [], {}
     for node in exported_program.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
@@ -70,11 +70,41 @@ def xnnpack_answer(exported_program: ExportedProgram) -> XnnpackAnswer:
         elif edge_nodes and not left:
             claimed.add(node.name)
         elif not edge_nodes:
-            reasons[node.name] = "ExecuTorch's edge program has no op made from it"
+            vanished.append(node)
         else:
             reasons[node.name] = decline_reason(node, left[0], declined)
     without_dangling_quantize_ops(exported_program, claimed, reasons)
+    constants = {node.name for node in constant_placeholders(exported_program)}
+    with_vanished_ops(vanished, claimed, constants, reasons)
     return XnnpackAnswer(frozenset(claimed), reasons)
+
+
+def with_vanished_ops(vanished: list[Node], claimed: set[str], constants: set[str], reasons: dict[str, str]) -> None:
+    """Claim, in place, each op ExecuTorch's edge program drops that reads only what XNNPACK has; say why of others.
+
+    ExecuTorch removes what computes nothing for it (metadata asserts, contiguous clones, casts to
+    the dtype a tensor has) and folds what only constants feed. After ops XNNPACK takes, such an
+    op goes with them rather than splitting their part. One reading anything else (a user input,
+    an op left elsewhere) is not claimed: in a part of its own it would no longer fold away.
+    """
+    pending = list(vanished)
+    while pending:
+        joined = [
+            node for node in pending
+            if all(source.name in claimed or source.name in constants for source in node.all_input_nodes)
+            and any(source.name in claimed for source in neighbours(node))
+        ]
+        if not joined:
+            break
+        claimed.update(node.name for node in joined)
+        pending = [node for node in pending if node not in joined]
+    for node in pending:
+        reasons[node.name] = "ExecuTorch's edge program drops it, and it reads what XNNPACK does not take"
+
+
+def neighbours(node: Node) -> list[Node]:
+    """The nodes ``node`` reads and those that read it, looking through getitems."""
+    return [*node.all_input_nodes, *readers(node)]
 
 
 # Quantized linears ExecuTorch 1.5.1's XnnpackPartitioner takes but its XNNPACK delegate does not
@@ -136,17 +166,39 @@ def is_torchao_op(node: Node) -> bool:
 
 
 def question_program(exported_program: ExportedProgram) -> ExportedProgram:
-    """The program ExecuTorch is asked about: ``exported_program`` with what earlier engines took cut out.
+    """The program ExecuTorch is asked about: ``exported_program`` as one partition of all it offers.
 
-    A delegate call cannot be traced (only its run side knows what it computes), so each of its
-    outputs becomes an input of the question, as it is an input of whatever reads it. The other
-    nodes keep their names, so the answer maps back.
+    Made the way a part is made for compiling (``partition_program``), so the question is the
+    one the compile side will ask: what earlier engines took is cut out (a delegate call cannot
+    be traced; each of its outputs becomes an input, as it is one of whatever reads it), and
+    each ``view`` is a ``reshape`` (ExecuTorch's decompositions may give a tensor another layout,
+    where the exported ``view`` would fail). Nodes keep their names, so the answer maps back.
+    """
+    offered = [node for node in get_non_lowered_nodes(exported_program.graph) if not is_size_computation(node)]
+    question = partition_program(exported_program, offered).program
+    contiguous_attention(question)
+    return question
+
+
+def contiguous_attention(exported_program: ExportedProgram) -> None:
+    """Copy each attention op's output to a contiguous tensor, in place.
+
+    ExecuTorch decomposes the program more than once: with attention whole, whose output on the
+    CPU has the fused kernel's layout and a ``reshape`` of it traces as a ``view``; then with
+    attention decomposed, whose output is contiguous, where that ``view`` fails (GPT-2's
+    attention projection). A contiguous copy has one layout in every trace.
     """
     graph = exported_program.graph
-    if not any(is_delegate_call(node) for node in graph.nodes):
-        return exported_program
-    offered = [node for node in get_non_lowered_nodes(graph) if not is_size_computation(node)]
-    return partition_program(exported_program, offered).program
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.scaled_dot_product_attention.default:
+            continue
+        with graph.inserting_after(node):
+            copied = graph.call_function(
+                torch.ops.aten.clone.default, (node,), {"memory_format": torch.contiguous_format}
+            )
+        copied.meta = dict(node.meta)
+        node.replace_all_uses_with(copied, delete_user_cb=lambda user, copied=copied: user is not copied)
+    exported_program.graph_module.recompile()
 
 
 def decline_reason(node: Node, edge_node: Node, declined: dict[Node, str]) -> str:
@@ -163,8 +215,9 @@ def decline_reason(node: Node, edge_node: Node, declined: dict[Node, str]) -> st
 def edge_op_name(node: Node) -> str:
     """``aten.linear.default`` for an edge op, which prints with its schema."""
     target = node.target
-    name = getattr(target, "_op", target)
-    return str(name)
+    if not isinstance(target, torch._ops.OpOverload):
+        target = getattr(target, "_op", target)
+    return str(target)
 
 
 def edge_nodes_by_origin(edge: ExportedProgram, names: set[str]) -> dict[str, list[Node]]:

@@ -18,15 +18,16 @@ from __future__ import annotations
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.export import ExportedProgram
 from torch.fx.passes.infra.pass_base import PassResult
 
 from ...errors import LoweringError, PackageError
-from .claims import DELEGATION_TAG, edge_op_name, quiet_executorch
+from .claims import DELEGATION_TAG, contiguous_attention, edge_op_name, quiet_executorch
 from .packages import require_executorch
-from .run import DATA_PREFIX, Segment, assembled_data_map, frame_header
+from .run import DATA_PREFIX, Segment, assembled_data_map, frame_header, runtime_module
 
 # The tag ExecuTorch names the external data file after; one file per partition.
 DATA_TAG = "aotstack"
@@ -46,19 +47,24 @@ class XnnpackPartition:
     data: dict[str, bytes]
     data_size: int
     outputs: int
+    # Edge ops XNNPACK did not take in this part, which ExecuTorch runs on its portable kernels.
+    portable: list[str]
 
 
 def lower_partition(exported_program: ExportedProgram, label: str) -> XnnpackPartition:
     """``exported_program`` lowered by ``to_edge_transform_and_lower(ep, partitioner=[XnnpackPartitioner()])``.
 
-    Every op must reach the delegate: one left to ExecuTorch's portable kernels would be slow
-    (or, for torchao's ops, have no kernel at all), so it is a ``LoweringError`` naming the ops.
+    The partitioner claims what XNNPACK takes in the context of the whole method; in a part of
+    its own, XNNPACK may leave an op (an ``add`` whose operand was a constant there). ExecuTorch
+    then runs it on its portable kernels, as it would alone; an op its runtime has no kernel for
+    (torchao's quantize ops, outside XNNPACK) is a ``LoweringError`` naming it.
     """
     require_executorch("XnnpackBackend needs executorch to lower a partition", LoweringError)
     from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
+    contiguous_attention(exported_program)
     try:
         with quiet_executorch():
             edge = to_edge_transform_and_lower(
@@ -67,9 +73,6 @@ def lower_partition(exported_program: ExportedProgram, label: str) -> XnnpackPar
     except Exception as error:
         raise LoweringError(f"{label}: ExecuTorch could not lower it to XNNPACK: {error}") from error
     left = left_outside(edge.exported_program())
-    if left:
-        raise LoweringError(f"{label}: XNNPACK does not take {', '.join(left)}; ExecuTorch would run "
-                            "it on its portable kernels")
     try:
         with quiet_executorch():
             # Inputs are not planned: ExecuTorch then reads each input where the caller's tensor is, not a copy.
@@ -78,10 +81,14 @@ def lower_partition(exported_program: ExportedProgram, label: str) -> XnnpackPar
             )
     except Exception as error:
         raise LoweringError(f"{label}: ExecuTorch could not write the program: {error}") from error
+    unrunnable = sorted(set(program_operators(program)) - runtime_operators())
+    if unrunnable:
+        raise LoweringError(f"{label}: XNNPACK does not take {', '.join(left)}, and ExecuTorch's runtime has no "
+                            f"kernel for {', '.join(unrunnable)}")
     ptd = data_file(program, label)
     frame, segments, data = ptd_layout(ptd, label) if ptd else (b"", [], {})
     outputs = len(edge.exported_program().graph_signature.user_outputs)
-    return XnnpackPartition(program.buffer, frame, segments, data, len(ptd), outputs)
+    return XnnpackPartition(program.buffer, frame, segments, data, len(ptd), outputs, left)
 
 
 def constants_kept_outside(graph_module: torch.fx.GraphModule) -> PassResult:
@@ -96,6 +103,20 @@ def constants_kept_outside(graph_module: torch.fx.GraphModule) -> PassResult:
         if node.op == "placeholder":
             node.meta.setdefault("custom", {})["delegate_constant_tag"] = DATA_TAG
     return PassResult(graph_module, True)
+
+
+def program_operators(program: Any) -> list[str]:
+    """The kernels ExecuTorch's runtime must have for ``program`` (``aten::add.out``, ...)."""
+    return [
+        f"{operator.name}.{operator.overload}" if operator.overload else operator.name
+        for plan in program.executorch_program.execution_plan
+        for operator in plan.operators
+    ]
+
+
+def runtime_operators() -> set[str]:
+    """The kernels ExecuTorch's runtime here has."""
+    return set(runtime_module()._get_operator_names())
 
 
 def left_outside(edge: ExportedProgram) -> list[str]:

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ...errors import AotstackError, DelegateInitError, PackageError
+from ...errors import AotstackError, DelegateInitError, PackageError, RunError
 from ...format import processed as processed_json
 from ...format.boundary import BoundaryCheck
 from ...format.specs import CompileSpec, partition_label
@@ -178,6 +178,8 @@ class XnnpackHandle:
     outputs: int
     label: str
     check: BoundaryCheck | None
+    # Whether a call has run: ExecuTorch sets XNNPACK up at the first.
+    started: bool = False
 
 
 def run(handle: XnnpackHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -197,7 +199,10 @@ def run(handle: XnnpackHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]
         try:
             outputs = handle.module.run_method(METHOD, feeds, True)
         except RuntimeError as error:
-            raise DelegateInitError(f"{handle.label}: ExecuTorch could not run it: {error}") from error
+            # XNNPACK starts at the first call: a failure there is one of setting it up.
+            kind = RunError if handle.started else DelegateInitError
+            raise kind(f"{handle.label}: ExecuTorch could not run it: {error}") from error
+        handle.started = True
     if len(outputs) != handle.outputs:
         raise PackageError(f"{handle.label}: the program returned {len(outputs)} outputs, its record says "
                            f"{handle.outputs}")
