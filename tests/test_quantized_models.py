@@ -19,6 +19,7 @@ import aotstack
 from aotstack.backends.xnnpack.packages import executorch_problem
 from tests import hf_models
 from tests.conftest import run_child
+from tests.test_real_models import RUN_CORPUS
 
 # scheme id -> (linear scheme, embedding scheme); together they cover all four linear and both embedding schemes.
 SCHEMES: dict[str, tuple[str, str | None]] = {
@@ -42,23 +43,6 @@ AUTO_SCHEMES = ("8da4w",)
 # schemes show both paths.
 XNNPACK_SCHEMES = ("8da4w", "8w")
 FIRST_ENGINE = {"ort+aoti": "onnxruntime", "ov+aoti": "openvino", "xnnpack+aoti": "xnnpack"}
-
-RUN_ALL = """
-import json, sys
-import torch
-import aotstack
-from tests import hf_models
-
-for line in sys.stdin:
-    name, path, out = json.loads(line)
-    try:
-        result = aotstack.load(path).forward(*hf_models.example_inputs(name))
-        torch.save(list(torch.utils._pytree.tree_leaves(result)), out)
-    except Exception as exc:
-        with open(out + ".error", "w") as file:
-            file.write(f"{type(exc).__name__}: {exc}")
-print(json.dumps("done"))
-"""
 
 
 @dataclass
@@ -115,7 +99,7 @@ def quantized_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, s
                 for label, count in delegate.quantized.items():
                     result.quantized[lowering][label] = result.quantized[lowering].get(label, 0) + count
             jobs.append(json.dumps([name, str(path), str(directory / f"{lowering}.out")]))
-        run_child(RUN_ALL, stdin="\n".join(jobs))
+        run_child(RUN_CORPUS, stdin="\n".join(jobs))
         for lowering in filter(lambda lowering: lowering_applies(lowering, scheme), LOWERINGS):
             out = directory / f"{lowering}.out"
             if Path(f"{out}.error").exists():

@@ -151,3 +151,23 @@ def symbol_bounds(bounds: Any) -> tuple[int, int | None]:
     low, high = bounds.lower, bounds.upper
     low = int(low) if getattr(low, "is_Integer", False) and int(low) >= 0 else 0
     return low, int(high) if getattr(high, "is_Integer", False) else None
+
+
+def contiguous_attention_outputs(exported_program: ExportedProgram) -> None:
+    """Follow each attention op with a contiguous copy, in place.
+
+    An exporter that traces the program twice (the ONNX exporter; ExecuTorch's edge lowering)
+    meets attention whole first, whose output on the CPU has the fused kernel's layout, so a
+    ``reshape`` of it traces as a ``view``; then decomposed, with a contiguous output, where that
+    ``view`` fails (GPT-2's attention projection). A contiguous copy has one layout in both.
+    """
+    graph = exported_program.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.scaled_dot_product_attention.default:
+            with graph.inserting_after(node):
+                copy = graph.call_function(
+                    torch.ops.aten.clone.default, (node,), {"memory_format": torch.contiguous_format}
+                )
+            copy.meta = dict(node.meta)
+            node.replace_all_uses_with(copy, delete_user_cb=lambda user, copy=copy: user is not copy)
+    exported_program.graph_module.recompile()

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch.export import ExportedProgram
 
-from ...compile.program_parts import program_weights
+from ...compile.program_parts import contiguous_attention_outputs, program_weights
 from ...errors import LoweringError
 from .packages import require_packages
 
@@ -64,27 +64,6 @@ def export_partition(
         input_names=[value.name for value in model.graph.input],
         output_names=[value.name for value in model.graph.output],
     )
-
-
-def contiguous_attention_outputs(exported_program: ExportedProgram) -> None:
-    """Follow each attention op with a contiguous copy, in place.
-
-    The exporter traces the partition twice: first with attention whole (whose output, on the
-    CPU, has the fused kernel's layout), where ``reshape`` becomes ``view``, then with attention
-    decomposed where ONNX has no translation for its arguments (its output then contiguous),
-    where such a ``view`` fails. A contiguous output has one layout in both traces; in ONNX the
-    copy is free.
-    """
-    graph = exported_program.graph
-    for node in list(graph.nodes):
-        if node.op == "call_function" and node.target is torch.ops.aten.scaled_dot_product_attention.default:
-            with graph.inserting_after(node):
-                copy = graph.call_function(
-                    torch.ops.aten.clone.default, (node,), {"memory_format": torch.contiguous_format}
-                )
-            copy.meta = dict(node.meta)
-            node.replace_all_uses_with(copy, delete_user_cb=lambda user, copy=copy: user is not copy)
-    exported_program.graph_module.recompile()
 
 
 def mark_external(initializer, onnx) -> None:  # noqa: ANN001 - onnx is imported lazily

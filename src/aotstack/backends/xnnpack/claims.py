@@ -29,7 +29,7 @@ from torch.export import ExportedProgram
 from torch.fx import Node
 
 from ...compile.partitioner import get_non_lowered_nodes
-from ...compile.program_parts import constant_placeholders, is_size_computation
+from ...compile.program_parts import constant_placeholders, contiguous_attention_outputs, is_size_computation
 from ...compile.quantize import quantized_layer_label
 from ...compile.subprogram import partition_program
 from ...errors import LoweringError
@@ -176,29 +176,8 @@ def question_program(exported_program: ExportedProgram) -> ExportedProgram:
     """
     offered = [node for node in get_non_lowered_nodes(exported_program.graph) if not is_size_computation(node)]
     question = partition_program(exported_program, offered).program
-    contiguous_attention(question)
+    contiguous_attention_outputs(question)
     return question
-
-
-def contiguous_attention(exported_program: ExportedProgram) -> None:
-    """Copy each attention op's output to a contiguous tensor, in place.
-
-    ExecuTorch decomposes the program more than once: with attention whole, whose output on the
-    CPU has the fused kernel's layout and a ``reshape`` of it traces as a ``view``; then with
-    attention decomposed, whose output is contiguous, where that ``view`` fails (GPT-2's
-    attention projection). A contiguous copy has one layout in every trace.
-    """
-    graph = exported_program.graph
-    for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not torch.ops.aten.scaled_dot_product_attention.default:
-            continue
-        with graph.inserting_after(node):
-            copied = graph.call_function(
-                torch.ops.aten.clone.default, (node,), {"memory_format": torch.contiguous_format}
-            )
-        copied.meta = dict(node.meta)
-        node.replace_all_uses_with(copied, delete_user_cb=lambda user, copied=copied: user is not copied)
-    exported_program.graph_module.recompile()
 
 
 def decline_reason(node: Node, edge_node: Node, declined: dict[Node, str]) -> str:

@@ -24,8 +24,9 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx.passes.infra.pass_base import PassResult
 
+from ...compile.program_parts import contiguous_attention_outputs
 from ...errors import LoweringError, PackageError
-from .claims import DELEGATION_TAG, contiguous_attention, edge_op_name, quiet_executorch
+from .claims import DELEGATION_TAG, edge_op_name, quiet_executorch
 from .packages import require_executorch
 from .run import DATA_PREFIX, Segment, assembled_data_map, frame_header, runtime_module
 
@@ -64,7 +65,7 @@ def lower_partition(exported_program: ExportedProgram, label: str) -> XnnpackPar
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
-    contiguous_attention(exported_program)
+    contiguous_attention_outputs(exported_program)
     try:
         with quiet_executorch():
             edge = to_edge_transform_and_lower(
