@@ -55,6 +55,8 @@ class QuantizedRun:
     errors: dict[str, str]
     quantized: dict[str, dict[str, int]]
     engines: dict[str, set[str]]
+    # The engines whose delegates hold quantized layers, by lowering.
+    quantizing: dict[str, set[str]]
 
 
 def quantized_model(name: str, scheme: str) -> torch.nn.Module:
@@ -80,7 +82,7 @@ def quantized_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, s
             model = quantized_model(name, scheme)
             eager_outputs = leaves(model(*inputs))
         program = aotstack.export(model, {"forward": inputs})
-        result = QuantizedRun(float_outputs, eager_outputs, {}, {}, {}, {})
+        result = QuantizedRun(float_outputs, eager_outputs, {}, {}, {}, {}, {})
         jobs = []
         for lowering, partitioners in LOWERINGS.items():
             if not lowering_applies(lowering, scheme):
@@ -95,6 +97,7 @@ def quantized_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, s
             report = lowered.report().method("forward")
             result.engines[lowering] = {share.engine for share in report.engines if share.ops}
             result.quantized[lowering] = {}
+            result.quantizing[lowering] = {delegate.engine for delegate in report.delegates if delegate.quantized}
             for delegate in report.delegates:
                 for label, count in delegate.quantized.items():
                     result.quantized[lowering][label] = result.quantized[lowering].get(label, 0) + count
@@ -163,6 +166,8 @@ def test_quantized_model_matches_eager_from_a_fresh_process(quantized_runs, name
         assert FIRST_ENGINE[lowering] in run.engines[lowering]
     # Every quantized layer was compiled by some engine, and the report counts it.
     assert run.quantized[lowering] == expected_layers(name, scheme)
+    if lowering == "xnnpack+aoti" and scheme == "8da4w":
+        assert "xnnpack" in run.quantizing[lowering], "XNNPACK's dynamic-quant kernels take the 8da4w linears"
 
 
 def test_quantize_names_what_it_supports() -> None:

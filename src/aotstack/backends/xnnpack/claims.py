@@ -73,9 +73,12 @@ def xnnpack_answer(exported_program: ExportedProgram) -> XnnpackAnswer:
             vanished.append(node)
         else:
             reasons[node.name] = decline_reason(node, left[0], declined)
-    without_dangling_quantize_ops(exported_program, claimed, reasons)
     constants = {node.name for node in constant_placeholders(exported_program)}
+    # XNNPACK folds a quantized linear's quantize ops into its kernel, so they vanish from the
+    # edge program: they rejoin their linear first, then a layer claimed only in part is left whole.
     with_vanished_ops(vanished, claimed, constants, reasons)
+    with_whole_quantized_layers(exported_program, claimed, reasons)
+    without_dangling_quantize_ops(exported_program, claimed, reasons)
     return XnnpackAnswer(frozenset(claimed), reasons)
 
 
@@ -129,6 +132,41 @@ def miscomputed_layer(node: Node) -> str | None:
         if label.startswith(prefix):
             return f"{reason} ({label}), though ExecuTorch's partitioner claims it"
     return None
+
+
+def with_whole_quantized_layers(exported_program: ExportedProgram, claimed: set[str], reasons: dict[str, str]) -> None:
+    """Leave, in place, each claimed quantized linear whose quantize ops ExecuTorch's answer does not all claim.
+
+    XNNPACK runs a quantized linear as one kernel over its weight's dequantize and its
+    activations' quantize round; given the linear without the round it computes something else
+    or cannot lower the part. Such a layer goes whole to the next engine (the round without its
+    linear is ``without_dangling_quantize_ops``'s case).
+    """
+    for node in exported_program.graph.nodes:
+        label = quantized_layer_label(node)
+        if label is None or not label.startswith("linear"):
+            continue
+        layer = quantized_layer_nodes(node)
+        if node.name in claimed and not all(member.name in claimed for member in layer):
+            for member in layer:
+                claimed.discard(member.name)
+                reasons[member.name] = (f"ExecuTorch's XnnpackPartitioner claims only part of this quantized layer "
+                                        f"({label}, at {node.name}); it is left whole to the next engine")
+
+
+def quantized_layer_nodes(linear: Node) -> list[Node]:
+    """A quantized linear and the torchao ops that make its operands: weight dequantize, activation quantize round."""
+    layer, pending = [linear], [argument for argument in linear.args[:2] if isinstance(argument, Node)]
+    while pending:
+        node = pending.pop()
+        if node in layer:
+            continue
+        if node.op == "call_function" and node.target is operator.getitem:
+            pending.append(node.args[0])
+        elif is_torchao_op(node):
+            layer.append(node)
+            pending.extend(node.all_input_nodes)
+    return [node for node in layer if node.op == "call_function"]
 
 
 def without_dangling_quantize_ops(
