@@ -48,10 +48,10 @@ from ..compile.quantize import Quantization
 from ..errors import AotstackError, ExportError, UnsupportedModelError
 from .generation import (
     export_decoder_lm,
-    export_encoder_decoder_lm,
     greedy_decoder,
     greedy_encoder_decoder,
 )
+from .seq2seq import export_encoder_decoder_lm
 
 EXPORT_FORMAT = "aotstack"
 # The one component every aotstack export holds: several methods live in its one file.
