@@ -120,10 +120,11 @@ def greedy_encoder_decoder(
     """The decoder tokens greedy decoding gives after ``start`` for source ``prompt``; stops after ``eos``."""
     tokens: list[int] = []
     with torch.no_grad():
-        hidden = program.encode(torch.tensor([prompt]))
+        encoded = program.encode(torch.tensor([prompt]))
+        state = (encoded,) if isinstance(encoded, torch.Tensor) else tuple(encoded)
         previous = start
         for position in range(max_new_tokens):
-            logits = program.decode(torch.tensor([[previous]]), hidden, torch.tensor([position]))
+            logits = program.decode(torch.tensor([[previous]]), *state, torch.tensor([position]))
             previous = int(logits.argmax(dim=-1))
             tokens.append(previous)
             if on_token is not None:
