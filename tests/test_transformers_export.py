@@ -25,27 +25,7 @@ from aotstack.cli import main  # noqa: E402
 from aotstack.errors import ModelFolderError, UnsupportedModelError  # noqa: E402
 from aotstack.integrations import transformers as aotstack_hf  # noqa: E402
 from aotstack.integrations.hf_folder import export_folder, generate_text  # noqa: E402
-
-WORDS = ["the", "cat", "sat", "on", "mat", "a", "dog", "ran", "to", "park", "and", "then", "it", "slept"]
-SPECIAL = ["<pad>", "<s>", "</s>", "<unk>"]
-VOCAB = 96
-PROMPT = "the cat sat on the mat and then"
-NEW_TOKENS = 12
-TEXT = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "max_position_embeddings": 64, "pad_token_id": 0, "bos_token_id": 1,
-        "eos_token_id": 2}
-
-
-def tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """A word-level tokenizer of ``VOCAB`` entries, made here, not downloaded."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    names = SPECIAL + WORDS + [f"w{i}" for i in range(VOCAB - len(SPECIAL) - len(WORDS))]
-    model = Tokenizer(models.WordLevel({name: i for i, name in enumerate(names)}, unk_token="<unk>"))
-    model.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    model.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<pad>", bos_token="<s>",
-                                                eos_token="</s>", unk_token="<unk>")
+from tests.hf_folders import NEW_TOKENS, PROMPT, TEXT, VOCAB, export_hf, greedy_reference, saved, tokenizer  # noqa: E402
 
 
 def decoder_lm(name: str) -> torch.nn.Module:
@@ -74,27 +54,6 @@ def vit() -> torch.nn.Module:
     return transformers.ViTForImageClassification(transformers.ViTConfig(
         image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=64, num_labels=5))
-
-
-def saved(model: torch.nn.Module, folder: Path, processor: dict | None = None) -> Path:
-    """``model`` saved in ``folder`` with the tokenizer, or with ``processor`` as its preprocessor_config.json."""
-    model.eval().save_pretrained(folder)
-    if processor is None:
-        tokenizer().save_pretrained(folder)
-    else:  # written as JSON: building an image processor needs Pillow or torchvision, which tests lack
-        (folder / "preprocessor_config.json").write_text(json.dumps(processor))
-    return folder
-
-
-def greedy_reference(model: torch.nn.Module, ids: list[int]) -> list[int]:
-    """transformers' own greedy ``generate``: the new tokens (an encoder-decoder's after its start token)."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False)[0].tolist()
-    return out[1:] if model.config.is_encoder_decoder else out[len(ids):]
-
-
-def export_hf(*args: str) -> None:
-    assert main(["export-hf", *args, "--progress", "log"]) == 0
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3", "phi3"])
