@@ -20,7 +20,8 @@ import time
 import torch
 
 import aotstack
-from aotstack.integrations.generation import export_decoder_lm, greedy_decoder
+from aotstack.integrations.decoding import greedy_decoder
+from aotstack.integrations.generation import export_decoder_lm
 
 
 def small_llama(vocab_size: int = 256, seed: int = 0) -> torch.nn.Module:

@@ -45,6 +45,7 @@ _EXPORTS = {
     "CheckError": "errors",
     "DelegateInitError": "errors",
     "ExportError": "errors",
+    "GenerationError": "errors",
     "InputError": "errors",
     "LoweringError": "errors",
     "MethodNotFoundError": "errors",

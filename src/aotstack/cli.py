@@ -97,11 +97,33 @@ def argument_parser() -> argparse.ArgumentParser:
     add_compile_run_options(export_hf)
     export_hf.set_defaults(command=export_hf_command)
 
-    generate = commands.add_parser("generate", help="generate text greedily from an export-hf folder")
+    generate = commands.add_parser(
+        "generate", help="generate text from an export-hf folder, as its generation config says (greedy or sampled)"
+    )
     generate.add_argument("folder", metavar="OUT_DIR", help="a folder aotstack export-hf wrote")
-    generate.add_argument("--prompt", required=True, metavar="TEXT")
-    generate.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N",
-                          help="generate at most N tokens (default 32); fewer when the model ends its text")
+    generate.add_argument("--prompt", default=None, metavar="TEXT", help="the text to continue (or, with --chat, "
+                                                                          "the user's message)")
+    generate.add_argument("--chat", action="store_true",
+                          help="wrap --prompt as a user message in the tokenizer's chat template")
+    generate.add_argument("--messages", default=None, metavar="FILE.json",
+                          help='a conversation through the chat template: [{"role": "user", "content": "..."}, ...]')
+    generate.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
+                          help="generate at most N tokens (default: the generation config's, else 32); fewer when "
+                               "the model ends its text")
+    generate.add_argument("--temperature", type=float, default=None, metavar="T",
+                          help="sample at temperature T (0: greedy); default: the generation config's")
+    generate.add_argument("--top-k", type=int, default=None, metavar="K", help="sample from the K likeliest tokens")
+    generate.add_argument("--top-p", type=float, default=None, metavar="P",
+                          help="sample from the likeliest tokens holding probability P")
+    generate.add_argument("--repetition-penalty", type=float, default=None, metavar="R",
+                          help="divide the scores of tokens already seen by R (above 1: repeat less)")
+    generate.add_argument("--greedy", action="store_true", help="pick the likeliest token at every step")
+    generate.add_argument("--seed", type=int, default=None, metavar="S",
+                          help="seed of the sampling: the same seed gives the same text")
+    generate.add_argument("--eos", type=token_ids, default=None, metavar="ID[,ID...]",
+                          help="token ids that end the text (default: the generation config's)")
+    generate.add_argument("--no-stream", dest="stream", action="store_false",
+                          help="print the text once it is complete, not token by token")
     generate.set_defaults(command=generate_command)
 
     run = commands.add_parser("run", help="run a method on random inputs of the recorded shapes")
@@ -224,6 +246,16 @@ def verify_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        ids = []
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected token ids like 2 or 2,32000, got {text!r}")
+    return ids
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -334,10 +366,23 @@ def export_hf_command(args: argparse.Namespace) -> int:
 
 
 def generate_command(args: argparse.Namespace) -> int:
-    from .integrations.hf_folder import generate_text
+    from .integrations.hf_folder import generate_text, read_messages
 
-    result = generate_text(args.folder, args.prompt, args.max_new_tokens)
-    print(result.text)
+    if args.prompt is None and args.messages is None:
+        raise AotstackError("generate needs --prompt TEXT or --messages FILE.json")
+    if args.greedy and (args.temperature or args.top_k is not None or args.top_p is not None):
+        raise AotstackError("--greedy picks the likeliest token; it takes no --temperature, --top-k or --top-p")
+
+    def printed(piece: str) -> None:
+        print(piece, end="", flush=True)
+
+    result = generate_text(
+        args.folder, args.prompt, args.max_new_tokens, chat=args.chat,
+        messages=read_messages(args.messages) if args.messages else None, seed=args.seed,
+        on_text=printed if args.stream else None, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty, eos=args.eos, do_sample=False if args.greedy else None,
+    )
+    print(("" if args.stream else result.text), flush=True)
     print(f"{len(result.tokens)} tokens after a {result.prompt_tokens}-token prompt; loaded in "
           f"{result.load_seconds * 1e3:.0f} ms, first token {result.first_token_seconds * 1e3:.1f} ms, then "
           f"{result.decode_tokens_per_second:.1f} tokens/s", file=sys.stderr)

@@ -21,6 +21,10 @@ class ModelFolderError(AotstackError):
     """A model folder lacks a file an export needs, or asks to run code of its own; the message names it."""
 
 
+class GenerationError(AotstackError):
+    """Generation was asked for something it cannot do: a bad sampling setting, a prompt the cache cannot hold."""
+
+
 class QuantizationError(AotstackError):
     """A model cannot be quantized as asked: an unknown scheme, a group size that does not fit a layer, no torchao."""
 

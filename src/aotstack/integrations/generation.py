@@ -2,20 +2,18 @@
 
 - A decoder-only LM becomes ``prefill(tokens)`` (a prompt of 1 to ``max_cache_len`` tokens, from
   cache slot 0) and ``decode(token, position)`` (one token at cache slot ``position``).
-- An encoder-decoder LM becomes ``encode(input_ids)`` (the encoder's hidden states) and
-  ``decode(token, encoder_hidden_states, position)``.
+(An encoder-decoder LM becomes ``encode`` and ``decode``: see ``seq2seq``.)
 
 Both methods are exported from one module, so they read the same weights and update the same
-cache buffers; a saved file holds each once. The greedy loops run an eager module and a loaded
-file alike.
+cache buffers; a saved file holds each once. The loops of ``decoding`` run an eager module and a
+loaded file alike.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Protocol
 
 import torch
 from torch.export import Dim
@@ -74,61 +72,3 @@ def export_decoder_lm(model: torch.nn.Module, max_cache_len: int) -> Program:
         dynamic_shapes={"prefill": {"tokens": {1: length}}},
         strict=True,  # the static cache updates tensors it holds outside the module's buffers
     )
-
-
-class DecoderProgram(Protocol):
-    def prefill(self, tokens: torch.Tensor) -> torch.Tensor: ...
-    def decode(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor: ...
-
-
-def greedy_decoder(
-    program: DecoderProgram | Any,
-    prompt: list[int],
-    max_new_tokens: int,
-    eos: Collection[int] = (),
-    on_token: Callable[[int], None] | None = None,
-) -> list[int]:
-    """The tokens greedy decoding appends to ``prompt``; it stops after an ``eos`` token, as ``generate`` does.
-
-    ``program`` is a :class:`PrefillDecode` or a file loaded from one. ``prefill`` writes the cache
-    from slot 0 and the causal mask hides the slots after it, so an earlier prompt's cache is harmless.
-    ``on_token`` is told each token as it is chosen.
-    """
-    tokens: list[int] = []
-    if max_new_tokens < 1:
-        return tokens
-    with torch.no_grad():
-        logits = program.prefill(torch.tensor([prompt]))
-        for position in range(len(prompt), len(prompt) + max_new_tokens):
-            tokens.append(int(logits.argmax(dim=-1)))
-            if on_token is not None:
-                on_token(tokens[-1])
-            if tokens[-1] in eos or len(tokens) == max_new_tokens:
-                break
-            logits = program.decode(torch.tensor([[tokens[-1]]]), torch.tensor([position]))
-    return tokens
-
-
-def greedy_encoder_decoder(
-    program: Any,
-    prompt: list[int],
-    max_new_tokens: int,
-    start: int,
-    eos: Collection[int] = (),
-    on_token: Callable[[int], None] | None = None,
-) -> list[int]:
-    """The decoder tokens greedy decoding gives after ``start`` for source ``prompt``; stops after ``eos``."""
-    tokens: list[int] = []
-    with torch.no_grad():
-        encoded = program.encode(torch.tensor([prompt]))
-        state = (encoded,) if isinstance(encoded, torch.Tensor) else tuple(encoded)
-        previous = start
-        for position in range(max_new_tokens):
-            logits = program.decode(torch.tensor([[previous]]), *state, torch.tensor([position]))
-            previous = int(logits.argmax(dim=-1))
-            tokens.append(previous)
-            if on_token is not None:
-                on_token(previous)
-            if previous in eos:
-                break
-    return tokens

@@ -24,7 +24,7 @@ import torch
 
 from ..compile.progress import Progress
 from ..compile.quantize import Quantization
-from ..errors import AotstackError, ModelFolderError, UnsupportedModelError
+from ..errors import AotstackError, GenerationError, ModelFolderError, UnsupportedModelError
 
 logger = logging.getLogger("aotstack")
 
@@ -372,34 +372,109 @@ class Generation:
         return (len(self.tokens) - 1) / self.decode_seconds if len(self.tokens) > 1 and self.decode_seconds else 0.0
 
 
-def generate_text(folder: str | os.PathLike[str], prompt: str, max_new_tokens: int = 32) -> Generation:
-    """Greedy generation from an ``export_folder`` output of a text-generation or text2text-generation model."""
+# New tokens when neither the caller nor the model's generation config says how many.
+DEFAULT_NEW_TOKENS = 32
+
+
+def generate_text(
+    folder: str | os.PathLike[str],
+    prompt: str | None = None,
+    max_new_tokens: int | None = None,
+    *,
+    chat: bool = False,
+    messages: list[dict[str, Any]] | None = None,
+    seed: int | None = None,
+    on_text: Callable[[str], None] | None = None,
+    **settings: Any,
+) -> Generation:
+    """Text from an ``export_folder`` output of a text-generation or text2text-generation model.
+
+    Follows the export's generation config (greedy or sampled, its eos tokens), overridden by
+    ``settings`` (``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``do_sample``,
+    ``eos``); ``max_new_tokens`` defaults to the config's, else 32. ``chat`` wraps ``prompt`` as a
+    user message, ``messages`` is a whole conversation; either goes through the tokenizer's chat
+    template. ``on_text`` is told each piece of text as it is generated.
+    """
     from transformers import AutoTokenizer
     from transformers.exporters import ExportedModel
 
-    from .transformers import COMPONENT, AotstackModelRunner
+    from .decoding import text_pieces
+    from .transformers import generation_config_of, runner_of
 
     folder = Path(folder)
     if not is_aotstack_export(folder):
         raise ModelFolderError(f"{folder} holds no aotstack export (export.json); make one with aotstack export-hf")
     require_any(folder, TOKENIZER_FILES, "tokenizer", "generate")
-    if max_new_tokens < 1:
-        raise AotstackError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     started = time.perf_counter()
     exported = ExportedModel.from_pretrained(folder, local_files_only=True)
-    runner = exported.runners[COMPONENT]
-    assert isinstance(runner, AotstackModelRunner)
+    runner = runner_of(exported)
     if "decode" not in runner.methods:
         raise UnsupportedModelError(f"{folder} holds methods {runner.methods}, not a text generation export")
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     load_seconds = time.perf_counter() - started
-    ids = tokenizer(prompt)["input_ids"]
-    from .transformers import generation_ids
+    ids = prompt_ids(tokenizer, folder, prompt, chat, messages)
+    if max_new_tokens is None and getattr(exported.generation_config, "max_new_tokens", None) is None:
+        max_new_tokens = DEFAULT_NEW_TOKENS
+    config = generation_config_of(exported, max_new_tokens=max_new_tokens, **settings)
 
-    eos, start = generation_ids(exported)
     stamps: list[float] = []
+    tokens: list[int] = []
+
+    def arrived(stream: Any) -> Any:
+        for token in stream:
+            stamps.append(time.perf_counter())
+            tokens.append(token)
+            yield token
+
     began = time.perf_counter()
-    tokens = runner.generate(ids, max_new_tokens, eos, start, on_token=lambda _: stamps.append(time.perf_counter()))
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    pieces = text_pieces(arrived(runner.stream(ids, config, seed=seed)),
+                         lambda seen: tokenizer.decode(seen, skip_special_tokens=True))
+    text = ""
+    for piece in pieces:
+        text += piece
+        if on_text is not None:
+            on_text(piece)
     first = stamps[0] - began if stamps else 0.0
     return Generation(text, tokens, len(ids), load_seconds, first, stamps[-1] - stamps[0] if stamps else 0.0)
+
+
+def prompt_ids(
+    tokenizer: Any, folder: Path, prompt: str | None, chat: bool, messages: list[dict[str, Any]] | None
+) -> list[int]:
+    """The prompt's token ids: plain text, or a conversation through the tokenizer's chat template."""
+    if messages is None and prompt is None:
+        raise GenerationError("nothing to generate from: give a prompt or chat messages")
+    if messages is None and not chat:
+        return list(tokenizer(prompt)["input_ids"])
+    if messages is None:
+        messages = [{"role": "user", "content": prompt}]
+    elif prompt is not None:
+        messages = [*messages, {"role": "user", "content": prompt}]
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelFolderError(f"the tokenizer in {folder} has no chat template (tokenizer_config.json's "
+                               "chat_template, or chat_template.jinja); generate from a plain prompt instead")
+    text = tokenizer.apply_chat_template(checked_messages(messages), add_generation_prompt=True, tokenize=False)
+    # The template already holds the special tokens it wants (a BOS, turn markers).
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def checked_messages(messages: Any, source: str = "messages") -> list[dict[str, Any]]:
+    """``messages`` if it is a conversation: a non-empty list of objects with a ``role`` and a text ``content``."""
+    if not isinstance(messages, list) or not messages:
+        raise GenerationError(f"{source} must be a non-empty JSON list of {{\"role\": ..., \"content\": ...}} "
+                              f"objects, got {type(messages).__name__}")
+    for index, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise GenerationError(f"{source}[{index}] must be an object with a string role and a string content, "
+                                  f"got {message!r}")
+    return messages
+
+
+def read_messages(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """A conversation from a JSON file: a list of ``{"role": ..., "content": ...}`` objects."""
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise GenerationError(f"cannot read messages from {path}: {exc}") from exc
+    return checked_messages(raw, source=str(path))

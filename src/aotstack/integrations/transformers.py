@@ -15,7 +15,7 @@ Example::
 ``export_for_generation`` lowers a decoder-only LM as ``prefill`` and ``decode``, or an
 encoder-decoder LM as ``encode`` and ``decode``: methods of one ``.pt2``, still the one
 component ``model``, sharing weights and a static KV cache (``aotstack.integrations.generation``);
-``generate(exported, input_ids)`` runs it greedily.
+``generate(exported, input_ids)`` and ``stream(...)`` run it, greedy or sampled as its generation config says.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Collection, MutableMapping
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,12 +45,9 @@ from ..compile.export import Program
 from ..compile.lower import LoweredProgram
 from ..compile.progress import Progress
 from ..compile.quantize import Quantization
-from ..errors import AotstackError, ExportError, UnsupportedModelError
-from .generation import (
-    export_decoder_lm,
-    greedy_decoder,
-    greedy_encoder_decoder,
-)
+from ..errors import AotstackError, ExportError, GenerationError, UnsupportedModelError
+from .decoding import collected, generation_settings, new_token_limit, stream_decoder, stream_encoder_decoder
+from .generation import export_decoder_lm
 from .seq2seq import export_encoder_decoder_lm
 
 EXPORT_FORMAT = "aotstack"
@@ -260,57 +257,173 @@ class AotstackModelRunner(ModelRunner):
         with torch.no_grad():
             return self.program.forward(**{**self.metadata.in_constants, **kwargs})
 
-    def generate(
+    def stream(
         self,
-        input_ids: torch.Tensor | list[int],
-        max_new_tokens: int,
-        eos_token_id: int | Collection[int] | None = None,
-        decoder_start_token_id: int | None = None,
-        on_token: Callable[[int], None] | None = None,
-    ) -> list[int]:
-        """Greedy decoding of one prompt; the new tokens (an encoder-decoder's after its start token)."""
-        prompt = input_ids.flatten().tolist() if isinstance(input_ids, torch.Tensor) else list(input_ids)
-        if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 and input_ids.shape[0] != 1:
-            raise AotstackError(f"generation runs batch 1; input_ids has batch {input_ids.shape[0]}")
-        eos = set() if eos_token_id is None else {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id)
+        source: torch.Tensor | Sequence[int],
+        config: Any,
+        *,
+        decoder_prompt: Sequence[int] | None = None,
+        seed: int | None = None,
+    ) -> Iterator[int]:
+        """The new tokens of one prompt, each as it is chosen, under ``config`` (a ``GenerationConfig``).
+
+        ``source`` is a decoder-only model's prompt, or what an encoder-decoder's ``encode`` takes
+        (token ids, or audio features); ``decoder_prompt`` is the decoder's first tokens (default:
+        the config's decoder start token). See ``aotstack.integrations.decoding``.
+        """
         limit = self.metadata.export_config.get("max_cache_len")
         if "prefill" in self.methods:
-            if limit is not None and len(prompt) + max_new_tokens > limit:
-                needed = len(prompt) + max_new_tokens
-                raise AotstackError(
-                    f"a prompt of {len(prompt)} tokens plus {max_new_tokens} new ones needs {needed} cache slots; "
-                    f"this export has {limit} (export again with a larger max_cache_len)"
+            prompt = token_list(source)
+            needed = len(prompt) + new_token_limit(config, len(prompt))
+            if limit is not None and needed > limit:
+                raise GenerationError(
+                    f"a prompt of {len(prompt)} tokens plus {needed - len(prompt)} new ones needs {needed} cache "
+                    f"slots; this export has {limit} (export again with a larger max_cache_len)"
                 )
-            return greedy_decoder(self.program, prompt, max_new_tokens, eos, on_token)
+            return stream_decoder(self.program, prompt, config, seed)
         if "encode" in self.methods:
-            if decoder_start_token_id is None:
-                raise AotstackError("an encoder-decoder export needs decoder_start_token_id to generate")
-            if limit is not None and max_new_tokens > limit:
-                raise AotstackError(f"{max_new_tokens} new tokens need as many cache slots; this export has {limit}")
-            return greedy_encoder_decoder(self.program, prompt, max_new_tokens, decoder_start_token_id, eos, on_token)
-        raise AotstackError(f"this export has no generation stages, only {self.methods}")
+            if decoder_prompt is None:
+                start = getattr(config, "decoder_start_token_id", None)
+                if start is None:
+                    raise GenerationError("an encoder-decoder export needs a decoder start token to generate: "
+                                          "set decoder_start_token_id in its generation config or pass decoder_prompt")
+                decoder_prompt = [start]
+            needed = len(decoder_prompt) + new_token_limit(config, len(decoder_prompt))
+            if limit is not None and needed > limit:
+                raise GenerationError(f"{needed} decoder tokens need as many cache slots; this export has {limit}")
+            if not (isinstance(source, torch.Tensor) and source.is_floating_point()):
+                source = torch.tensor([token_list(source)], dtype=torch.long)
+            return stream_encoder_decoder(self.program, source, decoder_prompt, config, seed)
+        raise GenerationError(f"this export has no generation stages, only {self.methods}")
+
+    def generate(
+        self,
+        input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
+        config: Any,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        decoder_prompt: Sequence[int] | None = None,
+        seed: int | None = None,
+        on_token: Callable[[int], None] | None = None,
+    ) -> list[int] | list[list[int]]:
+        """The new tokens of one prompt (a list), or of each row of a batch (a list per row).
+
+        A batch is ``input_ids`` of several rows, left-padded where ``attention_mask`` is 0, as a
+        tokenizer with ``padding_side="left"`` gives it; each row stops at its own eos and gets its
+        own tokens, without padding. The file runs batch 1, so rows run one after another; with a
+        ``seed``, row ``i`` samples from ``seed + i``.
+        """
+        rows = prompt_rows(input_ids, attention_mask)
+        if rows is None:
+            tokens = self.stream(input_ids, config, decoder_prompt=decoder_prompt, seed=seed)
+            return collected(tokens, on_token)
+        return [collected(self.stream(row, config, decoder_prompt=decoder_prompt,
+                                      seed=None if seed is None else seed + index), on_token)
+                for index, row in enumerate(rows)]
 
 
-def generation_ids(exported: ExportedModel) -> tuple[Any, int | None]:
-    """The EOS token id(s) and decoder start token of an export, from its generation config, else its config."""
-    sources = [source for source in (exported.generation_config, exported.config) if source is not None]
-    eos = next((s.eos_token_id for s in sources if getattr(s, "eos_token_id", None) is not None), None)
-    start = next((s.decoder_start_token_id for s in sources
-                  if getattr(s, "decoder_start_token_id", None) is not None), None)
-    return eos, start
+def token_list(ids: torch.Tensor | Sequence[int]) -> list[int]:
+    """One prompt's token ids from a list, a 1-D tensor or a ``[1, length]`` tensor."""
+    if isinstance(ids, torch.Tensor):
+        if ids.dim() == 2 and ids.shape[0] != 1:
+            raise GenerationError(f"expected one prompt; input_ids has batch {ids.shape[0]}")
+        return [int(token) for token in ids.flatten().tolist()]
+    return [int(token) for token in ids]
 
 
-def generate(exported: ExportedModel, input_ids: torch.Tensor | list[int], max_new_tokens: int = 20) -> list[int]:
-    """Greedy generation from an aotstack ``export_for_generation``, stopping at the generation config's EOS.
+def prompt_rows(
+    input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]], attention_mask: torch.Tensor | None
+) -> list[list[int]] | None:
+    """Each row's prompt without its left padding, for a batch (several rows, or a mask); None for one prompt."""
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.is_floating_point():  # audio features: one source
+            return None
+        rows = (input_ids if input_ids.dim() == 2 else input_ids[None]).tolist()
+    elif len(input_ids) and not isinstance(input_ids[0], int):
+        rows = [list(row) for row in input_ids]  # type: ignore[arg-type]
+    else:
+        rows = [list(input_ids)]
+    if attention_mask is None:
+        return rows if len(rows) > 1 else None
+    mask = (attention_mask if attention_mask.dim() == 2 else attention_mask[None]).tolist()
+    if [len(keeps) for keeps in mask] != [len(row) for row in rows]:
+        raise GenerationError(f"attention_mask has shape {tuple(attention_mask.shape)}; input_ids has "
+                              f"{len(rows)} rows of {len(rows[0])} tokens")
+    kept = []
+    for index, (row, keeps) in enumerate(zip(rows, mask)):
+        first = keeps.index(1) if 1 in keeps else len(keeps)
+        if first == len(keeps) or not all(keeps[first:]):
+            raise GenerationError(f"row {index} of attention_mask is not left padding (zeros, then ones): {keeps}")
+        kept.append([int(token) for token in row[first:]])
+    return kept
 
-    Returns the new tokens, as ``model.generate(input_ids, do_sample=False)[0, len(prompt):]``
-    would (an encoder-decoder's without its decoder start token).
+
+def generation_config_of(exported: ExportedModel, base: Any = None, **settings: Any) -> Any:
+    """The export's generation config (or ``base``) with ``settings`` applied; eos and start ids filled from its config.
+
+    ``settings`` are :func:`~aotstack.integrations.decoding.generation_settings`'s: ``max_new_tokens``,
+    ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``eos``.
     """
-    runner = exported.runners[COMPONENT]
+    config = generation_settings(base if base is not None else exported.generation_config, **settings)
+    for name in ("eos_token_id", "decoder_start_token_id", "pad_token_id", "bos_token_id"):
+        if getattr(config, name, None) is None and getattr(exported.config, name, None) is not None:
+            setattr(config, name, getattr(exported.config, name))
+    return config
+
+
+def runner_of(exported: ExportedModel) -> AotstackModelRunner:
+    runner = exported.runners.get(COMPONENT)
     if not isinstance(runner, AotstackModelRunner):
         raise AotstackError(f"expected an aotstack export, got format {exported.export_format!r}")
-    eos, start = generation_ids(exported)
-    return runner.generate(input_ids, max_new_tokens, eos, start)
+    return runner
+
+
+def generate(
+    exported: ExportedModel,
+    input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
+    max_new_tokens: int = 20,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    generation_config: Any = None,
+    seed: int | None = None,
+    on_token: Callable[[int], None] | None = None,
+    **settings: Any,
+) -> list[int] | list[list[int]]:
+    """Generation from an aotstack ``export_for_generation``, following its generation config.
+
+    Greedy or sampled as the config says, overridden by ``settings`` (``temperature``, ``top_k``,
+    ``top_p``, ``repetition_penalty``, ``do_sample``, ``eos``). Returns the new tokens, as
+    ``torch.manual_seed(seed); model.generate(input_ids, max_new_tokens=...)[0, len(prompt):]``
+    would (an encoder-decoder's without its decoder start token); for a left-padded batch with its
+    ``attention_mask``, a list of new tokens per row.
+
+    Example::
+
+        tokens = generate(exported, ids, 32, temperature=0.7, top_p=0.9, seed=0)
+    """
+    config = generation_config_of(exported, generation_config, max_new_tokens=max_new_tokens, **settings)
+    return runner_of(exported).generate(input_ids, config, attention_mask=attention_mask, seed=seed,
+                                        on_token=on_token)
+
+
+def stream(
+    exported: ExportedModel,
+    input_ids: torch.Tensor | Sequence[int],
+    max_new_tokens: int = 20,
+    *,
+    generation_config: Any = None,
+    seed: int | None = None,
+    **settings: Any,
+) -> Iterator[int]:
+    """The new tokens of one prompt, each as soon as it is chosen: the tokens :func:`generate` returns.
+
+    Example::
+
+        for token in stream(exported, ids, 32):
+            print(tokenizer.decode([token]), end="", flush=True)
+    """
+    config = generation_config_of(exported, generation_config, max_new_tokens=max_new_tokens, **settings)
+    return runner_of(exported).stream(input_ids, config, seed=seed)
 
 
 register_backend(AotstackExporter, AotstackModelRunner)

@@ -1,0 +1,308 @@
+"""Choosing tokens from a compiled generation program's logits: greedy or sampled, streamed, one prompt or several.
+
+The compiled methods (``prefill``/``decode``, or ``encode``/``decode``) give one step's logits;
+everything after them runs here, in torch, so a new temperature or top-p needs no recompile. The
+logits processors are transformers' own, built from a ``GenerationConfig`` in the order
+``generate`` applies them, and a seeded sample draws from the same random stream as
+``torch.manual_seed(seed); model.generate(...)``, so both pick the same tokens.
+
+Example::
+
+    config = generation_settings(model.generation_config, temperature=0.7, top_p=0.9)
+    for token in stream_decoder(loaded, prompt_ids, config, seed=0):
+        print(token)
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import GenerationError
+
+logger = logging.getLogger("aotstack")
+
+# What transformers' generate fills in for settings a model's generation config leaves unset.
+UNSET_DEFAULTS: dict[str, Any] = {
+    "max_length": 20, "min_length": 0, "do_sample": False, "num_beams": 1, "temperature": 1.0, "top_k": 50,
+    "top_p": 1.0, "typical_p": 1.0, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+}
+# Settings generate honours that these loops do not; each is named once when a config sets it.
+IGNORED_SETTINGS: dict[str, Callable[[Any], bool]] = {
+    "num_beams": lambda value: value is not None and value > 1,
+    "guidance_scale": lambda value: value is not None and value != 1,
+    "sequence_bias": lambda value: value is not None,
+    "encoder_repetition_penalty": lambda value: value is not None and value != 1.0,
+    "encoder_no_repeat_ngram_size": lambda value: value is not None and value > 0,
+    "exponential_decay_length_penalty": lambda value: value is not None,
+    "epsilon_cutoff": lambda value: value is not None and 0.0 < value < 1.0,
+    "eta_cutoff": lambda value: value is not None and 0.0 < value < 1.0,
+    "watermarking_config": lambda value: value is not None,
+    "top_h": lambda value: value is not None,
+}
+
+
+def generation_settings(
+    base: Any = None,
+    *,
+    max_new_tokens: int | None = None,
+    do_sample: bool | None = None,
+    temperature: float | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    repetition_penalty: float | None = None,
+    eos: int | Sequence[int] | None = None,
+) -> Any:
+    """A copy of ``base`` (a ``GenerationConfig``; None: transformers' defaults) with the given settings changed.
+
+    Asking for a ``temperature`` above 0, a ``top_k`` or a ``top_p`` samples, whatever ``base`` says;
+    ``temperature=0`` or ``do_sample=False`` decodes greedily. Unset fields take the values
+    transformers' ``generate`` gives them (``top_k`` 50 when sampling, ...). Bad values raise
+    :class:`GenerationError` naming the setting.
+    """
+    from transformers import GenerationConfig
+
+    config = copy.deepcopy(base) if base is not None else GenerationConfig()
+    for name, value in UNSET_DEFAULTS.items():
+        if getattr(config, name, None) is None:
+            setattr(config, name, value)
+    checked_settings(max_new_tokens, temperature, top_k, top_p, repetition_penalty, eos)
+    if temperature is not None:
+        config.do_sample = temperature > 0
+        if temperature > 0:
+            config.temperature = temperature
+    if top_k is not None:
+        config.top_k, config.do_sample = top_k, config.do_sample or temperature is None
+    if top_p is not None:
+        config.top_p, config.do_sample = top_p, config.do_sample or temperature is None
+    if do_sample is not None:
+        config.do_sample = do_sample
+    if repetition_penalty is not None:
+        config.repetition_penalty = repetition_penalty
+    if max_new_tokens is not None:
+        config.max_new_tokens = max_new_tokens
+    if eos is not None:
+        config.eos_token_id = [eos] if isinstance(eos, int) else list(eos)
+    return config
+
+
+def checked_settings(
+    max_new_tokens: int | None, temperature: float | None, top_k: int | None, top_p: float | None,
+    repetition_penalty: float | None, eos: int | Sequence[int] | None,
+) -> None:
+    problems = []
+    if max_new_tokens is not None and max_new_tokens < 1:
+        problems.append(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    if temperature is not None and temperature < 0:
+        problems.append(f"temperature must be 0 (greedy) or more, got {temperature}")
+    if top_k is not None and top_k < 0:
+        problems.append(f"top_k must be 0 (off) or more, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        problems.append(f"top_p must be in (0, 1], got {top_p}")
+    if repetition_penalty is not None and repetition_penalty <= 0:
+        problems.append(f"repetition_penalty must be above 0, got {repetition_penalty}")
+    if eos is not None and any(token < 0 for token in ([eos] if isinstance(eos, int) else eos)):
+        problems.append(f"eos token ids must be 0 or more, got {eos}")
+    if problems:
+        raise GenerationError("; ".join(problems))
+
+
+def eos_ids(config: Any) -> set[int]:
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(eos)} if isinstance(eos, int) else {int(token) for token in eos}
+
+
+def new_token_limit(config: Any, prompt_length: int) -> int:
+    """How many tokens generate may add: ``max_new_tokens``, else what ``max_length`` leaves after the prompt."""
+    if getattr(config, "max_new_tokens", None) is not None:
+        return int(config.max_new_tokens)
+    return max(int(config.max_length) - prompt_length, 0)
+
+
+def ignored_settings(config: Any) -> list[str]:
+    """The settings of ``config`` that change ``generate``'s output but that these loops do not apply."""
+    return [f"{name}={getattr(config, name)!r}" for name, is_set in IGNORED_SETTINGS.items()
+            if is_set(getattr(config, name, None))]
+
+
+def logits_processors(config: Any, prompt_length: int) -> Any:
+    """transformers' logits processors for ``config``, in ``generate``'s order, for a prompt of ``prompt_length``.
+
+    ``prompt_length`` counts what the processors see before the first new token: the prompt of a
+    decoder-only model, the decoder's start tokens of an encoder-decoder.
+    """
+    from transformers import generation as gen
+
+    eos = sorted(eos_ids(config))
+    max_length = prompt_length + new_token_limit(config, prompt_length)
+    processors = gen.LogitsProcessorList()
+    if config.repetition_penalty not in (None, 1.0):
+        processors.append(gen.RepetitionPenaltyLogitsProcessor(config.repetition_penalty))
+    if config.no_repeat_ngram_size:
+        processors.append(gen.NoRepeatNGramLogitsProcessor(config.no_repeat_ngram_size))
+    if config.bad_words_ids is not None:
+        processors.append(gen.NoBadWordsLogitsProcessor(config.bad_words_ids, eos or None))
+    if config.min_length and eos:
+        processors.append(gen.MinLengthLogitsProcessor(config.min_length, eos))
+    if config.min_new_tokens and eos:
+        processors.append(gen.MinNewTokensLengthLogitsProcessor(prompt_length, config.min_new_tokens, eos))
+    if config.forced_bos_token_id is not None:
+        processors.append(gen.ForcedBOSTokenLogitsProcessor(config.forced_bos_token_id))
+    if config.forced_eos_token_id is not None:
+        processors.append(gen.ForcedEOSTokenLogitsProcessor(max_length, config.forced_eos_token_id))
+    if config.remove_invalid_values:
+        processors.append(gen.InfNanRemoveLogitsProcessor())
+    if config.suppress_tokens is not None:
+        processors.append(gen.SuppressTokensLogitsProcessor(config.suppress_tokens))
+    if config.begin_suppress_tokens is not None:
+        begin = prompt_length + (1 if prompt_length == 1 and config.forced_bos_token_id is not None else 0)
+        processors.append(gen.SuppressTokensAtBeginLogitsProcessor(config.begin_suppress_tokens, begin))
+    if config.do_sample:
+        if config.temperature not in (None, 1.0):
+            processors.append(gen.TemperatureLogitsWarper(config.temperature))
+        if config.top_k:
+            processors.append(gen.TopKLogitsWarper(config.top_k))
+        if config.top_p is not None and config.top_p < 1.0:
+            processors.append(gen.TopPLogitsWarper(config.top_p))
+        if config.min_p is not None:
+            processors.append(gen.MinPLogitsWarper(config.min_p))
+        if config.typical_p is not None and config.typical_p < 1.0:
+            processors.append(gen.TypicalLogitsWarper(config.typical_p))
+    if config.renormalize_logits:
+        processors.append(gen.LogitNormalization())
+    return processors
+
+
+class TokenChooser:
+    """Picks each next token from a step's logits as ``generate`` would, given the tokens so far.
+
+    Greedy with no processors is a plain argmax; otherwise the processors see the whole history
+    (prompt included) and sampling draws from a generator seeded with ``seed`` (None: the global
+    torch generator, as ``generate`` uses).
+    """
+
+    def __init__(self, config: Any, prompt_length: int, seed: int | None = None) -> None:
+        ignored = ignored_settings(config)
+        if ignored:
+            logger.warning("aotstack generation does not apply %s; decoding without them", ", ".join(ignored))
+        self.processors = logits_processors(config, prompt_length)
+        self.sample = bool(config.do_sample)
+        self.generator = torch.Generator().manual_seed(seed) if seed is not None else None
+
+    def next_tokens(self, history: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The next token of each row (shape ``[rows]``) after ``history`` (``[rows, length]``)."""
+        scores = logits.to(dtype=torch.float32)
+        if len(self.processors):
+            scores = self.processors(history, scores)
+        if not self.sample:
+            return scores.argmax(dim=-1)
+        probabilities = torch.nn.functional.softmax(scores, dim=-1)
+        return torch.multinomial(probabilities, num_samples=1, generator=self.generator).squeeze(1)
+
+
+def stream_decoder(program: Any, prompt: Sequence[int], config: Any, seed: int | None = None) -> Iterator[int]:
+    """The tokens a decoder-only program (``prefill``, ``decode``) appends to ``prompt``, each as it is chosen.
+
+    It stops after an eos token of ``config`` or after its new-token limit. ``prefill`` writes the
+    cache from slot 0 and the causal mask hides the slots after it, so an earlier prompt's cache is harmless.
+    """
+    limit = new_token_limit(config, len(prompt))
+    if limit < 1:
+        return
+    if not prompt:
+        raise GenerationError("the prompt is empty: a decoder-only model needs at least one token to start from")
+    chooser, eos = TokenChooser(config, len(prompt), seed), eos_ids(config)
+    history = torch.tensor([list(prompt)], dtype=torch.long)
+    with torch.no_grad():
+        logits = program.prefill(history)
+        for position in range(len(prompt), len(prompt) + limit):
+            token = chooser.next_tokens(history, logits)
+            history = torch.cat([history, token[:, None]], dim=1)
+            yield int(token)
+            if int(token) in eos or position + 1 == len(prompt) + limit:
+                return
+            logits = program.decode(token[:, None], torch.tensor([position]))
+
+
+def stream_encoder_decoder(
+    program: Any, source: torch.Tensor, decoder_prompt: Sequence[int], config: Any, seed: int | None = None
+) -> Iterator[int]:
+    """The decoder tokens an encoder-decoder program (``encode``, ``decode``) gives after ``decoder_prompt``.
+
+    ``source`` is what ``encode`` takes (token ids ``[1, length]``, or audio features);
+    ``decode(token, *state, position)`` gets everything ``encode`` returned. The decoder prompt (the
+    start token, and any forced tokens after it) is fed one token per step.
+    """
+    if not decoder_prompt:
+        raise GenerationError("the decoder prompt is empty: pass the decoder start token")
+    limit = new_token_limit(config, len(decoder_prompt))
+    chooser, eos = TokenChooser(config, len(decoder_prompt), seed), eos_ids(config)
+    history = torch.tensor([list(decoder_prompt)], dtype=torch.long)
+    with torch.no_grad():
+        encoded = program.encode(source)
+        state = (encoded,) if isinstance(encoded, torch.Tensor) else tuple(encoded)
+        logits = None
+        for position, token in enumerate(decoder_prompt):
+            logits = program.decode(torch.tensor([[token]]), *state, torch.tensor([position]))
+        for position in range(len(decoder_prompt), len(decoder_prompt) + limit):
+            token = chooser.next_tokens(history, logits)
+            history = torch.cat([history, token[:, None]], dim=1)
+            yield int(token)
+            if int(token) in eos or position + 1 == len(decoder_prompt) + limit:
+                return
+            logits = program.decode(token[:, None], *state, torch.tensor([position]))
+
+
+def greedy_decoder(
+    program: Any,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    eos: Iterable[int] = (),
+    on_token: Callable[[int], None] | None = None,
+) -> list[int]:
+    """The tokens greedy decoding appends to ``prompt``, stopping after an ``eos`` token, as ``generate`` does.
+
+    ``program`` is a :class:`~aotstack.integrations.generation.PrefillDecode` or a file loaded from one;
+    ``on_token`` is told each token as it is chosen.
+    """
+    if max_new_tokens < 1:
+        return []
+    config = generation_settings(max_new_tokens=max_new_tokens, do_sample=False, eos=list(eos))
+    return collected(stream_decoder(program, prompt, config), on_token)
+
+
+def collected(tokens: Iterable[int], on_token: Callable[[int], None] | None = None) -> list[int]:
+    """``tokens`` as a list, telling ``on_token`` each one as it arrives."""
+    result = []
+    for token in tokens:
+        result.append(token)
+        if on_token is not None:
+            on_token(token)
+    return result
+
+
+def text_pieces(tokens: Iterable[int], decode: Callable[[list[int]], str]) -> Iterator[str]:
+    """The text of ``tokens`` as it grows: each piece is what the latest token added to ``decode``'s text.
+
+    A piece is held back while the text ends in an unfinished character (a byte-level tokenizer's
+    partial UTF-8), and whatever the final text adds beyond what was given comes last.
+    """
+    seen: list[int] = []
+    given = ""
+    for token in tokens:
+        seen.append(token)
+        text = decode(seen)
+        if text.endswith("\ufffd") or not text.startswith(given):
+            continue
+        if len(text) > len(given):
+            yield text[len(given):]
+            given = text
+    final = decode(seen) if seen else ""
+    if final.startswith(given) and len(final) > len(given):
+        yield final[len(given):]
