@@ -7,6 +7,8 @@ in buffers, exported once; every variant runs that same program's model:
 - torch.compile:   the same module through ``torch.compile``
 - plain AOTI:      ``aoti_compile_and_package`` of the exported program, ``aoti_load_package``
 - aotstack:        ``lower(Program({"forward": ep}), [AotiCpuPartitioner()])``, saved, ``load``
+- aotstack, sampled: the same file, each token sampled as ``aotstack generate --temperature 0.8 --top-k 50
+                   --top-p 0.9 --repetition-penalty 1.1`` samples it (the sampling's cost per token)
 
 Rounds alternate between the variants; each round decodes ``--tokens`` tokens after resetting the
 cache. Then a fresh process measures resident memory added by ``aotstack.load`` and one call
@@ -24,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 import aotstack
+from aotstack.integrations.decoding import TokenChooser, generation_settings
 from common import (
     Figure,
     Figures,
@@ -72,17 +75,33 @@ def language_model(vocab: int, hidden: int, layers: int, arch: str = "llama") ->
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def decode(step: Step, tokens: int) -> tuple[list[int], float]:
-    """Prompt token by token, then ``tokens`` greedy steps; the tokens and the seconds the steps took."""
+def decode(step: Step, tokens: int, chooser: TokenChooser | None = None) -> tuple[list[int], float]:
+    """Prompt token by token, then ``tokens`` steps; the tokens and the seconds the steps took.
+
+    Greedy (an argmax) without a ``chooser``; with one, each token is chosen as ``aotstack generate``
+    chooses it, its logits processors seeing the whole history.
+    """
     with torch.no_grad():
         for position, token in enumerate(PROMPT):
             logits = step(torch.tensor([[token]]), torch.tensor([position]))
         generated = []
+        history = torch.tensor([PROMPT])
         started = time.perf_counter()
         for position in range(len(PROMPT), len(PROMPT) + tokens):
-            generated.append(int(logits[0, -1].argmax()))
+            if chooser is None:
+                generated.append(int(logits[0, -1].argmax()))
+            else:
+                chosen = chooser.next_tokens(history, logits[:, -1])
+                history = torch.cat([history, chosen[:, None]], dim=1)
+                generated.append(int(chosen))
             logits = step(torch.tensor([[generated[-1]]]), torch.tensor([position]))
         return generated, time.perf_counter() - started
+
+
+def sampler() -> TokenChooser:
+    """Sampling as a chat model's generation config often asks: temperature, top-k, top-p, repetition penalty."""
+    config = generation_settings(temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1)
+    return TokenChooser(config, len(PROMPT), seed=0)
 
 
 def decode_rates(
@@ -126,7 +145,9 @@ def decode_rates(
         "plain AOTI": lambda ids, pos: raw(input_ids=ids, cache_position=pos),
         "aotstack": lambda ids, pos: loaded.forward(input_ids=ids, cache_position=pos),
     }
-    resets = {"aotstack": loaded.reset}
+    variants["aotstack, sampled"] = variants["aotstack"]
+    choosers = {"aotstack, sampled": sampler}
+    resets = {"aotstack": loaded.reset, "aotstack, sampled": loaded.reset}
     started = time.perf_counter()
     reference, _ = decode(variants["eager"], tokens)
     decode(variants["torch.compile"], 2)  # compiles, untimed
@@ -137,7 +158,8 @@ def decode_rates(
     for _ in range(rounds):
         for name, step in variants.items():
             resets.get(name, lambda: None)()
-            generated, elapsed = decode(step, tokens)
+            chooser = choosers[name]() if name in choosers else None
+            generated, elapsed = decode(step, tokens, chooser)
             seconds[name].append(elapsed)
             agrees[name] = agrees.get(name, True) and generated == reference
 
@@ -149,7 +171,8 @@ def decode_rates(
 
     rate = {name: tokens / median(values) for name, values in seconds.items()}
     rows = [
-        [name, f"{rate[name]:.1f}", f"{rate[name] / rate['plain AOTI']:.3f}x", "yes" if agrees[name] else "NO"]
+        [name, f"{rate[name]:.1f}", f"{rate[name] / rate['plain AOTI']:.3f}x",
+         "sampled" if name in choosers else "yes" if agrees[name] else "NO"]
         for name in variants
     ]
     print_table(["variant", "tokens/s (median)", "vs plain AOTI", "same tokens as eager"], rows)
@@ -161,6 +184,10 @@ def decode_rates(
         "aotstack / eager, tokens/s": Figure(rate["aotstack"], "tokens/s", rate["eager"], higher_is_better=True),
         "aotstack / torch.compile, tokens/s": Figure(
             rate["aotstack"], "tokens/s", rate["torch.compile"], higher_is_better=True
+        ),
+        "aotstack sampled / greedy, time per token": Figure(
+            rate["aotstack"], "tokens/s", rate["aotstack, sampled"], 1.05,
+            note="temperature 0.8, top-k 50, top-p 0.9, repetition penalty 1.1, chosen in torch after each call",
         ),
         "RSS added by load + one call / weights": Figure(
             added / 1e6, "MB", size / 1e6, 1.2, note="fresh process, over its RSS after import torch, aotstack"
