@@ -1,57 +1,193 @@
 """Encoder-decoder ``transformers`` models as one program of ``encode`` and ``decode`` methods.
 
-``encode(input_ids)`` gives the encoder's hidden states; ``decode(token, encoder_hidden_states, position)``
-gives the next token's logits, updating a static self-attention cache held in buffers.
+- ``encode(source)`` runs the encoder once per source (``input_ids`` ``[1, length]``, or a speech
+  model's ``input_features`` ``[1, mel bins, frames]``) and returns every decoder layer's
+  cross-attention keys and values: ``(keys_0, values_0, keys_1, values_1, ...)``, each
+  ``[1, heads, source positions, head size]``.
+- ``decode(token, *encode(source), position)`` gives the logits ``[1, vocab]`` of the token after
+  ``token`` (``[1, 1]``) at cache slot ``position`` (``[1]``), updating a static self-attention
+  cache held in buffers. It reads the cross-attention keys and values it is given instead of
+  projecting the encoder's states again at every token.
+
+Both halves run the model's own code: ``encode`` lets the decoder's cross-attention fill an
+``EncoderDecoderCache`` and reads it back; ``decode`` hands the model an ``EncoderDecoderCache``
+whose cross-attention part is that state, marked as already computed, so each attention layer
+reuses it, and takes the logits from the model's ``forward`` (output scaling, logit biases and
+all).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch.export import Dim
+from torch.export import Dim, ExportedProgram
 
 from ..compile.export import Program, export
+from ..errors import UnsupportedModelError
 
 
-class EncoderDecoderLM(torch.nn.Module):
-    """A sequence-to-sequence LM behind ``encode`` and ``decode``; the decoder's self-attention cache is static."""
+def decoder_start_token(config: Any) -> int:
+    """A token to run the decoder on while its cross-attention is filled; any id in the vocabulary would do."""
+    start = getattr(config, "decoder_start_token_id", None)
+    return start if isinstance(start, int) else 0
+
+
+def cross_attention_state(cache: Any) -> tuple[torch.Tensor, ...]:
+    """The cross-attention keys and values of every decoder layer in ``cache``, interleaved per layer."""
+    state: list[torch.Tensor] = []
+    for layer in cache.cross_attention_cache.layers:
+        state += [layer.keys, layer.values]
+    return tuple(state)
+
+
+def filled_cross_attention(state: tuple[torch.Tensor, ...]) -> Any:
+    """A cache of the keys and values ``state`` holds, as :func:`cross_attention_state` laid them out.
+
+    The layers take the tensors as they are, not through ``update``, which would copy them
+    into a concatenation at every token.
+    """
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    layers = []
+    for keys, values in zip(state[0::2], state[1::2]):
+        layer = DynamicLayer()
+        layer.dtype, layer.device, layer.is_initialized = keys.dtype, keys.device, True
+        layer.keys, layer.values = keys, values
+        layers.append(layer)
+    cache = DynamicCache()
+    cache.layers = layers
+    return cache
+
+
+class SourceEncoder(torch.nn.Module):
+    """``encode``: the encoder over a source, then every decoder layer's cross-attention keys and values."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.encoder = model.get_encoder()
+        self.decoder = model.get_decoder()
+        self.start = decoder_start_token(model.config)
+        self.input_name = getattr(model, "main_input_name", "input_ids")
+
+    def forward(self, source: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+        hidden = self.encoder(**{self.input_name: source})[0]
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        # One decoder step fills the cross-attention part of the cache; its output is not used, so
+        # export keeps only the key and value projections of the encoder's states.
+        start = torch.full((source.shape[0], 1), self.start, dtype=torch.long)
+        self.decoder(input_ids=start, encoder_hidden_states=hidden, past_key_values=cache, use_cache=True)
+        return cross_attention_state(cache)
+
+
+class CachedCrossAttentionDecoder(torch.nn.Module):
+    """``decode``: one token through the whole model, reading cross-attention keys and values it is given."""
 
     def __init__(self, model: torch.nn.Module, max_cache_len: int) -> None:
         super().__init__()
-        from transformers.integrations.executorch import (
-            Seq2SeqLMDecoderExportableModuleWithStaticCache,
-            Seq2SeqLMEncoderExportableModule,
-        )
+        from transformers.cache_utils import StaticCache
+        from transformers.integrations.executorch import get_head_shapes
 
+        self.model = model
+        self.hidden_size = getattr(model.config, "d_model", None) or model.config.hidden_size
+        self.self_attention = StaticCache(config=model.config, max_cache_len=max_cache_len)
+        heads, head_size = get_head_shapes(model.config)
+        dtype = next(model.parameters()).dtype
+        self.self_attention.early_initialization(1, heads, head_size, dtype, next(model.parameters()).device)
+        # Buffers, so that export sees the cache as state each call updates.
+        for index, layer in enumerate(self.self_attention.layers):
+            self.register_buffer(f"key_cache_{index}", layer.keys, persistent=False)
+            self.register_buffer(f"value_cache_{index}", layer.values, persistent=False)
+            self.register_buffer(f"cumulative_length_{index}", layer.cumulative_length, persistent=False)
+
+    def forward(self, token: torch.Tensor, *state_and_position: torch.Tensor) -> torch.Tensor:
+        from transformers.cache_utils import EncoderDecoderCache
+
+        *state, position = state_and_position
+        # The cache's length is the position written next: a new generation restarts from slot 0.
+        for layer in self.self_attention.layers:
+            layer.cumulative_length.copy_(position[0])
+        cache = EncoderDecoderCache(self.self_attention, filled_cross_attention(tuple(state)))
+        cache.is_updated = dict.fromkeys(range(len(state) // 2), True)
+        # Attention layers read only the shape of the encoder's states once their keys and values are
+        # cached; a tensor of that shape (never computed) stands in for them.
+        source_length = state[0].shape[2]
+        placeholder = state[0].new_zeros(1, source_length, self.hidden_size)
+        outputs = self.model(encoder_outputs=(placeholder,), decoder_input_ids=token, past_key_values=cache,
+                             use_cache=True, cache_position=position)
+        return outputs.logits[:, -1, :]
+
+
+class EncoderDecoderLM(torch.nn.Module):
+    """A sequence-to-sequence LM behind ``encode`` and ``decode`` (see the module's docstring)."""
+
+    def __init__(self, model: torch.nn.Module, max_cache_len: int) -> None:
+        super().__init__()
         self.max_cache_len = max_cache_len
-        self.encoder = Seq2SeqLMEncoderExportableModule(model.get_encoder())
-        self.decoder = Seq2SeqLMDecoderExportableModuleWithStaticCache(model, max_cache_len, batch_size=1)
+        self.encoder = SourceEncoder(model)
+        self.decoder = CachedCrossAttentionDecoder(model, max_cache_len)
 
-    def encode(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The encoder's hidden states for ``input_ids`` (shape ``[1, length]``)."""
-        return self.encoder(input_ids)
+    def encode(self, source: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.encoder(source)
 
-    def decode(self, token: torch.Tensor, encoder_hidden_states: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        """Logits of the next decoder token after ``token`` (``[1, 1]``) at cache slot ``position`` (``[1]``)."""
-        return self.decoder(token, encoder_hidden_states, position)[:, -1, :]
+    def decode(self, token: torch.Tensor, *state_and_position: torch.Tensor) -> torch.Tensor:
+        return self.decoder(token, *state_and_position)
+
+
+def example_source(model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
+    """A source to trace ``encode`` with, and its ``dynamic_shapes``: token sources keep their length dynamic."""
+    config = model.config
+    if getattr(model, "main_input_name", "input_ids") == "input_features":
+        # Whisper-style encoders take a fixed number of frames: two per source position.
+        frames = 2 * config.max_source_positions
+        return torch.zeros(1, config.num_mel_bins, frames), None
+    return torch.zeros(1, 4, dtype=torch.long), "dynamic"
 
 
 def export_encoder_decoder_lm(model: torch.nn.Module, max_cache_len: int, max_source_len: int) -> Program:
-    """``encode`` and ``decode`` of one :class:`EncoderDecoderLM`; sources of 2 to ``max_source_len`` tokens.
+    """``encode`` and ``decode`` of one :class:`EncoderDecoderLM`; token sources of 2 to ``max_source_len``.
 
     Each half is exported on its own (a strict export of ``decode`` as a method of the whole
     module trips over cross-attention tensors Dynamo lifts), so each method names its weights
     from its own half; the file stores a weight both read once all the same, by content.
     """
     module = EncoderDecoderLM(model, max_cache_len).eval()
-    hidden = getattr(model.config, "d_model", None) or model.config.hidden_size
-    source = Dim("source", min=2, max=max_source_len)
-    encode = export(module.encoder, {"forward": (torch.zeros(1, 4, dtype=torch.long),)},
-                    dynamic_shapes={"forward": {"input_ids": {1: source}}}, strict=True)
+    source, dynamic = example_source(model)
+    length = Dim("source", min=2, max=max_source_len) if dynamic else None
+    with torch.no_grad():
+        state = module.encoder(source)
+    if not state:
+        raise UnsupportedModelError(f"{type(model).__name__}'s decoder filled no cross-attention cache")
+    encode = export(module.encoder, {"forward": (source,)},
+                    dynamic_shapes={"forward": {"source": {1: length}} if length else None}, strict=True)
+    state_shapes = tuple({2: length} if length else None for _ in state)
     decode = export(
         module.decoder,
-        {"forward": (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 4, hidden), torch.zeros(1, dtype=torch.long))},
-        dynamic_shapes={"forward": {"decoder_input_ids": None, "encoder_hidden_states": {1: source},
-                                    "cache_position": None}},
+        {"forward": (torch.zeros(1, 1, dtype=torch.long), *state, torch.zeros(1, dtype=torch.long))},
+        dynamic_shapes={"forward": {"token": None, "state_and_position": (*state_shapes, None)}},
         strict=True,
     )
-    return Program({"encode": encode.methods["forward"], "decode": decode.methods["forward"]})
+    return Program({"encode": without_dead_code(encode.methods["forward"]), "decode": decode.methods["forward"]})
+
+
+def without_dead_code(exported: ExportedProgram) -> ExportedProgram:
+    """``exported`` without the ops no output depends on: ``encode``'s decoder step past its key and value projections.
+
+    Export keeps every op it traced; the engines would mostly drop them too, but the graph
+    partitioners see and the report shows should be the work ``encode`` does.
+    """
+    exported.graph_module.graph.eliminate_dead_code(is_impure_node=has_effects)
+    exported.graph_module.recompile()
+    return exported
+
+
+def has_effects(node: torch.fx.Node) -> bool:
+    """Whether removing ``node`` would change what the graph does.
+
+    fx counts a dtype check (``.to(dtype)`` leaves ``_assert_tensor_metadata``) and a random op
+    (attention, which could drop out) as effects; on a dead value in an inference graph neither
+    is one, and either would keep the decoder step's dead layers alive.
+    """
+    return node.target is not torch.ops.aten._assert_tensor_metadata.default and node.is_impure(impure_random=False)
