@@ -8,6 +8,10 @@ its parent loaded.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +21,7 @@ import torch
 from torch.export import Dim
 
 import aotstack
-from tests.conftest import run_child
+from tests.conftest import ROOT, run_child
 from tests.test_stacked_end_to_end import ORT_THEN_AOTI
 
 THREADS = 8
@@ -200,3 +204,32 @@ def test_a_forked_child_can_call_a_program_its_parent_loaded(wide_path, counter_
     assert parent["step"] == [4.0] * 4, "the parent's state is its own"
     assert child["threads"] == 1, "GNU OpenMP's threads do not survive fork: the child runs on one"
     assert parent["threads"] == parent["parent_threads"], "the parent's threads are untouched"
+
+
+TWO_OPENMP_RUNTIMES = """
+import json, os, torch
+torch.set_num_threads(2)
+x = torch.randn(2048, 2048)
+x.clone().sum()  # torch's OpenMP pool is running
+import sentencepiece  # its wheel bundles a second libgomp
+from aotstack.forking import loaded_openmp_libraries, pause_openmp
+runtimes = loaded_openmp_libraries()
+pause_openmp()
+pid = os.fork()
+if pid == 0:
+    x.clone().sum()  # a parallel region in the child: hangs if torch's pool was not paused
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+print(json.dumps({"runtimes": runtimes, "exit": status}))
+"""
+
+
+def test_a_fork_pauses_every_openmp_runtime_loaded(tmp_path):
+    """Two libgomp copies (torch's and sentencepiece's): pausing only one left the child waiting forever."""
+    pytest.importorskip("sentencepiece")
+    child = subprocess.run([sys.executable, "-c", TWO_OPENMP_RUNTIMES], capture_output=True, text=True,
+                           timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
+    assert child.returncode == 0, child.stderr[-4000:]
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    assert len(result["runtimes"]) >= 2, "the case needs two OpenMP runtimes in one process"
+    assert result["exit"] == 0

@@ -20,23 +20,32 @@ OPENMP_LIBRARIES = ("libgomp", "libomp", "libiomp")
 
 
 def pause_openmp() -> None:
-    """Release OpenMP's threads, if this process loaded an OpenMP runtime; call it just before a fork."""
-    pause = openmp_pause()
-    if pause is not None:
+    """Release the threads of every OpenMP runtime this process loaded; call it just before a fork.
+
+    A process can hold several (torch's own libgomp, and another bundled by a package such as
+    sentencepiece): pausing only one leaves the other's pool to hang the child.
+    """
+    for pause in openmp_pauses(loaded_openmp_libraries()):
         pause(OMP_PAUSE_SOFT)
 
 
-@functools.cache
-def openmp_pause() -> Any:
-    """``omp_pause_resource_all`` of the OpenMP runtime this process loaded; None where none is found."""
+def loaded_openmp_libraries() -> tuple[str, ...]:
+    """The OpenMP runtimes mapped into this process now; a library loaded later shows up at the next call."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps if any(name in line for name in OPENMP_LIBRARIES)})
+            return tuple(sorted({line.split()[-1] for line in maps
+                                 if any(name in line.rsplit("/", 1)[-1] for name in OPENMP_LIBRARIES)}))
     except OSError:
-        return None
+        return ()
+
+
+@functools.cache
+def openmp_pauses(paths: tuple[str, ...]) -> list[Any]:
+    """``omp_pause_resource_all`` of each runtime in ``paths`` that has one."""
+    pauses = []
     for path in paths:
         try:
-            return ctypes.CDLL(path).omp_pause_resource_all
+            pauses.append(ctypes.CDLL(path).omp_pause_resource_all)
         except (OSError, AttributeError):
             continue
-    return None
+    return pauses
