@@ -25,6 +25,10 @@ class GenerationError(AotstackError):
     """Generation was asked for something it cannot do: a bad sampling setting, a prompt the cache cannot hold."""
 
 
+class AudioFileError(AotstackError):
+    """An audio file cannot be read: not a WAV, a compressed or float WAV, or no samples; the message names it."""
+
+
 class QuantizationError(AotstackError):
     """A model cannot be quantized as asked: an unknown scheme, a group size that does not fit a layer, no torchao."""
 

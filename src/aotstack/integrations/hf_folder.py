@@ -28,9 +28,10 @@ from ..errors import AotstackError, GenerationError, ModelFolderError, Unsupport
 
 logger = logging.getLogger("aotstack")
 
-GENERATION_TASKS = ("text-generation", "text2text-generation")
+GENERATION_TASKS = ("text-generation", "text2text-generation", "automatic-speech-recognition")
 TASKS = (*GENERATION_TASKS, "feature-extraction", "image-classification", "audio-classification")
-TASK_ALIASES = {"text2text": "text2text-generation", "causal-lm": "text-generation", "seq2seq": "text2text-generation"}
+TASK_ALIASES = {"text2text": "text2text-generation", "causal-lm": "text-generation", "seq2seq": "text2text-generation",
+                "asr": "automatic-speech-recognition", "speech-recognition": "automatic-speech-recognition"}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 PROCESSOR_FILE = "preprocessor_config.json"
@@ -46,6 +47,7 @@ def auto_class(task: str) -> type:
     return getattr(transformers, {
         "text-generation": "AutoModelForCausalLM",
         "text2text-generation": "AutoModelForSeq2SeqLM",
+        "automatic-speech-recognition": "AutoModelForSpeechSeq2Seq",
         "feature-extraction": "AutoModel",
         "image-classification": "AutoModelForImageClassification",
         "audio-classification": "AutoModelForAudioClassification",
@@ -65,6 +67,7 @@ def task_architectures() -> dict[str, set[str]]:
     return {
         "text-generation": names(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
         "text2text-generation": names(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
+        "automatic-speech-recognition": names(auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES),
         "image-classification": names(auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES),
         "audio-classification": names(auto.MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES),
         "feature-extraction": names(auto.MODEL_MAPPING_NAMES),
@@ -299,23 +302,31 @@ class Preprocessor:
 
 
 def load_preprocessor(model_dir: Path, task: str, model: torch.nn.Module) -> Preprocessor:
-    """The tokenizer (text input) or processor files (images, audio) the folder holds."""
+    """The tokenizer (text input) or processor files (images, audio) the folder holds.
+
+    Speech-to-text needs both: the feature extractor makes its input, the tokenizer reads its output.
+    """
     main_input = getattr(model, "main_input_name", "input_ids")
     if main_input == "input_ids":
-        require_any(model_dir, TOKENIZER_FILES, "tokenizer", task)
-        from transformers import AutoTokenizer
-
-        try:
-            return Preprocessor(tokenizer=AutoTokenizer.from_pretrained(model_dir, local_files_only=True))
-        except (ValueError, OSError, KeyError) as exc:
-            raise ModelFolderError(f"cannot read the tokenizer of {model_dir}: {exc}") from exc
+        return Preprocessor(tokenizer=load_tokenizer(model_dir, task))
+    tokenizer = load_tokenizer(model_dir, task) if task in GENERATION_TASKS else None
     require_any(model_dir, (PROCESSOR_FILE,), "processor", task)
     try:
         settings = json.loads((model_dir / PROCESSOR_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ModelFolderError(f"{model_dir / PROCESSOR_FILE} is not JSON: {exc}") from exc
     files = [model_dir / name for name in PROCESSOR_FILES if (model_dir / name).is_file()]
-    return Preprocessor(files=files, settings=settings if isinstance(settings, dict) else {})
+    return Preprocessor(tokenizer=tokenizer, files=files, settings=settings if isinstance(settings, dict) else {})
+
+
+def load_tokenizer(model_dir: Path, task: str) -> Any:
+    require_any(model_dir, TOKENIZER_FILES, "tokenizer", task)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (ValueError, OSError, KeyError) as exc:
+        raise ModelFolderError(f"cannot read the tokenizer of {model_dir}: {exc}") from exc
 
 
 def example_inputs(

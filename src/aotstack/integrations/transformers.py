@@ -164,7 +164,9 @@ class AotstackExporter(HfExporter):
         if isinstance(ids, torch.Tensor) and ids.shape[0] != 1:
             raise ExportError(f"a generation export runs batch 1; input_ids has batch {ids.shape[0]}")
         text_config = model.config.get_text_config()
-        max_position = getattr(text_config, "max_position_embeddings", None) or DEFAULT_MAX_CACHE_LEN
+        # Whisper names its decoder's positions max_target_positions.
+        max_position = (getattr(text_config, "max_position_embeddings", None)
+                        or getattr(text_config, "max_target_positions", None) or DEFAULT_MAX_CACHE_LEN)
         max_cache_len = config.max_cache_len or min(max_position, DEFAULT_MAX_CACHE_LEN)
         started = time.perf_counter()
         try:

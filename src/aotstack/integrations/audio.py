@@ -1,0 +1,217 @@
+"""Speech input for a speech-to-text export: a WAV file to log-mel features, and Whisper's decoder prompt.
+
+- :func:`read_wav` reads PCM WAV files (8, 16, 24 or 32-bit integers) with the standard library's
+  ``wave`` module, mixing several channels down to one.
+- :func:`resampled` converts samples to another rate with a windowed-sinc filter (numpy only).
+- :func:`audio_features` gives ``input_features`` ``[1, mel bins, frames]`` as the feature extractor
+  saved in an export folder computes them, after resampling to its ``sampling_rate``.
+- :func:`whisper_decoder_prompt` gives the decoder tokens Whisper's ``generate`` starts from:
+  the decoder start token, then the language, task and no-timestamps tokens its generation config
+  asks for.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import wave
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import AudioFileError, GenerationError, ModelFolderError
+
+logger = logging.getLogger("aotstack")
+
+# Half the resampling filter's length, in zero crossings of its sinc: longer is sharper and slower.
+ZERO_CROSSINGS = 16
+# Output samples resampled at once: bounds the (chunk x taps) matrices to a few megabytes.
+RESAMPLE_CHUNK = 8192
+
+
+def read_wav(path: str | os.PathLike[str]) -> tuple[np.ndarray, int]:
+    """The samples of a PCM WAV file as float32 in [-1, 1], channels averaged to one, and its sampling rate."""
+    path = Path(path)
+    if not path.is_file():
+        raise AudioFileError(f"{path} does not exist or is not a file; expected a WAV file")
+    if path.stat().st_size == 0:
+        raise AudioFileError(f"{path} is empty; expected a WAV file")
+    try:
+        with wave.open(str(path), "rb") as reader:
+            channels, width, rate = reader.getnchannels(), reader.getsampwidth(), reader.getframerate()
+            frames = reader.readframes(reader.getnframes())
+    except wave.Error as exc:
+        raise AudioFileError(f"{path} is not a PCM WAV file ({exc}); expected uncompressed integer PCM "
+                             "(8, 16, 24 or 32-bit): convert it, e.g. ffmpeg -i IN -c:a pcm_s16le OUT.wav") from exc
+    except EOFError as exc:
+        raise AudioFileError(f"{path} ends inside its WAV header; the file is truncated") from exc
+    if width not in (1, 2, 3, 4):
+        raise AudioFileError(f"{path} has {8 * width}-bit samples; expected 8, 16, 24 or 32-bit PCM")
+    samples = pcm_samples(frames, width)
+    if samples.size < channels or channels < 1:
+        raise AudioFileError(f"{path} holds no samples")
+    mono = samples[: samples.size - samples.size % channels].reshape(-1, channels).mean(axis=1)
+    return mono.astype(np.float32), rate
+
+
+def pcm_samples(frames: bytes, width: int) -> np.ndarray:
+    """Little-endian PCM bytes as float64 in [-1, 1]; 8-bit WAV is unsigned, wider is signed."""
+    if width == 1:
+        return (np.frombuffer(frames, dtype=np.uint8).astype(np.float64) - 128.0) / 128.0
+    if width == 3:
+        # No numpy dtype is 3 bytes wide: widen each sample to 4 bytes, its sign in the top byte.
+        raw = np.frombuffer(frames[: len(frames) - len(frames) % 3], dtype=np.uint8).reshape(-1, 3)
+        padded = np.zeros((raw.shape[0], 4), dtype=np.uint8)
+        padded[:, 1:] = raw
+        return padded.view("<i4").reshape(-1).astype(np.float64) / 2.0**31
+    dtype = {2: "<i2", 4: "<i4"}[width]
+    return np.frombuffer(frames[: len(frames) - len(frames) % width], dtype=dtype).astype(np.float64) / 2.0 ** (
+        8 * width - 1
+    )
+
+
+def resampled(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
+    """``samples`` at ``rate`` Hz resampled to ``target`` Hz with a Hann-windowed sinc filter.
+
+    The filter's cutoff is the lower of the two Nyquist frequencies, so downsampling does not
+    fold the frequencies the target rate cannot hold back into the ones it can.
+    """
+    if rate == target or samples.size == 0:
+        return samples.astype(np.float32)
+    ratio = target / rate
+    cutoff = min(1.0, ratio)  # a fraction of the input's Nyquist frequency
+    half_width = ZERO_CROSSINGS / cutoff  # in input samples
+    offsets = np.arange(-math.floor(half_width), math.ceil(half_width) + 1)
+    source = samples.astype(np.float64)
+    length = int(round(samples.size * ratio))
+    output = np.empty(length, dtype=np.float32)
+    for begin in range(0, length, RESAMPLE_CHUNK):
+        times = np.arange(begin, min(begin + RESAMPLE_CHUNK, length)) / ratio  # in input samples
+        taps = np.floor(times)[:, None].astype(np.int64) + offsets[None, :]
+        distance = times[:, None] - taps
+        window = np.where(np.abs(distance) < half_width, 0.5 + 0.5 * np.cos(np.pi * distance / half_width), 0.0)
+        weights = cutoff * np.sinc(cutoff * distance) * window
+        inside = (taps >= 0) & (taps < source.size)
+        values = np.where(inside, source[np.clip(taps, 0, source.size - 1)], 0.0)
+        output[begin: begin + times.size] = (values * weights).sum(axis=1)
+    return output
+
+
+def feature_extractor(folder: str | os.PathLike[str]) -> Any:
+    """The feature extractor saved in ``folder`` (``preprocessor_config.json``)."""
+    from transformers import AutoFeatureExtractor
+
+    folder = Path(folder)
+    if not (folder / "preprocessor_config.json").is_file():
+        raise ModelFolderError(f"{folder} has no preprocessor_config.json, the feature extractor speech input needs")
+    try:
+        return AutoFeatureExtractor.from_pretrained(folder, local_files_only=True)
+    except (ValueError, OSError, KeyError) as exc:
+        raise ModelFolderError(f"cannot read the feature extractor of {folder}: {exc}") from exc
+
+
+def audio_features(folder: str | os.PathLike[str], wav_path: str | os.PathLike[str]) -> torch.Tensor:
+    """``input_features`` ``[1, mel bins, frames]`` of a WAV file, as the feature extractor in ``folder`` makes them.
+
+    The audio is resampled to the extractor's ``sampling_rate``; the extractor pads or cuts it
+    to its ``chunk_length`` seconds, so a longer file is transcribed from its first chunk only.
+    """
+    extractor = feature_extractor(folder)
+    samples, rate = read_wav(wav_path)
+    target = int(extractor.sampling_rate)
+    samples = resampled(samples, rate, target)
+    chunk = getattr(extractor, "n_samples", None)
+    if chunk and samples.size > chunk:
+        logger.warning("%s lasts %.1f s; only its first %.1f s are transcribed", wav_path, samples.size / target,
+                       chunk / target)
+    features = extractor(samples, sampling_rate=target, return_tensors="pt")
+    return features["input_features"]
+
+
+def whisper_decoder_prompt(generation_config: Any, config: Any, detected_language: int | None = None) -> list[int]:
+    """The decoder tokens Whisper's ``generate`` starts from, as its generation config sets them.
+
+    The decoder start token; then, where the config defines them, the language token
+    (``language``, or the legacy ``forced_decoder_ids``), the task token (``task``, or
+    ``transcribe`` once a language is set) and ``no_timestamps_token_id`` unless
+    ``return_timestamps``. A multilingual config with no language has ``generate`` detect it:
+    pass the token :func:`detected_language` picks from the logits after the start token.
+    """
+    tokens: list[int | None] = [generation_config.decoder_start_token_id]
+    language = getattr(generation_config, "language", None)
+    task = getattr(generation_config, "task", None)
+    task_ids = dict(getattr(generation_config, "task_to_id", None) or {})
+    if task is None and language is None:
+        tokens += forced_prompt_tokens(generation_config, config)
+    if language is not None:
+        set_language(tokens, language_id(language, generation_config))
+    elif getattr(generation_config, "lang_to_id", None) and (len(tokens) < 2 or tokens[1] is None):
+        if detected_language is None:
+            raise GenerationError(
+                "this Whisper generation config detects the language (lang_to_id, no language set): run the "
+                "decoder on the start token, pick the language with detected_language(logits, generation_config) "
+                "and pass it, or set generation_config.language"
+            )
+        set_language(tokens, detected_language)
+    if task is not None:
+        if task not in task_ids:
+            raise GenerationError(f"unknown Whisper task {task!r}; the generation config has {sorted(task_ids)}")
+        tokens = [token for token in tokens if token not in task_ids.values()] + [task_ids[task]]
+    elif language is not None and task_ids and not any(token in task_ids.values() for token in tokens):
+        tokens.append(task_ids["transcribe"])
+    no_timestamps = getattr(generation_config, "no_timestamps_token_id", None)
+    if no_timestamps is not None:
+        if not getattr(generation_config, "return_timestamps", False):
+            if tokens[-1] != no_timestamps:
+                tokens.append(no_timestamps)
+        elif tokens[-1] == no_timestamps:
+            tokens.pop()
+    return [token for token in tokens if token is not None]
+
+
+def forced_prompt_tokens(generation_config: Any, config: Any) -> list[int | None]:
+    """The tokens legacy ``forced_decoder_ids`` put right after the start token (positions 1, 2, ...)."""
+    forced = getattr(generation_config, "forced_decoder_ids", None) or getattr(config, "forced_decoder_ids", None)
+    tokens: list[int | None] = []
+    if not forced or forced[0][0] != 1:
+        return tokens  # generate leaves ids forced elsewhere alone
+    for expected, (position, token) in enumerate(forced, start=1):
+        if position != expected:
+            raise GenerationError(f"forced_decoder_ids {forced} do not follow Whisper's prompt: position {position} "
+                                  f"where {expected} was expected")
+        tokens.append(token)
+    return tokens
+
+
+def set_language(tokens: list[int | None], language: int) -> None:
+    """The language token goes right after the start token, replacing one already there."""
+    if len(tokens) > 1:
+        tokens[1] = language
+    else:
+        tokens.append(language)
+
+
+def language_id(language: str, generation_config: Any) -> int:
+    """The token of ``language``: a token (``"<|en|>"``), a code (``"en"``) or a name (``"english"``)."""
+    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+    known = dict(getattr(generation_config, "lang_to_id", None) or {})
+    name = language.lower()
+    code = TO_LANGUAGE_CODE.get(name, name)
+    for key in (language, name, f"<|{code}|>"):
+        if key in known:
+            return known[key]
+    raise GenerationError(f"language {language!r} is not in this Whisper generation config's lang_to_id "
+                          f"({len(known)} languages, e.g. {sorted(known)[:5]})")
+
+
+def detected_language(logits: torch.Tensor, generation_config: Any) -> int:
+    """The language token Whisper's ``generate`` detects: the likeliest of ``lang_to_id``'s tokens.
+
+    ``logits`` are the decoder's after its start token, ``[1, vocab]``.
+    """
+    languages = torch.tensor(sorted(generation_config.lang_to_id.values()))
+    return int(languages[logits.reshape(-1)[languages].argmax()])

@@ -1,0 +1,318 @@
+"""Encoder-decoder generation exports: cross-attention computed once per source, Whisper speech-to-text.
+
+T5 and BART (tiny configs, random weights) are exported and lowered with AOTInductor once each and
+shared by their tests: ``decode``'s logits must equal the eager model's full logits, and ``decode``
+must read the cross-attention keys and values ``encode`` gave instead of projecting the encoder's
+states again. A tiny random Whisper goes through ``export_folder`` and a synthetic WAV file; its
+tokens must equal transformers' ``generate`` on the same features.
+"""
+
+from __future__ import annotations
+
+import struct
+import wave
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers.exporters")
+
+import transformers  # noqa: E402
+
+import aotstack  # noqa: E402
+from aotstack.errors import AudioFileError, GenerationError  # noqa: E402
+from aotstack.integrations.audio import (  # noqa: E402
+    audio_features,
+    detected_language,
+    read_wav,
+    resampled,
+    whisper_decoder_prompt,
+)
+from aotstack.integrations.decoding import generation_settings, stream_encoder_decoder  # noqa: E402
+from aotstack.integrations.hf_folder import export_folder  # noqa: E402
+from aotstack.integrations.seq2seq import export_encoder_decoder_lm  # noqa: E402
+from tests.hf_folders import tokenizer  # noqa: E402
+
+VOCAB = 96
+CACHE = 16
+MAX_SOURCE = 64
+SOURCE = [5, 9, 11, 20, 7, 3, 44, 18, 30]
+DECODER_TOKENS = [17, 33, 40, 8, 61, 12]
+# Linear layers and matrix products: what projecting the encoder's states to keys and values takes.
+PROJECTIONS = {torch.ops.aten.linear.default, torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+               torch.ops.aten.bmm.default, torch.ops.aten.matmul.default}
+
+
+def t5() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4, pad_token_id=0, eos_token_id=2,
+        decoder_start_token_id=0)).eval()
+
+
+def bart() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = transformers.BartForConditionalGeneration(transformers.BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=3, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=MAX_SOURCE))
+    with torch.no_grad():  # a bias the logits must carry, as BART's forward adds it
+        model.final_logits_bias.normal_()
+    return model.eval()
+
+
+@dataclass
+class Seq2SeqExport:
+    model: torch.nn.Module
+    loaded: Any
+    decode_projections: list[str]  # ops of the exported decode that read the encoder state through a projection
+
+
+def projections_of_state(exported: torch.export.ExportedProgram) -> list[str]:
+    """Projection ops that read, directly or through views, a ``decode`` input other than the token and position."""
+    placeholders = [node for node in exported.graph.nodes if node.op == "placeholder"]
+    user_inputs = [node for node in placeholders if node.name in exported.graph_signature.user_inputs]
+    reached, frontier, found = set(), list(user_inputs[1:-1]), []
+    while frontier:
+        node = frontier.pop()
+        if node in reached:
+            continue
+        reached.add(node)
+        if node.op == "call_function" and node.target in PROJECTIONS:
+            found.append(node.name)
+            continue
+        if node.op == "call_function" and node.target is torch.ops.aten.scaled_dot_product_attention.default:
+            continue  # attention reads the keys and values; its output no longer is the state
+        frontier.extend(node.users)
+    return found
+
+
+@pytest.fixture(scope="module", params=["t5", "bart"])
+def seq2seq(request, tmp_path_factory) -> Seq2SeqExport:
+    model = {"t5": t5, "bart": bart}[request.param]()
+    program = export_encoder_decoder_lm(model, CACHE, max_source_len=MAX_SOURCE)
+    projections = projections_of_state(program.methods["decode"])
+    path = tmp_path_factory.mktemp(request.param) / "model.pt2"
+    aotstack.lower(program, [aotstack.AotiCpuPartitioner()]).save(path)
+    return Seq2SeqExport(model, aotstack.load(path), projections)
+
+
+def decoder_ids(model: torch.nn.Module) -> list[int]:
+    return [model.config.decoder_start_token_id, *DECODER_TOKENS]
+
+
+@pytest.mark.parametrize("length", [len(SOURCE), 37])
+def test_decode_logits_equal_the_eager_models(seq2seq, length):
+    source = torch.tensor([(SOURCE * 5)[:length]])
+    ids = decoder_ids(seq2seq.model)
+    with torch.no_grad():
+        expected = seq2seq.model(input_ids=source, decoder_input_ids=torch.tensor([ids])).logits[0]
+        for _ in range(2):  # a second generation restarts the self-attention cache at slot 0
+            state = seq2seq.loaded.encode(source)
+            for position, token in enumerate(ids):
+                logits = seq2seq.loaded.decode(torch.tensor([[token]]), *state, torch.tensor([position]))
+                torch.testing.assert_close(logits[0], expected[position], atol=1e-4, rtol=1e-4)
+
+
+def test_encode_gives_each_decoder_layers_cross_attention_keys_and_values(seq2seq):
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    source = torch.tensor([SOURCE])
+    state = seq2seq.loaded.encode(source)
+    with torch.no_grad():  # the eager model's own cross-attention cache after one step
+        cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        seq2seq.model(input_ids=source, decoder_input_ids=torch.tensor([decoder_ids(seq2seq.model)[:1]]),
+                      past_key_values=cache, use_cache=True)
+    layers = cache.cross_attention_cache.layers
+    config = seq2seq.model.config
+    assert len(state) == 2 * len(layers) == 2 * (getattr(config, "num_decoder_layers", None) or config.decoder_layers)
+    for index, layer in enumerate(layers):
+        assert state[2 * index].shape == (1, layer.keys.shape[1], len(SOURCE), layer.keys.shape[3])
+        torch.testing.assert_close(state[2 * index], layer.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(state[2 * index + 1], layer.values, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_does_not_project_the_encoder_state_again(seq2seq):
+    assert seq2seq.decode_projections == []
+
+
+# Whisper: a tiny random model whose generation config sets no language, task or suppressed tokens.
+SAMPLING_RATE = 16000
+WAV_RATE = 8000  # the test file's rate: audio_features must resample it
+FRAMES = 100  # 1 s of 10 ms hops: max_source_positions 50, as Whisper's encoder halves the frames
+WHISPER_TOKENS = 10
+
+
+def whisper() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.WhisperConfig(
+        vocab_size=VOCAB, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, num_mel_bins=80,
+        max_source_positions=FRAMES // 2, max_target_positions=32, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, decoder_start_token_id=1, begin_suppress_tokens=None, suppress_tokens=None,
+        init_std=0.2)  # weights far enough from zero that greedy tokens vary
+    return transformers.WhisperForConditionalGeneration(config).eval()
+
+
+def write_wav(path: Path, samples: np.ndarray, rate: int, width: int = 2, channels: int = 1) -> Path:
+    """``samples`` (floats in [-1, 1], one row per channel or one row for all) as integer PCM."""
+    frames = np.repeat(samples[:, None], channels, axis=1) if samples.ndim == 1 else samples.T
+    scale = 2 ** (8 * width - 1) - 1
+    ints = np.round(frames * scale).astype(np.int64).reshape(-1)
+    if width == 1:
+        data = (ints + 128).astype(np.uint8).tobytes()
+    elif width == 3:
+        data = b"".join(int(value).to_bytes(3, "little", signed=True) for value in ints)
+    else:
+        data = ints.astype({2: "<i2", 4: "<i4"}[width]).tobytes()
+    with wave.open(str(path), "wb") as writer:
+        writer.setnchannels(channels)
+        writer.setsampwidth(width)
+        writer.setframerate(rate)
+        writer.writeframes(data)
+    return path
+
+
+def speech(rate: int, seconds: float = 1.0) -> np.ndarray:
+    """A vowel-like tone: a 220 Hz fundamental and two harmonics, fading in."""
+    time = np.arange(int(rate * seconds)) / rate
+    tone = sum(amplitude * np.sin(2 * np.pi * 220 * harmonic * time)
+               for harmonic, amplitude in ((1, 0.5), (3, 0.2), (7, 0.1)))
+    return tone * np.minimum(1.0, time * 4)
+
+
+@pytest.fixture(scope="module")
+def whisper_export(tmp_path_factory) -> tuple[torch.nn.Module, Path, Path]:
+    """A saved tiny Whisper (model, feature extractor, tokenizer) exported with ``export_folder``; the WAV."""
+    folder = tmp_path_factory.mktemp("whisper")
+    model = whisper()
+    model.save_pretrained(folder)
+    transformers.WhisperFeatureExtractor(feature_size=80, sampling_rate=SAMPLING_RATE, hop_length=160,
+                                         chunk_length=1, n_fft=400).save_pretrained(folder)
+    tokenizer().save_pretrained(folder)
+    output = folder.parent / f"{folder.name}-aot"
+    result = export_folder(folder, output, engines="aoti", max_cache_len=16)
+    assert result.task == "automatic-speech-recognition"  # inferred from the config
+    assert set(result.methods) == {"encode", "decode"}
+    return model, output, write_wav(folder.parent / f"{folder.name}.wav", speech(WAV_RATE), WAV_RATE)
+
+
+def test_whisper_export_transcribes_as_transformers_generate(whisper_export):
+    model, output, wav = whisper_export
+    features = audio_features(output, wav)
+    assert features.shape == (1, 80, FRAMES)
+    loaded = aotstack.load(output / "model.pt2")
+    prompt = whisper_decoder_prompt(model.generation_config, model.config)
+    assert prompt == [model.config.decoder_start_token_id]
+    with torch.no_grad():
+        expected = model.generate(features, max_new_tokens=WHISPER_TOKENS)[0].tolist()  # without its prompt
+    settings = generation_settings(model.generation_config, max_new_tokens=WHISPER_TOKENS)
+    tokens = list(stream_encoder_decoder(loaded, features, prompt, settings))
+    assert tokens == expected
+    assert len(set(tokens)) > 1  # a tiny model that says one token forever would prove little
+
+    with torch.no_grad():
+        ids = torch.tensor([prompt + tokens[:-1]])
+        eager = model(input_features=features, decoder_input_ids=ids).logits[0]
+        state = loaded.encode(features)
+        for position, token in enumerate(ids[0].tolist()):
+            logits = loaded.decode(torch.tensor([[token]]), *state, torch.tensor([position]))
+            torch.testing.assert_close(logits[0], eager[position], atol=1e-4, rtol=1e-4)
+
+
+def test_whisper_export_folder_holds_tokenizer_and_feature_extractor(whisper_export):
+    _, output, _ = whisper_export
+    assert (output / "preprocessor_config.json").is_file()
+    assert transformers.AutoTokenizer.from_pretrained(output).decode([4, 5]) == "the cat"
+
+
+def test_audio_features_resample_to_the_extractors_rate(whisper_export, tmp_path):
+    _, output, wav = whisper_export
+    extractor = transformers.WhisperFeatureExtractor.from_pretrained(output)
+    at_rate = write_wav(tmp_path / "16k.wav", speech(SAMPLING_RATE), SAMPLING_RATE)
+    direct = extractor(read_wav(at_rate)[0], sampling_rate=SAMPLING_RATE, return_tensors="pt").input_features
+    assert torch.equal(audio_features(output, at_rate), direct)
+    # The same tone written at 8 kHz comes back close to it (log-mel, quantized to 16 bits at each rate),
+    # but at the ends, where the resampling filter runs past the samples.
+    torch.testing.assert_close(audio_features(output, wav)[..., 2:-2], direct[..., 2:-2], atol=0.1, rtol=0)
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 4])
+def test_read_wav_takes_pcm_widths_and_mixes_channels_down(tmp_path, width):
+    left, right = speech(WAV_RATE, 0.1), 0.5 * speech(WAV_RATE, 0.1)
+    samples, rate = read_wav(write_wav(tmp_path / "stereo.wav", np.stack([left, right]), WAV_RATE, width, 2))
+    assert rate == WAV_RATE and samples.dtype == np.float32
+    np.testing.assert_allclose(samples, (left + right) / 2, atol=2.0 / 2 ** (8 * width - 1))
+
+
+def test_resampling_keeps_a_tone_and_removes_what_the_new_rate_cannot_hold():
+    time_44k = np.arange(44100) / 44100
+    tone, too_high = np.sin(2 * np.pi * 440 * time_44k), np.sin(2 * np.pi * 12000 * time_44k)
+    down = resampled(tone + too_high, 44100, SAMPLING_RATE)
+    assert down.shape == (SAMPLING_RATE,)
+    expected = np.sin(2 * np.pi * 440 * np.arange(SAMPLING_RATE) / SAMPLING_RATE)
+    np.testing.assert_allclose(down[500:-500], expected[500:-500], atol=1e-3)
+
+
+def wav_header(format_tag: int, width: int = 2) -> bytes:
+    """A RIFF/WAVE header of one channel at 8 kHz in format ``format_tag`` (1 PCM, 2 ADPCM, 3 float)."""
+    fmt = struct.pack("<HHIIHH", format_tag, 1, WAV_RATE, WAV_RATE * width, width, 8 * width)
+    data = b"\0" * 16
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+@pytest.mark.parametrize(("name", "content", "message"), [
+    ("notes.wav", b"not audio at all, just text", "is not a PCM WAV file"),
+    ("adpcm.wav", wav_header(2), "is not a PCM WAV file"),
+    ("float.wav", wav_header(3, 4), "is not a PCM WAV file"),
+    ("empty.wav", b"", "is empty"),
+])
+def test_unreadable_audio_is_refused_by_name(tmp_path, name, content, message):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(AudioFileError, match=message) as raised:
+        read_wav(path)
+    assert name in str(raised.value)
+
+
+def test_a_wav_without_samples_or_a_missing_file_is_refused_by_name(tmp_path):
+    with pytest.raises(AudioFileError, match="silent.wav holds no samples"):
+        read_wav(write_wav(tmp_path / "silent.wav", np.zeros(0), WAV_RATE))
+    with pytest.raises(AudioFileError, match="missing.wav does not exist"):
+        read_wav(tmp_path / "missing.wav")
+
+
+def multilingual_generation_config(**settings: Any) -> transformers.GenerationConfig:
+    """A generation config with Whisper's language, task and timestamp tokens (ids within a small vocabulary)."""
+    settings.setdefault("return_timestamps", False)  # generate sets it before choosing the prompt
+    return transformers.GenerationConfig(
+        decoder_start_token_id=1, eos_token_id=2, lang_to_id={"<|en|>": 10, "<|fr|>": 11, "<|de|>": 12},
+        task_to_id={"transcribe": 20, "translate": 21}, no_timestamps_token_id=30, is_multilingual=True,
+        **settings)
+
+
+@pytest.mark.parametrize("settings", [
+    {"language": "en"},
+    {"language": "french", "task": "translate"},
+    {"language": "<|de|>", "return_timestamps": True},
+    {"forced_decoder_ids": [[1, 11], [2, 20]]},
+])
+def test_whisper_decoder_prompt_is_the_prompt_generate_starts_from(settings):
+    model = whisper()
+    config = multilingual_generation_config(**settings)
+    expected = model._retrieve_init_tokens(torch.zeros(1, 80, FRAMES), 1, config, model.config, FRAMES, {})
+    assert whisper_decoder_prompt(config, model.config) == expected[0].tolist()
+
+
+def test_whisper_language_detection_needs_the_detected_token():
+    config = multilingual_generation_config()
+    with pytest.raises(GenerationError, match="detects the language"):
+        whisper_decoder_prompt(config, None)
+    logits = torch.zeros(1, VOCAB)
+    logits[0, 5], logits[0, 12] = 9.0, 3.0  # a non-language token scores higher, and is not a language
+    assert detected_language(logits, config) == 12
+    assert whisper_decoder_prompt(config, None, detected_language=12) == [1, 12, 30]
