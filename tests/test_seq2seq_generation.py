@@ -24,7 +24,7 @@ pytest.importorskip("transformers.exporters")
 import transformers  # noqa: E402
 
 import aotstack  # noqa: E402
-from aotstack.errors import AudioFileError, GenerationError  # noqa: E402
+from aotstack.errors import AudioFileError, ExportError, GenerationError  # noqa: E402
 from aotstack.integrations.audio import (  # noqa: E402
     audio_features,
     detected_language,
@@ -137,6 +137,11 @@ def test_encode_gives_each_decoder_layers_cross_attention_keys_and_values(seq2se
 
 def test_decode_does_not_project_the_encoder_state_again(seq2seq):
     assert seq2seq.decode_projections == []
+
+
+def test_a_cache_longer_than_the_decoders_positions_is_refused():
+    with pytest.raises(ExportError, match="max_cache_len 100 is longer than the 64 positions"):
+        export_encoder_decoder_lm(bart(), 100, max_source_len=MAX_SOURCE)
 
 
 # Whisper: a tiny random model whose generation config sets no language, task or suppressed tokens.

@@ -24,7 +24,7 @@ import torch
 from torch.export import Dim, ExportedProgram
 
 from ..compile.export import Program, export
-from ..errors import UnsupportedModelError
+from ..errors import ExportError, UnsupportedModelError
 
 
 def decoder_start_token(config: Any) -> int:
@@ -136,14 +136,29 @@ class EncoderDecoderLM(torch.nn.Module):
         return self.decoder(token, *state_and_position)
 
 
-def example_source(model: torch.nn.Module) -> tuple[torch.Tensor, Any]:
-    """A source to trace ``encode`` with, and its ``dynamic_shapes``: token sources keep their length dynamic."""
+def example_source(model: torch.nn.Module) -> tuple[torch.Tensor, bool]:
+    """A source to trace ``encode`` with, and whether its length stays dynamic (token sources) or not."""
     config = model.config
-    if getattr(model, "main_input_name", "input_ids") == "input_features":
+    main_input = getattr(model, "main_input_name", "input_ids")
+    if main_input == "input_ids":
+        return torch.zeros(1, 4, dtype=torch.long), True
+    mel_bins, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
+    if main_input == "input_features" and mel_bins and positions:
         # Whisper-style encoders take a fixed number of frames: two per source position.
-        frames = 2 * config.max_source_positions
-        return torch.zeros(1, config.num_mel_bins, frames), None
-    return torch.zeros(1, 4, dtype=torch.long), "dynamic"
+        return torch.zeros(1, mel_bins, 2 * positions), False
+    raise UnsupportedModelError(
+        f"{type(model).__name__}'s encoder takes {main_input!r}; generation exports take token ids or "
+        "Whisper-style log-mel input_features (config.num_mel_bins, config.max_source_positions)"
+    )
+
+
+def check_cache_fits(model: torch.nn.Module, max_cache_len: int) -> None:
+    """Refuse a cache longer than the decoder has learned positions for: decoding past them would index out of range."""
+    config = model.config
+    positions = getattr(config, "max_target_positions", None) or getattr(config, "max_position_embeddings", None)
+    if positions and max_cache_len > positions:
+        raise ExportError(f"max_cache_len {max_cache_len} is longer than the {positions} positions "
+                          f"{type(model).__name__}'s decoder has; use at most {positions}")
 
 
 def export_encoder_decoder_lm(model: torch.nn.Module, max_cache_len: int, max_source_len: int) -> Program:
@@ -153,8 +168,9 @@ def export_encoder_decoder_lm(model: torch.nn.Module, max_cache_len: int, max_so
     module trips over cross-attention tensors Dynamo lifts), so each method names its weights
     from its own half; the file stores a weight both read once all the same, by content.
     """
-    module = EncoderDecoderLM(model, max_cache_len).eval()
+    check_cache_fits(model, max_cache_len)
     source, dynamic = example_source(model)
+    module = EncoderDecoderLM(model, max_cache_len).eval()
     length = Dim("source", min=2, max=max_source_len) if dynamic else None
     with torch.no_grad():
         state = module.encoder(source)
