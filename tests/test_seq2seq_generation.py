@@ -9,6 +9,8 @@ tokens must equal transformers' ``generate`` on the same features.
 
 from __future__ import annotations
 
+import json
+import shutil
 import struct
 import wave
 from dataclasses import dataclass
@@ -33,7 +35,7 @@ from aotstack.integrations.audio import (  # noqa: E402
     whisper_decoder_prompt,
 )
 from aotstack.integrations.decoding import generation_settings, stream_encoder_decoder  # noqa: E402
-from aotstack.integrations.hf_folder import export_folder  # noqa: E402
+from aotstack.integrations.hf_folder import export_folder, generate_text  # noqa: E402
 from aotstack.integrations.seq2seq import export_encoder_decoder_lm  # noqa: E402
 from tests.hf_folders import tokenizer  # noqa: E402
 
@@ -321,3 +323,49 @@ def test_whisper_language_detection_needs_the_detected_token():
     logits[0, 5], logits[0, 12] = 9.0, 3.0  # a non-language token scores higher, and is not a language
     assert detected_language(logits, config) == 12
     assert whisper_decoder_prompt(config, None, detected_language=12) == [1, 12, 30]
+
+
+def test_a_seeded_sample_from_an_encoder_decoder_is_transformers_sample(seq2seq):
+    """Sampling settings reach the decoder's logits as transformers' ``generate`` applies them."""
+    model, loaded = seq2seq.model, seq2seq.loaded
+    settings = {"temperature": 0.9, "top_k": 30, "top_p": 0.95, "repetition_penalty": 1.2, "max_new_tokens": 8}
+    config = generation_settings(model.generation_config, eos=[], **settings)
+    start = model.config.decoder_start_token_id
+    samples = {}
+    for seed in (0, 1):
+        samples[seed] = list(stream_encoder_decoder(loaded, torch.tensor([SOURCE]), [start], config, seed=seed))
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            expected = model.generate(torch.tensor([SOURCE]), do_sample=True, eos_token_id=None, **settings)
+        assert samples[seed] == expected[0, 1:].tolist()
+    assert samples[0] != samples[1]
+
+
+def test_generate_transcribes_a_wav_file_from_the_command_line(whisper_export, tmp_path, capsys):
+    """``aotstack generate OUT --audio FILE.wav``, following the folder's suppress tokens as Whisper's generate."""
+    from aotstack.cli import main
+
+    model, output, wav = whisper_export
+    features = audio_features(output, wav)
+    with torch.no_grad():
+        expected = model.generate(features, max_new_tokens=WHISPER_TOKENS)[0].tolist()
+    capsys.readouterr()
+    assert main(["generate", str(output), "--audio", str(wav), "--max-new-tokens", str(WHISPER_TOKENS)]) == 0
+    assert capsys.readouterr().out.strip() == tokenizer().decode(expected, skip_special_tokens=True)
+
+    # A generation config that suppresses tokens always, and others at the first step only.
+    suppressed = {"suppress_tokens": expected[1:3], "begin_suppress_tokens": expected[:1]}
+    folder = tmp_path / "suppressing"
+    shutil.copytree(output, folder)
+    config = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**config, **suppressed}))
+    with torch.no_grad():
+        expected = model.generate(features, max_new_tokens=WHISPER_TOKENS, **suppressed)[0].tolist()
+    result = generate_text(folder, audio=wav, max_new_tokens=WHISPER_TOKENS)
+    assert result.tokens == expected
+    assert not set(expected) & set(suppressed["suppress_tokens"])
+
+    with pytest.raises(GenerationError, match="transcribes speech: give it a WAV file"):
+        generate_text(output, "the cat")
+    with pytest.raises(GenerationError, match="from audio alone"):
+        generate_text(output, "the cat", audio=wav)

@@ -98,7 +98,8 @@ def argument_parser() -> argparse.ArgumentParser:
     export_hf.set_defaults(command=export_hf_command)
 
     generate = commands.add_parser(
-        "generate", help="generate text from an export-hf folder, as its generation config says (greedy or sampled)"
+        "generate", help="generate text from an export-hf folder, as its generation config says (greedy or sampled); "
+                         "--audio transcribes speech"
     )
     generate.add_argument("folder", metavar="OUT_DIR", help="a folder aotstack export-hf wrote")
     generate.add_argument("--prompt", default=None, metavar="TEXT", help="the text to continue (or, with --chat, "
@@ -107,6 +108,8 @@ def argument_parser() -> argparse.ArgumentParser:
                           help="wrap --prompt as a user message in the tokenizer's chat template")
     generate.add_argument("--messages", default=None, metavar="FILE.json",
                           help='a conversation through the chat template: [{"role": "user", "content": "..."}, ...]')
+    generate.add_argument("--audio", default=None, metavar="FILE.wav",
+                          help="transcribe a WAV file (an automatic-speech-recognition export, e.g. Whisper)")
     generate.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
                           help="generate at most N tokens (default: the generation config's, else 32); fewer when "
                                "the model ends its text")
@@ -368,8 +371,8 @@ def export_hf_command(args: argparse.Namespace) -> int:
 def generate_command(args: argparse.Namespace) -> int:
     from .integrations.hf_folder import generate_text, read_messages
 
-    if args.prompt is None and args.messages is None:
-        raise AotstackError("generate needs --prompt TEXT or --messages FILE.json")
+    if args.prompt is None and args.messages is None and args.audio is None:
+        raise AotstackError("generate needs --prompt TEXT, --messages FILE.json or --audio FILE.wav")
     if args.greedy and (args.temperature or args.top_k is not None or args.top_p is not None):
         raise AotstackError("--greedy picks the likeliest token; it takes no --temperature, --top-k or --top-p")
 
@@ -378,7 +381,7 @@ def generate_command(args: argparse.Namespace) -> int:
 
     result = generate_text(
         args.folder, args.prompt, args.max_new_tokens, chat=args.chat,
-        messages=read_messages(args.messages) if args.messages else None, seed=args.seed,
+        messages=read_messages(args.messages) if args.messages else None, audio=args.audio, seed=args.seed,
         on_text=printed if args.stream else None, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, eos=args.eos, do_sample=False if args.greedy else None,
     )

@@ -215,3 +215,19 @@ def detected_language(logits: torch.Tensor, generation_config: Any) -> int:
     """
     languages = torch.tensor(sorted(generation_config.lang_to_id.values()))
     return int(languages[logits.reshape(-1)[languages].argmax()])
+
+
+def speech_decoder_prompt(program: Any, features: torch.Tensor, generation_config: Any, config: Any) -> list[int]:
+    """:func:`whisper_decoder_prompt` for ``features``, detecting the language first where the config asks for it.
+
+    Detection runs ``encode`` and one ``decode`` step of ``program`` on the start token, as
+    Whisper's ``generate`` does.
+    """
+    language = None
+    if getattr(generation_config, "lang_to_id", None) and getattr(generation_config, "language", None) is None:
+        with torch.no_grad():
+            state = program.encode(features)
+            state = (state,) if isinstance(state, torch.Tensor) else tuple(state)
+            start = torch.tensor([[generation_config.decoder_start_token_id]])
+            language = detected_language(program.decode(start, *state, torch.tensor([0])), generation_config)
+    return whisper_decoder_prompt(generation_config, config, language)

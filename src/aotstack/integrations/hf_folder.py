@@ -394,17 +394,20 @@ def generate_text(
     *,
     chat: bool = False,
     messages: list[dict[str, Any]] | None = None,
+    audio: str | os.PathLike[str] | None = None,
     seed: int | None = None,
     on_text: Callable[[str], None] | None = None,
     **settings: Any,
 ) -> Generation:
-    """Text from an ``export_folder`` output of a text-generation or text2text-generation model.
+    """Text from an ``export_folder`` output of a generation task: a prompt continued, or a WAV file transcribed.
 
     Follows the export's generation config (greedy or sampled, its eos tokens), overridden by
     ``settings`` (``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``do_sample``,
-    ``eos``); ``max_new_tokens`` defaults to the config's, else 32. ``chat`` wraps ``prompt`` as a
-    user message, ``messages`` is a whole conversation; either goes through the tokenizer's chat
-    template. ``on_text`` is told each piece of text as it is generated.
+    ``eos``); ``max_new_tokens`` defaults to the config's, else 32 (a transcript: until its end,
+    as far as the cache holds). ``chat`` wraps ``prompt`` as a user message, ``messages`` is a
+    whole conversation; either goes through the tokenizer's chat template. ``audio`` (an
+    automatic-speech-recognition export) is a WAV file to transcribe. ``on_text`` is told each
+    piece of text as it is generated.
     """
     from transformers import AutoTokenizer
     from transformers.exporters import ExportedModel
@@ -423,7 +426,22 @@ def generate_text(
         raise UnsupportedModelError(f"{folder} holds methods {runner.methods}, not a text generation export")
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     load_seconds = time.perf_counter() - started
-    ids = prompt_ids(tokenizer, folder, prompt, chat, messages)
+    decoder_prompt = None
+    if audio is not None:
+        if prompt is not None or messages is not None or chat:
+            raise GenerationError("a transcript is generated from audio alone; give either audio or a prompt")
+        from .audio import audio_features, speech_decoder_prompt
+
+        source: Any = audio_features(folder, audio)
+        decoder_prompt = speech_decoder_prompt(runner.program, source, exported.generation_config, exported.config)
+        ids: list[int] = []
+        if max_new_tokens is None and getattr(exported.generation_config, "max_new_tokens", None) is None:
+            cache = runner.metadata.export_config.get("max_cache_len") or DEFAULT_NEW_TOKENS
+            max_new_tokens = max(cache - len(decoder_prompt), 1)
+    else:
+        if "encode" in runner.methods and (folder / PROCESSOR_FILE).is_file():
+            raise GenerationError(f"{folder} transcribes speech: give it a WAV file (--audio FILE.wav)")
+        source = ids = prompt_ids(tokenizer, folder, prompt, chat, messages)
     if max_new_tokens is None and getattr(exported.generation_config, "max_new_tokens", None) is None:
         max_new_tokens = DEFAULT_NEW_TOKENS
     config = generation_config_of(exported, max_new_tokens=max_new_tokens, **settings)
@@ -438,7 +456,7 @@ def generate_text(
             yield token
 
     began = time.perf_counter()
-    pieces = text_pieces(arrived(runner.stream(ids, config, seed=seed)),
+    pieces = text_pieces(arrived(runner.stream(source, config, decoder_prompt=decoder_prompt, seed=seed)),
                          lambda seen: tokenizer.decode(seen, skip_special_tokens=True))
     text = ""
     for piece in pieces:

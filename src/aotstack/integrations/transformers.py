@@ -386,6 +386,7 @@ def generate(
     max_new_tokens: int = 20,
     *,
     attention_mask: torch.Tensor | None = None,
+    decoder_prompt: Sequence[int] | None = None,
     generation_config: Any = None,
     seed: int | None = None,
     on_token: Callable[[int], None] | None = None,
@@ -396,16 +397,18 @@ def generate(
     Greedy or sampled as the config says, overridden by ``settings`` (``temperature``, ``top_k``,
     ``top_p``, ``repetition_penalty``, ``do_sample``, ``eos``). Returns the new tokens, as
     ``torch.manual_seed(seed); model.generate(input_ids, max_new_tokens=...)[0, len(prompt):]``
-    would (an encoder-decoder's without its decoder start token); for a left-padded batch with its
-    ``attention_mask``, a list of new tokens per row.
+    would (an encoder-decoder's without its decoder prompt); for a left-padded batch with its
+    ``attention_mask``, a list of new tokens per row. An encoder-decoder's ``input_ids`` may be
+    audio features (Whisper's ``input_features``); ``decoder_prompt`` is the decoder's first
+    tokens (default: its start token; for Whisper see ``aotstack.integrations.audio``).
 
     Example::
 
         tokens = generate(exported, ids, 32, temperature=0.7, top_p=0.9, seed=0)
     """
     config = generation_config_of(exported, generation_config, max_new_tokens=max_new_tokens, **settings)
-    return runner_of(exported).generate(input_ids, config, attention_mask=attention_mask, seed=seed,
-                                        on_token=on_token)
+    return runner_of(exported).generate(input_ids, config, attention_mask=attention_mask,
+                                        decoder_prompt=decoder_prompt, seed=seed, on_token=on_token)
 
 
 def stream(
@@ -413,6 +416,7 @@ def stream(
     input_ids: torch.Tensor | Sequence[int],
     max_new_tokens: int = 20,
     *,
+    decoder_prompt: Sequence[int] | None = None,
     generation_config: Any = None,
     seed: int | None = None,
     **settings: Any,
@@ -425,7 +429,7 @@ def stream(
             print(tokenizer.decode([token]), end="", flush=True)
     """
     config = generation_config_of(exported, generation_config, max_new_tokens=max_new_tokens, **settings)
-    return runner_of(exported).stream(input_ids, config, seed=seed)
+    return runner_of(exported).stream(input_ids, config, decoder_prompt=decoder_prompt, seed=seed)
 
 
 register_backend(AotstackExporter, AotstackModelRunner)
