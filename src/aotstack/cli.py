@@ -83,8 +83,9 @@ def argument_parser() -> argparse.ArgumentParser:
     export_hf.add_argument("-o", "--output", required=True, metavar="OUT_DIR",
                            help="the folder to write; written beside it first and renamed when complete")
     export_hf.add_argument("--task", default=None, metavar="TASK",
-                           help="text-generation, text2text-generation, feature-extraction, image-classification "
-                                "or audio-classification (default: from the model's config)")
+                           help="text-generation, text2text-generation, automatic-speech-recognition, "
+                                "feature-extraction, image-classification or audio-classification "
+                                "(default: from the model's config)")
     export_hf.add_argument("--engines", default="auto", metavar="auto|ENGINE,...",
                            help="auto (default: time each installed engine's plan, keep the fastest per method), "
                                 "or engines in claiming order, e.g. aoti, ort,aoti or ov,aoti")
