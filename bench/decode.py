@@ -8,7 +8,8 @@ in buffers, exported once; every variant runs that same program's model:
 - plain AOTI:      ``aoti_compile_and_package`` of the exported program, ``aoti_load_package``
 - aotstack:        ``lower(Program({"forward": ep}), [AotiCpuPartitioner()])``, saved, ``load``
 - aotstack, sampled: the same file, each token sampled as ``aotstack generate --temperature 0.8 --top-k 50
-                   --top-p 0.9 --repetition-penalty 1.1`` samples it (the sampling's cost per token)
+                   --top-p 0.9 --repetition-penalty 1.1`` samples it (the sampling's cost per token),
+                   with and without ``--seed``
 
 Rounds alternate between the variants; each round decodes ``--tokens`` tokens after resetting the
 cache. Then a fresh process measures resident memory added by ``aotstack.load`` and one call
@@ -98,10 +99,13 @@ def decode(step: Step, tokens: int, chooser: TokenChooser | None = None) -> tupl
         return generated, time.perf_counter() - started
 
 
-def sampler() -> TokenChooser:
-    """Sampling as a chat model's generation config often asks: temperature, top-k, top-p, repetition penalty."""
+def sampler(seed: int | None) -> Callable[[], TokenChooser]:
+    """Sampling as a chat model's generation config often asks: temperature, top-k, top-p, repetition penalty.
+
+    With a seed, each draw is over the whole vocabulary, as transformers' seeded ``generate`` draws.
+    """
     config = generation_settings(temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1)
-    return TokenChooser(config, len(PROMPT), seed=0)
+    return lambda: TokenChooser(config, len(PROMPT), seed=seed)
 
 
 def decode_rates(
@@ -145,9 +149,9 @@ def decode_rates(
         "plain AOTI": lambda ids, pos: raw(input_ids=ids, cache_position=pos),
         "aotstack": lambda ids, pos: loaded.forward(input_ids=ids, cache_position=pos),
     }
-    variants["aotstack, sampled"] = variants["aotstack"]
-    choosers = {"aotstack, sampled": sampler}
-    resets = {"aotstack": loaded.reset, "aotstack, sampled": loaded.reset}
+    choosers = {"aotstack, sampled": sampler(None), "aotstack, sampled, seeded": sampler(0)}
+    variants.update(dict.fromkeys(choosers, variants["aotstack"]))
+    resets = dict.fromkeys(["aotstack", *choosers], loaded.reset)
     started = time.perf_counter()
     reference, _ = decode(variants["eager"], tokens)
     decode(variants["torch.compile"], 2)  # compiles, untimed
@@ -188,6 +192,10 @@ def decode_rates(
         "aotstack sampled / greedy, time per token": Figure(
             rate["aotstack"], "tokens/s", rate["aotstack, sampled"], 1.05,
             note="temperature 0.8, top-k 50, top-p 0.9, repetition penalty 1.1, chosen in torch after each call",
+        ),
+        "aotstack sampled with a seed / greedy, time per token": Figure(
+            rate["aotstack"], "tokens/s", rate["aotstack, sampled, seeded"],
+            note="a seeded draw is over the whole vocabulary, as transformers' generate draws",
         ),
         "RSS added by load + one call / weights": Figure(
             added / 1e6, "MB", size / 1e6, 1.2, note="fresh process, over its RSS after import torch, aotstack"

@@ -3,8 +3,8 @@
 The compiled methods (``prefill``/``decode``, or ``encode``/``decode``) give one step's logits;
 everything after them runs here, in torch, so a new temperature or top-p needs no recompile. The
 logits processors are transformers' own, built from a ``GenerationConfig`` in the order
-``generate`` applies them, and a seeded sample draws from the same random stream as
-``torch.manual_seed(seed); model.generate(...)``, so both pick the same tokens.
+``generate`` applies them, and a seeded sample makes the draw ``torch.manual_seed(seed);
+model.generate(...)`` makes, so both pick the same tokens.
 
 Example::
 
@@ -169,22 +169,46 @@ def logits_processors(config: Any, prompt_length: int) -> Any:
         if config.top_k:
             processors.append(gen.TopKLogitsWarper(config.top_k))
         if config.top_p is not None and config.top_p < 1.0:
-            processors.append(gen.TopPLogitsWarper(config.top_p))
+            processors.append(OnKeptTokens(gen.TopPLogitsWarper(config.top_p)))
         if config.min_p is not None:
-            processors.append(gen.MinPLogitsWarper(config.min_p))
+            processors.append(OnKeptTokens(gen.MinPLogitsWarper(config.min_p)))
         if config.typical_p is not None and config.typical_p < 1.0:
-            processors.append(gen.TypicalLogitsWarper(config.typical_p))
+            processors.append(OnKeptTokens(gen.TypicalLogitsWarper(config.typical_p)))
     if config.renormalize_logits:
         processors.append(gen.LogitNormalization())
     return processors
+
+
+class OnKeptTokens:
+    """A warper that sorts the whole vocabulary, run on the tokens an earlier warper (top-k) left instead.
+
+    Top-p, min-p and typical-p give a removed token (score -inf, probability 0) no weight and
+    remove it again, so running them on the rest gives the same scores; after a top-k of 50
+    that sorts 50 scores rather than the vocabulary (4 ms a token for 32,000 at one thread).
+    """
+
+    def __init__(self, warper: Any) -> None:
+        self.warper = warper
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        kept = scores > -torch.inf
+        if scores.shape[0] != 1 or bool(kept.all()):
+            return self.warper(input_ids, scores)
+        columns = kept[0].nonzero().squeeze(1)
+        warped = torch.full_like(scores, -torch.inf)
+        warped[:, columns] = self.warper(input_ids, scores[:, columns])
+        return warped
 
 
 class TokenChooser:
     """Picks each next token from a step's logits as ``generate`` would, given the tokens so far.
 
     Greedy with no processors is a plain argmax; otherwise the processors see the whole history
-    (prompt included) and sampling draws from a generator seeded with ``seed`` (None: the global
-    torch generator, as ``generate`` uses).
+    (prompt included). With a ``seed``, a sample is drawn over the whole vocabulary from a
+    generator seeded with it, the draw ``torch.manual_seed(seed); model.generate(...)`` makes, so
+    both pick the same tokens. Without one, it is drawn from torch's global generator over the
+    tokens the warpers kept (top-k's 50, say): the same distribution, without one random number
+    per vocabulary entry (1 ms a token for 32,000 at one thread).
     """
 
     def __init__(self, config: Any, prompt_length: int, seed: int | None = None) -> None:
@@ -202,6 +226,10 @@ class TokenChooser:
             scores = self.processors(history, scores)
         if not self.sample:
             return scores.argmax(dim=-1)
+        if self.generator is None and scores.shape[0] == 1:
+            kept = (scores[0] > -torch.inf).nonzero().squeeze(1)
+            probabilities = torch.nn.functional.softmax(scores[:, kept], dim=-1)
+            return kept[torch.multinomial(probabilities, num_samples=1)[:, 0]]
         probabilities = torch.nn.functional.softmax(scores, dim=-1)
         return torch.multinomial(probabilities, num_samples=1, generator=self.generator).squeeze(1)
 
