@@ -210,3 +210,28 @@ def test_bad_batches_and_flags_are_refused(llama_export, exported, capsys):
     with pytest.raises(SystemExit):
         main(["generate", out, "--prompt", "the", "--eos", "x"])
     assert "expected token ids like 2 or 2,32000" in capsys.readouterr().err
+
+
+def test_warpers_on_the_kept_tokens_give_the_scores_of_the_whole_vocabulary():
+    """Top-p, min-p and typical-p after top-k, run on the kept tokens only: the scores transformers' give."""
+    from transformers import generation as gen
+
+    from aotstack.integrations.decoding import OnKeptTokens
+
+    generator = torch.Generator().manual_seed(0)
+    for vocabulary, kept, spread in ((100, 1, 1.0), (5000, 50, 3.0), (32000, 40, 0.2)):
+        scores = gen.TopKLogitsWarper(kept)(None, torch.randn(1, vocabulary, generator=generator) * spread)
+        for warper in (gen.TopPLogitsWarper(0.9), gen.MinPLogitsWarper(0.1), gen.TypicalLogitsWarper(0.8)):
+            assert torch.equal(OnKeptTokens(warper)(None, scores.clone()), warper(None, scores.clone()))
+
+
+def test_an_unseeded_sample_draws_from_the_kept_tokens_distribution():
+    from aotstack.integrations.decoding import TokenChooser, generation_settings
+
+    scores = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0] + [-4.0] * 11])
+    chooser = TokenChooser(generation_settings(temperature=1.0, top_k=5), prompt_length=1)
+    torch.manual_seed(0)
+    drawn = torch.cat([chooser.next_tokens(torch.tensor([[1]]), scores) for _ in range(20000)])
+    assert int(drawn.max()) < 5, "only the top 5 tokens are drawn"
+    frequencies = torch.bincount(drawn, minlength=5).float() / len(drawn)
+    torch.testing.assert_close(frequencies, torch.softmax(scores[0, :5], -1), atol=0.015, rtol=0)
