@@ -191,10 +191,11 @@ class OnKeptTokens:
         self.warper = warper
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        kept = scores > -torch.inf
-        if scores.shape[0] != 1 or bool(kept.all()):
+        if scores.shape[0] != 1:
             return self.warper(input_ids, scores)
-        columns = kept[0].nonzero().squeeze(1)
+        columns = (scores[0] > -torch.inf).nonzero().squeeze(1)
+        if len(columns) == scores.shape[1]:
+            return self.warper(input_ids, scores)
         warped = torch.full_like(scores, -torch.inf)
         warped[:, columns] = self.warper(input_ids, scores[:, columns])
         return warped
@@ -222,8 +223,9 @@ class TokenChooser:
     def next_tokens(self, history: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The next token of each row (shape ``[rows]``) after ``history`` (``[rows, length]``)."""
         scores = logits.to(dtype=torch.float32)
-        if len(self.processors):
-            scores = self.processors(history, scores)
+        # Called one by one: LogitsProcessorList inspects each one's signature at every call.
+        for processor in self.processors:
+            scores = processor(history, scores)
         if not self.sample:
             return scores.argmax(dim=-1)
         if self.generator is None and scores.shape[0] == 1:
