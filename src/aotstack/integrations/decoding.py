@@ -242,22 +242,14 @@ def stream_decoder(program: Any, prompt: Sequence[int], config: Any, seed: int |
     It stops after an eos token of ``config`` or after its new-token limit. ``prefill`` writes the
     cache from slot 0 and the causal mask hides the slots after it, so an earlier prompt's cache is harmless.
     """
-    limit = new_token_limit(config, len(prompt))
-    if limit < 1:
-        return
+    if new_token_limit(config, len(prompt)) < 1:
+        return iter(())
     if not prompt:
         raise GenerationError("the prompt is empty: a decoder-only model needs at least one token to start from")
-    chooser, eos = TokenChooser(config, len(prompt), seed), eos_ids(config)
     history = torch.tensor([list(prompt)], dtype=torch.long)
     with torch.no_grad():
         logits = program.prefill(history)
-        for position in range(len(prompt), len(prompt) + limit):
-            token = chooser.next_tokens(history, logits)
-            history = torch.cat([history, token[:, None]], dim=1)
-            yield int(token)
-            if int(token) in eos or position + 1 == len(prompt) + limit:
-                return
-            logits = program.decode(token[:, None], torch.tensor([position]))
+    return continued(logits, history, program.decode, config, seed)
 
 
 def stream_encoder_decoder(
@@ -271,22 +263,43 @@ def stream_encoder_decoder(
     """
     if not decoder_prompt:
         raise GenerationError("the decoder prompt is empty: pass the decoder start token")
-    limit = new_token_limit(config, len(decoder_prompt))
-    chooser, eos = TokenChooser(config, len(decoder_prompt), seed), eos_ids(config)
-    history = torch.tensor([list(decoder_prompt)], dtype=torch.long)
     with torch.no_grad():
         encoded = program.encode(source)
         state = (encoded,) if isinstance(encoded, torch.Tensor) else tuple(encoded)
-        logits = None
         for position, token in enumerate(decoder_prompt):
             logits = program.decode(torch.tensor([[token]]), *state, torch.tensor([position]))
-        for position in range(len(decoder_prompt), len(decoder_prompt) + limit):
-            token = chooser.next_tokens(history, logits)
-            history = torch.cat([history, token[:, None]], dim=1)
-            yield int(token)
-            if int(token) in eos or position + 1 == len(decoder_prompt) + limit:
-                return
-            logits = program.decode(token[:, None], *state, torch.tensor([position]))
+
+    def step(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return program.decode(token, *state, position)
+
+    history = torch.tensor([list(decoder_prompt)], dtype=torch.long)
+    return continued(logits, history, step, config, seed)
+
+
+def continued(
+    logits: torch.Tensor,
+    history: torch.Tensor,
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    config: Any,
+    seed: int | None,
+) -> Iterator[int]:
+    """The tokens chosen from ``logits`` on, each fed back through ``step(token, position)`` for the next logits.
+
+    ``history`` (``[1, length]``) is what came before: the prompt, or the decoder's start tokens;
+    the first new token sits at position ``length``. It stops after an eos token of ``config``
+    or at its new-token limit.
+    """
+    chooser, eos = TokenChooser(config, history.shape[1], seed), eos_ids(config)
+    start = history.shape[1]
+    end = start + new_token_limit(config, start)
+    for position in range(start, end):
+        token = chooser.next_tokens(history, logits)
+        history = torch.cat([history, token[:, None]], dim=1)
+        yield int(token)
+        if int(token) in eos or position + 1 == end:
+            return
+        with torch.no_grad():  # only around the call: grad mode is the caller's between tokens
+            logits = step(token[:, None], torch.tensor([position]))
 
 
 def greedy_decoder(
