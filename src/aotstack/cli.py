@@ -387,7 +387,8 @@ def generate_command(args: argparse.Namespace) -> int:
         repetition_penalty=args.repetition_penalty, eos=args.eos, do_sample=False if args.greedy else None,
     )
     print(("" if args.stream else result.text), flush=True)
-    print(f"{len(result.tokens)} tokens after a {result.prompt_tokens}-token prompt; loaded in "
+    source = f"from {args.audio}" if args.audio else f"after a {result.prompt_tokens}-token prompt"
+    print(f"{len(result.tokens)} tokens {source}; loaded in "
           f"{result.load_seconds * 1e3:.0f} ms, first token {result.first_token_seconds * 1e3:.1f} ms, then "
           f"{result.decode_tokens_per_second:.1f} tokens/s", file=sys.stderr)
     return 0
