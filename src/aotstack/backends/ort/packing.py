@@ -5,7 +5,8 @@ integer zero point per group of ``group`` columns. ONNX Runtime's ``MatMulNBits`
 ``GatherBlockQuantized`` read unsigned values packed along the columns (two 4-bit values a byte,
 the first in the low nibble) in blocks of ``block`` columns, with unsigned zero points that default
 to ``2**(bits - 1)``: a signed value ``q`` is stored as ``q + 2**(bits - 1)``, so zero points of 0
-need no tensor. ``DynamicQuantizeMatMul`` reads int8 ``[columns, rows]`` with per-row scales.
+need no tensor. ``DynamicQuantizeMatMul`` and ``MatMulInteger`` read uint8 ``[columns, rows]`` with
+per-row scales and zero points.
 """
 
 from __future__ import annotations
@@ -53,15 +54,21 @@ def block_packed(
 def channel_transposed(
     stored: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None, name: str
 ) -> PackedWeights:
-    """Weights for ``DynamicQuantizeMatMul`` and ``MatMulInteger``: int8 ``[columns, rows]``, one scale and
-    zero point per row."""
+    """Weights for ``DynamicQuantizeMatMul`` and ``MatMulInteger``: uint8 ``[columns, rows]``, one scale and
+    zero point per row.
+
+    Unsigned, ``q + 128`` with zero point ``z + 128``: ONNX Runtime multiplies uint8 activations
+    by int8 weights with 16-bit sums of pairs on x86 CPUs without VNNI, which saturate (0.36 off
+    on outputs of 1); uint8 by uint8 widens first and is exact on every CPU.
+    """
     rows = stored.shape[0]
-    points = None
+    points = torch.zeros(rows, dtype=torch.int32)
     if zero_points is not None and bool(zero_points.any()):
         check_range(zero_points, 8, f"zero points of {name!r}")
-        points = zero_points.reshape(rows).to(torch.int8).contiguous()
-    centred = stored.to(torch.int32) - (0 if points is None else points.to(torch.int32)[:, None])
-    return PackedWeights(stored.t().contiguous(), scales.reshape(rows).to(torch.float32).contiguous(), points,
+        points = zero_points.reshape(rows).to(torch.int32)
+    centred = stored.to(torch.int32) - points[:, None]
+    return PackedWeights(unsigned(stored, 8).t().contiguous(), scales.reshape(rows).to(torch.float32).contiguous(),
+                         (points + 128).to(torch.uint8).contiguous(),
                          centred.sum(dim=1, dtype=torch.int32).contiguous())
 
 

@@ -40,9 +40,9 @@ class Kernel:
 
     ``MatMulNBits``: 4- or 8-bit weights packed along K in blocks of ``block_size``; with
     ``accuracy_level`` 4 it quantizes the activations to int8 per block (torchao's ``8da``).
-    ``DynamicQuantizeMatMul``: int8 weights per output channel, activations quantized to uint8 over
+    ``DynamicQuantizeMatMul``: 8-bit weights per output channel (stored as uint8), activations quantized to uint8 over
     the whole tensor, which for one row is torchao's per-token asymmetric round trip exactly.
-    ``MatMulInteger``: int8 weights per output channel, activations quantized per row by ONNX ops
+    ``MatMulInteger``: 8-bit weights per output channel (uint8), activations quantized per row by ONNX ops
     that repeat torchao's per-token arithmetic, then an integer matmul (several rows).
     ``GatherBlockQuantized``: an embedding table of 4- or 8-bit rows.
     """

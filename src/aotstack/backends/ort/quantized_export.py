@@ -122,7 +122,7 @@ def translations() -> dict[Any, Callable[..., Any]]:
         "DynamicQuantizeMatMul",
         [("A", "T1", False), ("B", "T2", False), ("b_scale", "T1", False), ("b_zero_point", "T2", True),
          ("bias", "T1", True)],
-        {"T1": ["tensor(float)"], "T2": ["tensor(int8)"]},
+        {"T1": ["tensor(float)"], "T2": ["tensor(uint8)"]},
         [],
     )
     gather = contrib_op(
