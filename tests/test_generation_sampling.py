@@ -235,3 +235,33 @@ def test_an_unseeded_sample_draws_from_the_kept_tokens_distribution():
     assert int(drawn.max()) < 5, "only the top 5 tokens are drawn"
     frequencies = torch.bincount(drawn, minlength=5).float() / len(drawn)
     torch.testing.assert_close(frequencies, torch.softmax(scores[0, :5], -1), atol=0.015, rtol=0)
+
+
+@pytest.mark.parametrize("settings", [
+    {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "repetition_penalty": 1.1},
+    {"top_k": 20},
+    {"temperature": 1.7, "top_k": 400, "top_p": 0.5},
+    {"top_p": 0.95, "repetition_penalty": 1.4},  # top-k 50 by default
+])
+def test_the_short_way_draws_from_the_distribution_transformers_warpers_give(settings):
+    """:class:`KeptTokenSampler`'s tokens and probabilities equal those left by transformers' own processors."""
+    from aotstack.integrations.decoding import KeptTokenSampler, generation_settings, logits_processors
+
+    processors = logits_processors(generation_settings(**settings), prompt_length=6)
+    sampler = KeptTokenSampler.for_processors(processors)
+    assert sampler is not None
+    generator = torch.Generator().manual_seed(3)
+    for vocabulary in (64, 5000):
+        logits = torch.randn(1, vocabulary, generator=generator) * 3
+        history = torch.randint(0, vocabulary, (1, 6), generator=generator)
+        scores = logits
+        for processor in processors:
+            scores = processor(history, scores)
+        expected = torch.softmax(scores[0], dim=-1)
+        tokens, probabilities = sampler.distribution(history, logits)
+        got = torch.zeros(vocabulary).index_put_((tokens,), probabilities)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+    # Settings it does not cover take the general way.
+    assert KeptTokenSampler.for_processors(logits_processors(generation_settings(top_k=0, temperature=0.7), 6)) is None
+    assert KeptTokenSampler.for_processors(logits_processors(
+        generation_settings(generation_settings(temperature=0.7), max_new_tokens=4), 6)) is not None
