@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import AudioFileError, GenerationError, ModelFolderError
+from .decoding import encoder_state
 
 logger = logging.getLogger("aotstack")
 
@@ -225,9 +226,8 @@ def speech_decoder_prompt(program: Any, features: torch.Tensor, generation_confi
     """
     language = None
     if getattr(generation_config, "lang_to_id", None) and getattr(generation_config, "language", None) is None:
+        state = encoder_state(program, features)
+        start = torch.tensor([[generation_config.decoder_start_token_id]])
         with torch.no_grad():
-            state = program.encode(features)
-            state = (state,) if isinstance(state, torch.Tensor) else tuple(state)
-            start = torch.tensor([[generation_config.decoder_start_token_id]])
             language = detected_language(program.decode(start, *state, torch.tensor([0])), generation_config)
     return whisper_decoder_prompt(generation_config, config, language)

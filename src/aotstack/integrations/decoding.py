@@ -323,9 +323,8 @@ def stream_encoder_decoder(
     """
     if not decoder_prompt:
         raise GenerationError("the decoder prompt is empty: pass the decoder start token")
+    state = encoder_state(program, source)
     with torch.no_grad():
-        encoded = program.encode(source)
-        state = (encoded,) if isinstance(encoded, torch.Tensor) else tuple(encoded)
         for position, token in enumerate(decoder_prompt):
             logits = program.decode(torch.tensor([[token]]), *state, torch.tensor([position]))
 
@@ -334,6 +333,13 @@ def stream_encoder_decoder(
 
     history = torch.tensor([list(decoder_prompt)], dtype=torch.long)
     return continued(logits, history, step, config, seed)
+
+
+def encoder_state(program: Any, source: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What ``program.encode(source)`` returns, as the tuple ``decode(token, *state, position)`` takes."""
+    with torch.no_grad():
+        encoded = program.encode(source)
+    return (encoded,) if isinstance(encoded, torch.Tensor) else tuple(encoded)
 
 
 def continued(
