@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import aotstack
-from aotstack.backends.base import BUILT_IN, Engine
 from aotstack.compile import auto as auto_module
 from aotstack.compile import lower as lower_module
+from aotstack.engine.registry import BUILT_IN, Engine
 from aotstack.format.placement import Candidate
 from aotstack.report.schema import REPORT_SCHEMA
 from tests import models

@@ -3,7 +3,7 @@
 The rules, from the bottom up (README, "How it fits together"):
 - ``errors`` and ``forking``: nothing of aotstack.
 - ``format``: only ``errors``.
-- ``backends/base.py`` (the interface and the registry): only ``format`` and ``errors``.
+- ``engine`` (the engine interface, the registry, the shared run side): only ``format`` and ``errors``.
 - a backend's run side (``run.py``, ``packages.py``): only the above, never its compile side.
 - ``report``: only ``format`` and ``errors`` (it reads a manifest, saved or not).
 - ``runtime``: only the above; a backend's run side is found through the registry, by name. It uses
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import aotstack
-from aotstack.backends.base import run_side_modules
+from aotstack.engine.registry import run_side_modules
 from tests import models
 from tests.conftest import run_child
 from tests.test_stacked_end_to_end import ORT_THEN_AOTI
@@ -38,13 +38,13 @@ RUN_SIDE = run_side_modules() | {
     for engine in run_side_modules()
     if (PACKAGE.parent / engine.rpartition(".")[0].replace(".", "/") / "packages.py").exists()
 }
-BELOW_RUNTIME = ("aotstack.errors", "aotstack.forking", "aotstack.format", "aotstack.backends.base")
+BELOW_RUNTIME = ("aotstack.errors", "aotstack.forking", "aotstack.format", "aotstack.engine")
 # Module (or package prefix) -> the aotstack modules it may import (prefixes).
 ALLOWED = {
     "aotstack.errors": (),
     "aotstack.forking": (),
     "aotstack.format": ("aotstack.errors", "aotstack.format"),
-    "aotstack.backends.base": ("aotstack.errors", "aotstack.format"),
+    "aotstack.engine": ("aotstack.errors", "aotstack.format", "aotstack.engine"),
     "aotstack.report": ("aotstack.errors", "aotstack.format", "aotstack.report"),
     "aotstack.runtime": (*BELOW_RUNTIME, "aotstack.runtime", "aotstack.report"),
     **{module: (*BELOW_RUNTIME, *RUN_SIDE) for module in RUN_SIDE},
@@ -60,7 +60,8 @@ RUNTIME_USED_BY = {"aotstack.compile.check", "aotstack.compile.measure"}
 # What a process that only loads and runs a package may import of aotstack.
 RUNTIME_MODULES = {
     "aotstack", "aotstack.errors", "aotstack.forking", "aotstack.format", "aotstack.runtime", "aotstack.backends",
-    "aotstack.backends.base", *(module.rpartition(".")[0] for module in RUN_SIDE),
+    "aotstack.engine", "aotstack.engine.interface", "aotstack.engine.registry",
+    "aotstack.engine.session", *(module.rpartition(".")[0] for module in RUN_SIDE),
     *RUN_SIDE,
 }
 RUNTIME_PACKAGES = ("aotstack.format.", "aotstack.runtime.")

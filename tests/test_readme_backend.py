@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import aotstack
-from aotstack.backends import base as registry
+from aotstack.engine import registry
 from aotstack.format.archive import read_manifest
 
 README = Path(__file__).resolve().parent.parent / "README.md"

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import aotstack
-from aotstack.backends.base import BUILT_IN
 from aotstack.backends.xnnpack.packages import executorch_problem
+from aotstack.engine.registry import BUILT_IN
 
 pytestmark = pytest.mark.skipif(executorch_problem() is not None, reason=str(executorch_problem()))
 

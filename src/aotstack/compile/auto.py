@@ -31,7 +31,7 @@ import torch
 from torch.export import ExportedProgram
 
 from .. import __version__
-from ..backends.base import BUILT_IN
+from ..engine.registry import BUILT_IN
 from ..errors import LoweringError
 from ..format.devices import parse_device_spec
 from ..format.placement import Candidate, Selection

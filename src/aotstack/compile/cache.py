@@ -12,7 +12,7 @@ import torch
 from torch.export import ExportedProgram
 
 from .. import __version__
-from ..backends.base import Backend
+from ..engine.interface import Backend
 from ..format.specs import CompileSpec, PreprocessResult
 from ..format.tensor_data import WEIGHT_PREFIX, content_key, weights_as_named_data
 from .program_parts import program_fingerprint, program_weights

@@ -21,7 +21,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.utils import _pytree as pytree
 
-from ..backends.base import BackendRuntime
+from ..engine.interface import BackendRuntime
 from ..errors import LoweringError
 from ..format.archive import read_manifest
 from ..format.manifest import InputRecord

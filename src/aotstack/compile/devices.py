@@ -15,7 +15,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Graph, Node
 
-from ..backends.base import backend_class
+from ..engine.registry import backend_class
 from ..errors import BackendNotFoundError, LoweringError
 from ..format.devices import HOST, Device
 from ..format.ops import d2h_copy, h2d_copy, is_delegate_call, is_delegate_output

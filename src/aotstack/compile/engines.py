@@ -49,7 +49,7 @@ def engine_partitioner(
     option: str = "engines",
 ) -> Partitioner:
     """The partitioner of engine ``name`` (``aoti`` is AOTInductor for ``device``), with the options it takes."""
-    from ..backends.base import BUILT_IN
+    from ..engine.registry import BUILT_IN
     from ..format.devices import parse_device_spec
     from ..format.specs import CompileSpec, SpecKey
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch.export import ExportedProgram
 
-from ..backends.base import Backend
+from ..engine.interface import Backend
 from ..format.specs import CompileSpec, PreprocessResult, SpecKey
 from .program_parts import program_fingerprint
 

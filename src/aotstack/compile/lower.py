@@ -14,7 +14,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx.passes.utils.fuser_utils import validate_partition
 
-from ..backends.base import backend_class
+from ..engine.registry import backend_class
 from ..errors import CheckError, CompileSpecError, LoweringError, MissingFallbackKernelsError, PackageError
 from ..format.custom_ops import is_custom_op_name
 from ..format.op_names import op_name

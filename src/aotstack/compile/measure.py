@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from ..backends.base import BackendRuntime
+from ..engine.interface import BackendRuntime
 from ..format.archive import read_manifest
 from ..format.records import Delegate
 from ..runtime.interpreter import LoadedDelegate

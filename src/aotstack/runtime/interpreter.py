@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..backends.base import BackendRuntime
+from ..engine.interface import BackendRuntime
 from ..errors import AotstackError, PackageError, RunError
 from ..format.plan import (
     DelegateStep,

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ..backends.base import runtime_class
+from ..engine.registry import runtime_class
 from ..errors import AotstackError, DelegateInitError, MethodNotFoundError, PackageError
 from ..format.archive import PackageContents, read_package
 from ..format.custom_ops import allowed_op_names, check_custom_ops

@@ -17,12 +17,12 @@ from torch.fx import Node
 from torch.nn.attention import SDPBackend
 
 from ...compile.program_parts import partition_boundary, user_input_placeholders
+from ...engine.interface import Backend
 from ...errors import LoweringError, MissingFallbackKernelsError
 from ...format.custom_ops import is_custom_op_name
 from ...format.devices import HOST, Device
 from ...format.specs import CompileSpec, PreprocessResult, SpecKey, compile_spec_value, partition_label
 from ...format.tensor_data import content_key, weights_as_named_data
-from ..base import Backend
 from .compile import CompileSteps, KernelCheck, compile_partition
 from .kernels import kernel_allowed, parse_kernel_list
 from .passes import GraphPass, ReplaceViewCopyWithViewPass

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ...engine.interface import BackendRuntime
 from ...errors import CompileSpecError, CustomOpError, DelegateInitError, PackageError
 from ...forking import pause_openmp
 from ...format import processed as processed_json
@@ -29,7 +30,6 @@ from ...format.devices import HOST, Device, DeviceType
 from ...format.seal import is_hex
 from ...format.specs import CompileSpec, SpecKey, compile_spec_value, partition_label
 from ...format.tensor_data import BytesLike
-from ..base import BackendRuntime
 
 # The named data holding a partition's shared library.
 LIBRARY_NAME = "model.so"

@@ -25,10 +25,10 @@ import json
 from torch.export import ExportedProgram
 
 from ...compile.program_parts import partition_boundary
+from ...engine.interface import Backend
 from ...errors import CompileSpecError, LoweringError
 from ...format.specs import CompileSpec, PreprocessResult, SpecKey, compile_spec_value, partition_label
 from ...format.tensor_data import dtype_from_name, weights_as_named_data
-from ..base import Backend
 from .compile import convert_partition
 from .frontend import decompositions, dtype_refusal
 from .run import CONSTANTS_NAME, INPUT_ROLE, MODEL_NAME, PROCESSED_VERSION

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from ...engine.registry import BUILT_IN
 from ...errors import AotstackError
-from ..base import BUILT_IN
 
 
 def require_openvino(message: str, error: type[AotstackError]) -> None:

@@ -34,12 +34,12 @@ from typing import Any
 
 import torch
 
+from ...engine.interface import BackendRuntime
 from ...errors import DelegateInitError, PackageError
 from ...format import processed as processed_json
 from ...format.boundary import Boundary, BoundaryCheck
 from ...format.specs import CompileSpec, partition_label
 from ...format.tensor_data import BytesLike, dtype_from_name
-from ..base import BackendRuntime
 from .packages import require_openvino
 
 # Named data of a delegate: the IR's XML, and its .bin, which holds the constants the frontend

@@ -8,10 +8,10 @@ import torch
 from torch.export import ExportedProgram
 
 from ...compile.program_parts import partition_boundary
+from ...engine.interface import Backend
 from ...errors import CompileSpecError, LoweringError
 from ...format.specs import CompileSpec, PreprocessResult, compile_spec_value, partition_label
 from ...format.tensor_data import weights_as_named_data
-from ..base import Backend
 from .compile import export_partition
 from .run import MODEL_NAME, PROCESSED_VERSION, providers
 

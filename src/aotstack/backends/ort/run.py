@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
+from ...engine.interface import BackendRuntime
 from ...errors import DelegateInitError, InputError, LoweringError, PackageError
 from ...format import processed as processed_json
 from ...format.boundary import BoundaryCheck
 from ...format.specs import CompileSpec, SpecKey, compile_spec_value, partition_label
 from ...format.tensor_data import BytesLike
-from ..base import BackendRuntime
 from .packages import require_packages
 
 DEFAULT_PROVIDERS = ("CPUExecutionProvider",)

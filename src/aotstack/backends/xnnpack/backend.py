@@ -14,9 +14,9 @@ import json
 from torch.export import ExportedProgram
 
 from ...compile.program_parts import partition_boundary
+from ...engine.interface import Backend
 from ...errors import CompileSpecError
 from ...format.specs import CompileSpec, PreprocessResult, SpecKey, compile_spec_value, partition_label
-from ..base import Backend
 from .compile import lower_partition
 from .run import FRAME_NAME, PROCESSED_VERSION, PROGRAM_NAME
 

@@ -7,8 +7,8 @@ import importlib.metadata
 
 import torch
 
+from ...engine.registry import BUILT_IN
 from ...errors import AotstackError
-from ..base import BUILT_IN
 
 # The torch (major.minor) each ExecuTorch release's runtime extension is built against. Its
 # pip package does not ask for torch, so pip installs it beside any torch, but the extension

@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
+from ...engine.interface import BackendRuntime
 from ...errors import AotstackError, DelegateInitError, PackageError, RunError
 from ...format import processed as processed_json
 from ...format.boundary import BoundaryCheck
 from ...format.specs import CompileSpec, partition_label
 from ...format.tensor_data import BytesLike
-from ..base import BackendRuntime
 from .packages import require_executorch
 
 # Named data: the ``.pte`` program, the ``.ptd``'s frame, and each of its segments (``data:<key>``).
