@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from typing import Any
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
-from torch.fx import GraphModule, Node
+from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
+from torch.export.graph_signature import (
+    ExportGraphSignature,
+    InputKind,
+    InputSpec,
+    OutputKind,
+    OutputSpec,
+    TensorArgument,
+)
+from torch.fx import Graph, GraphModule, Node
 from torch.utils import _pytree as pytree
 
 from ..errors import LoweringError
@@ -171,3 +180,74 @@ def contiguous_attention_outputs(exported_program: ExportedProgram) -> None:
             copy.meta = dict(node.meta)
             node.replace_all_uses_with(copy, delete_user_cb=lambda user, copy=copy: user is not copy)
     exported_program.graph_module.recompile()
+
+
+def state_as_arguments(exported_program: ExportedProgram) -> tuple[ExportedProgram, list[str]]:
+    """``exported_program`` with each buffer it updates taken as a trailing input and given back as a leading output.
+
+    For an engine that compiles pure functions (an ONNX model, an OpenVINO IR): it reads the
+    buffer's old value as an input and writes its new one as an output, and its run side binds
+    both to the buffer's one memory, so the update happens in place. Returns the new program and
+    the FQNs of those buffers, in the order of both the trailing inputs and the leading outputs.
+    Unchanged, with no FQNs, where the program updates no buffer.
+    """
+    signature = exported_program.graph_signature
+    fqns = list(signature.buffers_to_mutate.values())
+    if not fqns:
+        return exported_program, []
+    placeholder_of = {spec.target: spec.arg.name for spec in signature.input_specs if spec.kind == InputKind.BUFFER}
+    state = [placeholder_of[fqn] for fqn in fqns]
+    specs = {spec.arg.name: spec for spec in signature.input_specs}
+    placeholders = [n for n in exported_program.graph.nodes if n.op == "placeholder"]
+    by_name = {node.name: node for node in placeholders}
+    ordered = [n for n in placeholders if n.name not in state] + [by_name[name] for name in state]
+
+    graph = Graph()
+    env: dict[Node, Node] = {}
+    for node in ordered:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = copy.copy(node.meta)
+    output_node = exported_program.graph.output_node()
+    for node in exported_program.graph.nodes:
+        if node.op not in ("placeholder", "output"):
+            env[node] = graph.node_copy(node, lambda n: env[n])
+    # An ExportedProgram lists its buffer updates before its user outputs already.
+    graph.output(pytree.tree_map_only(Node, lambda n: env[n], output_node.args[0]))
+    module = GraphModule(exported_program.graph_module, graph)
+
+    input_specs = [
+        InputSpec(InputKind.USER_INPUT, TensorArgument(node.name), None) if node.name in state else specs[node.name]
+        for node in ordered
+    ]
+    output_specs = [
+        OutputSpec(OutputKind.USER_OUTPUT, spec.arg, None) if spec.kind == OutputKind.BUFFER_MUTATION else spec
+        for spec in signature.output_specs
+    ]
+    weights = program_weights(exported_program)
+    example_inputs = (
+        *(example_tensor(node.meta["val"]) for node in ordered if specs[node.name].kind == InputKind.USER_INPUT),
+        *(weights[fqn] for fqn in fqns),
+    )
+    user_outputs = [spec for spec in output_specs if spec.kind == OutputKind.USER_OUTPUT]
+    call_signature = ModuleCallSignature(
+        inputs=[], outputs=[],
+        in_spec=pytree.tree_flatten((example_inputs, {}))[1],
+        out_spec=pytree.tree_flatten(tuple(range(len(user_outputs))))[1],
+    )
+    program = ExportedProgram(
+        root=module,
+        graph=module.graph,
+        graph_signature=ExportGraphSignature(input_specs=input_specs, output_specs=output_specs),
+        state_dict={fqn: value for fqn, value in exported_program.state_dict.items() if fqn not in fqns},
+        range_constraints=copy.copy(exported_program.range_constraints),
+        module_call_graph=[ModuleCallEntry("", call_signature)],
+        example_inputs=(example_inputs, {}),
+        constants={fqn: value for fqn, value in exported_program.constants.items() if fqn not in fqns},
+    )
+    return program, fqns
+
+
+def example_tensor(value: torch.Tensor) -> torch.Tensor:
+    """A real, contiguous tensor shaped like a fake one (size hints stand in for dynamic dimensions)."""
+    shape = [int(d) if isinstance(d, int) else d.node.hint for d in value.shape]
+    return torch.zeros(shape, dtype=value.dtype)

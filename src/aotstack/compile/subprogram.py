@@ -23,7 +23,13 @@ from torch.fx import Graph, GraphModule, Node
 from torch.utils import _pytree as pytree
 
 from ..errors import LoweringError
-from .program_parts import constant_placeholders, is_size_computation, mutated_buffer_names, program_weights
+from .program_parts import (
+    constant_placeholders,
+    example_tensor,
+    is_size_computation,
+    mutated_buffer_names,
+    program_weights,
+)
 
 
 @dataclass
@@ -229,9 +235,3 @@ def contiguous_like(value: torch.Tensor) -> torch.Tensor:
     fake_mode = detect_fake_mode([value])
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         return torch.empty(value.shape, dtype=value.dtype, device=value.device)
-
-
-def example_tensor(value: torch.Tensor) -> torch.Tensor:
-    """A real, contiguous tensor shaped like a fake one (size hints stand in for dynamic dimensions)."""
-    shape = [int(d) if isinstance(d, int) else d.node.hint for d in value.shape]
-    return torch.zeros(shape, dtype=value.dtype)

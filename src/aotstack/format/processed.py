@@ -10,13 +10,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..errors import PackageError
 from .boundary import Boundary
-from .tensor_data import WEIGHT_PREFIX, BytesLike, dtype_from_name, tensor_from_bytes
+from .tensor_data import WEIGHT_PREFIX, BytesLike, dtype_from_name, dtype_name, tensor_from_bytes
 
 
 def read_processed(processed_bytes: bytes, label: str, version: int | tuple[int, ...]) -> dict[str, Any]:
@@ -92,3 +93,48 @@ def weights(data: Mapping[str, Any], named_data: Mapping[str, BytesLike], label:
             raise PackageError(f"{where}: {dtype_text}{shape} takes {expected} bytes, its data holds {size}")
         tensors[fqn] = tensor_from_bytes(blob, dtype, shape)
     return tensors
+
+
+def state_record(
+    buffers: Mapping[str, torch.Tensor], inputs: list[str], outputs: list[str], in_place: list[bool]
+) -> dict[str, Any]:
+    """The processed ``state`` field: each buffer a delegate owns, the engine's input and output for it, and whether
+    the engine writes the output into the input's own memory (else its run side copies the output back)."""
+    return {
+        fqn: {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape), "input": name, "output": result,
+              "in_place": flag}
+        for (fqn, tensor), name, result, flag in zip(buffers.items(), inputs, outputs, in_place, strict=True)
+    }
+
+
+@dataclass(frozen=True)
+class OwnedBuffer:
+    """A buffer a delegate updates: its one shared, writable memory, and the engine's input and output for it."""
+
+    fqn: str
+    tensor: torch.Tensor
+    input: str
+    output: str
+    # Whether the engine writes the new value into the old one's memory; else the run side copies it back.
+    in_place: bool
+
+
+def owned_state(data: Mapping[str, Any], named_data: Mapping[str, BytesLike], label: str) -> list[OwnedBuffer]:
+    """The buffers ``processed["state"]`` lists (none where it has no such field), each over its shared memory.
+
+    Loading hands a delegate the buffers it updates as writable named data ``weight:<fqn>``; a
+    read-only one here means the package says one thing and the loader another.
+    """
+    records = data.get("state", {})
+    if not isinstance(records, dict):
+        raise PackageError(f"{label}: processed field 'state' must be an object, got {type(records).__name__}")
+    tensors = weights({"weights": records}, named_data, label)
+    owned = []
+    for fqn, record in records.items():
+        names = [record.get("input"), record.get("output")]
+        if not all(isinstance(name, str) for name in names) or not isinstance(record.get("in_place"), bool):
+            raise PackageError(f"{label}: state {fqn!r} must name its input and output and say whether it is in place")
+        if memoryview(named_data[WEIGHT_PREFIX + fqn]).readonly:
+            raise PackageError(f"{label}: state {fqn!r} was handed over read-only; the loader must share it writable")
+        owned.append(OwnedBuffer(fqn, tensors[fqn], names[0], names[1], record["in_place"]))
+    return owned

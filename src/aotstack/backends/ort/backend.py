@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import torch
 from torch.export import ExportedProgram
 
-from ...compile.program_parts import partition_boundary
+from ...compile.program_parts import partition_boundary, program_weights, state_as_arguments
 from ...engine.interface import Backend
 from ...errors import CompileSpecError, LoweringError
+from ...format.processed import state_record
 from ...format.specs import CompileSpec, PreprocessResult, compile_spec_value, partition_label
 from ...format.tensor_data import weights_as_named_data
-from .compile import export_partition
-from .run import MODEL_NAME, PROCESSED_VERSION, providers
+from .compile import OnnxPartition, export_partition
+from .run import HOST_PROVIDERS, MODEL_NAME, PROCESSED_VERSION, providers
+from .state import state_translations, updated_in_place
 
 
 class OrtBackend(Backend):
@@ -36,25 +39,50 @@ class OrtBackend(Backend):
         label = partition_label(self.backend_id, compile_specs)
         providers(compile_specs)  # a bad spec fails here, not in the process that loads the package
         check_boundary_dtypes(exported_program, label)
-        onnx_partition = export_partition(exported_program, label, quantized_activations(compile_specs))
-        named_data, weights = weights_as_named_data(onnx_partition.weights)
+        # A buffer the partition owns is the model's trailing input and leading output.
+        program, state = state_as_arguments(exported_program)
+        onnx_partition = export_partition(
+            program, label, quantized_activations(compile_specs), state_translations() if state else None
+        )
+        buffers = {fqn: program_weights(exported_program)[fqn] for fqn in state}
+        named_data, weights = weights_as_named_data({**onnx_partition.weights, **buffers})
         named_data[MODEL_NAME] = onnx_partition.model
         # ONNX Runtime is handed numpy arrays: host memory, whatever its execution providers.
         boundary = partition_boundary(exported_program, label, "cpu")
-        if len(boundary.inputs) != len(onnx_partition.input_names):
-            raise LoweringError(
-                f"{label}: the ONNX model takes {len(onnx_partition.input_names)} inputs, the partition "
-                f"{len(boundary.inputs)}"
-            )
+        inputs, state_inputs = split_at(onnx_partition.input_names, len(boundary.inputs), label, "inputs")
+        state_outputs, outputs = split_at(onnx_partition.output_names, len(state), label, "outputs")
+        if len(state_inputs) != len(state):
+            raise LoweringError(f"{label}: the ONNX model takes {len(onnx_partition.input_names)} inputs, the "
+                                f"partition {len(boundary.inputs)} and {len(state)} buffer(s) it updates")
+        state_pairs = list(zip(state_inputs, state_outputs, strict=True))
         processed = {
             "version": PROCESSED_VERSION,
-            "weights": weights,
-            "inputs": onnx_partition.input_names,
-            "outputs": onnx_partition.output_names,
+            "weights": {fqn: meta for fqn, meta in weights.items() if fqn not in buffers},
+            "inputs": inputs,
+            "outputs": outputs,
+            "state": state_record(buffers, state_inputs, state_outputs, updated_in_place(onnx_model(onnx_partition),
+                                                                                          state_pairs)),
             # What the model takes; its run side checks every call against it.
             "boundary": boundary.to_json(),
         }
         return PreprocessResult(json.dumps(processed).encode(), named_data)
+
+
+    def updates_in_place(self, buffer: torch.Tensor, compile_specs: list[CompileSpec]) -> bool:
+        # The run side binds the buffer's memory as both the model's input and its output.
+        return set(providers(compile_specs)) <= HOST_PROVIDERS
+
+
+def split_at(names: list[str], index: int, label: str, what: str) -> tuple[list[str], list[str]]:
+    if index > len(names):
+        raise LoweringError(f"{label}: the ONNX model has {len(names)} {what}, fewer than the {index} expected")
+    return names[:index], names[index:]
+
+
+def onnx_model(partition: OnnxPartition) -> Any:
+    import onnx
+
+    return onnx.load_from_string(partition.model)
 
 
 # The compile spec that says whether quantized linears may quantize float activations to int8.

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.export import ExportedProgram
@@ -26,28 +27,33 @@ class OnnxPartition:
 
 
 def export_partition(
-    exported_program: ExportedProgram, label: str, quantized_activations: bool = False
+    exported_program: ExportedProgram,
+    label: str,
+    quantized_activations: bool = False,
+    translations: dict[Any, Callable[..., Any]] | None = None,
 ) -> OnnxPartition:
     """``exported_program`` as ONNX, by the dynamo exporter.
 
     ``optimize=False`` keeps one initializer per weight, named by its FQN; ONNX Runtime
     optimises the graph itself when the session is made. The weights leave the model so the
     package stores each once, even when several partitions or backends read it. Quantized
-    layers become ONNX Runtime's packed-weight contrib ops first (``quantized_export.py``).
+    layers become ONNX Runtime's packed-weight contrib ops first (``quantized_export.py``);
+    ``translations`` are more entries for the exporter's table (``state.py``'s buffer updates).
     """
     require_packages(("onnx", "onnxscript"), "OrtBackend needs {missing} to export a partition", LoweringError)
     import onnx
 
     from .quantized_export import with_quantized_kernels
 
-    exported_program, translations = with_quantized_kernels(exported_program, quantized_activations, label)
+    exported_program, quantized = with_quantized_kernels(exported_program, quantized_activations, label)
+    table = {**quantized, **(translations or {})}
     try:
         contiguous_attention_outputs(exported_program)
         with quiet_exporter():
             onnx_program = torch.onnx.export(
                 exported_program, (), dynamo=True, optimize=False, verbose=False,
                 # A table rebuilds the exporter's registry (about 1 s), so only a quantized partition passes one.
-                custom_translation_table=translations or None,
+                custom_translation_table=table or None,
             )
     except Exception as error:
         raise LoweringError(f"{label}: the ONNX exporter failed: {error}") from error

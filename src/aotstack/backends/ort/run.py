@@ -12,7 +12,7 @@ a forked child that used it should end with ``os._exit``, as multiprocessing's c
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ from ...engine.interface import BackendRuntime
 from ...errors import DelegateInitError, InputError, LoweringError, PackageError
 from ...format import processed as processed_json
 from ...format.boundary import BoundaryCheck
+from ...format.processed import OwnedBuffer
 from ...format.specs import CompileSpec, SpecKey, compile_spec_value, partition_label
 from ...format.tensor_data import BytesLike
 from .packages import require_packages
@@ -30,8 +31,9 @@ DEFAULT_PROVIDERS = ("CPUExecutionProvider",)
 HOST_PROVIDERS = frozenset(DEFAULT_PROVIDERS)
 # The named data holding a partition's ONNX model.
 MODEL_NAME = "model.onnx"
-# The processed JSON this run side reads; version 2 added the boundary. Older files are refused by name.
-PROCESSED_VERSION = 2
+# The processed JSON this run side reads; version 2 added the boundary, 3 the buffers a delegate owns
+# (``state``), which a version-2 reader would not update. Older files are refused by name.
+PROCESSED_VERSION = 3
 
 
 class OrtRuntime(BackendRuntime):
@@ -56,7 +58,7 @@ class OrtRuntime(BackendRuntime):
             raise PackageError(f"{label}: the package holds no named data {MODEL_NAME!r}")
         return open_session(
             bytes(named_data[MODEL_NAME]), weights, providers(compile_specs), input_names, output_names, label,
-            check=boundary.checker(label),
+            check=boundary.checker(label), state=processed_json.owned_state(processed, named_data, label),
         )
 
     def execute(self, handle: OrtHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -90,6 +92,11 @@ class OrtHandle:
     check: BoundaryCheck | None = None
     # The exceptions ONNX Runtime raises for arguments it refuses.
     argument_errors: tuple[type[BaseException], ...] = ()
+    # The buffers the delegate owns, bound once as inputs and outputs of ``binding``; none: plain runs.
+    state: list[OwnedBuffer] = field(default_factory=list)
+    binding: Any = None
+    # The outputs ``binding.get_outputs()`` gives, in its order: ONNX Runtime keeps each name where it was first bound.
+    bound_outputs: list[str] = field(default_factory=list)
 
 
 def open_session(
@@ -100,8 +107,12 @@ def open_session(
     output_names: list[str],
     label: str,
     check: BoundaryCheck | None = None,
+    state: list[OwnedBuffer] | None = None,
 ) -> OrtHandle:
     """An ``InferenceSession`` for ``model``, its external initializers taken from ``weights``.
+
+    Each buffer of ``state`` (one the delegate updates) is bound as its input and its output, over
+    the buffer's own memory, for every call (``bound_state``).
 
     On the CPU provider the session reads the weights where they are (views of the mapped
     package), not copies: each is both an external initializer, which the model's placeholders
@@ -147,8 +158,31 @@ def open_session(
         raise DelegateInitError(f"{label}: ONNX Runtime could not open the model: {error}") from error
     return OrtHandle(
         session, input_names, output_names, keep_alive=[weights, values], label=label, check=check,
-        argument_errors=argument_errors(),
+        argument_errors=argument_errors(), state=state or [],
+        binding=bound_state(session, state, output_names) if state else None,
+        bound_outputs=bound_output_order(state or [], output_names),
     )
+
+
+def bound_state(session: Any, state: list[OwnedBuffer], output_names: list[str]) -> Any:
+    """An ``IOBinding`` with each owned buffer's memory bound as its input, and as its output where the model
+    writes it in place; every other output is bound at each call (a buffer's then copied into it)."""
+    binding = session.io_binding()
+    for buffer in state:
+        tensor = buffer.tensor
+        array_type = tensor.numpy().dtype.type
+        binding.bind_input(buffer.input, "cpu", 0, array_type, list(tensor.shape), tensor.data_ptr())
+        if buffer.in_place:
+            binding.bind_output(buffer.output, "cpu", 0, array_type, list(tensor.shape), tensor.data_ptr())
+    for name in bound_output_order(state, output_names)[sum(buffer.in_place for buffer in state):]:
+        binding.bind_output(name, "cpu")
+    return binding
+
+
+def bound_output_order(state: list[OwnedBuffer], output_names: list[str]) -> list[str]:
+    """The outputs ``bound_state`` binds, in its order: buffers updated in place, the delegate's, buffers copied."""
+    in_place = [buffer.output for buffer in state if buffer.in_place]
+    return in_place + output_names + [buffer.output for buffer in state if not buffer.in_place]
 
 
 def argument_errors() -> tuple[type[BaseException], ...]:
@@ -168,8 +202,37 @@ def run(handle: OrtHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         name: value.detach().resolve_neg().resolve_conj().contiguous().numpy()
         for name, value in zip(handle.input_names, inputs)
     }
+    if handle.binding is not None:
+        return run_bound(handle, feeds)
     try:
         outputs = handle.session.run(handle.output_names, feeds)
     except handle.argument_errors as error:
         raise InputError(f"{handle.label}: ONNX Runtime refused the inputs: {error}") from None
     return [torch.from_numpy(array) for array in outputs]
+
+
+def run_bound(handle: OrtHandle, feeds: dict[str, Any]) -> list[torch.Tensor]:
+    """One call of a delegate that owns buffers: they stay bound; the other inputs and outputs are bound anew.
+
+    Calls of a method that reads a buffer never overlap (the program's state lock), so one
+    binding serves every call.
+    """
+    binding = handle.binding
+    for name, array in feeds.items():
+        binding.bind_cpu_input(name, array)
+    # Bound to a device alone, an output is memory ONNX Runtime allocates for this call: the
+    # tensors an earlier call returned are not written over.
+    for name in handle.output_names:
+        binding.bind_output(name, "cpu")
+    copied = [buffer for buffer in handle.state if not buffer.in_place]
+    for buffer in copied:
+        binding.bind_output(buffer.output, "cpu")
+    try:
+        handle.session.run_with_iobinding(binding)
+    except handle.argument_errors as error:
+        raise InputError(f"{handle.label}: ONNX Runtime refused the inputs: {error}") from None
+    values = dict(zip(handle.bound_outputs, binding.get_outputs(), strict=True))
+    for buffer in copied:
+        buffer.tensor.copy_(torch.from_numpy(values[buffer.output].numpy()))
+    return [torch.from_numpy(values[name].numpy()) for name in handle.output_names]
+
