@@ -22,16 +22,18 @@ from __future__ import annotations
 
 import json
 
+import torch
 from torch.export import ExportedProgram
 
-from ...compile.program_parts import partition_boundary
+from ...compile.program_parts import partition_boundary, program_weights, state_as_arguments
 from ...engine.interface import Backend
 from ...errors import CompileSpecError, LoweringError
+from ...format.processed import state_record
 from ...format.specs import CompileSpec, PreprocessResult, SpecKey, compile_spec_value, partition_label
 from ...format.tensor_data import dtype_from_name, weights_as_named_data
 from .compile import convert_partition
 from .frontend import decompositions, dtype_refusal
-from .run import CONSTANTS_NAME, INPUT_ROLE, MODEL_NAME, PROCESSED_VERSION
+from .run import CONSTANTS_NAME, INPUT_ROLE, MODEL_NAME, OUTPUT_ROLE, PROCESSED_VERSION
 
 
 class OpenVinoBackend(Backend):
@@ -58,23 +60,37 @@ class OpenVinoBackend(Backend):
             refused = dtype_refusal(dtype_from_name(item.dtype))
             if refused is not None:
                 raise LoweringError(f"{label}: input {index} is {item.dtype}, and {refused}")
-        partition = convert_partition(exported_program, label)
-        if sum(role.startswith(INPUT_ROLE) for role in partition.parameters) > len(boundary.inputs):
+        # A buffer the partition owns is the IR's trailing input and leading output.
+        program, state = state_as_arguments(exported_program)
+        partition = convert_partition(program, label, len(state))
+        if sum(role.startswith(INPUT_ROLE) for role in partition.parameters) > len(boundary.inputs) + len(state):
             raise LoweringError(f"{label}: the OpenVINO model takes more inputs than the partition's "
-                                f"{len(boundary.inputs)}")
-        named_data, weights = weights_as_named_data(partition.weights)
+                                f"{len(boundary.inputs)} and its {len(state)} buffer(s)")
+        buffers = {fqn: program_weights(exported_program)[fqn] for fqn in state}
+        named_data, weights = weights_as_named_data({**partition.weights, **buffers})
         named_data[MODEL_NAME] = partition.xml
         named_data[CONSTANTS_NAME] = partition.constants
+        first = len(boundary.inputs)
         processed = {
             "version": PROCESSED_VERSION,
-            "weights": weights,
+            "weights": {fqn: meta for fqn, meta in weights.items() if fqn not in buffers},
             "parameters": partition.parameters,
             "outputs": partition.outputs,
+            "state": state_record(
+                buffers,
+                [f"{INPUT_ROLE}{first + index}" for index in range(len(state))],
+                [f"{OUTPUT_ROLE}{index}" for index in range(len(state))],
+                partition.in_place,
+            ),
             "precision": partition.precision,
             # What the model takes; its run side checks every call against it.
             "boundary": boundary.to_json(),
         }
         return PreprocessResult(json.dumps(processed).encode(), named_data)
+
+    def updates_in_place(self, buffer: torch.Tensor, compile_specs: list[CompileSpec]) -> bool:
+        # The run side hands the buffer's memory to OpenVINO as both the IR's input and its output.
+        return True
 
     def warm_up(self) -> None:
         # Forked compile workers inherit the import and the decomposition table.

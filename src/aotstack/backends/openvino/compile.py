@@ -36,16 +36,20 @@ class OpenVinoPartition:
     outputs: list[int]
     # What the CPU plugin is asked to compute in: ``f32``, or ``bf16`` for a part all in bfloat16.
     precision: str
+    # For each buffer the part owns (its trailing inputs, its leading outputs): whether the IR writes
+    # the new value by a scatter into the old one alone, so the run side can give both one memory.
+    in_place: list[bool]
 
 
-def convert_partition(exported_program: ExportedProgram, label: str) -> OpenVinoPartition:
+def convert_partition(exported_program: ExportedProgram, label: str, state: int = 0) -> OpenVinoPartition:
     """``exported_program`` converted the way ``openvino.convert_model`` converts one, but for its weights.
 
     ``convert_model`` would make each weight a constant inside the IR, so the package would hold
     a second copy of it for every partition that reads it. Here the weights stay parameters of
     the IR (the frontend converts the program's own graph, whose placeholders they are), the
     package stores each once as named data, and the run side makes each a constant again, over
-    the package's bytes, before compiling.
+    the package's bytes, before compiling. The last ``state`` user inputs are buffers the part
+    updates, and its first ``state`` outputs their new values (``state_as_arguments``).
     """
     require_openvino("OpenVinoBackend needs openvino to convert a partition", LoweringError)
     try:
@@ -63,6 +67,10 @@ def convert_partition(exported_program: ExportedProgram, label: str) -> OpenVino
     # Names the run side finds its outputs by, whatever order compiling gives them.
     for index, result in enumerate(model.get_results()):
         result.set_friendly_name(f"{OUTPUT_ROLE}{index}")
+    inputs = sum(role.startswith(INPUT_ROLE) for role in roles.values())
+    in_place = [
+        scattered_into(model, f"{INPUT_ROLE}{inputs - state + index}", outputs[index]) for index in range(state)
+    ]
     xml, constants = serialized(model)
     weights = program_weights(decomposed)
     return OpenVinoPartition(
@@ -76,7 +84,33 @@ def convert_partition(exported_program: ExportedProgram, label: str) -> OpenVino
         parameters=taken,
         outputs=outputs,
         precision=part_precision(exported_program),
+        in_place=in_place,
     )
+
+
+# OpenVINO ops that write their data input's values to their output, and updates over them.
+SCATTERS = frozenset({"ScatterUpdate", "ScatterElementsUpdate", "ScatterNDUpdate"})
+# Ops that read an input's shape only.
+SHAPE_READERS = frozenset({"ShapeOf"})
+
+
+def scattered_into(model: Any, parameter: str, result: int) -> bool:
+    """Whether ``model``'s result ``result`` is a scatter into parameter ``parameter``, which nothing else reads.
+
+    The run side then hands OpenVINO the buffer's memory as both: the CPU plugin copies a
+    scatter's data to its output only when the two are different memory, and no other node can
+    read the old value after the scatter wrote the new one over it.
+    """
+    source = model.get_results()[result].input_value(0).get_node()
+    if source.get_type_name() not in SCATTERS:
+        return False
+    data = source.input_value(0).get_node()
+    if data.get_type_name() != "Parameter" or data.get_friendly_name() != parameter:
+        return False
+    # OpenVINO hands out a new Python object per node each time: nodes compare by their unique names.
+    readers = [target.get_node() for target in data.output(0).get_target_inputs()]
+    values = [node.get_name() for node in readers if node.get_type_name() not in SHAPE_READERS]
+    return values == [source.get_name()]
 
 
 def named_parameters(model: Any, roles: dict[str, str], label: str) -> list[str]:

@@ -38,6 +38,7 @@ from ...engine.interface import BackendRuntime
 from ...errors import DelegateInitError, PackageError
 from ...format import processed as processed_json
 from ...format.boundary import Boundary, BoundaryCheck
+from ...format.processed import OwnedBuffer
 from ...format.specs import CompileSpec, partition_label
 from ...format.tensor_data import BytesLike, dtype_from_name
 from .packages import require_openvino
@@ -46,8 +47,10 @@ from .packages import require_openvino
 # made (shapes, scalars); the weights are named data of their own, ``weight:<fqn>``.
 MODEL_NAME = "openvino.xml"
 CONSTANTS_NAME = "openvino.bin"
-# The processed JSON this run side reads.
-PROCESSED_VERSION = 1
+# The processed JSON the compile side writes; version 2 added the buffers a delegate owns (``state``), which a
+# version-1 reader would not update. The run side reads both.
+PROCESSED_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 # The torch dtypes a delegate's boundary may carry -> their OpenVINO element type.
 ELEMENT_TYPES = {
     torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16",
@@ -80,12 +83,14 @@ class OpenVinoRuntime(BackendRuntime):
 
         part = read_part(processed_bytes, named_data, label)
         compiled = compiled_model(part, label)
+        returned = part.outputs[len(part.state):]
         return OpenVinoHandle(
             compiled,
             feeds=feeds(compiled, part, label),
             outputs=output_plans(compiled, part, label),
             # None where the part returns each result once, in order.
-            returned=None if part.outputs == list(range(len(part.outputs))) else part.outputs,
+            returned=None if returned == list(range(len(part.outputs))) else returned,
+            state=[(result, buffer.tensor, buffer.in_place) for result, buffer in zip(part.outputs, part.state)],
             label=label,
             check=part.boundary.checker(label),
             keep_alive=[part.weights, part.constants],
@@ -109,6 +114,12 @@ class Part:
     outputs: list[int]
     precision: str
     boundary: Boundary
+    # The buffers the delegate owns: its trailing inputs, and the results of its leading outputs.
+    state: list[OwnedBuffer] = field(default_factory=list)
+
+    def input_dtypes(self) -> list[torch.dtype]:
+        """The dtype of each input the model takes: the delegate's, then its buffers'."""
+        return [dtype_from_name(item.dtype) for item in self.boundary.inputs] + [b.tensor.dtype for b in self.state]
 
 
 def base_infer() -> Callable[..., Any]:
@@ -120,11 +131,12 @@ def base_infer() -> Callable[..., Any]:
 
 def read_part(processed_bytes: bytes, named_data: Mapping[str, BytesLike], label: str) -> Part:
     """The delegate's processed JSON and named data, every field checked: a bad one is a ``PackageError``."""
-    processed = processed_json.read_processed(processed_bytes, label, PROCESSED_VERSION)
+    processed = processed_json.read_processed(processed_bytes, label, READABLE_VERSIONS)
     boundary = processed_json.boundary(processed, label)
     parameters = processed_json.string_list(processed, "parameters", label)
+    state = processed_json.owned_state(processed, named_data, label)
     inputs = [role.removeprefix(INPUT_ROLE) for role in parameters if role.startswith(INPUT_ROLE)]
-    known = {str(index) for index in range(len(boundary.inputs))}
+    known = {str(index) for index in range(len(boundary.inputs) + len(state))}
     if len(set(inputs)) != len(inputs) or not set(inputs) <= known:
         raise PackageError(f"{label}: its parameters {parameters} are not among its {len(boundary.inputs)} input(s)")
     weights = processed_json.weights(processed, named_data, label)
@@ -144,7 +156,17 @@ def read_part(processed_bytes: bytes, named_data: Mapping[str, BytesLike], label
         outputs=result_indices(processed, label),
         precision=precision,
         boundary=boundary,
+        state=checked_state(state, len(boundary.inputs), label),
     )
+
+
+def checked_state(state: list[OwnedBuffer], inputs: int, label: str) -> list[OwnedBuffer]:
+    """``state`` if buffer ``k`` is input ``inputs + k`` and output ``k`` of the part, as the compile side makes it."""
+    for index, buffer in enumerate(state):
+        if (buffer.input, buffer.output) != (f"{INPUT_ROLE}{inputs + index}", f"{OUTPUT_ROLE}{index}"):
+            raise PackageError(f"{label}: state {buffer.fqn!r} is not the part's input {inputs + index} and output "
+                               f"{index}")
+    return state
 
 
 def result_indices(processed: Mapping[str, Any], label: str) -> list[int]:
@@ -268,7 +290,7 @@ def feeds(compiled: Any, part: Part, label: str) -> list[Feed]:
         if not role.startswith(INPUT_ROLE):
             raise PackageError(f"{label}: the compiled model has an input {role!r} that is not one of the part's")
         index = int(role.removeprefix(INPUT_ROLE))
-        dtype = dtype_from_name(part.boundary.inputs[index].dtype)
+        dtype = part.input_dtypes()[index]
         shape = static_shape(port.get_partial_shape())
         feeds.append(Feed(index, dtype, port.get_element_type(), shape, copied(shape, dtype)))
     expected = sorted(int(role.removeprefix(INPUT_ROLE)) for role in part.parameters if role.startswith(INPUT_ROLE))
@@ -352,6 +374,8 @@ class OpenVinoHandle:
     feeds: list[Feed]
     outputs: list[OutputPlan]
     returned: list[int] | None
+    # Per buffer the delegate owns: its result, its shared memory, and whether the request writes it there.
+    state: list[tuple[int, torch.Tensor, bool]]
     label: str
     check: BoundaryCheck | None
     # The package's views that the model's constants point into: they must outlive it.
@@ -373,7 +397,12 @@ class OpenVinoHandle:
             (port, feed.index, feed.copied, numpy_view_of(feed.dtype), tensor_wrapper(feed.dtype, openvino))
             for port, feed in enumerate(self.feeds)
         ]
-        crossing = [(i, plan) for i, plan in enumerate(self.outputs) if plan.source is None]
+        # A buffer's result written in place is the request's for good (``new_request``); one that is not
+        # crosses like any output, then is copied into the buffer.
+        self.written_state = written = {result for result, _, in_place in self.state if in_place}
+        self.state_inputs = [tensor for _, tensor, _ in self.state]
+        self.copied_state = [(result, tensor) for result, tensor, in_place in self.state if not in_place]
+        crossing = [(i, plan) for i, plan in enumerate(self.outputs) if plan.source is None and i not in written]
         self.written_outputs = [
             (i, plan.port, plan.shape, plan.dtype, tensor_wrapper(plan.dtype, openvino))
             for i, plan in crossing if plan.shape is not None and not plan.copied
@@ -394,8 +423,11 @@ class OpenVinoHandle:
                 request.set_input_tensor(port, tensor)
                 inputs[port] = host_array(tensor, feed.dtype)
         outputs: list[Any] = [None] * len(self.outputs)
+        for result, tensor, in_place in self.state:
+            if in_place:
+                request.set_output_tensor(self.outputs[result].port, ov_tensor(tensor))
         for index, plan in enumerate(self.outputs):
-            if plan.copied and plan.source is None:
+            if plan.copied and plan.source is None and index not in self.written_state:
                 tensor = openvino.Tensor(plan.element_type, list(plan.shape))
                 request.set_output_tensor(plan.port, tensor)
                 outputs[index] = host_array(tensor, plan.dtype)
@@ -411,6 +443,8 @@ def run(handle: OpenVinoHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor
     """One call: inputs checked, then handed over; outputs in new torch tensors."""
     if handle.check is not None:
         handle.check(inputs)
+    if handle.state:
+        inputs = [*inputs, *handle.state_inputs]
     try:
         slot = handle.idle.pop()
     except IndexError:
@@ -450,6 +484,8 @@ def run(handle: OpenVinoHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor
             results[index] = taken_output(request, plan)
         for index, source in handle.passed_outputs:
             results[index] = inputs[source].detach().resolve_neg().resolve_conj().clone()
+        for index, tensor in handle.copied_state:
+            tensor.copy_(results[index])
         return results if handle.returned is None else [results[index] for index in handle.returned]
     except BaseException:
         # Whatever the request holds now is unknown: the next call sets every input again.

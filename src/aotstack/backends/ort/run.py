@@ -31,9 +31,10 @@ DEFAULT_PROVIDERS = ("CPUExecutionProvider",)
 HOST_PROVIDERS = frozenset(DEFAULT_PROVIDERS)
 # The named data holding a partition's ONNX model.
 MODEL_NAME = "model.onnx"
-# The processed JSON this run side reads; version 2 added the boundary, 3 the buffers a delegate owns
-# (``state``), which a version-2 reader would not update. Older files are refused by name.
+# The processed JSON the compile side writes; version 2 added the boundary, 3 the buffers a delegate owns
+# (``state``), which a version-2 reader would not update. The run side reads both; older files are refused by name.
 PROCESSED_VERSION = 3
+READABLE_VERSIONS = (2, 3)
 
 
 class OrtRuntime(BackendRuntime):
@@ -45,7 +46,7 @@ class OrtRuntime(BackendRuntime):
         self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
     ) -> OrtHandle:
         label = partition_label(self.backend_id, compile_specs)
-        processed = processed_json.read_processed(processed_bytes, label, PROCESSED_VERSION)
+        processed = processed_json.read_processed(processed_bytes, label, READABLE_VERSIONS)
         boundary = processed_json.boundary(processed, label)
         input_names = processed_json.string_list(processed, "inputs", label)
         output_names = processed_json.string_list(processed, "outputs", label)
