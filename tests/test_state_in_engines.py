@@ -1,0 +1,126 @@
+"""State lives with the engine that updates it: ONNX Runtime and OpenVINO update a KV cache in place.
+
+A delegate that owns a buffer takes it as its engine's input and writes its new value as an
+output over the same memory, so a decode step copies no cache across a delegate boundary: the
+method's plan neither feeds the cache in nor copies it back. Where the engine's update is not a
+scatter into the old value alone, the run side copies the new value back instead; both ways give
+eager's numbers.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import aotstack
+from aotstack.engine.registry import BUILT_IN
+from aotstack.format.archive import read_manifest
+from tests.conftest import run_child
+from tests.test_language_models import CACHE, GENERATE_FROM_FILE, PROMPT, STEPS, small_llama, token_by_token
+
+ENGINES = {
+    "onnxruntime": lambda: aotstack.OrtPartitioner(),
+    "openvino": lambda: aotstack.OpenVinoPartitioner(),
+}
+CACHES = {f"{kind}_cache_{layer}" for kind in ("key", "value") for layer in range(2)}
+
+
+def installed(engine: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(not BUILT_IN[engine].installed(), reason=f"{engine} is not installed")
+
+
+def state_records(delegate: aotstack.Delegate) -> dict[str, dict]:
+    return json.loads(delegate.processed_bytes).get("state", {})
+
+
+@pytest.fixture(scope="module", params=list(ENGINES), ids=list(ENGINES))
+def decoder_file(request, tmp_path_factory):
+    """transformers' static-cache decoder lowered with one engine first, then AOTInductor; saved."""
+    engine = request.param
+    if not BUILT_IN[engine].installed():
+        pytest.skip(f"{engine} is not installed")
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    model = small_llama()
+    exported = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE).export(
+        input_ids=torch.tensor([[1]]), cache_position=torch.tensor([0])
+    )
+    lowered = aotstack.lower(
+        aotstack.Program({"forward": exported}), [ENGINES[engine](), aotstack.AotiCpuPartitioner()]
+    )
+    path = tmp_path_factory.mktemp("state") / f"{engine}.pt2"
+    lowered.save(path)
+    eager = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE).model
+    expected = token_by_token(lambda ids, pos: eager(input_ids=ids, cache_position=pos), PROMPT, STEPS)
+    return engine, lowered, path, expected
+
+
+def test_the_engine_owns_the_kv_cache_and_updates_it_in_place(decoder_file):
+    engine, lowered, path, _ = decoder_file
+    [owner] = [d for d in lowered.delegates("forward") if CACHES <= set(d.updated_buffers)]
+    assert owner.backend_id == engine
+    records = state_records(owner)
+    assert {fqn for fqn, record in records.items() if record["in_place"]} >= CACHES
+
+    # Nothing outside the delegate reads or writes the cache: no copy back, no cache among its inputs.
+    method = read_manifest(path).methods["forward"]
+    assert not CACHES & {fqn for fqn, _ in method.plan.mutations}
+    assert all(list(spec.shape) != [1, 2, CACHE, 8] for spec in owner.inputs)
+
+
+def test_a_decode_with_the_cache_in_the_engine_generates_eager_tokens_again_after_reset(decoder_file):
+    _, _, path, expected = decoder_file
+    tokens = run_child(GENERATE_FROM_FILE, str(path))
+    assert tokens["first"] == expected
+    assert tokens["again"] == expected, "reset() puts the cache back in the memory the engine writes"
+
+
+def test_the_cache_memory_the_engine_writes_is_the_programs_one_state(decoder_file):
+    _, _, path, _ = decoder_file
+    loaded = aotstack.load(path)
+    state = {fqn: loaded._state.mutable[fqn][0] for fqn in CACHES}
+    addresses = {fqn: torch.frombuffer(memory, dtype=torch.uint8).data_ptr() for fqn, memory in state.items()}
+    loaded.forward(torch.tensor([[3]]), torch.tensor([0]))
+    written = {fqn: torch.frombuffer(memory, dtype=torch.float32).abs().sum().item() for fqn, memory in state.items()}
+    assert all(total > 0 for total in written.values()), "the engine wrote the first position into the state"
+    loaded.reset()
+    assert all(not any(memory) for memory in state.values())
+    assert addresses == {fqn: torch.frombuffer(m, dtype=torch.uint8).data_ptr() for fqn, m in state.items()}
+
+
+class RunningMean(torch.nn.Module):
+    """A buffer updated by arithmetic on its old value, not by a scatter: the engine cannot write it in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(4, 8))
+        self.register_buffer("calls", torch.zeros(4, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1.0)
+        self.mean.mul_(0.5).add_(x * 0.5)
+        return self.mean * 2 + self.calls.sum()
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_buffer_not_updated_by_a_scatter_is_copied_back_and_stays_right(engine, tmp_path):
+    if not BUILT_IN[engine].installed():
+        pytest.skip(f"{engine} is not installed")
+    torch.manual_seed(0)
+    inputs = [torch.randn(4, 8) for _ in range(3)]
+    program = aotstack.export(RunningMean(), {"forward": (inputs[0],)})
+    lowered = aotstack.lower(program, [ENGINES[engine](), aotstack.AotiCpuPartitioner()])
+    [delegate] = lowered.delegates("forward")
+    assert delegate.backend_id == engine and set(delegate.updated_buffers) == {"mean", "calls"}
+    assert not any(record["in_place"] for record in state_records(delegate).values())
+    path = tmp_path / "mean.pt2"
+    lowered.save(path)
+
+    loaded, eager = aotstack.load(path), RunningMean()
+    for x in [*inputs, *inputs]:
+        torch.testing.assert_close(loaded.forward(x), eager(x))
+    loaded.reset()
+    eager = RunningMean()
+    torch.testing.assert_close(loaded.forward(inputs[1]), eager(inputs[1]))
