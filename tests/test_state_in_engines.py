@@ -124,3 +124,11 @@ def test_a_buffer_not_updated_by_a_scatter_is_copied_back_and_stays_right(engine
     loaded.reset()
     eager = RunningMean()
     torch.testing.assert_close(loaded.forward(inputs[1]), eager(inputs[1]))
+
+
+def test_the_report_says_which_delegate_keeps_each_buffer(decoder_file):
+    engine, _, path, _ = decoder_file
+    report = aotstack.file_report(path)
+    [owner] = [d for d in report.to_json()["methods"][0]["delegates"] if d["state"]]
+    assert owner["engine"] == engine and CACHES <= set(owner["state"])
+    assert "state (in place, cpu): " in report.text(width=200)

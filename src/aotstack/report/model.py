@@ -137,6 +137,7 @@ def delegate_summary(
         compile_seconds=placed.compile_seconds if placed is not None else None,
         run_seconds=placed.run_seconds if placed is not None else None,
         quantized=dict(record.quantized),
+        state=list(record.updates),
     )
 
 
@@ -263,4 +264,5 @@ def delegate_to_json(delegate: DelegateSummary) -> dict[str, Any]:
         "compile_seconds": delegate.compile_seconds,
         "run_seconds": delegate.run_seconds,
         "quantized": dict(delegate.quantized),
+        "state": list(delegate.state),
     }

@@ -69,6 +69,11 @@ DELEGATE = strict(
             "additionalProperties": COUNT,
             "description": "its quantized layers by kind and scheme, e.g. 'linear 8da4w, group 32' -> 28",
         },
+        "state": {
+            "type": "array",
+            "items": {"type": "string"},
+            "description": "the buffers it owns (a KV cache), kept with it on its device and updated in place",
+        },
     }
 )
 

@@ -27,9 +27,10 @@ from torch.export import ExportedProgram
 
 from ...compile.program_parts import partition_boundary, program_weights, state_as_arguments
 from ...engine.interface import Backend
-from ...errors import CompileSpecError, LoweringError
+from ...engine.session import check_host_target
+from ...errors import LoweringError
 from ...format.processed import state_record
-from ...format.specs import CompileSpec, PreprocessResult, SpecKey, compile_spec_value, partition_label
+from ...format.specs import CompileSpec, PreprocessResult, partition_label
 from ...format.tensor_data import dtype_from_name, weights_as_named_data
 from .compile import convert_partition
 from .frontend import decompositions, dtype_refusal
@@ -53,7 +54,7 @@ class OpenVinoBackend(Backend):
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
     ) -> PreprocessResult:
         label = partition_label(self.backend_id, compile_specs)
-        check_target_device(compile_specs)
+        check_host_target(compile_specs, "OpenVinoBackend")
         # OpenVINO is handed numpy views of host memory.
         boundary = partition_boundary(exported_program, label, "cpu")
         for index, item in enumerate(boundary.inputs):
@@ -97,10 +98,3 @@ class OpenVinoBackend(Backend):
         import openvino.frontend.pytorch.fx_decoder  # noqa: F401
 
         decompositions()
-
-
-def check_target_device(compile_specs: list[CompileSpec]) -> None:
-    """OpenVINO runs here on the CPU only; another target device is a bad spec."""
-    device = compile_spec_value(compile_specs, SpecKey.TARGET_DEVICE)
-    if device is not None and device.decode().split(":")[0] != "cpu":
-        raise CompileSpecError(f"compile spec 'target_device': OpenVinoBackend runs on the CPU, got {device!r}")

@@ -95,22 +95,24 @@ SHAPE_READERS = frozenset({"ShapeOf"})
 
 
 def scattered_into(model: Any, parameter: str, result: int) -> bool:
-    """Whether ``model``'s result ``result`` is a scatter into parameter ``parameter``, which nothing else reads.
+    """Whether ``model``'s result ``result`` may be written over parameter ``parameter``'s memory.
 
-    The run side then hands OpenVINO the buffer's memory as both: the CPU plugin copies a
-    scatter's data to its output only when the two are different memory, and no other node can
-    read the old value after the scatter wrote the new one over it.
+    Where it is a scatter into the parameter, which nothing else reads, or where nothing reads the
+    parameter's values at all. The run side then hands OpenVINO the buffer's memory as both: the
+    CPU plugin copies a scatter's data to its output only when the two are different memory, and
+    no other node can read the old value after the new one was written over it.
     """
     source = model.get_results()[result].input_value(0).get_node()
-    if source.get_type_name() not in SCATTERS:
-        return False
-    data = source.input_value(0).get_node()
-    if data.get_type_name() != "Parameter" or data.get_friendly_name() != parameter:
+    found = [node for node in model.get_parameters() if node.get_friendly_name() == parameter]
+    if len(found) != 1:
         return False
     # OpenVINO hands out a new Python object per node each time: nodes compare by their unique names.
-    readers = [target.get_node() for target in data.output(0).get_target_inputs()]
+    readers = [target.get_node() for target in found[0].output(0).get_target_inputs()]
     values = [node.get_name() for node in readers if node.get_type_name() not in SHAPE_READERS]
-    return values == [source.get_name()]
+    if not values:
+        return source.get_type_name() != "Parameter"
+    scatter = source.get_type_name() in SCATTERS and source.input_value(0).get_node().get_name() == found[0].get_name()
+    return scatter and values == [source.get_name()]
 
 
 def named_parameters(model: Any, roles: dict[str, str], label: str) -> list[str]:

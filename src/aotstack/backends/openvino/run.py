@@ -34,12 +34,11 @@ from typing import Any
 
 import torch
 
-from ...engine.interface import BackendRuntime
+from ...engine.session import DelegateFiles, SessionRuntime
 from ...errors import DelegateInitError, PackageError
 from ...format import processed as processed_json
 from ...format.boundary import Boundary, BoundaryCheck
 from ...format.processed import OwnedBuffer
-from ...format.specs import CompileSpec, partition_label
 from ...format.tensor_data import BytesLike, dtype_from_name
 from .packages import require_openvino
 
@@ -69,19 +68,19 @@ INPUT_ROLE, WEIGHT_ROLE = "input:", "weight:"
 OUTPUT_ROLE = "output:"
 
 
-class OpenVinoRuntime(BackendRuntime):
+class OpenVinoRuntime(SessionRuntime):
     """OpenVINO's run side: one compiled model per delegate, run by a small pool of infer requests."""
 
     backend_id = "openvino"
+    readable_versions = READABLE_VERSIONS
+    required_named_data = (MODEL_NAME, CONSTANTS_NAME)
 
-    def init(
-        self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
-    ) -> OpenVinoHandle:
-        label = partition_label(self.backend_id, compile_specs)
+    def open(self, delegate: DelegateFiles) -> OpenVinoHandle:
+        label = delegate.label
         require_openvino(f"{label} needs openvino to run", DelegateInitError)
         import numpy
 
-        part = read_part(processed_bytes, named_data, label)
+        part = read_part(delegate)
         compiled = compiled_model(part, label)
         returned = part.outputs[len(part.state):]
         return OpenVinoHandle(
@@ -129,12 +128,11 @@ def base_infer() -> Callable[..., Any]:
     return next(vars(cls)["infer"] for cls in openvino.InferRequest.__mro__[1:] if "infer" in vars(cls))
 
 
-def read_part(processed_bytes: bytes, named_data: Mapping[str, BytesLike], label: str) -> Part:
+def read_part(delegate: DelegateFiles) -> Part:
     """The delegate's processed JSON and named data, every field checked: a bad one is a ``PackageError``."""
-    processed = processed_json.read_processed(processed_bytes, label, READABLE_VERSIONS)
-    boundary = processed_json.boundary(processed, label)
+    label, processed, boundary, named_data = delegate.label, delegate.processed, delegate.boundary, delegate.named_data
     parameters = processed_json.string_list(processed, "parameters", label)
-    state = processed_json.owned_state(processed, named_data, label)
+    state = delegate.state
     inputs = [role.removeprefix(INPUT_ROLE) for role in parameters if role.startswith(INPUT_ROLE)]
     known = {str(index) for index in range(len(boundary.inputs) + len(state))}
     if len(set(inputs)) != len(inputs) or not set(inputs) <= known:
@@ -145,9 +143,6 @@ def read_part(processed_bytes: bytes, named_data: Mapping[str, BytesLike], label
     precision = processed_json.field(processed, "precision", str, label)
     if precision not in PRECISIONS:
         raise PackageError(f"{label}: precision {precision!r} is not one of {', '.join(PRECISIONS)}")
-    missing = [name for name in (MODEL_NAME, CONSTANTS_NAME) if name not in named_data]
-    if missing:
-        raise PackageError(f"{label}: the package holds no named data {', '.join(map(repr, missing))}")
     return Part(
         xml=bytes(named_data[MODEL_NAME]),
         constants=named_data[CONSTANTS_NAME],

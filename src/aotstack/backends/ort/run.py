@@ -17,13 +17,12 @@ from typing import Any
 
 import torch
 
-from ...engine.interface import BackendRuntime
+from ...engine.session import DelegateFiles, SessionRuntime
 from ...errors import DelegateInitError, InputError, LoweringError, PackageError
 from ...format import processed as processed_json
 from ...format.boundary import BoundaryCheck
 from ...format.processed import OwnedBuffer
-from ...format.specs import CompileSpec, SpecKey, compile_spec_value, partition_label
-from ...format.tensor_data import BytesLike
+from ...format.specs import CompileSpec, SpecKey, compile_spec_value
 from .packages import require_packages
 
 DEFAULT_PROVIDERS = ("CPUExecutionProvider",)
@@ -37,29 +36,25 @@ PROCESSED_VERSION = 3
 READABLE_VERSIONS = (2, 3)
 
 
-class OrtRuntime(BackendRuntime):
+class OrtRuntime(SessionRuntime):
     """ONNX Runtime's run side: one ``InferenceSession`` per delegate."""
 
     backend_id = "onnxruntime"
+    readable_versions = READABLE_VERSIONS
+    required_named_data = (MODEL_NAME,)
 
-    def init(
-        self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
-    ) -> OrtHandle:
-        label = partition_label(self.backend_id, compile_specs)
-        processed = processed_json.read_processed(processed_bytes, label, READABLE_VERSIONS)
-        boundary = processed_json.boundary(processed, label)
+    def open(self, delegate: DelegateFiles) -> OrtHandle:
+        label, processed, boundary = delegate.label, delegate.processed, delegate.boundary
         input_names = processed_json.string_list(processed, "inputs", label)
         output_names = processed_json.string_list(processed, "outputs", label)
         if len(input_names) != len(boundary.inputs):
             raise PackageError(
                 f"{label}: processed data names {len(input_names)} inputs, its boundary {len(boundary.inputs)}"
             )
-        weights = processed_json.weights(processed, named_data, label)
-        if MODEL_NAME not in named_data:
-            raise PackageError(f"{label}: the package holds no named data {MODEL_NAME!r}")
+        weights = processed_json.weights(processed, delegate.named_data, label)
         return open_session(
-            bytes(named_data[MODEL_NAME]), weights, providers(compile_specs), input_names, output_names, label,
-            check=boundary.checker(label), state=processed_json.owned_state(processed, named_data, label),
+            bytes(delegate.blob(MODEL_NAME)), weights, providers(delegate.compile_specs), input_names, output_names,
+            label, check=boundary.checker(label), state=delegate.state,
         )
 
     def execute(self, handle: OrtHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -10,8 +10,9 @@ memory but reads and writes every element each call; ``index_copy_onnx`` scatter
 dimension instead.
 
 ``updated_in_place`` checks the exported model: for each owned buffer, that its output is a
-scatter of its input and that nothing else reads the input. Where that does not hold, the run
-side gives the output memory of its own and copies it into the buffer, which is still right.
+scatter of its input and that nothing else reads the input, or that nothing reads the input's
+values at all (a buffer overwritten, such as a counter set from an input). Where neither holds,
+the run side gives the output memory of its own and copies it into the buffer, still right.
 """
 
 from __future__ import annotations
@@ -44,10 +45,11 @@ def index_copy_onnx(self, dim: int, index, source):  # noqa: ANN001, ANN201
 
 
 def updated_in_place(model: Any, state: list[tuple[str, str]]) -> list[bool]:
-    """For each (input, output) of ``state``, whether ``model`` writes the output by a scatter into that input alone.
+    """For each (input, output) of ``state``, whether ``model`` may write the output over that input's memory.
 
-    ``model`` is an ``onnx.ModelProto``. The scatter must read the input as its data, and no other
-    node may read the input's values: ONNX Runtime may run them after the scatter wrote into it.
+    ``model`` is an ``onnx.ModelProto``. Either nothing reads the input's values, or a scatter
+    reads it as its data and makes the output, and nothing else reads it: ONNX Runtime may run
+    another reader after the scatter wrote into it.
     """
     producers = {output: node for node in model.graph.node for output in node.output}
     readers: dict[str, list[Any]] = {}
@@ -59,11 +61,11 @@ def updated_in_place(model: Any, state: list[tuple[str, str]]) -> list[bool]:
     for input_name, output_name in state:
         producer = producers.get(output_name)
         value_readers = [node for node in readers.get(input_name, []) if node.op_type not in SHAPE_READERS]
-        in_place.append(
+        scattered = (
             producer is not None
             and producer.op_type in SCATTERS
             and producer.input[0] == input_name
             and value_readers == [producer]
-            and input_name not in outputs
         )
+        in_place.append((scattered or not value_readers) and input_name not in outputs)
     return in_place

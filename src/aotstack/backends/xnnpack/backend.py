@@ -15,8 +15,8 @@ from torch.export import ExportedProgram
 
 from ...compile.program_parts import partition_boundary
 from ...engine.interface import Backend
-from ...errors import CompileSpecError
-from ...format.specs import CompileSpec, PreprocessResult, SpecKey, compile_spec_value, partition_label
+from ...engine.session import check_host_target
+from ...format.specs import CompileSpec, PreprocessResult, partition_label
 from .compile import lower_partition
 from .run import FRAME_NAME, PROCESSED_VERSION, PROGRAM_NAME
 
@@ -31,7 +31,7 @@ class XnnpackBackend(Backend):
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
     ) -> PreprocessResult:
         label = partition_label(self.backend_id, compile_specs)
-        check_target_device(compile_specs)
+        check_host_target(compile_specs, "XnnpackBackend")
         # ExecuTorch reads host memory.
         boundary = partition_boundary(exported_program, label, "cpu")
         partition = lower_partition(exported_program, label)
@@ -59,10 +59,3 @@ class XnnpackBackend(Backend):
         # Forked compile workers inherit ExecuTorch's compiler, about 2 s to import.
         import executorch.backends.xnnpack.partition.xnnpack_partitioner  # noqa: F401
         import executorch.exir  # noqa: F401
-
-
-def check_target_device(compile_specs: list[CompileSpec]) -> None:
-    """XNNPACK runs here on the CPU only; another target device is a bad spec."""
-    device = compile_spec_value(compile_specs, SpecKey.TARGET_DEVICE)
-    if device is not None and device.decode().split(":")[0] != "cpu":
-        raise CompileSpecError(f"compile spec 'target_device': XnnpackBackend runs on the CPU, got {device!r}")

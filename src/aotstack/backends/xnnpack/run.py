@@ -25,11 +25,10 @@ from typing import Any
 
 import torch
 
-from ...engine.interface import BackendRuntime
+from ...engine.session import DelegateFiles, SessionRuntime
 from ...errors import AotstackError, DelegateInitError, PackageError, RunError
 from ...format import processed as processed_json
 from ...format.boundary import BoundaryCheck
-from ...format.specs import CompileSpec, partition_label
 from ...format.tensor_data import BytesLike
 from .packages import require_executorch
 
@@ -63,28 +62,26 @@ class Segment:
         return [self.name, self.offset, self.size]
 
 
-class XnnpackRuntime(BackendRuntime):
+class XnnpackRuntime(SessionRuntime):
     """XNNPACK's run side: one ExecuTorch module per delegate."""
 
     backend_id = "xnnpack"
+    readable_versions = (PROCESSED_VERSION,)
+    required_named_data = (PROGRAM_NAME,)
 
-    def init(
-        self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
-    ) -> XnnpackHandle:
-        label = partition_label(self.backend_id, compile_specs)
-        processed = processed_json.read_processed(processed_bytes, label, PROCESSED_VERSION)
-        boundary = processed_json.boundary(processed, label)
+    def open(self, delegate: DelegateFiles) -> XnnpackHandle:
+        label, processed, named_data = delegate.label, delegate.processed, delegate.named_data
         outputs = processed_json.field(processed, "outputs", int, label)
         data_size = processed_json.field(processed, "data_size", int, label)
         segments = read_segments(processed, label)
-        needed = [PROGRAM_NAME, *([FRAME_NAME] if data_size else []), *(segment.name for segment in segments)]
+        needed = [*([FRAME_NAME] if data_size else []), *(segment.name for segment in segments)]
         missing = [name for name in needed if name not in named_data]
         if missing:
             raise PackageError(f"{label}: the package holds no named data {', '.join(map(repr, missing))}")
         data_map = assembled_data_map(named_data.get(FRAME_NAME, b""), segments, named_data, data_size, label)
         program = bytes(named_data[PROGRAM_NAME])
         module = loaded_module(program, data_map, label)
-        return XnnpackHandle(module, [program, data_map], outputs, label, boundary.checker(label))
+        return XnnpackHandle(module, [program, data_map], outputs, label, delegate.boundary.checker(label))
 
     def execute(self, handle: XnnpackHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         return run(handle, inputs)

@@ -1,0 +1,92 @@
+"""The run side shared by engines that open one session per delegate, on the host: ONNX Runtime, OpenVINO, XNNPACK.
+
+Each reads the same things before it opens its session: its processed JSON (refused unless a
+version it reads), the boundary every call is checked against, the named data it cannot start
+without, and the buffers the delegate owns (state it updates in place, ``OwnedBuffer``). ``init``
+reads and checks them once, here, and hands them to the engine's ``open`` as one
+``DelegateFiles``; the engine only opens its session. Their compile sides share
+``check_host_target``: these engines run on the CPU only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..errors import CompileSpecError, PackageError
+from ..format import processed as processed_json
+from ..format.boundary import Boundary
+from ..format.processed import OwnedBuffer
+from ..format.specs import CompileSpec, SpecKey, compile_spec_value, partition_label
+from ..format.tensor_data import BytesLike
+from .interface import BackendRuntime
+
+
+@dataclass(frozen=True)
+class DelegateFiles:
+    """What the package holds for one delegate, read and checked: what a session engine opens its session from."""
+
+    label: str
+    processed: dict[str, Any]
+    boundary: Boundary
+    named_data: Mapping[str, BytesLike]
+    compile_specs: list[CompileSpec]
+    # The buffers the delegate updates, each over the program's one writable state.
+    state: list[OwnedBuffer]
+
+    def blob(self, name: str) -> BytesLike:
+        """Named data ``name``, which the package must hold."""
+        if name not in self.named_data:
+            raise PackageError(f"{self.label}: the package holds no named data {name!r}")
+        return self.named_data[name]
+
+
+class SessionRuntime(BackendRuntime):
+    """A run side that opens one engine session per delegate from its checked files.
+
+    A subclass names the processed versions it reads and the named data every delegate of it
+    holds, and implements ``open``; ``execute`` stays its own.
+    """
+
+    readable_versions: ClassVar[tuple[int, ...]]
+    required_named_data: ClassVar[tuple[str, ...]] = ()
+
+    def init(
+        self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
+    ) -> Any:
+        return self.open(self.delegate_files(processed_bytes, named_data, compile_specs))
+
+    def delegate_files(
+        self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
+    ) -> DelegateFiles:
+        label = partition_label(self.backend_id, compile_specs)
+        processed = processed_json.read_processed(processed_bytes, label, self.readable_versions)
+        missing = [name for name in self.required_named_data if name not in named_data]
+        if missing:
+            raise PackageError(f"{label}: the package holds no named data {', '.join(map(repr, missing))}")
+        return DelegateFiles(
+            label=label,
+            processed=processed,
+            boundary=processed_json.boundary(processed, label),
+            named_data=named_data,
+            compile_specs=compile_specs,
+            state=processed_json.owned_state(processed, named_data, label),
+        )
+
+    def open(self, delegate: DelegateFiles) -> Any:
+        """The handle ``execute`` runs: the engine's session over ``delegate``'s files."""
+        raise NotImplementedError
+
+    def released_named_data(self, handle: Any, named_data: Collection[str], called: bool) -> Collection[str]:
+        # Opening a session copies the model it reads and packs the weights its kernels repack into
+        # the engine's own memory; a weight still read in place (a gather's table) is read back from
+        # the file at the first call, and stays.
+        return () if called else named_data
+
+
+def check_host_target(compile_specs: list[CompileSpec], engine: str) -> None:
+    """A host session engine runs on the CPU only: another ``target_device`` is a bad spec."""
+    device = compile_spec_value(compile_specs, SpecKey.TARGET_DEVICE)
+    if device is not None and device.decode().split(":")[0] != "cpu":
+        raise CompileSpecError(f"compile spec 'target_device': {engine} runs on the CPU, got {device!r}")
