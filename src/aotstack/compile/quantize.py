@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ..errors import QuantizationError
+from .int8_tensor import int8_linear
 
 LINEAR_SCHEMES: dict[str, tuple[int, bool]] = {
     # scheme: (weight bits, activations quantized at run time)
@@ -166,7 +167,9 @@ def quantized_layers(nodes: Iterable[torch.fx.Node]) -> dict[str, int]:
 
     Read from the graph torchao's configs leave: a linear or embedding whose weight is a
     ``dequantize_affine`` of integer weights, and, for ``8da…``, a linear whose input is a
-    quantize-dequantize round of the activations. Any engine's partition can be described so.
+    quantize-dequantize round of the activations; or an ``Int8Tensor`` linear
+    (``Int8WeightOnlyConfig``, ``Int8DynamicActivationInt8WeightConfig``; see ``int8_tensor.py``),
+    counted at its result. Any engine's partition can be described so.
     """
     counts: dict[str, int] = {}
     for node in nodes:
@@ -177,6 +180,9 @@ def quantized_layers(nodes: Iterable[torch.fx.Node]) -> dict[str, int]:
 
 
 def quantized_layer_label(node: torch.fx.Node) -> str | None:
+    int8_layer = int8_linear(node)
+    if int8_layer is not None:
+        return int8_layer.label
     if node.op != "call_function" or node.target not in QUANTIZABLE_OPS:
         return None
     linear = node.target is torch.ops.aten.linear.default

@@ -45,14 +45,29 @@ _RULE_FAILED = re.compile(r"Conversion is failed for: ([^\n]*)")
 
 @functools.cache
 def decompositions() -> Any:
-    """OpenVINO's decomposition table for ExportedPrograms: core ATen, less the ops its frontend converts whole."""
+    """OpenVINO's decomposition table for ExportedPrograms: core ATen, less the ops its frontend converts whole.
+
+    With one of aotstack's own: ``_int_mm`` (torchao's ``Int8DynamicActivationInt8WeightConfig``
+    computes its linears with it), which the frontend has no rule for.
+    """
     from openvino.frontend.pytorch.torchdynamo.export_decompositions import ops_to_not_decompose
     from torch.export.decomp_utils import CustomDecompTable
 
     table = CustomDecompTable()
     for op in ops_to_not_decompose():
         table.pop(op, None)
+    table[torch.ops.aten._int_mm.default] = int_mm_in_float
     return table
+
+
+def int_mm_in_float(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``_int_mm`` as a float matmul of int8 operands: exact while a sum stays within float32's 24-bit integers.
+
+    A sum of ``K`` products of int8 values is at most ``128 * 128 * K``, so up to ``K = 1024``
+    always; beyond, a partial sum over 2**24 may round by one part in 2**24. OpenVINO reads a
+    constant int8 operand as compressed weights, converted in its matmul kernel.
+    """
+    return torch.mm(a.to(torch.float32), b.to(torch.float32)).to(torch.int32)
 
 
 @functools.cache

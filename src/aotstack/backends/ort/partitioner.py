@@ -137,7 +137,7 @@ class OrtPartitioner(SupportedOpsPartitioner):
         layer = analysis.layer_of().get(node)
         if layer is None:
             return NOT_QUANTIZED
-        return self.op_refusal(layer.node.target)
+        return self.op_refusal(layer.op)
 
     def op_refusal_for(self, op: torch._ops.OpOverload, arguments: tuple[Any, ...] | None) -> Reason | None:
         untranslatable = UNTRACEABLE if arguments is None else exporter_refusal(op, arguments)

@@ -6,9 +6,15 @@ patterns in an exported program, once ``aotstack.export`` has unwrapped its weig
 - a weight: ``torchao.dequantize_affine(int8 weights, [1, group], scales, zero points, int8, qmin, qmax)``
   feeding the weight of ``aten.linear`` or ``aten.embedding``; ``[-8, 7]`` is int4, ``[-128, 127]`` int8;
 - ``8da``: the linear's input is a per-token int8 round trip of the activations,
-  ``choose_qparams_affine`` → ``quantize_affine`` → ``dequantize_affine``.
+  ``choose_qparams_affine`` → ``quantize_affine`` → ``dequantize_affine``;
+
+and torchao's ``Int8Tensor`` linears (``Int8WeightOnlyConfig``,
+``Int8DynamicActivationInt8WeightConfig``) leave theirs in ATen ops (``mm`` over a cast of int8
+weights, ``_int_mm``; see ``compile/int8_tensor.py``), taken or refused whole like the others.
 
 Each such layer maps to one ONNX Runtime contrib op that reads packed weights (see ``Kernel``).
+Any other cast of integer weights to float is refused: ONNX Runtime would compute that layer with
+float weights, unpacked.
 Both the partitioner (which nodes to claim, and why not) and the compile side (what to translate)
 read this one analysis, so they cannot disagree.
 """
@@ -21,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.fx import Graph, Node
+
+from ...compile.int8_tensor import Int8Linear, int8_linears, integer_weights_cast
 
 # ONNX Runtime's block sizes (MatMulNBits, GatherBlockQuantized) are powers of two of at least 16.
 MIN_BLOCK = 16
@@ -51,11 +59,16 @@ class Kernel:
     bits: int
     block_size: int = 0
     accuracy_level: int = FLOAT_ACTIVATIONS
+    # ``MatMulInteger``: torchao's symmetric per-token rounding (scale max|x| / 127.5, no zero point), not asymmetric.
+    symmetric: bool = False
 
 
 @dataclass(frozen=True)
 class QuantizedWeight:
-    """A ``dequantize_affine`` of stored integer weights: ``(stored - zero_points) * scales`` per group."""
+    """A ``dequantize_affine`` of stored integer weights: ``(stored - zero_points) * scales`` per group.
+
+    For an ``Int8Tensor`` linear, ``dequantize`` is what its matmul reads as the weight operand.
+    """
 
     dequantize: Node
     stored: Node
@@ -95,11 +108,28 @@ class QuantizedLayer:
     # trip), an embedding's indices.
     source: Node
     round_trip: ActivationRoundTrip | None = None
+    # Every node of an ``Int8Tensor`` linear (its ``mm`` or ``_int_mm``, casts, scale products, checks).
+    members: tuple[Node, ...] = ()
 
     @property
     def nodes(self) -> tuple[Node, ...]:
         """The layer's own node and the torchao nodes it replaces."""
+        if self.members:
+            return self.members
         return (self.node, self.weight.dequantize, *(self.round_trip.nodes if self.round_trip else ()))
+
+    @property
+    def op(self) -> torch._ops.OpOverload:
+        """The op the layer is, whatever ops it is made of: what ``OrtPartitioner(ops=...)`` decides it by."""
+        embedding = self.node.target is torch.ops.aten.embedding.default
+        return torch.ops.aten.embedding.default if embedding else torch.ops.aten.linear.default
+
+    @property
+    def flattened(self) -> bool:
+        """Whether the layer's result has the rows of its source flattened into one dimension (``_int_mm``'s)."""
+        if self.op is torch.ops.aten.embedding.default:
+            return False
+        return self.node.meta["val"].dim() != self.source.meta["val"].dim()
 
 
 @dataclass
@@ -127,6 +157,11 @@ def quantized_graph(graph: Graph, weight_names: frozenset[str] | None, quantized
         for node in graph.nodes
         if layer_weight(node) is not None
     }
+    parts = {node: layer_parts(node) for node in candidates}
+    for match in int8_linears(graph):
+        if weight_names is None or match.stored.name in weight_names:
+            candidates[match.output] = int8_layer_or_refusal(match, weight_names, quantized_activations)
+            parts[match.output] = match.members
     changed = True
     while changed:
         changed = False
@@ -140,18 +175,25 @@ def quantized_graph(graph: Graph, weight_names: frozenset[str] | None, quantized
         if isinstance(candidate, QuantizedLayer):
             result.layers.append(candidate)
         else:
-            for part in layer_parts(node):
+            for part in parts[node]:
                 result.refusals.setdefault(part, candidate)
     taken = result.layer_of()
     for node in graph.nodes:
-        if is_torchao(node) and node not in taken and node not in result.refusals:
+        if node in taken or node in result.refusals:
+            continue
+        if is_torchao(node):
             result.refusals[node] = (
                 f"{torchao_name(node)} is not part of a quantized linear or embedding ONNX Runtime reads packed "
                 "(a dequantized weight feeding aten.linear or aten.embedding, or a per-token int8 round trip of "
                 "a linear's input)"
             )
         elif node.target is operator.getitem and isinstance(node.args[0], Node) and node.args[0] in result.refusals:
-            result.refusals.setdefault(node, result.refusals[node.args[0]])
+            result.refusals[node] = result.refusals[node.args[0]]
+        elif (weights := integer_weights_cast(node, lambda stored: is_weight(stored, weight_names))) is not None:
+            result.refusals[node] = (
+                f"it converts the integer weights {weights.name!r} to float outside any quantized layer ONNX "
+                "Runtime recognizes, so ONNX Runtime would compute with them unpacked"
+            )
     return result
 
 
@@ -179,6 +221,61 @@ def layer_or_refusal(
     return QuantizedLayer(node, weight, kernel, source, round_trip)
 
 
+def int8_layer_or_refusal(
+    match: Int8Linear, weight_names: frozenset[str] | None, quantized_activations: bool
+) -> QuantizedLayer | str:
+    """An ``Int8Tensor`` linear as ONNX Runtime would run it, judged on its own; or why it cannot."""
+    if match.dequantize is not None:
+        weight = quantized_weight(match.dequantize, weight_names)
+        if isinstance(weight, QuantizedWeight):
+            weight = QuantizedWeight(match.weight_operand, weight.stored, weight.scales, weight.zero_points,
+                                     weight.bits, weight.group)
+    else:
+        weight = int8_channel_weight(match, weight_names)
+    if isinstance(weight, str):
+        return with_layer(match.matmul, weight)
+    round_trip = None
+    if match.mapping is not None:
+        round_trip = int8_round_trip(match)
+        if isinstance(round_trip, str):
+            return with_layer(match.matmul, round_trip, weight)
+    activations = match.activations.meta.get("val")
+    if not isinstance(activations, torch.Tensor) or activations.dtype != torch.float32:
+        return with_layer(match.matmul, "ONNX Runtime's quantized kernels here take float32 activations", weight,
+                          round_trip)
+    kernel = linear_kernel(weight, round_trip, rows(match.activations), quantized_activations)
+    if isinstance(kernel, str):
+        return with_layer(match.matmul, kernel, weight, round_trip)
+    return QuantizedLayer(match.output, weight, kernel, match.activations, round_trip, match.members)
+
+
+def int8_channel_weight(match: Int8Linear, weight_names: frozenset[str] | None) -> QuantizedWeight | str:
+    """The int8 weights of an ``Int8Tensor`` linear with one scale per channel (or per tensor), or why not."""
+    if not is_weight(match.stored, weight_names) or not is_weight(match.scales, weight_names):
+        return "its weights or scales are computed in the graph, not stored"
+    columns = match.stored.meta["val"].shape[-1]
+    return QuantizedWeight(match.weight_operand, match.stored, match.scales, None, 8, columns)
+
+
+def int8_round_trip(match: Int8Linear) -> ActivationRoundTrip | str:
+    """The per-token int8 round of an ``Int8Tensor`` linear's activations, or why ONNX Runtime cannot repeat it."""
+    choose = match.choose_qparams
+    quantize = match.round_trip[3]
+    source = match.activations.meta["val"]
+    expected = [1] * (source.dim() - 1) + [source.shape[-1]]
+    if list(choose.args[2]) != expected or list(quantize.args[1]) != expected:
+        return "its activations are not quantized to int8 per token"
+    if choose.args[3] != torch.int8 or tuple(choose.args[4:6]) != (-128, 127) \
+            or tuple(quantize.args[4:7]) != (torch.int8, -128, 127):
+        return "its activations are not quantized to int8 over [-128, 127]"
+    if match.mapping not in _ACTIVATION_MAPPINGS:
+        return f"its activations are quantized {match.mapping}, not {' or '.join(_ACTIVATION_MAPPINGS)}"
+    eps = choose.args[6] if len(choose.args) > 6 and choose.args[6] is not None else None
+    if eps is None:
+        return ActivationRoundTrip(choose.args[0], match.mapping, match.round_trip)
+    return ActivationRoundTrip(choose.args[0], match.mapping, match.round_trip, float(eps))
+
+
 def with_layer(node: Node, reason: str, weight: QuantizedWeight | None = None,
                round_trip: ActivationRoundTrip | None = None) -> str:
     """``reason`` prefixed by the layer it refuses: ``linear 'linear_2' (8w, group 32): ...``."""
@@ -198,7 +295,8 @@ def linear_kernel(
     4-bit: ``MatMulNBits`` (0.46 ms with int8 activations, 1.14 ms with float ones; float32 MatMul 2.4 ms).
     8-bit ``8da`` per channel: ``DynamicQuantizeMatMul`` for one row (0.64 ms), whose activation
     quantization is then torchao's exactly, and ``MatMulInteger`` after torchao's own per-token
-    rounding for several (as fast at one row, 2.6x faster than ``MatMulNBits`` at 16); other 8-bit
+    rounding for several (as fast at one row, 2.6x faster than ``MatMulNBits`` at 16), and for
+    symmetric activations (``Int8DynamicActivationInt8WeightConfig``'s) at any rows; other 8-bit
     layers: ``MatMulNBits`` with int8 activations (0.65-0.75 ms). 8-bit ``MatMulNBits`` with float
     activations took 75 ms, so an 8-bit weight-only linear that must keep float activations is refused.
     """
@@ -212,6 +310,9 @@ def linear_kernel(
         return Kernel("MatMulNBits", 4, block, level)
     if dynamic and weight.per_channel and round_trip.mapping == "ASYMMETRIC":
         return Kernel("DynamicQuantizeMatMul" if row_count == 1 else "MatMulInteger", 8)
+    if dynamic and weight.per_channel:
+        # DynamicQuantizeMatMul rounds asymmetrically; MatMulInteger after torchao's symmetric rounding is exact.
+        return Kernel("MatMulInteger", 8, symmetric=True)
     if dynamic or quantized_activations:
         return Kernel("MatMulNBits", 8, block, INT8_ACTIVATIONS)
     return ("8-bit weights with float activations: ONNX Runtime's only such kernel, MatMulNBits at "
@@ -304,26 +405,38 @@ def linear_input_refusal(linear: Node, weight: QuantizedWeight) -> str | None:
 
 
 def shared_with_refused(layer: QuantizedLayer, candidates: dict[Node, QuantizedLayer | str]) -> str | None:
-    """Why ``layer`` must be refused after all: its dequantized weight or activations feed a node not taken."""
-    for user in layer.weight.dequantize.users:
-        other = candidates.get(user)
-        if not isinstance(other, QuantizedLayer) or other.weight.dequantize is not layer.weight.dequantize:
-            return shared_refusal(layer, "weights", user)
-    if layer.round_trip is not None:
-        dequantized = layer.round_trip.nodes[-1]
-        for user in dequantized.users:
-            other = candidates.get(user)
-            if not isinstance(other, QuantizedLayer) or other.round_trip is None \
-                    or other.round_trip.nodes[-1] is not dequantized:
+    """Why ``layer`` must be refused after all: one of its values (a dequantized weight, rounded activations,
+    an ``Int8Tensor`` linear's partial product) feeds a node that is neither in it nor in a taken layer
+    sharing that value."""
+    members = set(layer.nodes)
+    weight_nodes = {layer.weight.dequantize}
+    for member in layer.nodes:
+        if member is layer.node:
+            continue
+        for user in member.users:
+            if user in members or shares_with_taken(member, user, candidates):
+                continue
+            if member in weight_nodes:
+                return shared_refusal(layer, "weights", user)
+            if layer.round_trip is not None and member in layer.round_trip.nodes:
                 return shared_refusal(layer, "activations", user)
+            return shared_refusal(layer, "values", user)
     return None
+
+
+def shares_with_taken(member: Node, user: Node, candidates: dict[Node, QuantizedLayer | str]) -> bool:
+    """Whether ``user`` is a node of another layer, still taken, that has ``member`` too (two linears, one weight)."""
+    return any(
+        isinstance(other, QuantizedLayer) and user in other.nodes and member in other.nodes
+        for other in candidates.values()
+    )
 
 
 def shared_refusal(layer: QuantizedLayer, what: str, user: Node) -> str:
     return with_layer(
         layer.node,
-        f"its dequantized {what} are also read by {user.name!r}, which ONNX Runtime does not take as a quantized "
-        "layer",
+        f"its {'' if what == 'values' else 'dequantized '}{what} are also read by {user.name!r}, which ONNX Runtime "
+        "does not take as a quantized layer",
         layer.weight, layer.round_trip,
     )
 
@@ -357,10 +470,13 @@ def layer_weight(node: Node) -> Node | None:
 
 
 def dequantize_arguments(node: Node) -> list:
-    """``dequantize_affine``'s seven positional arguments, defaults filled in."""
+    """``dequantize_affine``'s seven positional arguments, defaults filled in (a range left out is its dtype's)."""
     arguments = list(node.args) + [None] * (7 - len(node.args))
     for index, name in ((5, "quant_min"), (6, "quant_max")):
         arguments[index] = node.kwargs.get(name, arguments[index])
+    if arguments[4] == torch.int8:
+        arguments[5] = -128 if arguments[5] is None else arguments[5]
+        arguments[6] = 127 if arguments[6] is None else arguments[6]
     return arguments
 
 

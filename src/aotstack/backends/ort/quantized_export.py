@@ -10,6 +10,7 @@ any other weight, so they stay packed in the file and in memory.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, OutputSpec, TensorArgument
 from torch.fx import Graph, GraphModule, Node
 
+from ...compile.int8_tensor import int8_linears
 from ...compile.program_parts import program_weights
 from ...errors import LoweringError
 from .packing import PackedWeights, block_packed, channel_transposed
@@ -57,13 +59,13 @@ def _(x, weight, scales, zero_points, bias):  # noqa: ANN001, ANN202
 @torch.library.custom_op("aotstack_ort::per_token_matmul_integer", mutates_args=())
 def per_token_matmul_integer(
     x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, zero_points: torch.Tensor | None,
-    column_sums: torch.Tensor, bias: torch.Tensor | None, eps: float,
+    column_sums: torch.Tensor, bias: torch.Tensor | None, eps: float, symmetric: bool = False,
 ) -> torch.Tensor:
     raise RuntimeError("aotstack_ort::per_token_matmul_integer only marks a layer for ONNX Runtime's MatMulInteger")
 
 
 @per_token_matmul_integer.register_fake
-def _(x, weight, scales, zero_points, column_sums, bias, eps):  # noqa: ANN001, ANN202
+def _(x, weight, scales, zero_points, column_sums, bias, eps, symmetric=False):  # noqa: ANN001, ANN202
     return x.new_empty((*x.shape[:-1], weight.shape[1]))
 
 
@@ -151,14 +153,15 @@ def translations() -> dict[Any, Callable[..., Any]]:
     }
 
 
-def per_token_matmul_integer_onnx(x, weight, scales, zero_points, column_sums, bias, eps):  # noqa: ANN001, ANN201
-    """torchao's per-token asymmetric int8 round trip in ONNX ops, then an integer matmul.
+def per_token_matmul_integer_onnx(x, weight, scales, zero_points, column_sums, bias, eps, symmetric=False):  # noqa: ANN001, ANN201
+    """torchao's per-token int8 round trip in ONNX ops, then an integer matmul.
 
-    The same arithmetic as torchao's ``choose_qparams_affine`` and ``quantize_affine`` (scale
-    ``(max(x, 0) - min(x, 0)) / 255`` at least ``eps``, zero point ``-round(min / scale)``,
-    ``round(x * (1 / scale))``), on uint8 where torchao has int8, the same grid moved by 128:
-    ``(q - zero point) @ w`` is the integer matmul of the raw ``q`` less the zero point times
-    each column's sum (``column_sums``); its scales multiply the int32 result.
+    The same arithmetic as torchao's ``choose_qparams_affine`` and ``quantize_affine``:
+    asymmetric, scale ``(max(x, 0) - min(x, 0)) / 255`` at least ``eps``, zero point
+    ``-round(min / scale)``; symmetric, scale ``max(|min(x, 0)|, max(x, 0)) / 127.5`` at least
+    ``eps``, no zero point; then ``round(x * (1 / scale))``. On uint8 where torchao has int8, the
+    same grid moved by 128: ``(q - zero point) @ w`` is the integer matmul of the raw ``q`` less
+    the zero point times each column's sum (``column_sums``); its scales multiply the int32 result.
     """
     from onnxscript import opset18 as op
 
@@ -166,8 +169,13 @@ def per_token_matmul_integer_onnx(x, weight, scales, zero_points, column_sums, b
     zero, top = op.Constant(value_float=0.0), op.Constant(value_float=255.0)
     high = op.Max(op.ReduceMax(x, last, keepdims=1), zero)
     low = op.Min(op.ReduceMin(x, last, keepdims=1), zero)
-    scale = op.Max(op.Div(op.Sub(high, low), top), op.Constant(value_float=eps))
-    point = op.Clip(op.Neg(op.Round(op.Div(low, scale))), zero, top)
+    if symmetric:
+        scale = op.Max(op.Div(op.Max(op.Neg(low), high), op.Constant(value_float=127.5)),
+                       op.Constant(value_float=eps))
+        point = op.Constant(value_float=128.0)
+    else:
+        scale = op.Max(op.Div(op.Sub(high, low), top), op.Constant(value_float=eps))
+        point = op.Clip(op.Neg(op.Round(op.Div(low, scale))), zero, top)
     quantized = op.Cast(op.Clip(op.Add(op.Round(op.Mul(x, op.Reciprocal(scale))), point), zero, top),
                         to=onnx_type("UINT8"))
     product = op.MatMulInteger(quantized, weight, None, zero_points)
@@ -191,10 +199,11 @@ def with_quantized_kernels(
 ) -> tuple[ExportedProgram, dict[Any, Callable[..., Any]]]:
     """``exported_program`` with its quantized layers as ``aotstack_ort`` ops, and the translations they need.
 
-    A program with no torchao ops is returned as it is, with no translations. The program given
-    is not changed.
+    A program with no quantized layer (no torchao ops, no ``Int8Tensor`` linear) is returned as it
+    is, with no translations. The program given is not changed.
     """
-    if not any(is_torchao_node(node) for node in exported_program.graph.nodes):
+    if not any(is_torchao_node(node) for node in exported_program.graph.nodes) \
+            and not int8_linears(exported_program.graph):
         return exported_program, {}
     module = GraphModule(exported_program.graph_module, copied_graph(exported_program.graph))
     graph = module.graph
@@ -217,8 +226,9 @@ def with_quantized_kernels(
                 inserted[fqn] = constant_placeholder(graph, fqn, tensor, fake_mode, before)
                 constants[fqn] = tensor
             inputs[fqn] = None if tensor is None else inserted[fqn]
-        op, arguments = kernel_call(layer, list(inputs.values()))
         # A layer may read another's output (a linear over an embedding), replaced by now.
+        source = kernel_source(graph, layer, replaced.get(layer.source, layer.source), fake_mode)
+        op, arguments = kernel_call(layer, list(inputs.values()), source)
         arguments = torch.fx.map_arg(arguments, lambda node: replaced.get(node, node))
         with graph.inserting_before(layer.node):
             replacement = graph.call_function(op, arguments)
@@ -226,7 +236,8 @@ def with_quantized_kernels(
         layer.node.replace_all_uses_with(replacement)
         replaced[layer.node] = replacement
     removed = {fqns[name] for name in erase_replaced(graph, analysis.layers)}
-    left = next((node for node in graph.nodes if is_torchao_node(node)), None)
+    left = next((node for node in graph.nodes
+                 if is_torchao_node(node) or node.target is torch.ops.aten._int_mm.default), None)
     if left is not None:
         raise LoweringError(f"{label}: node {left.name!r} ({left.target}) is still read after its layer's translation")
     module.recompile()
@@ -245,6 +256,9 @@ def packed_layer(layer: QuantizedLayer, weights: dict[str, torch.Tensor], fqns: 
     stored_fqn = fqns[weight.stored.name]
     stored = weights[stored_fqn]
     scales = weights[fqns[weight.scales.name]]
+    if scales.numel() == 1:
+        # One scale for the whole tensor (Int8Tensor's per-tensor granularity): the same for every channel.
+        scales = scales.reshape(1).expand(stored.shape[0])
     zero_points = None if weight.zero_points is None else weights[fqns[weight.zero_points.name]]
     kernel = layer.kernel
     if kernel.op in ("DynamicQuantizeMatMul", "MatMulInteger"):
@@ -261,22 +275,36 @@ def packed_layer(layer: QuantizedLayer, weights: dict[str, torch.Tensor], fqns: 
     return tensors
 
 
-def kernel_call(layer: QuantizedLayer, weights: list[Node | None]) -> tuple[Any, tuple[Any, ...]]:
-    """The ``aotstack_ort`` op and arguments that replace ``layer``."""
+def kernel_source(graph: Graph, layer: QuantizedLayer, source: Node, fake_mode: Any) -> Node:
+    """What the kernel reads besides its weights: ``source``, rows flattened where the layer's result has them so."""
+    if not layer.flattened:
+        return source
+    columns = layer.weight.stored.meta["val"].shape[-1]
+    with graph.inserting_before(layer.node):
+        flattened = graph.call_function(torch.ops.aten.reshape.default, (source, [-1, columns]))
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        flattened.meta["val"] = source.meta["val"].reshape(-1, columns)
+    return flattened
+
+
+def kernel_call(layer: QuantizedLayer, weights: list[Node | None], source: Node) -> tuple[Any, tuple[Any, ...]]:
+    """The ``aotstack_ort`` op and arguments that replace ``layer``, reading ``source``."""
     values, scales, zero_points, *column_sums = weights
     kernel = layer.kernel
     rows, columns = layer.weight.stored.meta["val"].shape
     if kernel.op == "GatherBlockQuantized":
         return (torch.ops.aotstack_ort.gather_block_quantized.default,
-                (values, layer.source, scales, zero_points, columns, kernel.bits, kernel.block_size))
-    bias = layer.node.args[2] if len(layer.node.args) > 2 else None
+                (values, source, scales, zero_points, columns, kernel.bits, kernel.block_size))
+    # An Int8Tensor linear adds its bias after the layer's nodes, outside them.
+    linear = layer.node.target is torch.ops.aten.linear.default
+    bias = layer.node.args[2] if linear and len(layer.node.args) > 2 else None
     if kernel.op == "DynamicQuantizeMatMul":
-        return torch.ops.aotstack_ort.dynamic_quantize_matmul.default, (layer.source, values, scales, zero_points, bias)
+        return torch.ops.aotstack_ort.dynamic_quantize_matmul.default, (source, values, scales, zero_points, bias)
     if kernel.op == "MatMulInteger":
         return (torch.ops.aotstack_ort.per_token_matmul_integer.default,
-                (layer.source, values, scales, zero_points, column_sums[0], bias, layer.round_trip.eps))
+                (source, values, scales, zero_points, column_sums[0], bias, layer.round_trip.eps, kernel.symmetric))
     return (torch.ops.aotstack_ort.matmul_nbits.default,
-            (layer.source, values, scales, zero_points, bias, columns, rows, kernel.bits, kernel.block_size,
+            (source, values, scales, zero_points, bias, columns, rows, kernel.bits, kernel.block_size,
              kernel.accuracy_level))
 
 

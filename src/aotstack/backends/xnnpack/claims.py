@@ -28,6 +28,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
+from ...compile.int8_tensor import int8_linears, integer_weights_cast
 from ...compile.partitioner import get_non_lowered_nodes
 from ...compile.program_parts import constant_placeholders, contiguous_attention_outputs, is_size_computation
 from ...compile.quantize import quantized_layer_label
@@ -78,6 +79,7 @@ def xnnpack_answer(exported_program: ExportedProgram) -> XnnpackAnswer:
     # edge program: they rejoin their linear first, then a layer claimed only in part is left whole.
     with_vanished_ops(vanished, claimed, constants, reasons)
     with_whole_quantized_layers(exported_program, claimed, reasons)
+    without_unpacked_weights(exported_program, constants, claimed, reasons)
     without_dangling_quantize_ops(exported_program, claimed, reasons)
     return XnnpackAnswer(frozenset(claimed), reasons)
 
@@ -152,6 +154,29 @@ def with_whole_quantized_layers(exported_program: ExportedProgram, claimed: set[
                 claimed.discard(member.name)
                 reasons[member.name] = (f"ExecuTorch's XnnpackPartitioner claims only part of this quantized layer "
                                         f"({label}, at {node.name}); it is left whole to the next engine")
+
+
+def without_unpacked_weights(
+    exported_program: ExportedProgram, constants: set[str], claimed: set[str], reasons: dict[str, str]
+) -> None:
+    """Leave, in place, each ``Int8Tensor`` linear whole, and any other cast of integer weights to float.
+
+    ExecuTorch's partitioner takes an ``Int8Tensor`` linear's float ops (``mm`` over a cast of its
+    int8 weights, the scale products) but not its ``_int_mm`` or quantize ops, and folds a cast of
+    a constant into a float constant: XNNPACK would compute the layer on float weights, unpacked,
+    or split it between engines. Such a layer goes whole to the next engine.
+    """
+    for layer in int8_linears(exported_program.graph):
+        for member in layer.members:
+            claimed.discard(member.name)
+            reasons[member.name] = (f"XNNPACK has no packed kernel for torchao's Int8Tensor linear ({layer.label}, "
+                                    f"at {layer.matmul.name}); it is left whole to the next engine")
+    for node in exported_program.graph.nodes:
+        weights = integer_weights_cast(node, lambda placeholder: placeholder.name in constants)
+        if node.name in claimed and weights is not None:
+            claimed.discard(node.name)
+            reasons[node.name] = (f"it converts the integer weights {weights.name!r} to float; XNNPACK would hold "
+                                  "them as float weights, unpacked")
 
 
 def quantized_layer_nodes(linear: Node) -> list[Node]:
