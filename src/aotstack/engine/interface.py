@@ -10,7 +10,7 @@ user's backend may be one ``Backend`` subclass that does both. Defining a subcla
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -55,6 +55,19 @@ class BackendRuntime:
     def execute(self, handle: Any, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Run one delegate call."""
         raise NotImplementedError
+
+    def released_named_data(self, handle: Any, named_data: Collection[str], called: bool) -> Collection[str]:
+        """Of ``named_data`` (the names ``init`` was given), those the engine no longer reads where the file holds them.
+
+        Loading asks once after ``init`` (``called=False``) and once after the delegate's first
+        call (``called=True``), and each time drops from memory the file's pages that hold only
+        the data named then and data nothing else reads (``format/archive.MappedPages``): name
+        what the engine copied or packed into memory of its own by then. A dropped page that is
+        read after all is read back from the file, so a name given too eagerly costs a page
+        fault, never a wrong result. The default names nothing: an engine that reads its
+        weights in place (AOTInductor on the CPU) keeps the file's pages.
+        """
+        return ()
 
 
 class Backend(BackendRuntime):

@@ -18,6 +18,7 @@ above the format layer.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import mmap
@@ -28,7 +29,7 @@ import tempfile
 import zipfile
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import PackageError
@@ -137,6 +138,8 @@ class PackageContents:
     blobs: dict[str, memoryview]
     # The id of the trusted key whose signature was verified; None for an unsigned load.
     signer: str | None = None
+    # The mapping the blobs view, to drop its pages that nothing reads any more; None: never dropped.
+    pages: MappedPages | None = None
 
 
 @dataclass
@@ -146,11 +149,81 @@ class Archive:
     path: str
     mapped: memoryview
     entries: dict[str, memoryview]
+    # Where each entry's bytes lie in the file: (start, end), by the same names.
+    spans: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def entry(self, name: str, what: str) -> memoryview:
         if name not in self.entries:
             raise PackageError(f"{self.path}: {what} ({name}) is missing")
         return self.entries[name]
+
+
+class MappedPages:
+    """The package's read-only mapping, and which of its pages this process may drop from memory.
+
+    Verifying a package reads every page of it, and each stays resident, though most are not read
+    again: an engine that copied or packed its weights into memory of its own leaves the file's
+    copy unread. ``release`` drops such pages with ``madvise(MADV_DONTNEED)``. The file is mapped
+    shared and read-only (``mmap.ACCESS_READ``), so its pages are clean page-cache pages: dropped,
+    they leave this process's resident memory, and a page read again is read back from the page
+    cache (or the file), the same bytes; dropping one that is still read costs a page fault, never
+    a wrong value. Where the platform has no ``madvise`` it drops nothing.
+    """
+
+    def __init__(self, mapped: memoryview, spans: Mapping[str, tuple[int, int]]) -> None:
+        self.mapped = mapped
+        self.spans = dict(spans)
+
+    def release(self, blobs: Iterable[str] | None, keep: Iterable[str]) -> None:
+        """Drop the pages of ``blobs`` (the whole file's where None), but any page holding part of a ``keep`` blob."""
+        size = len(self.mapped)
+        dropped = [(0, size)] if blobs is None else [self.spans[key] for key in blobs]
+        kept = [self.spans[key] for key in keep]
+        for start, end in page_ranges(dropped, kept, mmap.PAGESIZE, size):
+            advise_dont_need(self.mapped, start, end - start)
+
+
+def page_ranges(
+    dropped: Iterable[tuple[int, int]], kept: Iterable[tuple[int, int]], page: int, size: int
+) -> list[tuple[int, int]]:
+    """The page-aligned ranges covering ``dropped`` that hold no byte of ``kept``, in order, within ``size``."""
+    kept_pages = merged(page_span(span, page, size) for span in kept if span[1] > span[0])
+    ranges = []
+    for start, end in merged(page_span(span, page, size) for span in dropped if span[1] > span[0]):
+        # Both lists are sorted and disjoint: cut each dropped range around the kept ones inside it.
+        for low, high in kept_pages[max(0, bisect.bisect_right(kept_pages, (start, size)) - 1):]:
+            if low >= end:
+                break
+            if high > start:
+                if low > start:
+                    ranges.append((start, low))
+                start = high
+        if start < end:
+            ranges.append((start, end))
+    return ranges
+
+
+def page_span(span: tuple[int, int], page: int, size: int) -> tuple[int, int]:
+    """The pages ``span`` touches, as a byte range."""
+    return span[0] // page * page, min(-(-span[1] // page) * page, size)
+
+
+def merged(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``spans`` sorted, overlapping or touching ones joined."""
+    joined: list[tuple[int, int]] = []
+    for start, end in sorted(spans):
+        if joined and start <= joined[-1][1]:
+            joined[-1] = (joined[-1][0], max(joined[-1][1], end))
+        else:
+            joined.append((start, end))
+    return joined
+
+
+def advise_dont_need(mapped: memoryview, start: int, length: int) -> None:
+    """``madvise(MADV_DONTNEED)`` on a page-aligned range of the mapping ``mapped`` views, where the platform has it."""
+    mapping = mapped.obj
+    if isinstance(mapping, mmap.mmap) and hasattr(mapping, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
+        mapping.madvise(mmap.MADV_DONTNEED, start, length)
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
@@ -169,7 +242,9 @@ def read_package(path: str | os.PathLike[str], trusted_keys: TrustedKeys | None 
 def verified_package(archive: Archive, trusted_keys: TrustedKeys | None) -> PackageContents:
     manifest, signer = sealed_manifest(archive, trusted_keys)
     check_entries(archive, manifest)
-    return PackageContents(archive.path, manifest, verified_blobs(archive, manifest), signer)
+    blobs = verified_blobs(archive, manifest)
+    pages = MappedPages(archive.mapped, {key: archive.spans[BLOB_DIR + key] for key in blobs})
+    return PackageContents(archive.path, manifest, blobs, signer, pages)
 
 
 def opened_archive(path: str | os.PathLike[str]) -> Archive:
@@ -186,21 +261,21 @@ def opened_archive(path: str | os.PathLike[str]) -> Archive:
         except Exception as exc:
             # zipfile raises many types for a damaged directory; each means the same here.
             raise PackageError(f"{path}: not a PT2 archive ({first_line(exc)})") from None
-    entries = archive_entries(path, mapped, infos)
+    spans = archive_spans(path, mapped, infos)
+    entries = {name: mapped[start:end] for name, (start, end) in spans.items()}
     if entries.get(ARCHIVE_FORMAT_RECORD) != b"pt2":
         raise PackageError(f"{path}: not a PT2 archive (its archive_format record is not 'pt2')")
     if MANIFEST_PATH not in entries:
         raise PackageError(f"{path}: a PT2 archive, but not one written by aotstack (no {MANIFEST_PATH})")
-    return Archive(path, mapped, entries)
+    return Archive(path, mapped, entries, spans)
 
 
-def archive_entries(path: str, mapped: memoryview, infos: Sequence[zipfile.ZipInfo]) -> dict[str, memoryview]:
-    """Each entry's data as a view into the file, by name below the archive's one root folder."""
+def archive_spans(path: str, mapped: memoryview, infos: Sequence[zipfile.ZipInfo]) -> dict[str, tuple[int, int]]:
+    """Where each entry's data lies in the file, (start, end), by name below the archive's one root folder."""
     if not infos:
         raise PackageError(f"{path}: not a PT2 archive (an empty zip)")
     root = infos[0].filename.partition("/")[0] + "/"
-    entries: dict[str, memoryview] = {}
-    spans: list[tuple[int, int, str]] = []
+    entries: dict[str, tuple[int, int]] = {}
     for info in infos:
         name = info.filename
         if not name.startswith(root) or name == root:
@@ -209,9 +284,8 @@ def archive_entries(path: str, mapped: memoryview, infos: Sequence[zipfile.ZipIn
         if relative in entries:
             raise PackageError(f"{path}: entry {relative!r} appears twice; the file is damaged or was altered")
         start = data_offset(path, mapped, info)
-        entries[relative] = mapped[start : start + info.file_size]
-        spans.append((start, start + info.file_size, relative))
-    spans.sort()
+        entries[relative] = (start, start + info.file_size)
+    spans = sorted((start, end, name) for name, (start, end) in entries.items())
     for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
         if start < end:
             raise PackageError(f"{path}: entries {first!r} and {second!r} overlap; the file is damaged or was altered")

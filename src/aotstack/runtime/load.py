@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
 from ..engine.registry import runtime_class
-from ..errors import AotstackError, DelegateInitError, MethodNotFoundError, PackageError
+from ..errors import AotstackError, DelegateInitError, MethodNotFoundError, PackageError, RunError
 from ..format.archive import PackageContents, read_package
 from ..format.custom_ops import allowed_op_names, check_custom_ops
 from ..format.manifest import DelegateRecord, MethodRecord, WeightRecord
@@ -47,6 +47,8 @@ class Method:
         # buffer that some method or delegate updates; LoadedProgram sets it. None: nothing this
         # method reads changes, so calls run concurrently, from any number of threads.
         self.lock: threading.Lock | None = None
+        # Run once, after the first call: its delegates' engines say what they packed by then.
+        self.after_first_call: Callable[[], None] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Checked outside the lock: a bad call never waits for, or holds up, another thread.
@@ -65,6 +67,9 @@ class Method:
         slots = self.body.run(flat)
         for target, slot in self.mutations:
             target.copy_(slots[slot])
+        if self.after_first_call is not None:
+            done, self.after_first_call = self.after_first_call, None
+            done()
         return slots
 
 
@@ -172,6 +177,8 @@ def loaded_program(
         name: load_method(state, name, record, wrap_delegate, allowed_ops)
         for name, record in contents.manifest.methods.items()
     }
+    # Verifying read every page of the file; what nothing reads in place now leaves memory.
+    state.release_unread()
     return LoadedProgram(contents.path, methods, state)
 
 
@@ -185,13 +192,24 @@ class ProgramState:
 
     def __init__(self, contents: PackageContents) -> None:
         self.blobs = contents.blobs
+        self.pages = contents.pages
         self.mutable: dict[str, tuple[bytearray, memoryview]] = {}
+        # The blob each buffer in ``mutable`` starts from: read again only by reset().
+        self.initial_blobs: set[str] = set()
         for method in contents.manifest.methods.values():
             for fqn, _ in method.plan.mutations:
                 self.add_mutable(fqn, method.weights[fqn].blob)
             for delegate in method.delegates:
                 for fqn in delegate.updates:
                     self.add_mutable(fqn, delegate.named_data[WEIGHT_PREFIX + fqn])
+        # Who reads each blob where the file holds it: PLAN_READER for a method's weights, a
+        # delegate by its id; the pages of a blob no one reads are dropped from memory.
+        self.readers: dict[str, set[str]] = {}
+        for method in contents.manifest.methods.values():
+            for fqn, record in method.weights.items():
+                if fqn not in self.mutable:
+                    self.readers.setdefault(record.blob, set()).add(PLAN_READER)
+        self.readers_lock = threading.Lock()
         # One lock guards the state: a call of a method that reads or updates a buffer in
         # ``mutable`` holds it while it runs, and so does reset(); other methods take none.
         self.lock = threading.Lock()
@@ -203,6 +221,37 @@ class ProgramState:
         if fqn not in self.mutable:
             initial = self.blobs[key]
             self.mutable[fqn] = (bytearray(initial), initial)
+            self.initial_blobs.add(key)
+
+    def add_reader(self, reader: str, delegate: DelegateRecord, released: Collection[str]) -> None:
+        """``reader`` (a delegate) reads its named data where the file holds it, but ``released`` and its buffers."""
+        with self.readers_lock:
+            for key in read_blobs(delegate, released):
+                self.readers.setdefault(key, set()).add(reader)
+
+    def drop_reader(self, reader: str, delegate: DelegateRecord, released: Collection[str]) -> None:
+        """``reader`` no longer reads ``released``: the pages of what no one else reads leave memory."""
+        if not released:
+            return
+        with self.readers_lock:
+            unread = []
+            for key in {delegate.named_data[name] for name in released if name in delegate.named_data}:
+                readers = self.readers.get(key, set())
+                readers.discard(reader)
+                if not readers:
+                    self.readers.pop(key, None)
+                    unread.append(key)
+            self.release(unread)
+
+    def release_unread(self) -> None:
+        """Drop from memory every page of the file that holds no blob someone reads."""
+        with self.readers_lock:
+            self.release(None)
+
+    def release(self, blobs: Collection[str] | None) -> None:
+        # Called with readers_lock held: the blobs still read cannot change meanwhile.
+        if self.pages is not None and (blobs is None or blobs):
+            self.pages.release(blobs, keep=list(self.readers))
 
     def method_weights(self, weights: Mapping[str, WeightRecord]) -> dict[str, torch.Tensor]:
         return {fqn: self.weight(fqn, record) for fqn, record in weights.items()}
@@ -221,6 +270,19 @@ class ProgramState:
     def reset(self) -> None:
         for current, initial in self.mutable.values():
             current[:] = initial
+        # Copying read the initial values back in; they are not read again until the next reset.
+        with self.readers_lock:
+            self.release([key for key in self.initial_blobs if key not in self.readers])
+
+
+# The reader of a method's own weights (its plan's weight steps), in ProgramState.readers.
+PLAN_READER = "plan"
+
+
+def read_blobs(delegate: DelegateRecord, released: Collection[str]) -> set[str]:
+    """The blobs ``delegate`` reads where the file holds them: its named data but ``released`` and its buffers."""
+    owned = {WEIGHT_PREFIX + fqn for fqn in delegate.updates}
+    return {key for name, key in delegate.named_data.items() if name not in owned and name not in released}
 
 
 def reads_state(method: MethodRecord, mutable: set[str]) -> bool:
@@ -240,7 +302,9 @@ def load_method(
     allowed_ops: frozenset[str] = frozenset(),
 ) -> Method:
     weights = state.method_weights(record.weights)
-    delegates = {delegate.id: loaded_delegate(state, delegate) for delegate in record.delegates}
+    # Each delegate is a reader of the file's blobs, named by its method and id.
+    opened = [(f"{name}/{d.id}", d, loaded_delegate(state, d, f"{name}/{d.id}")) for d in record.delegates]
+    delegates = {d.id: delegate for _, d, delegate in opened}
     if wrap_delegate is not None:
         delegates = {delegate_id: wrap_delegate(delegate_id, loaded) for delegate_id, loaded in delegates.items()}
     in_spec, out_spec = treespec(name, "in_spec", record.in_spec), treespec(name, "out_spec", record.out_spec)
@@ -248,9 +312,12 @@ def load_method(
         raise PackageError(f"method {name!r}: its pytree specs do not match its inputs and outputs")
     try:
         check = InputCheck(name, record.inputs, in_spec)
-        return Method(name, record.plan, weights, delegates, check, out_spec, allowed_ops)
+        method = Method(name, record.plan, weights, delegates, check, out_spec, allowed_ops)
     except PackageError as exc:
         raise PackageError(f"method {name!r}: {exc}") from None
+    if opened:
+        method.after_first_call = lambda: released_after_first_call(state, opened)
+    return method
 
 
 def treespec(method: str, what: str, text: str) -> pytree.TreeSpec:
@@ -261,11 +328,12 @@ def treespec(method: str, what: str, text: str) -> pytree.TreeSpec:
         raise PackageError(f"method {method!r}: unreadable {what} ({type(exc).__name__}: {exc})") from None
 
 
-def loaded_delegate(state: ProgramState, record: DelegateRecord) -> LoadedDelegate:
+def loaded_delegate(state: ProgramState, record: DelegateRecord, reader: str) -> LoadedDelegate:
     runtime = runtime_class(record.backend_id)()
     named_data = state.delegate_named_data(record)
     try:
         handle = runtime.init(bytes(state.blobs[record.processed]), named_data, list(record.compile_specs))
+        released = runtime.released_named_data(handle, list(named_data), False)
     except AotstackError:
         raise
     except Exception as exc:
@@ -273,4 +341,15 @@ def loaded_delegate(state: ProgramState, record: DelegateRecord) -> LoadedDelega
         raise DelegateInitError(
             f"delegate {record.id} ({record.backend_id}) could not start: {type(exc).__name__}: {exc}"
         ) from exc
+    state.add_reader(reader, record, released)
     return LoadedDelegate(runtime, handle)
+
+
+def released_after_first_call(state: ProgramState, delegates: list[tuple[str, DelegateRecord, LoadedDelegate]]) -> None:
+    """Drop the file's pages of what each delegate's engine packed by its first call (``released_named_data``)."""
+    for reader, record, loaded in delegates:
+        try:
+            released = loaded.runtime.released_named_data(loaded.handle, list(record.named_data), True)
+        except Exception as exc:
+            raise RunError(f"delegate {record.id} ({record.backend_id}): released_named_data failed: {exc}") from exc
+        state.drop_reader(reader, record, released)

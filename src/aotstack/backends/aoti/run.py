@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -29,7 +29,7 @@ from ...format.custom_ops import registered_op
 from ...format.devices import HOST, Device, DeviceType
 from ...format.seal import is_hex
 from ...format.specs import CompileSpec, SpecKey, compile_spec_value, partition_label
-from ...format.tensor_data import BytesLike
+from ...format.tensor_data import WEIGHT_PREFIX, BytesLike
 
 # The named data holding a partition's shared library.
 LIBRARY_NAME = "model.so"
@@ -69,8 +69,11 @@ class AotiRuntime(BackendRuntime):
         if device != HOST:
             weights = {fqn: tensor.to(str(device)) for fqn, tensor in weights.items()}
         bound = bind_constants(runner, weights, label)
+        # On the host the runner reads the weights it asks for where they are: the file's pages.
+        in_place = {WEIGHT_PREFIX + fqn for fqn in runner.get_constant_names_to_original_fqns().values()}
         handle = AotiHandle(
-            runner=runner, input_strides=strides, constants=bound, check=boundary.checker(label), label=label
+            runner=runner, input_strides=strides, constants=bound, check=boundary.checker(label), label=label,
+            reads_in_place=frozenset(in_place if device == HOST else ()),
         )
         if device != HOST:
             # The device's context does not survive os.fork; in a child, calls say so (see after_fork).
@@ -79,6 +82,11 @@ class AotiRuntime(BackendRuntime):
 
     def execute(self, handle: AotiHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         return run(handle, inputs)
+
+    def released_named_data(self, handle: AotiHandle, named_data: Collection[str], called: bool) -> Collection[str]:
+        # The library and its extern nodes were copied into a file at init, a device's weights
+        # onto the device, and a weight the runner does not ask for was folded into the code.
+        return () if called else [name for name in named_data if name not in handle.reads_in_place]
 
 
 class AotiCpuRuntime(AotiRuntime):
@@ -125,6 +133,8 @@ class AotiHandle:
     # Every call's inputs against what the library was compiled for (format/boundary.py).
     check: BoundaryCheck
     label: str
+    # The named data the runner reads where the file holds it: its weights, on the host.
+    reads_in_place: frozenset[str] = frozenset()
 
 
 def input_strides(
