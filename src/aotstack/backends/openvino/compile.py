@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 
 from ...compile.program_parts import program_weights
 from ...errors import LoweringError
+from .compressed import with_compressed_int8_linears
 from .frontend import DROPPED, decompositions
 from .packages import require_openvino
 from .run import INPUT_ROLE, OUTPUT_ROLE, WEIGHT_ROLE
@@ -53,7 +54,7 @@ def convert_partition(exported_program: ExportedProgram, label: str, state: int 
     """
     require_openvino("OpenVinoBackend needs openvino to convert a partition", LoweringError)
     try:
-        decomposed = exported_program.run_decompositions(decompositions())
+        decomposed = with_compressed_int8_linears(exported_program).run_decompositions(decompositions())
     except Exception as error:
         raise LoweringError(f"{label}: OpenVINO's decompositions failed: {error}") from error
     roles = parameter_roles(decomposed, label)
