@@ -1,4 +1,4 @@
-"""torchao's ``Int8Tensor`` linears rewritten into the weight pattern OpenVINO's CPU plugin keeps compressed.
+"""torchao's quantized layers rewritten into the weight patterns OpenVINO's CPU plugin keeps compressed.
 
 OpenVINO runs a matmul on int8 weights, converted inside its kernel, where its weight is
 ``Convert(int8 constant) → [Subtract(zero point)] → Multiply(scale)``: the form torchao's
@@ -10,6 +10,12 @@ weights, where a ``dequantize_affine`` layer runs on i8). Here each such layer b
 ``linear(activations, int8 weights × scales)``; a dynamic layer's activations are its int8 ones
 dequantized, as torchao's ``Int8DynamicActivationIntxWeightConfig`` leaves them. The same sums,
 up to float rounding.
+
+A quantized embedding (``IntxWeightOnlyConfig`` on ``nn.Embedding``) dequantizes its whole table and
+gathers rows of it; OpenVINO gathers int8 rows only where the table is ``Convert → Multiply`` with
+no reshape between, which a grouped (or torchao's per-channel) dequantization has, so it folded the
+table to float32. Here the rows are gathered first, int8, with their scales and zero points, and
+only they are dequantized: the same values.
 """
 
 from __future__ import annotations
@@ -22,7 +28,12 @@ from torch.export import ExportedProgram
 from torch.fx import Graph, GraphModule, Node
 from torch.utils import _pytree as pytree
 
-from ...compile.int8_tensor import Int8Linear, int8_linears, through_reshapes
+from ...compile.int8_tensor import (
+    Int8Linear,
+    int8_linears,
+    is_torchao,
+    through_reshapes,
+)
 
 aten = torch.ops.aten
 
@@ -32,15 +43,65 @@ def with_compressed_int8_linears(exported_program: ExportedProgram) -> ExportedP
 
     The program given is not changed; one without such layers is returned as it is.
     """
-    if not any(layer.dequantize is None for layer in int8_linears(exported_program.graph)):
+    if not any(layer.dequantize is None for layer in int8_linears(exported_program.graph)) \
+            and not quantized_embeddings(exported_program.graph):
         return exported_program
     graph = Graph()
     graph.output(graph.graph_copy(exported_program.graph, {}))
     for layer in int8_linears(graph):
         if layer.dequantize is None:
             rewrite(graph, layer)
+    for embedding in quantized_embeddings(graph):
+        gather_then_dequantize(graph, embedding)
     module = GraphModule(exported_program.graph_module, graph)
     return exported_program._update(module, exported_program.graph_signature)
+
+
+def quantized_embeddings(graph: Graph) -> list[Node]:
+    """The ``aten.embedding`` nodes whose table is a ``dequantize_affine`` of int8 rows, in groups along them.
+
+    Gathering first is the same arithmetic whatever the operands are, so they need not be weights.
+    """
+    found = []
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not aten.embedding.default:
+            continue
+        table = node.args[0]
+        if not is_torchao(table, "dequantize_affine") or table.kwargs.get("output_dtype", torch.float32) \
+                is not torch.float32:
+            continue
+        stored, block, scales, zero_points = (list(table.args) + [None] * 4)[:4]
+        values = stored.meta.get("val") if isinstance(stored, Node) else None
+        if isinstance(values, torch.Tensor) and values.dtype == torch.int8 and values.dim() == 2 \
+                and isinstance(scales, Node) and (zero_points is None or isinstance(zero_points, Node)) \
+                and len(block) == 2 and block[0] == 1 and values.shape[1] % block[1] == 0:
+            found.append(node)
+    return found
+
+
+def gather_then_dequantize(graph: Graph, embedding: Node) -> None:
+    """Turn ``embedding`` into a gather of int8 rows, their scales and zero points, dequantized; in place."""
+    table = embedding.args[0]
+    stored, block, scales, zero_points = (list(table.args) + [None] * 4)[:4]
+    indices = embedding.args[1]
+    rows, columns = stored.meta["val"].shape
+    groups = columns // block[1]
+    with graph.inserting_before(embedding):
+        values = call(graph, aten.embedding.default, stored, indices)
+        values = call(graph, aten._to_copy.default, values, dtype=torch.float32)
+        values = call(graph, aten.unflatten.int, values, -1, [groups, block[1]])
+        if zero_points is not None:
+            points = call(graph, aten.embedding.default, call(graph, aten.reshape.default, zero_points,
+                                                                [rows, groups]), indices)
+            points = call(graph, aten._to_copy.default, call(graph, aten.unsqueeze.default, points, -1),
+                          dtype=torch.float32)
+            values = call(graph, aten.sub.Tensor, values, points)
+        row_scales = call(graph, aten.embedding.default, call(graph, aten.reshape.default, scales, [rows, groups]),
+                          indices)
+        values = call(graph, aten.mul.Tensor, values, call(graph, aten.unsqueeze.default, row_scales, -1))
+    embedding.target, embedding.args, embedding.kwargs = aten.flatten.using_ints, (values, -2, -1), {}
+    if not table.users:
+        graph.erase_node(table)
 
 
 def rewrite(graph: Graph, layer: Int8Linear) -> None:
