@@ -43,6 +43,8 @@ class XnnpackBackend(Backend):
             "segments": [segment.to_json() for segment in partition.segments],
             "data_size": partition.data_size,
             "outputs": partition.outputs,
+            # The segments XNNPACK reads only to pack them: its run side lets their memory go after the first call.
+            "packed": partition.packed,
             # What ExecuTorch runs outside XNNPACK, on its portable kernels (for the curious; never read).
             "portable_ops": partition.portable,
             # What the program takes; its run side checks every call against it.

@@ -15,8 +15,10 @@ gives the very bytes ExecuTorch wrote.
 
 from __future__ import annotations
 
+import json
+import re
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,8 @@ class XnnpackPartition:
     outputs: int
     # Edge ops XNNPACK did not take in this part, which ExecuTorch runs on its portable kernels.
     portable: list[str]
+    # The segments only XNNPACK's packing nodes read: not read again once XNNPACK has packed them.
+    packed: list[str] = field(default_factory=list)
 
 
 def lower_partition(exported_program: ExportedProgram, label: str) -> XnnpackPartition:
@@ -87,9 +91,11 @@ def lower_partition(exported_program: ExportedProgram, label: str) -> XnnpackPar
         raise LoweringError(f"{label}: XNNPACK does not take {', '.join(left)}, and ExecuTorch's runtime has no "
                             f"kernel for {', '.join(unrunnable)}")
     ptd = data_file(program, label)
-    frame, segments, data = ptd_layout(ptd, label) if ptd else (b"", [], {})
+    frame, segments, data, keys = ptd_layout(ptd, label) if ptd else (b"", [], {}, {})
     outputs = len(edge.exported_program().graph_signature.user_outputs)
-    return XnnpackPartition(program.buffer, frame, segments, data, len(ptd), outputs, left)
+    packed = packed_keys(edge.exported_program(), label)
+    return XnnpackPartition(program.buffer, frame, segments, data, len(ptd), outputs, left,
+                            packed=[name for name, read in keys.items() if read <= packed])
 
 
 def constants_kept_outside(graph_module: torch.fx.GraphModule) -> PassResult:
@@ -145,8 +151,8 @@ def data_file(program: object, label: str) -> bytes:
         return files[0].read_bytes() if files else b""
 
 
-def ptd_layout(ptd: bytes, label: str) -> tuple[bytes, list[Segment], dict[str, bytes]]:
-    """The ``.ptd`` split into its frame and its segments, each named by the first key that reads it.
+def ptd_layout(ptd: bytes, label: str) -> tuple[bytes, list[Segment], dict[str, bytes], dict[str, set[str]]]:
+    """The ``.ptd`` split into its frame and its segments, each named by the first key that reads it; each one's keys.
 
     Checked by putting it back together as the run side does: a layout this aotstack does not
     read is a ``LoweringError`` here, never a wrong file at load.
@@ -158,8 +164,10 @@ def ptd_layout(ptd: bytes, label: str) -> tuple[bytes, list[Segment], dict[str, 
     with quiet_executorch():
         index = _deserialize_to_flat_tensor(ptd[:header_length])
     names: dict[int, str] = {}
+    keys: dict[int, set[str]] = {}
     for entry in index.named_data:
         names.setdefault(entry.segment_index, f"{DATA_PREFIX}{entry.key}")
+        keys.setdefault(entry.segment_index, set()).add(entry.key)
     segments, data = [], {}
     for position, segment in enumerate(index.segments):
         name = names.get(position, f"{DATA_PREFIX}segment-{position}")
@@ -174,4 +182,68 @@ def ptd_layout(ptd: bytes, label: str) -> tuple[bytes, list[Segment], dict[str, 
         raise LoweringError(str(error)) from None
     if rebuilt != ptd:
         raise LoweringError(f"{label}: ExecuTorch's data file is laid out in a way this aotstack cannot rebuild")
-    return frame, segments, data
+    # A segment no key names is read by no one we know of: never counted as packed.
+    return frame, segments, data, {segment.name: keys.get(position, {""}) for position, segment in enumerate(segments)}
+
+
+# The XNNPACK nodes that pack their filter and bias into XNNPACK's own memory when ExecuTorch creates
+# XNNPACK's runtime (at a program's first call), as ExecuTorch's XNNCompiler lists them (getPackedValueIds):
+# ExecuTorch lets go of those constants then; every other constant XNNPACK keeps reading where it is.
+PACKING_NODES = {"XNNFullyConnected", "XNNConv2d", "XNNDepthwiseConv2d", "XNNConvTranspose2d"}
+
+
+def packed_keys(edge: ExportedProgram, label: str) -> set[str]:
+    """The named data keys that only packing nodes read, in every XNNPACK graph of ``edge``."""
+    from executorch.exir.lowered_backend_module import get_lowered_backend_modules
+
+    packed: set[str] = set()
+    unpacked: set[str] = set()
+    for module in get_lowered_backend_modules(edge.graph_module):
+        if module.backend_id != "XnnpackBackend":
+            continue
+        graph = xnnpack_graph(module.processed_bytes, label)
+        keys = [entry.get("named_key", "") for entry in graph.get("constant_data", [])]
+        filters, others = packing_uses(graph.get("xnodes", []))
+        filters -= others  # a value another node reads too stays where it is
+        for value in graph.get("xvalues", []):
+            tensor = value["xvalue_union"].get("tensor_value", value["xvalue_union"])
+            quantization = value["xvalue_union"].get("quant_params") or {}
+            read = {keys[index] for index in (tensor.get("constant_buffer_idx", 0),
+                                              quantization.get("scale_buffer_idx", 0)) if 0 < index < len(keys)}
+            (packed if tensor.get("id_out") in filters else unpacked).update(key for key in read if key)
+    return packed - unpacked
+
+
+def packing_uses(nodes: list[dict[str, Any]]) -> tuple[set[int], set[int]]:
+    """The value ids packing nodes read as filter or bias, and the ids every other use (any node's ``*_id``) names."""
+    filters: set[int] = set()
+    others: set[int] = set()
+    for node in nodes:
+        packing = node.get("xnode_union_type") in PACKING_NODES
+        for role, value in node.get("xnode_union", {}).items():
+            ids = value if isinstance(value, list) else [value]
+            if packing and role in ("filter_id", "bias_id"):
+                filters.update(ids)
+            elif role.endswith(("_id", "_ids")):
+                others.update(ids)
+    return filters, others
+
+
+def xnnpack_graph(processed: bytes, label: str) -> dict[str, Any]:
+    """An XNNPACK delegate's graph (its flatbuffer, ``XNNGraph``) as JSON, read with ExecuTorch's flatc and schema."""
+    from executorch.backends.xnnpack.serialization.xnnpack_graph_serialize import XNNHeader, _get_schema_bytes
+    from executorch.exir._serialize._flatbuffer import _flatc_decompile
+
+    header = XNNHeader.from_bytes(processed[:XNNHeader.EXPECTED_LENGTH])
+    with tempfile.TemporaryDirectory(prefix="aotstack-xnnpack-") as directory:
+        folder = Path(directory)
+        (folder / "schema.fbs").write_bytes(_get_schema_bytes())
+        (folder / "graph.bin").write_bytes(
+            processed[header.flatbuffer_offset:header.flatbuffer_offset + header.flatbuffer_size])
+        try:
+            _flatc_decompile(directory, str(folder / "schema.fbs"), str(folder / "graph.bin"), ["--raw-binary"])
+            text = (folder / "graph.json").read_text()
+        except Exception as error:
+            raise LoweringError(f"{label}: could not read XNNPACK's graph: {error}") from error
+    # flatc writes infinite floats (a clamp's bounds) as bare inf, which JSON lacks.
+    return json.loads(re.sub(r"(?<![\w\"])(-?)inf(?![\w\"])", r"\1Infinity", text))

@@ -17,10 +17,14 @@ imports ExecuTorch's whole compiler (and torch's) for a warning class, about 2 s
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import mmap
+import sys
 import threading
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +32,7 @@ import torch
 from ...engine.session import DelegateFiles, SessionRuntime
 from ...errors import AotstackError, DelegateInitError, PackageError, RunError
 from ...format import processed as processed_json
+from ...format.archive import page_ranges
 from ...format.boundary import BoundaryCheck
 from ...format.tensor_data import BytesLike
 from .packages import require_executorch
@@ -42,6 +47,8 @@ METHOD = "forward"
 PROCESSED_VERSION = 1
 # A FlatTensor file: 8 bytes of flatbuffer preamble, then its header's magic.
 FLAT_TENSOR_MAGIC = b"FH01"
+# A range of bytes, (start, end).
+Span = tuple[int, int]
 
 # ExecuTorch's runtime shares one thread pool and each program's planned memory between calls:
 # one call at a time in this process (XNNPACK's pool runs one parallel job at a time anyway).
@@ -78,10 +85,14 @@ class XnnpackRuntime(SessionRuntime):
         missing = [name for name in needed if name not in named_data]
         if missing:
             raise PackageError(f"{label}: the package holds no named data {', '.join(map(repr, missing))}")
-        data_map = assembled_data_map(named_data.get(FRAME_NAME, b""), segments, named_data, data_size, label)
+        frame = named_data.get(FRAME_NAME, b"")
+        data_map = assembled_data_map(frame, segments, named_data, data_size, label)
         program = bytes(named_data[PROGRAM_NAME])
         module = loaded_module(program, data_map, label)
-        return XnnpackHandle(module, [program, data_map], outputs, label, delegate.boundary.checker(label))
+        base = memoryview(frame).nbytes
+        packed = packed_spans(processed, segments, base, label)
+        return XnnpackHandle(module, [program, data_map], outputs, label, delegate.boundary.checker(label),
+                             packed=packed, read=read_spans(segments, base, packed))
 
     def execute(self, handle: XnnpackHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         return run(handle, inputs)
@@ -97,6 +108,22 @@ def read_segments(processed: Mapping[str, Any], label: str) -> list[Segment]:
             raise PackageError(f"{label}: segment {entry[0]!r} is not named data {DATA_PREFIX}<key>")
         segments.append(Segment(*entry))
     return segments
+
+
+def packed_spans(processed: Mapping[str, Any], segments: list[Segment], base: int, label: str) -> list[Span]:
+    """Where in the data file lie the segments its ``packed`` field names (none where the field is absent)."""
+    names = processed.get("packed", [])
+    known = {segment.name for segment in segments}
+    if not isinstance(names, list) or not all(isinstance(name, str) and name in known for name in names):
+        raise PackageError(f"{label}: processed field 'packed' must list segments of its data file, got {names!r}")
+    return [(base + segment.offset, base + segment.offset + segment.size) for segment in segments
+            if segment.name in names]
+
+
+def read_spans(segments: list[Segment], base: int, packed: list[Span]) -> list[Span]:
+    """Where in the data file lie its frame and the segments XNNPACK keeps reading (those not ``packed``)."""
+    spans = [(base + segment.offset, base + segment.offset + segment.size) for segment in segments]
+    return [(0, base), *(span for span in spans if span not in packed)]
 
 
 def frame_header(frame: BytesLike, label: str, error: type[AotstackError] = PackageError) -> tuple[int, int]:
@@ -177,6 +204,10 @@ class XnnpackHandle:
     check: BoundaryCheck | None
     # Whether a call has run: ExecuTorch sets XNNPACK up at the first.
     started: bool = False
+    # (start, end) in the data file of the constants XNNPACK reads only to pack them, at the first call,
+    # and of what it reads at every call.
+    packed: list[Span] = field(default_factory=list)
+    read: list[Span] = field(default_factory=list)
 
 
 def run(handle: XnnpackHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -199,8 +230,43 @@ def run(handle: XnnpackHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]
             # XNNPACK starts at the first call: a failure there is one of setting it up.
             kind = RunError if handle.started else DelegateInitError
             raise kind(f"{handle.label}: ExecuTorch could not run it: {error}") from error
-        handle.started = True
+        if not handle.started:
+            handle.started = True
+            release_packed(handle)
     if len(outputs) != handle.outputs:
         raise PackageError(f"{handle.label}: the program returned {len(outputs)} outputs, its record says "
                            f"{handle.outputs}")
     return list(outputs)
+
+
+def release_packed(handle: XnnpackHandle) -> None:
+    """Give back the memory of the data file's constants XNNPACK packed at its first call (Linux; elsewhere a no-op).
+
+    ExecuTorch hands XNNPACK each constant as a pointer into the data file. When it creates
+    XNNPACK's runtime (at the first call), the nodes that pack their weights (fully connected
+    and convolutions: filter, bias, their scales) copy them into XNNPACK's own memory, and
+    ExecuTorch drops its pointers to them (XNNCompiler.cpp: the buffers of packed values are
+    freed once the runtime exists); every other constant (a multiplier, a PReLU slope) is
+    read where it is at each call, so its pages stay. The data file is a ``bytes`` object,
+    private memory: a page given back reads as zeros afterwards, which no one reads.
+    """
+    data_map = handle.keep_alive[1]
+    if not handle.packed or data_map is None or not sys.platform.startswith("linux"):
+        return
+    address = ctypes.cast(ctypes.c_char_p(data_map), ctypes.c_void_p).value or 0
+    end = address + len(data_map)
+    # Whatever lies around the bytes object (its header, other objects) keeps its pages too.
+    kept = [(address + start, address + stop) for start, stop in handle.read] + [(address - 1, address), (end, end + 1)]
+    dropped = [(address + start, address + stop) for start, stop in handle.packed]
+    madvise = libc_madvise()
+    for start, stop in page_ranges(dropped, kept, mmap.PAGESIZE, 1 << 64):
+        madvise(start, stop - start, mmap.MADV_DONTNEED)
+
+
+@functools.cache
+def libc_madvise() -> Any:
+    """The C library's ``madvise(address, length, advice)``."""
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
