@@ -126,12 +126,14 @@ def test_two_partitions_compile_in_two_workers_at_once(tmp_path: Path) -> None:
     torch.testing.assert_close(aotstack.load(path).forward(x), TwoRelus()(x))
 
 
-def test_one_job_compiles_in_this_process_one_after_another() -> None:
+def test_one_job_compiles_in_one_worker_at_a_time() -> None:
+    # A worker all the same: an engine crashing in it ends the worker, not this process.
     lowered = aotstack.lower(relu_program(), [OpPartitioner(relu="test_pid_relu")], jobs=1, progress=False)
     records = compile_records(lowered)
-    assert [record["pid"] for record in records] == [TEST_PROCESS, TEST_PROCESS]
+    pids = [record["pid"] for record in records]
+    assert TEST_PROCESS not in pids
     assert records[0]["ended"] <= records[1]["started"]
-    assert [entry.worker for entry in lowered.compile_log["forward"]] == [None, None]
+    assert [entry.worker for entry in lowered.compile_log["forward"]] == pids
 
 
 def test_aoti_partitions_compile_in_workers_and_match_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -200,11 +202,12 @@ def test_a_failing_compile_in_a_worker_names_method_and_partition() -> None:
 
 
 def test_a_worker_that_dies_is_named() -> None:
-    with pytest.raises(aotstack.LoweringError) as caught:
+    with pytest.raises(aotstack.EngineCrashError) as caught:
         aotstack.lower(relu_program(), [OpPartitioner(relu="test_dying")], jobs=2, progress=False)
     message = str(caught.value)
     assert re.search(r"method 'forward', partition 'relu_[01]'", message)
-    assert "was killed by SIGKILL before sending a result" in message
+    assert re.search(r"test_dying died of SIGKILL while compiling partition 'relu_[01]'", message)
+    assert caught.value.signal == "SIGKILL"
 
 
 def test_fallback_keeps_a_failed_worker_compile_in_the_method(tmp_path: Path) -> None:
@@ -213,7 +216,7 @@ def test_fallback_keeps_a_failed_worker_compile_in_the_method(tmp_path: Path) ->
     )
     assert lowered.delegates("forward") == []
     assert [f.partition for f in lowered.compile_failures["forward"]] == ["relu_0", "relu_1"]
-    assert "killed by SIGKILL" in lowered.compile_failures["forward"][0].error
+    assert "died of SIGKILL" in lowered.compile_failures["forward"][0].error
     path = tmp_path / "fallback.pt2"
     lowered.save(path)
     x = torch.randn(4, 8)

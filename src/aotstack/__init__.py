@@ -44,6 +44,7 @@ _EXPORTS = {
     "CompileSpecError": "errors",
     "CheckError": "errors",
     "DelegateInitError": "errors",
+    "EngineCrashError": "errors",
     "ExportError": "errors",
     "GenerationError": "errors",
     "InputError": "errors",

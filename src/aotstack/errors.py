@@ -73,6 +73,23 @@ class MissingFallbackKernelsError(LoweringError):
         return MissingFallbackKernelsError(self.backend_id, self.kernels, method)
 
 
+class EngineCrashError(LoweringError):
+    """An engine's process ended without a result: a signal (SIGSEGV, SIGFPE, SIGABRT), killed, or an exit.
+
+    Lowering runs the engines' compiles, and auto-lowering the timing of each plan, in child
+    processes, so a crash in an engine's native code ends only the child; the message names the
+    engine, what it was doing and the signal. ``signal`` is the signal's name (``"SIGFPE"``), None
+    where the child exited without one.
+    """
+
+    def __init__(self, message: str, signal: str | None = None) -> None:
+        super().__init__(message)
+        self.signal = signal
+
+    def __reduce__(self) -> tuple[type, tuple[str, str | None]]:
+        return (type(self), (str(self), self.signal))
+
+
 class CheckError(LoweringError):
     """A lowered program's answers differ from eager PyTorch's past the tolerance.
 

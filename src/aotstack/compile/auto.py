@@ -8,7 +8,9 @@ The algorithm, kept small so a report can explain it:
 2. Each plan lowers the whole program (a part whose compile fails is left to the next engine,
    not fatal), is saved and loaded as a user would, and each method is timed on its example
    inputs in the caller's thread count: warm-up calls, then the median of several calls. Each
-   delegate's time is recorded too, so the report can say where a call's time went.
+   delegate's time is recorded too, so the report can say where a call's time went. Compiles and
+   timings run in child processes: an engine that crashes (a signal in its native code) fails
+   its plan with an ``EngineCrashError`` the report names, and auto goes on with the others.
 3. Per method, the fastest plan wins; boundary costs are in its time, as they are in a user's
    call. Within ``TIE`` of AOTInductor alone, AOTInductor alone wins: one engine and no
    boundaries for a difference the measurement cannot tell apart. Methods choose separately, so
@@ -32,7 +34,7 @@ from torch.export import ExportedProgram
 
 from .. import __version__
 from ..engine.registry import BUILT_IN
-from ..errors import LoweringError
+from ..errors import EngineCrashError, LoweringError
 from ..format.devices import parse_device_spec
 from ..format.placement import Candidate, Selection
 from ..format.specs import CompileSpec, SpecKey
@@ -182,6 +184,9 @@ def measured_candidate(plan: Plan, timing: MethodTiming, backends: Mapping[str, 
 
 
 def failed_candidate(plan: Plan, error: BaseException) -> Candidate:
+    """``plan`` as it failed; an engine's crash is named by its own short message (engine, stage, signal)."""
+    if isinstance(error, EngineCrashError) and isinstance(error.__cause__, EngineCrashError):
+        error = error.__cause__
     return Candidate(list(plan), None, {}, f"{type(error).__name__}: {error}"[:2000])
 
 

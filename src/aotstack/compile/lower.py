@@ -15,7 +15,14 @@ from torch.export import ExportedProgram
 from torch.fx.passes.utils.fuser_utils import validate_partition
 
 from ..engine.registry import backend_class
-from ..errors import CheckError, CompileSpecError, LoweringError, MissingFallbackKernelsError, PackageError
+from ..errors import (
+    CheckError,
+    CompileSpecError,
+    EngineCrashError,
+    LoweringError,
+    MissingFallbackKernelsError,
+    PackageError,
+)
 from ..format.custom_ops import is_custom_op_name
 from ..format.op_names import op_name
 from ..format.ops import is_delegate_call
@@ -196,8 +203,9 @@ def lower(
     a method's inputs or outputs on the device instead of copying them.
 
     The partitions one partitioner claims, in every method, compile at once in up to ``jobs``
-    worker processes (default: one per core; ``jobs=1`` compiles one at a time in this
-    process); identical partitions compile once. ``progress`` shows each compile as it runs: a
+    worker processes (default: one per core; ``jobs=1`` compiles one at a time); identical
+    partitions compile once. An engine that crashes in a worker raises ``EngineCrashError``
+    naming it, the partition and the signal; this process goes on. ``progress`` shows each compile as it runs: a
     live table when standard error is a terminal (the default, None), log lines otherwise;
     True always draws the table, False never.
 
@@ -281,9 +289,10 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowerer) -> Lower
                 program.methods,
             ) if timed else {}
         except Exception as error:  # noqa: BLE001 - a plan that fails is one the report names, not the end of auto
-            logger.warning("auto: %s could not be lowered or run: %s: %s", plan_text(plan), type(error).__name__, error)
+            failed = failed_candidate(plan, error)
+            logger.warning("auto: %s could not be lowered or run: %s", plan_text(plan), failed.error)
             for name in program.methods:
-                measured[name, plan] = (failed_candidate(plan, error), {})
+                measured[name, plan] = (failed, {})
             continue
         lowered_by_plan[plan] = lowered
         for name in program.methods:
@@ -771,16 +780,19 @@ def compile_error(
     """The error to raise for a failed compile: where it failed, then why.
 
     ``MissingFallbackKernelsError`` keeps its type and fields, which callers read, and names
-    the method already; a ``CompileSpecError`` stays one, so it remains a ``ValueError`` too.
+    the method already; a ``CompileSpecError`` stays one, so it remains a ``ValueError`` too, and
+    an ``EngineCrashError`` (the engine's compile worker died) stays one, with its signal.
     """
     if isinstance(exc, MissingFallbackKernelsError):
         return exc if exc.method else exc.in_method(method)
-    error_type = CompileSpecError if isinstance(exc, CompileSpecError) else LoweringError
-    return error_type(
+    message = (
         f"method {method!r}, partition {tag!r} ({backend_id}, delegate {delegate_id}) failed to compile "
         f"(ops: {ops_text(ops)}): {type(exc).__name__}: {exc}\n"
         "lower(..., on_compile_error='fallback') would leave this partition to the next partitioner or plain ATen"
     )
+    if isinstance(exc, EngineCrashError):
+        return EngineCrashError(message, exc.signal)
+    return (CompileSpecError if isinstance(exc, CompileSpecError) else LoweringError)(message)
 
 
 def compile_failure(method: str, tag: str, backend_id: str, ops: tuple[str, ...], exc: Exception) -> CompileFailure:

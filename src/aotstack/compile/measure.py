@@ -2,16 +2,26 @@
 
 ``lower(..., "auto")`` compares engines by these figures. Like the numerical check, it runs what
 was packaged the way a user loads it, so it is the other place the compiler uses the runtime.
+
+The load and the calls run in a child forked for each plan (``child.py``): an engine that crashes
+loading its part or running it (OpenVINO compiles its model at load, and can die of SIGFPE there)
+ends the child, and the plan fails with an ``EngineCrashError`` naming the engine, what it was
+doing and the signal, for auto to report while it goes on with the other plans. The child times
+what a user's process would run: the file loaded fresh, in this process's thread count, with no
+other plan's engines loaded beside it.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
+import re
 import statistics
+import sys
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,11 +29,14 @@ import torch
 from torch.export import ExportedProgram
 
 from ..engine.interface import BackendRuntime
+from ..engine.registry import runtime_class
+from ..errors import BackendNotFoundError, EngineCrashError
 from ..format.archive import read_manifest
 from ..format.records import Delegate
 from ..runtime.interpreter import LoadedDelegate
 from ..runtime.load import DelegateWrapper, loaded_program
 from .check import example_inputs, placed_inputs
+from .child import Child, can_run_engines_in_fork, closed, crash_error, crash_stack, death, forked, received, stop
 from .package import save
 from .parallel import quiet_torch_warnings
 
@@ -51,20 +64,134 @@ def measured_methods(
 
     ``examples`` holds the programs as exported, whose example inputs the calls use.
     Every call starts from the package's initial state (a KV cache is reset each time).
+    The load and the calls run in a forked child where that is safe (``child.can_run_engines_in_fork``),
+    else in this process.
     """
     with tempfile.TemporaryDirectory(prefix="aotstack-measure-") as folder:
         path = os.path.join(folder, "measured.pt2")
         save(dict(methods), dict(delegates), path)
-        spent: dict[str, list[float]] = defaultdict(list)
-        loaded = loaded_program(path, allowed_ops=None, wrap_delegate=timing_into(spent))
-        manifest = read_manifest(path)
-        timings = {}
-        with quiet_torch_warnings(), torch.no_grad():
-            for name in methods:
-                args, kwargs = placed_inputs(example_inputs(name, examples[name]), manifest.methods[name].inputs)
-                method = loaded.method(name)
-                timings[name] = timed_method(lambda m=method, a=args, k=kwargs: m(*a, **k), loaded.reset, spent)
-        return timings
+        engines = [(d.delegate_id, d.backend_id) for name in methods for d in delegates[name]]
+        stage = Stage([delegate_id for delegate_id, _ in engines])
+        if not can_run_engines_in_fork():
+            return timings(path, list(methods), examples, stage)
+        return timings_in_child(path, list(methods), examples, stage, engines)
+
+
+class Stage:
+    """Where the timing is, kept in memory a forked child shares: loading, or in which method and delegate.
+
+    Its parent reads it when the child dies, to say what the child was doing and in which engine.
+    """
+
+    LOADING = -1
+    OUTSIDE = -1
+
+    def __init__(self, delegate_ids: Sequence[str]) -> None:
+        self.memory = mmap.mmap(-1, 8)  # anonymous and shared: the child's writes show here
+        self.slots = memoryview(self.memory).cast("i")
+        self.index = {delegate_id: index for index, delegate_id in enumerate(delegate_ids)}
+        self.loading()
+
+    def loading(self) -> None:
+        self.slots[0], self.slots[1] = self.LOADING, self.OUTSIDE
+
+    def calling(self, method: int) -> None:
+        self.slots[0], self.slots[1] = method, self.OUTSIDE
+
+    def entering(self, delegate_id: str) -> None:
+        self.slots[1] = self.index.get(delegate_id, self.OUTSIDE)
+
+    def left(self) -> None:
+        self.slots[1] = self.OUTSIDE
+
+    def position(self) -> tuple[int, int]:
+        """The method's index (or ``LOADING``) and the delegate's (or ``OUTSIDE``)."""
+        return self.slots[0], self.slots[1]
+
+
+def timings(
+    path: str, names: Sequence[str], examples: Mapping[str, ExportedProgram], stage: Stage
+) -> dict[str, MethodTiming]:
+    """Each method ``names`` lists of the program saved at ``path``, loaded and timed in this process."""
+    spent: dict[str, list[float]] = defaultdict(list)
+    stage.loading()
+    loaded = loaded_program(path, allowed_ops=None, wrap_delegate=timing_into(spent, stage))
+    manifest = read_manifest(path)
+    result = {}
+    with quiet_torch_warnings(), torch.no_grad():
+        for index, name in enumerate(names):
+            stage.calling(index)
+            args, kwargs = placed_inputs(example_inputs(name, examples[name]), manifest.methods[name].inputs)
+            method = loaded.method(name)
+            result[name] = timed_method(lambda m=method, a=args, k=kwargs: m(*a, **k), loaded.reset, spent)
+    return result
+
+
+def timings_in_child(
+    path: str,
+    names: Sequence[str],
+    examples: Mapping[str, ExportedProgram],
+    stage: Stage,
+    engines: Sequence[tuple[str, str]],
+) -> dict[str, MethodTiming]:
+    """``timings`` run in a forked child; an ``EngineCrashError`` where the child dies (``engines``: each
+    delegate's id and backend, in ``stage``'s order)."""
+    child = forked(timings, (path, names, examples, stage), "aotstack-timing")
+    try:
+        message = received(child)
+    except BaseException:
+        # Interrupted: the child is not left running.
+        stop(child)
+        raise
+    try:
+        if message is None:
+            raise timing_crash(child, stage, names, engines)
+        kind, value = message
+        if kind == "raised":
+            value.add_note(f"raised in the timing process {child.pid}")
+            raise value
+        return value
+    finally:
+        closed(child)
+
+
+def timing_crash(
+    child: Child, stage: Stage, names: Sequence[str], engines: Sequence[tuple[str, str]]
+) -> EngineCrashError:
+    """What the timing child was doing when it died, and in which engine: ``openvino died of SIGFPE while ...``."""
+    died, pid = death(child), child.pid
+    method, delegate = stage.position()
+    if method == Stage.LOADING:
+        backends = sorted({backend for _, backend in engines})
+        engine = engine_in_stack(crash_stack(child), backends)
+        if engine is None:
+            engine = f"one of {', '.join(backends)}" if backends else "the timing process"
+        return crash_error(child, f"{engine} {died} while loading the lowered program to time it "
+                                  f"(timing process {pid})")
+    if delegate == Stage.OUTSIDE:
+        return crash_error(child, f"the timing process {pid} {died} while timing method {names[method]!r}, "
+                                  "outside its delegates")
+    delegate_id, backend = engines[delegate]
+    return crash_error(child, f"{backend} {died} while timing method {names[method]!r} "
+                              f"(delegate {delegate_id}, timing process {pid})")
+
+
+def engine_in_stack(stack: str, backend_ids: Iterable[str]) -> str | None:
+    """The engine, of ``backend_ids``, whose run side holds the innermost frame of a ``faulthandler`` dump."""
+    files = {}
+    for backend_id in backend_ids:
+        try:
+            module = sys.modules.get(runtime_class(backend_id).__module__)
+        except BackendNotFoundError:
+            continue
+        path = getattr(module, "__file__", None)
+        if path:
+            files[os.path.realpath(path)] = backend_id
+    for path in re.findall(r'File "([^"]+)", line', stack):
+        engine = files.get(os.path.realpath(path))
+        if engine is not None:
+            return engine
+    return None
 
 
 def timed_method(call: Callable[[], Any], reset: Callable[[], None], spent: dict[str, list[float]]) -> MethodTiming:
@@ -94,20 +221,22 @@ def timed_method(call: Callable[[], Any], reset: Callable[[], None], spent: dict
 
 
 class TimingRuntime(BackendRuntime):
-    """A delegate's run side that records how long each of its calls took."""
+    """A delegate's run side that records how long each of its calls took, and marks the ``stage`` it is in."""
 
-    def __init__(self, inner: BackendRuntime, delegate_id: str, spent: dict[str, list[float]]) -> None:
-        self.inner, self.delegate_id, self.spent = inner, delegate_id, spent
+    def __init__(self, inner: BackendRuntime, delegate_id: str, spent: dict[str, list[float]], stage: Stage) -> None:
+        self.inner, self.delegate_id, self.spent, self.stage = inner, delegate_id, spent, stage
 
     def execute(self, handle: Any, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        self.stage.entering(self.delegate_id)
         started = time.perf_counter()
         outputs = self.inner.execute(handle, inputs)
         self.spent[self.delegate_id].append(time.perf_counter() - started)
+        self.stage.left()
         return outputs
 
 
-def timing_into(spent: dict[str, list[float]]) -> DelegateWrapper:
+def timing_into(spent: dict[str, list[float]], stage: Stage) -> DelegateWrapper:
     def timing(delegate_id: str, delegate: LoadedDelegate) -> LoadedDelegate:
-        return LoadedDelegate(TimingRuntime(delegate.runtime, delegate_id, spent), delegate.handle)
+        return LoadedDelegate(TimingRuntime(delegate.runtime, delegate_id, spent, stage), delegate.handle)
 
     return timing

@@ -5,47 +5,39 @@ threaded, so partitions that do not depend on each other compile in forked worke
 at most ``workers`` at a time. A forked worker inherits the partition, its backend and every
 registered backend as they are in memory; only the result travels back, through a pipe.
 
-Fork is used where it is safe: on Linux, before CUDA is initialised in this process (a CUDA
-context does not survive fork), and with OpenMP's pool paused first (``aotstack.forking``).
-Elsewhere partitions compile one at a time in this process, as with ``workers=1``.
+Every compile runs in a worker, one at a time with ``workers=1`` too: an engine whose native code
+crashes (a signal) then ends its worker, not the caller, and the failure is an
+``EngineCrashError`` naming the engine, the partition and the signal (``child.py``). Where fork is
+not safe (``child.can_fork``) partitions compile one at a time in this process.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing
-import os
-import pickle
-import signal
-import sys
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from dataclasses import dataclass
+from multiprocessing.connection import wait
 from typing import Any
 
 import numpy
 import torch
 from torch.export import ExportedProgram
 
-from ..errors import LoweringError
-from ..forking import pause_openmp
+from ..errors import EngineCrashError, LoweringError
 from ..format.archive import usable_cores
 from ..format.specs import PreprocessResult
 from ..format.tensor_data import BytesLike, tensor_buffer, tensor_is_viewable
 from .cache import keep_preprocess, kept_preprocess, preprocess_key
+from .child import Child, can_fork, closed, crash_error, death, forked, portable, received, stop
 from .jobs import CompileJob, CompileOutcome
 from .program_parts import program_weights
 from .progress import Progress
 
 logger = logging.getLogger("aotstack")
-
-
-class WorkerDiedError(LoweringError):
-    """A compile worker process ended without a result: killed, out of memory, or a crash in native code."""
 
 
 def compile_all(
@@ -61,15 +53,13 @@ def compile_all(
         return []
     representatives, same_as = distinct_jobs(jobs)
     progress.queued(jobs)
-    if workers > 1 and len(representatives) > 1 and can_fork():
+    if can_fork():
         # A partition compiled before costs no worker: its backend's cache answers here.
         results = cached_outcomes(representatives, progress)
         misses = [job for job in representatives if job not in results]
-        if len(misses) > 1:
+        if misses:
             warm_up_backends(misses)
             results.update(compiled_in_workers(misses, min(workers, len(misses)), progress, stop_on_error))
-        else:
-            results.update(compiled_here(misses, progress, stop_on_error))
     else:
         results = compiled_here(representatives, progress, stop_on_error)
     outcomes = []
@@ -111,7 +101,10 @@ def kept_result(job: CompileJob) -> PreprocessResult | None:
 
 
 def warm_up_backends(jobs: Sequence[CompileJob]) -> None:
-    """Each backend's once-per-process work, done here so that every forked worker inherits it."""
+    """Each backend's once-per-process work, done here so that every forked worker inherits it.
+
+    Done for one worker too: the next lowering in this process forks from it again.
+    """
     for backend in {type(job.backend): job.backend for job in jobs}.values():
         backend.warm_up()
 
@@ -183,53 +176,34 @@ def quiet_torch_warnings() -> Iterator[None]:
         yield
 
 
-def can_fork() -> bool:
-    """Whether a worker can be forked from this process; why not is logged once."""
-    if not sys.platform.startswith("linux"):
-        reason = "fork is only safe here on Linux"
-    elif torch.cuda.is_initialized():
-        reason = "CUDA is initialised in this process, and its context does not survive fork"
-    else:
-        return True
-    logger.info("compiling partitions one at a time: %s", reason)
-    return False
-
-
-@dataclass(eq=False)
-class Running:
-    job: CompileJob
-    process: Any
-    connection: Connection
-    started: float = field(default_factory=time.perf_counter)
-
-
 def compiled_in_workers(
     jobs: Sequence[CompileJob], workers: int, progress: Progress, stop_on_error: bool
 ) -> dict[CompileJob, CompileOutcome]:
     """Compile ``jobs`` in up to ``workers`` forked processes at once; outcomes by job."""
     pending = list(jobs)
-    running: list[Running] = []
+    running: dict[Child, CompileJob] = {}
     outcomes: dict[CompileJob, CompileOutcome] = {}
     try:
         while pending or running:
             while pending and len(running) < workers:
-                worker = started_worker(pending.pop(0))
-                running.append(worker)
-                progress.started(worker.job, worker.process.pid)
+                job = pending.pop(0)
+                worker = forked(worker_message, (job,), f"aotstack-{job.tag}")
+                running[worker] = job
+                progress.started(job, worker.pid)
             ready = set(wait([w.connection for w in running] + [w.process.sentinel for w in running]))
             for worker in [w for w in running if w.connection in ready or w.process.sentinel in ready]:
-                running.remove(worker)
-                outcome = outcomes[worker.job] = finished_worker(worker)
+                job = running.pop(worker)
+                outcome = outcomes[job] = finished_worker(worker, job)
                 progress.finished(outcome)
                 if stop_on_error and outcome.error is not None:
-                    for job in pending:
-                        outcomes[job] = CompileOutcome(job)
-                        progress.finished(outcomes[job])
+                    for waiting in pending:
+                        outcomes[waiting] = CompileOutcome(waiting)
+                        progress.finished(outcomes[waiting])
                     pending.clear()
-                    for other in running:
+                    for other, cancelled in running.items():
                         stop(other)
-                        outcomes[other.job] = CompileOutcome(other.job, seconds=time.perf_counter() - other.started)
-                        progress.finished(outcomes[other.job])
+                        outcomes[cancelled] = CompileOutcome(cancelled, seconds=time.perf_counter() - other.started)
+                        progress.finished(outcomes[cancelled])
                     running.clear()
                     break
     finally:
@@ -239,47 +213,16 @@ def compiled_in_workers(
     return outcomes
 
 
-def started_worker(job: CompileJob) -> Running:
-    context = multiprocessing.get_context("fork")
-    receiving, sending = context.Pipe(duplex=False)
-    process = context.Process(
-        target=worker_main, args=(job, sending, torch.get_num_threads()), name=f"aotstack-{job.tag}", daemon=True
-    )
-    pause_openmp()
-    with warnings.catch_warnings():
-        # Python 3.12+ warns that forking a threaded process may deadlock; the child takes no
-        # lock another thread could hold: it compiles, sends its result and exits.
-        warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning)
-        process.start()
-    sending.close()
-    return Running(job, process, receiving)
-
-
-def worker_main(job: CompileJob, connection: Connection, threads: int) -> None:
-    """In the forked worker: compile the job and send back its result or its error."""
-    # A live display may have put a proxy over the streams whose lock a thread of the parent
-    # held at the fork; the worker writes to the streams themselves.
-    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
-    # Generated CPU code names its thread count: the worker compiles for the parent's.
-    torch.set_num_threads(threads)
-    # The parent shows progress; the worker's own log lines would only interleave with it.
-    logging.getLogger("aotstack").setLevel(logging.WARNING)
+def worker_message(job: CompileJob) -> tuple[Any, ...]:
+    """In the forked worker: the job compiled, as the message that carries its result or its error back."""
     outcome = compiled(job)
-    if outcome.result is not None:
-        result = outcome.result
-        message: tuple[Any, ...] = (
-            "done", result.processed_bytes, portable_named_data(job.program, result.named_data),
-            result.from_cache, outcome.seconds,
-        )
-    else:
-        message = ("failed", portable(outcome.error), outcome.seconds)
-    connection.send(message)
-    connection.close()
-    # Ended at once: a normal exit would first wind down what the compile started (Inductor's
-    # pool of compile processes among it), seconds the parent would spend waiting in join().
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    if outcome.result is None:
+        return ("failed", portable(outcome.error), outcome.seconds)
+    result = outcome.result
+    return (
+        "done", result.processed_bytes, portable_named_data(job.program, result.named_data),
+        result.from_cache, outcome.seconds,
+    )
 
 
 @dataclass(frozen=True)
@@ -322,59 +265,33 @@ def view_address(view: memoryview) -> int:
     return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data)
 
 
-def portable(error: Exception | None) -> Exception:
-    """``error`` as it can cross to the parent: itself where it pickles, else a LoweringError with its text."""
+def finished_worker(worker: Child, job: CompileJob) -> CompileOutcome:
+    """The outcome a worker sent, or an ``EngineCrashError`` where it ended without sending one."""
+    message = received(worker)
+    pid = worker.pid
     try:
-        pickle.loads(pickle.dumps(error))
-        assert error is not None
-        return error
-    except Exception:
-        return LoweringError(f"{type(error).__name__}: {error}")
-
-
-def finished_worker(worker: Running) -> CompileOutcome:
-    """The outcome a worker sent, or a ``WorkerDiedError`` where it ended without sending one."""
-    job, process = worker.job, worker.process
-    pid = process.pid
-    message = None
-    try:
-        if worker.connection.poll():
-            message = worker.connection.recv()
-    except (EOFError, OSError):
-        message = None
+        if message is None:
+            return CompileOutcome(job, error=worker_death(worker, job), seconds=time.perf_counter() - worker.started,
+                                  worker=pid)
+        kind, sent = message
+        if kind == "raised" or sent[0] == "failed":
+            error, seconds = (sent, time.perf_counter() - worker.started) if kind == "raised" else sent[1:]
+            error.add_note(f"raised in compile worker process {pid}")
+            return CompileOutcome(job, error=error, seconds=seconds, worker=pid)
+        _, processed, named_data, from_cache, seconds = sent
+        result = PreprocessResult(processed, received_named_data(job.program, named_data), from_cache)
+        return CompileOutcome(job, result, seconds=seconds, worker=pid)
     finally:
-        worker.connection.close()
-    process.join()
-    seconds = time.perf_counter() - worker.started
-    if message is None:
-        died = WorkerDiedError(
-            f"the compile worker (process {pid}) {exit_reason(process.exitcode)} before sending a result"
-        )
-        return CompileOutcome(job, error=died, seconds=seconds, worker=pid)
-    if message[0] == "failed":
-        error = message[1]
-        error.add_note(f"raised in compile worker process {pid}")
-        return CompileOutcome(job, error=error, seconds=message[2], worker=pid)
-    _, processed, named_data, from_cache, seconds = message
-    result = PreprocessResult(processed, received_named_data(job.program, named_data), from_cache)
-    return CompileOutcome(job, result, seconds=seconds, worker=pid)
+        closed(worker)
 
 
-def exit_reason(code: int | None) -> str:
-    if code is not None and code < 0:
-        try:
-            return f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"was killed by signal {-code}"
-    return f"exited with code {code}"
-
-
-def stop(worker: Running) -> None:
-    """End a running worker: its result is no longer wanted. The compile cache is written atomically."""
-    if worker.process.is_alive():
-        worker.process.kill()
-    worker.process.join()
-    worker.connection.close()
+def worker_death(worker: Child, job: CompileJob) -> EngineCrashError:
+    """The error for a worker that died compiling ``job``: the engine, the partition, the signal."""
+    return crash_error(
+        worker,
+        f"{job.backend_id} {death(worker)} while compiling partition {job.tag!r} of method {job.method!r} "
+        f"(compile worker process {worker.pid})",
+    )
 
 
 def default_workers() -> int:

@@ -1,0 +1,230 @@
+"""A forked child process that runs engine code, so that an engine crashing takes only the child with it.
+
+An engine's native code can end the process it runs in (OpenVINO 2026.4 dies of SIGFPE compiling
+a bf16 Llama at one thread). Lowering runs each compile (``parallel.py``) and auto-lowering the
+timing of each plan (``measure.py``) in a child forked from the caller's process. Fork, not
+spawn: the child inherits the program, its weights and every backend the caller registered,
+however it was defined, and starts in milliseconds instead of the seconds importing torch takes.
+
+Fork is used where ``can_fork`` says it is safe: on Linux, before CUDA is initialised in this
+process (a CUDA context does not survive fork), outside a daemonic multiprocessing worker (which
+may start no children), and with every OpenMP pool paused first
+(``aotstack.forking``). A child ends with ``os._exit``: a normal exit would wind down what the
+engine started (Inductor's compile pool; ONNX Runtime's teardown waits forever on the threads
+fork left behind). One that dies of a signal first writes its Python stack (``faulthandler``)
+to a file this process reads, so the error can say where it died.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import multiprocessing
+import os
+import pickle
+import signal
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import IO, Any
+
+import torch
+
+from ..errors import EngineCrashError, LoweringError
+from ..forking import pause_openmp
+
+logger = logging.getLogger("aotstack")
+
+# How many lines of a dead child's Python stack an error carries.
+STACK_LINES = 40
+
+
+@dataclass(eq=False)
+class Child:
+    """A forked child running one function; ``connection`` brings back what it returned or raised."""
+
+    process: Any
+    connection: Connection
+    # Where the child writes its Python stack if it dies of a signal.
+    crash_log: IO[bytes]
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+
+def can_fork() -> bool:
+    """Whether a child can be forked from this process; why not is logged."""
+    if not sys.platform.startswith("linux"):
+        reason = "fork is only safe here on Linux"
+    elif torch.cuda.is_initialized():
+        reason = "CUDA is initialised in this process, and its context does not survive fork"
+    elif multiprocessing.current_process().daemon:
+        reason = "this is a daemonic process, and multiprocessing lets it start no children"
+    else:
+        return True
+    logger.info("engines run in this process, so a crash in one would end it: %s", reason)
+    return False
+
+
+# Native libraries that, once they ran in a process, leave a forked child of it waiting forever on threads fork
+# did not copy. OpenVINO's CPU plugin compiles a model on its executor's threads, so a child's compile_model never
+# returns (its compile side, which only converts, is unaffected). ONNX Runtime's sessions and ExecuTorch's pool
+# survive fork, and OpenMP's pool is paused before it.
+THREADS_LOST_IN_FORK = {"libopenvino_intel_cpu_plugin": "OpenVINO"}
+
+
+def engines_lost_in_fork() -> list[str]:
+    """The engines that ran in this process and whose threads a forked child would wait on forever."""
+    try:
+        with open("/proc/self/maps") as maps:
+            names = {line.split()[-1].rsplit("/", 1)[-1] for line in maps if "/" in line}
+    except OSError:
+        return []
+    return sorted({engine for library, engine in THREADS_LOST_IN_FORK.items()
+                   if any(name.startswith(library) for name in names)})
+
+
+def can_run_engines_in_fork() -> bool:
+    """Whether a forked child can load and run engines: ``can_fork``, and no engine ran here that it would hang in."""
+    if not can_fork():
+        return False
+    lost = engines_lost_in_fork()
+    if lost:
+        logger.info("engines run in this process, so a crash in one would end it: %s ran here, and its threads "
+                    "do not survive fork", " and ".join(lost))
+    return not lost
+
+
+def forked(target: Callable[..., Any], args: tuple[Any, ...], name: str) -> Child:
+    """A child, forked now, running ``target(*args)`` in this process's thread count."""
+    context = multiprocessing.get_context("fork")
+    receiving, sending = context.Pipe(duplex=False)
+    crash_log = tempfile.TemporaryFile(prefix="aotstack-crash-")
+    process = context.Process(
+        target=child_main, args=(target, args, sending, crash_log, torch.get_num_threads()), name=name, daemon=True
+    )
+    pause_openmp()
+    with warnings.catch_warnings():
+        # Python 3.12+ warns that forking a threaded process may deadlock; the child takes no
+        # lock another thread could hold: it runs the engine, sends its result and exits.
+        warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning)
+        process.start()
+    sending.close()
+    return Child(process, receiving, crash_log)
+
+
+def child_main(
+    target: Callable[..., Any], args: tuple[Any, ...], connection: Connection, crash_log: IO[bytes], threads: int
+) -> None:
+    """In the child: send ``("returned", value)`` or ``("raised", error)``, then end at once."""
+    # A live display may have put a proxy over the streams whose lock a thread of the parent
+    # held at the fork; the child writes to the streams themselves.
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+    faulthandler.enable(crash_log, all_threads=True)
+    # Generated CPU code and the engines' pools take the parent's thread count.
+    torch.set_num_threads(threads)
+    # The parent reports progress; the child's own log lines would only interleave with it.
+    logging.getLogger("aotstack").setLevel(logging.WARNING)
+    try:
+        message: tuple[str, Any] = ("returned", target(*args))
+    except Exception as error:  # noqa: BLE001 - every failure goes back to the parent, which raises it
+        message = ("raised", portable(error))
+    try:
+        connection.send(message)
+    except Exception as error:  # noqa: BLE001 - a result that does not pickle is a failure to report too
+        connection.send(("raised", LoweringError(f"the child's result could not be sent back: {error}")))
+    connection.close()
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    os._exit(0)
+
+
+def portable(error: Exception | None) -> Exception:
+    """``error`` as it can cross to the parent: itself where it pickles, else a LoweringError with its text."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        assert error is not None
+        return error
+    except Exception:
+        return LoweringError(f"{type(error).__name__}: {error}")
+
+
+def received(child: Child) -> tuple[str, Any] | None:
+    """What ``child`` sent, once it sent it; None where it ended without sending anything.
+
+    A child that sent its result is not waited for: it ends at once, and its exit (tens of
+    milliseconds for a large process) overlaps what this process does next. multiprocessing
+    reaps it at the next start or at exit.
+    """
+    try:
+        # Both: a process the engine started may hold the pipe open after the child died.
+        wait([child.connection, child.process.sentinel])
+        if child.connection.poll(0):
+            return child.connection.recv()
+    except (EOFError, OSError):
+        pass
+    child.process.join()
+    return None
+
+
+def signal_name(exitcode: int | None) -> str | None:
+    """The signal that ended a child, from its exit code; None where it exited by itself."""
+    if exitcode is None or exitcode >= 0:
+        return None
+    try:
+        return signal.Signals(-exitcode).name
+    except ValueError:
+        return f"signal {-exitcode}"
+
+
+def death(child: Child) -> str:
+    """How a child that sent nothing ended: ``died of SIGFPE``, ``exited with code 1``."""
+    name = signal_name(child.process.exitcode)
+    return f"died of {name}" if name is not None else f"exited with code {child.process.exitcode}"
+
+
+def crash_stack(child: Child) -> str:
+    """The Python stack a child wrote as it died of a signal, innermost frames first; empty where it wrote none."""
+    try:
+        child.crash_log.seek(0)
+        lines = child.crash_log.read().decode(errors="replace").splitlines()
+    except (OSError, ValueError):
+        return ""
+    kept = []
+    for line in lines:
+        # The frames from child_main down are the fork and the caller's lowering, not the engine's.
+        if f'File "{__file__}"' in line:
+            break
+        if line.strip():
+            kept.append(line)
+    return "\n".join(kept[:STACK_LINES])
+
+
+def crash_error(child: Child, message: str) -> EngineCrashError:
+    """An ``EngineCrashError`` saying ``message`` about a dead child, with its Python stack as a note."""
+    error = EngineCrashError(message, signal_name(child.process.exitcode))
+    stack = crash_stack(child)
+    if stack:
+        error.add_note(f"the Python stack of process {child.pid} when it died:\n{stack}")
+    return error
+
+
+def closed(child: Child) -> None:
+    """Let go of a child that has ended: its crash log is no longer needed."""
+    child.connection.close()
+    child.crash_log.close()
+
+
+def stop(child: Child) -> None:
+    """End a running child whose result is no longer wanted."""
+    if child.process.is_alive():
+        child.process.kill()
+    child.process.join()
+    closed(child)

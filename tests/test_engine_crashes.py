@@ -1,0 +1,208 @@
+"""An engine that crashes (a signal in its native code) ends a child process of lowering, never the caller's.
+
+The engines here are real user backends that really crash: they send their own process SIGFPE,
+read address 0 (SIGSEGV) or abort. Each refuses to crash in the test process itself, raising
+instead, so a lowering that ran it there fails the test rather than ending the test run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import signal
+
+import pytest
+import torch
+
+import aotstack
+from aotstack.engine.registry import BUILT_IN, Engine
+
+TEST_PROCESS = os.getpid()
+
+
+def crash(how: str) -> None:
+    """End this process the way a crash in an engine's native code would."""
+    if os.getpid() == TEST_PROCESS:
+        raise RuntimeError("the engine ran in the test process; lowering should have run it in a child")
+    if how == "SIGFPE":
+        os.kill(os.getpid(), signal.SIGFPE)
+    elif how == "SIGSEGV":
+        ctypes.string_at(0)
+    elif how == "SIGABRT":
+        os.abort()
+    else:
+        os._exit(3)
+
+
+class CrashingRelu(aotstack.Backend):
+    """Runs relu; the subclasses crash in one of their steps."""
+
+    backend_id = "test_crash_relu"
+
+    def preprocess(self, exported_program, compile_specs):
+        return aotstack.PreprocessResult(b"")
+
+    def init(self, processed_bytes, named_data, compile_specs):
+        return None
+
+    def execute(self, handle, inputs):
+        return [torch.relu(inputs[0])]
+
+
+class FpeCompiling(CrashingRelu):
+    backend_id = "test_fpe_compiling"
+
+    def preprocess(self, exported_program, compile_specs):
+        crash("SIGFPE")
+
+
+class SegvCompiling(CrashingRelu):
+    backend_id = "test_segv_compiling"
+
+    def preprocess(self, exported_program, compile_specs):
+        crash("SIGSEGV")
+
+
+class AbortCompiling(CrashingRelu):
+    backend_id = "test_abort_compiling"
+
+    def preprocess(self, exported_program, compile_specs):
+        crash("SIGABRT")
+
+
+class ExitCompiling(CrashingRelu):
+    backend_id = "test_exit_compiling"
+
+    def preprocess(self, exported_program, compile_specs):
+        crash("exit")
+
+
+class SegvLoading(CrashingRelu):
+    """Compiles; dies at load, as OpenVINO compiling its model in ``init`` can."""
+
+    backend_id = "test_segv_loading"
+
+    def init(self, processed_bytes, named_data, compile_specs):
+        crash("SIGSEGV")
+
+
+class FpeRunning(CrashingRelu):
+    """Compiles and loads; dies in its first call."""
+
+    backend_id = "test_fpe_running"
+
+    def execute(self, handle, inputs):
+        crash("SIGFPE")
+
+
+class ReluPartitioner(aotstack.SupportedOpsPartitioner):
+    """Claims relu for the backend named by the subclass."""
+
+    backend_id = "test_crash_relu"
+
+    def supports_op(self, op):
+        return op is torch.ops.aten.relu.default
+
+
+# One partitioner per crashing engine, by backend id; auto builds them with no arguments.
+PARTITIONERS = {
+    cls.backend_id: type(f"{cls.__name__}Partitioner", (ReluPartitioner,), {"backend_id": cls.backend_id})
+    for cls in (FpeCompiling, SegvCompiling, AbortCompiling, ExitCompiling, SegvLoading, FpeRunning)
+}
+globals().update({partitioner.__name__: partitioner for partitioner in PARTITIONERS.values()})
+
+
+class Relu(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x)
+
+
+X = torch.randn(4, 8)
+
+
+def relu_program() -> aotstack.Program:
+    return aotstack.export(Relu(), {"forward": (X,)})
+
+
+@pytest.fixture(autouse=True)
+def no_core_files():
+    """The children's crashes write no core files."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_CORE, (soft, hard))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory: pytest.TempPathFactory):
+    """One compile cache for the module: AOTInductor compiles the relu once, for every test here."""
+    return tmp_path_factory.mktemp("crash-cache")
+
+
+@pytest.fixture
+def crashing_engines(monkeypatch: pytest.MonkeyPatch, cache_dir):
+    """The crashing engines, each a candidate auto may be asked to measure."""
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(cache_dir))
+    for backend_id, partitioner in PARTITIONERS.items():
+        monkeypatch.setitem(BUILT_IN, backend_id, Engine(__name__, __name__, f"{__name__}:{partitioner.__name__}"))
+
+
+@pytest.mark.parametrize(
+    ("backend_id", "death", "signal_name"),
+    [
+        ("test_fpe_compiling", "died of SIGFPE", "SIGFPE"),
+        ("test_segv_compiling", "died of SIGSEGV", "SIGSEGV"),
+        ("test_abort_compiling", "died of SIGABRT", "SIGABRT"),
+        ("test_exit_compiling", "exited with code 3", None),
+    ],
+)
+def test_an_engine_dying_while_compiling_is_an_error_naming_it(backend_id, death, signal_name):
+    # jobs=1 compiles one partition at a time, in a worker all the same.
+    with pytest.raises(aotstack.EngineCrashError) as raised:
+        aotstack.lower(relu_program(), [PARTITIONERS[backend_id]()], jobs=1, progress=False)
+
+    error = raised.value
+    assert isinstance(error, aotstack.LoweringError) and error.signal == signal_name
+    message = str(error)
+    assert f"method 'forward', partition '{backend_id}_0' ({backend_id}, delegate forward.0)" in message
+    assert f"{backend_id} {death} while compiling partition" in message and "aten.relu.default" in message
+    if signal_name is not None:
+        # The worker's Python stack as it died says where: in the backend's preprocess.
+        notes = "\n".join(getattr(error.__cause__, "__notes__", []))
+        assert "in preprocess" in notes and "in crash" in notes
+
+
+def test_fallback_leaves_a_crashed_partition_to_the_next_engine(crashing_engines, tmp_path):
+    lowered = aotstack.lower(
+        relu_program(), [PARTITIONERS["test_fpe_compiling"](), aotstack.AotiCpuPartitioner()],
+        on_compile_error="fallback", progress=False,
+    )
+
+    [failure] = lowered.compile_failures["forward"]
+    assert failure.backend_id == "test_fpe_compiling" and "died of SIGFPE while compiling" in failure.error
+    assert [d.backend_id for d in lowered.delegates("forward")] == ["aoti_cpu"]
+    lowered.save(tmp_path / "fallback.pt2")
+    torch.testing.assert_close(aotstack.load(tmp_path / "fallback.pt2").forward(X), torch.relu(X))
+
+
+@pytest.mark.parametrize(
+    ("backend_id", "reason"),
+    [
+        ("test_fpe_compiling", "test_fpe_compiling died of SIGFPE while compiling partition"),
+        ("test_segv_loading", "test_segv_loading died of SIGSEGV while loading the lowered program to time it"),
+        ("test_fpe_running", "test_fpe_running died of SIGFPE while timing method 'forward' (delegate forward.0"),
+    ],
+)
+def test_auto_drops_a_plan_whose_engine_dies_and_keeps_another(crashing_engines, tmp_path, backend_id, reason):
+    lowered = aotstack.lower(relu_program(), aotstack.Auto(engines=["aoti_cpu", backend_id]), progress=False)
+
+    chosen = lowered.placements["forward"].selection
+    alone, crashed = chosen.candidates
+    assert crashed.engines == [backend_id, "aoti_cpu"] and crashed.seconds is None
+    assert crashed.error.startswith(f"EngineCrashError: {reason}"), crashed.error
+    assert alone.seconds is not None and chosen.chosen == 0
+    assert f"{backend_id} > aoti_cpu could not be lowered or run" in chosen.reason
+    assert reason in lowered.report().text(width=400)
+    lowered.save(tmp_path / "kept.pt2")
+    torch.testing.assert_close(aotstack.load(tmp_path / "kept.pt2").forward(X), torch.relu(X))
