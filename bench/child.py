@@ -2,6 +2,7 @@
 
     child.py sha256 FILE                                     read and SHA-256-hash FILE once
     child.py load aotstack|aoti|executorch PACKAGE INPUTS THREADS [--import M]   load + first call; resident memory
+                                                            after import, load, the call and a second call
     child.py compile aotstack|aoti WORKLOAD PACKAGE THREADS [--exclude OP ...] [--jobs N]
 
 Run through ``common.run_child``, which puts ``bench/`` and the repository root on the path. Imports
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import time
 from typing import Any
@@ -30,6 +32,23 @@ def memory() -> dict[str, int]:
         "peak_rss": status("VmHWM"),
         "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     }
+
+
+def resident(package: str) -> dict[str, int]:
+    """Resident memory now, in bytes: in all, private anonymous, file-backed, and the pages of ``package``'s mapping.
+
+    ``package`` is what aotstack maps (the ``.pt2``); ``file`` also counts shared libraries.
+    """
+    target, mapped = os.path.realpath(package), 0
+    current = False
+    with open("/proc/self/smaps") as lines:
+        for line in lines:
+            fields = line.split()
+            if fields and not fields[0].endswith(":"):  # a mapping's header: address range, ..., path
+                current = len(fields) >= 6 and fields[5] == target
+            elif current and fields[0] == "Rss:":
+                mapped += int(fields[1]) * 1024
+    return {"rss": status("VmRSS"), "anon": status("RssAnon"), "file": status("RssFile"), "package": mapped}
 
 
 def emit(**figures: Any) -> None:
@@ -82,12 +101,21 @@ def load(kind: str, package: str, inputs: str, threads: int, imports: list[str])
     imported = time.perf_counter()
     torch.set_num_threads(threads)
     call = torch.load(inputs, weights_only=True)
+    imported_memory = resident(package)
     begin = time.perf_counter()
     loaded = open_package(package)
+    loaded_at = time.perf_counter()
+    after_load = resident(package)
     method = loaded.forward if kind == "aotstack" else loaded
     method(*call["args"], **call["kwargs"])
     end = time.perf_counter()
-    emit(import_s=imported - started, load_first_s=end - begin, import_rss=import_rss, **memory())
+    figures = memory()
+    after_call = resident(package)
+    # Untimed: a page an engine gave back and reads after all comes back here.
+    method(*call["args"], **call["kwargs"])
+    emit(import_s=imported - started, load_first_s=end - begin, load_s=loaded_at - begin, import_rss=import_rss,
+         resident={"import": imported_memory, "load": after_load, "call": after_call,
+                   "second call": resident(package)}, **figures)
 
 
 def compile_package(kind: str, workload: str, package: str, threads: int, exclude: list[str], jobs: int | None) -> None:

@@ -15,14 +15,30 @@ Rounds alternate between the variants; each round decodes ``--tokens`` tokens af
 cache. Then a fresh process measures resident memory added by ``aotstack.load`` and one call
 against the weights' size. Nothing is asserted; targets are printed as met or not.
 
+``--memory aoti,ort,xnnpack,openvino`` measures resident memory instead of speed: the same model
+in each ``--dtypes`` (``fp32``, and the quantization schemes of ``bench/peers.py``: ``8da4w`` is
+linear 8da4w, embedding 4w, groups of 32) lowered with each engine first and AOTInductor taking
+the rest (``aoti``: AOTInductor alone), each file loaded in a fresh process (``bench/child.py
+load``): what it adds to resident memory over ``import torch, aotstack`` after the load, the
+first call and a second one, against the weights (quantized ones at their bit width), and what
+that memory is: pages of the ``.pt2`` mapping, private memory, other files (the engines'
+libraries). ``--baseline SRC`` loads each file with the aotstack at ``SRC`` too (a ``src``
+folder, say of a worktree of an earlier commit), in the same run; ``--packages DIR`` keeps the
+files there and reuses them.
+
     .venv/bin/python bench/decode.py [--tokens 64] [--rounds 5] [--threads 1] [--quick]
+    .venv/bin/python bench/decode.py --memory aoti,ort,xnnpack,openvino [--dtypes fp32,8da4w]
+                                     [--baseline /tmp/base/src] [--packages DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -116,9 +132,16 @@ def decode_rates(
     layers: int = 4,
     vocab: int = 8192,
     arch: str = "llama",
+    memory: str | None = None,
+    dtypes: str = "fp32,8da4w",
+    baseline: str | None = None,
+    packages: str | None = None,
 ) -> Figures:
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
+    if memory is not None:
+        return decode_memory(settings, MemoryRun(hidden, layers, vocab, dtypes.split(","), memory.split(","),
+                                                 baseline, packages or settings.workdir))
     tokens, rounds = tokens or settings.pick(64, 32), rounds or settings.pick(5, 2)
     model = language_model(vocab, hidden, layers, arch)
     size = weights_bytes(model)
@@ -203,6 +226,110 @@ def decode_rates(
     }
 
 
+# ``--memory``: each engine first, AOTInductor taking what it leaves; ``aoti``: AOTInductor alone.
+MEMORY_ORDERS: dict[str, Callable[[], list[aotstack.Partitioner]]] = {
+    "aoti": lambda: [aotstack.AotiCpuPartitioner()],
+    "ort": lambda: [aotstack.OrtPartitioner(), aotstack.AotiCpuPartitioner()],
+    "xnnpack": lambda: [aotstack.XnnpackPartitioner(), aotstack.AotiCpuPartitioner()],
+    "openvino": lambda: [aotstack.OpenVinoPartitioner(), aotstack.AotiCpuPartitioner()],
+}
+MEMORY_TARGET = 1.15  # RSS added by load + one call / the weights (the quantization issue's target)
+
+
+@dataclass(frozen=True)
+class MemoryRun:
+    """What ``--memory`` measures: the model's size, the dtypes and engine orders, where files go, what to compare."""
+
+    hidden: int
+    layers: int
+    vocab: int
+    dtypes: list[str]
+    engines: list[str]
+    baseline: str | None
+    packages: str
+
+
+def decode_memory(settings: Settings, run: MemoryRun) -> Figures:
+    """Resident memory a fresh process adds by load + one call, per dtype and engine order, against the weights."""
+    from peers import quantized, weights_at_bits
+
+    inputs = save_inputs(settings.path("decode-memory-inputs.pt"),
+                         kwargs={"input_ids": torch.tensor([[1]]), "cache_position": torch.tensor([0])})
+    figures: Figures = {}
+    rows = []
+    for dtype in run.dtypes:
+        model = quantized(language_model(run.vocab, run.hidden, run.layers), dtype)
+        weights = weights_at_bits(model, dtype)
+        for engine in run.engines:
+            path = os.path.join(run.packages, f"decode-{run.hidden}x{run.layers}x{run.vocab}-{dtype}-{engine}.pt2")
+            try:
+                made = lowered_file(model, path, MEMORY_ORDERS[engine])
+                after = run_child(["load", "aotstack", path, inputs, str(settings.threads)])
+                before = None if run.baseline is None else run_child(
+                    ["load", "aotstack", path, inputs, str(settings.threads)], env={"PYTHONPATH": run.baseline})
+            except Exception as exc:  # the row says so; the other engines go on
+                rows.append([dtype, engine, megabytes(weights), "-", f"failed: {str(exc).strip()[-80:]}"])
+                continue
+            progress(f"{dtype} {engine}: {made}")
+            rows.append(memory_row(dtype, engine, weights, os.path.getsize(path), after, before))
+            added = after["resident"]["call"]["rss"] - after["resident"]["import"]["rss"]
+            note = "" if before is None else (
+                f"before: {megabytes(before['resident']['call']['rss'] - before['resident']['import']['rss'])} MB")
+            figures[f"{dtype} {engine} first: RSS added by load + one call / weights"] = Figure(
+                added / 1e6, "MB", weights / 1e6, MEMORY_TARGET, note=note)
+    stages = ["load", "call", "second call"]
+    headers = ["dtype", "engine", "weights", "file", *(f"+{stage}" for stage in stages),
+               "call: .pt2", "private", "libraries", "(.pt2 + private)"]
+    if run.baseline is not None:
+        headers += ["before: +call", "before: .pt2"]
+    print(f"\n  llama {run.hidden}x{run.layers}, vocab {run.vocab}: resident memory a fresh process adds over "
+          "import torch, aotstack, MB (x: / the weights);\n  after the call: the .pt2's mapped pages, private "
+          "memory, other files (libraries the load imports)")
+    print_table(headers, [row + [""] * (len(headers) - len(row)) for row in rows])
+    return figures
+
+
+def lowered_file(model: torch.nn.Module, path: str, partitioners: Callable[[], list[aotstack.Partitioner]]) -> str:
+    """``model``'s decode step lowered with ``partitioners`` and saved at ``path``, unless a file is there already."""
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    if os.path.exists(path):
+        return "file reused"
+    started = time.perf_counter()
+    wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE)
+    exported = wrapper.export(input_ids=torch.tensor([[1]]), cache_position=torch.tensor([0]))
+    lowered = aotstack.lower(aotstack.Program({"forward": exported}), partitioners())
+    lowered.save(path)
+    engines = sorted({delegate.backend_id for delegate in lowered.delegates("forward")})
+    return f"lowered in {time.perf_counter() - started:.0f} s ({', '.join(engines)})"
+
+
+def memory_row(
+    dtype: str, engine: str, weights: int, size: int, after: dict[str, Any], before: dict[str, Any] | None
+) -> list[str]:
+    """One row of the memory table: RSS added at each stage, and what it is after the call."""
+    resident = after["resident"]
+    start = resident["import"]
+
+    def added(stage: str, sample: dict[str, Any] = after) -> str:
+        grown = sample["resident"][stage]["rss"] - sample["resident"]["import"]["rss"]
+        return f"{megabytes(grown)} ({grown / weights:.2f}x)"
+
+    call = resident["call"]
+    private = call["anon"] - start["anon"]
+    libraries = call["file"] - start["file"] - (call["package"] - start["package"])
+    row = [dtype, engine, megabytes(weights), megabytes(size), *(added(s) for s in ("load", "call", "second call")),
+           megabytes(call["package"]), megabytes(private), megabytes(libraries),
+           f"{(call['package'] + private) / weights:.2f}x"]
+    if before is not None:
+        row += [added("call", before), megabytes(before["resident"]["call"]["package"])]
+    return row
+
+
+def megabytes(count: int) -> str:
+    return f"{count / 1e6:.1f}"
+
+
 def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=int, default=None, help="tokens a round (default 64; --quick: 32)")
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default 5; --quick: 2)")
@@ -210,6 +337,13 @@ def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--arch", choices=ARCHITECTURES, default="llama")
+    parser.add_argument("--memory", default=None, metavar="ENGINES",
+                        help=f"measure resident memory instead, per engine order ({','.join(MEMORY_ORDERS)})")
+    parser.add_argument("--dtypes", default="fp32,8da4w", help="with --memory: fp32 and/or quantization schemes")
+    parser.add_argument("--baseline", default=None, metavar="SRC",
+                        help="with --memory: also load each file with the aotstack in SRC (an earlier commit's src)")
+    parser.add_argument("--packages", default=None, metavar="DIR",
+                        help="with --memory: write the lowered files here, and reuse those already there")
 
 
 if __name__ == "__main__":
