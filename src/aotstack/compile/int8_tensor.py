@@ -35,6 +35,9 @@ RESHAPES = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view
 METADATA_CHECKS = frozenset({aten._assert_tensor_metadata.default})
 TRANSPOSES = frozenset({aten.t.default, aten.transpose.int, aten.permute.default})
 CASTS = frozenset({aten._to_copy.default, torch.ops.prims.convert_element_type.default})
+# What quantized weights are stored in (torchao keeps int4 values in int8); an integer buffer of another
+# dtype (positions, a mask) cast to float is not a dequantization.
+QUANTIZED_DTYPES = frozenset({torch.int8, torch.uint8, torch.int4, torch.uint4})
 # Ops that move or copy a tensor's values without computing: looked through back to a weight.
 LAYOUT_OPS = RESHAPES | TRANSPOSES | {aten.expand.default, aten.clone.default}
 
@@ -195,7 +198,8 @@ def dynamic(output: Node, product: Node, scales: Node, reshapes: tuple[Node, ...
 
 
 def integer_weights_cast(node: Node, is_weight: Callable[[Node], bool]) -> Node | None:
-    """The integer weights ``node`` casts to a floating dtype, looking through layout ops; None for any other node.
+    """The quantized weights (a matrix of 8 bits or fewer) ``node`` casts to a floating dtype, looking through
+    layout ops; None for any other node.
 
     ``is_weight`` says which placeholders are weights (an engine knows its program's).
     """
@@ -207,7 +211,7 @@ def integer_weights_cast(node: Node, is_weight: Callable[[Node], bool]) -> Node 
     while is_call(source) and source.target in LAYOUT_OPS:
         source = source.args[0]
     stored = source.meta.get("val") if isinstance(source, Node) and source.op == "placeholder" else None
-    if not isinstance(stored, torch.Tensor) or stored.is_floating_point() or stored.dtype is torch.bool \
+    if not isinstance(stored, torch.Tensor) or stored.dtype not in QUANTIZED_DTYPES or stored.dim() < 2 \
             or not is_weight(source):
         return None
     return source
