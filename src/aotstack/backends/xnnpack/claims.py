@@ -240,7 +240,22 @@ def question_program(exported_program: ExportedProgram) -> ExportedProgram:
     offered = [node for node in get_non_lowered_nodes(exported_program.graph) if not is_size_computation(node)]
     question = partition_program(exported_program, offered).program
     contiguous_attention_outputs(question)
+    as_provenance_roots(question)
     return question
+
+
+def as_provenance_roots(question: ExportedProgram) -> None:
+    """Forget where ``question``'s nodes came from, so each edge node's provenance ends at them.
+
+    A program that was itself decomposed (``aotstack.Program`` makes transformers' in-place
+    cache programs and torchao's subclass weights functional) remembers the nodes of the program
+    before it; their names are another graph's (a quantized linear's ``choose_qparams_affine_4``
+    traces back to that graph's ``linear_4``), and matching those roots against this program's
+    names pinned edge nodes on the wrong ATen nodes. ``partition_program`` copied each node's
+    ``meta`` dict, so the program asked about keeps its own provenance.
+    """
+    for node in question.graph.nodes:
+        node.meta.pop("from_node", None)
 
 
 def decline_reason(node: Node, edge_node: Node, declined: dict[Node, str]) -> str:
