@@ -29,10 +29,11 @@ from torch.fx import Graph, GraphModule, Node
 from torch.utils import _pytree as pytree
 
 from ...compile.int8_tensor import (
+    RESHAPES,
     Int8Linear,
     int8_linears,
+    is_call,
     is_torchao,
-    through_reshapes,
 )
 
 aten = torch.ops.aten
@@ -114,7 +115,7 @@ def rewrite(graph: Graph, layer: Int8Linear) -> None:
         if layer.mapping is None:
             # The rows as the model shaped them: OpenVINO folds the weights of a matmul over a flattening
             # reshape to float32 (measured), and keeps those of one over the unflattened tensor int8.
-            activations, _ = through_reshapes(layer.activations)
+            activations = unflattened(layer.activations)
             linear = call(graph, aten.linear.default, activations, weight)
             target, args = aten.reshape.default, (linear, [-1, layer.stored.meta["val"].shape[0]])
         else:
@@ -124,6 +125,17 @@ def rewrite(graph: Graph, layer: Int8Linear) -> None:
     for node in sorted(layer.members, key=position.__getitem__, reverse=True):
         if node is not output and not node.users:
             graph.erase_node(node)
+
+
+def unflattened(activations: Node) -> Node:
+    """The tensor ``activations`` flattens the rows of: back through reshapes that keep the last dimension."""
+    columns = activations.meta["val"].shape[-1]
+    while is_call(activations) and activations.target in RESHAPES:
+        source = activations.args[0]
+        if not isinstance(source, Node) or source.meta["val"].shape[-1] != columns:
+            break
+        activations = source
+    return activations
 
 
 def dequantized_activations(graph: Graph, layer: Int8Linear) -> Node:
