@@ -40,8 +40,8 @@ class OrtRuntime(SessionRuntime):
     """ONNX Runtime's run side: one ``InferenceSession`` per delegate."""
 
     backend_id = "onnxruntime"
+    # The model is asked for by name (``delegate.blob``) once the fields that describe it are checked.
     readable_versions = READABLE_VERSIONS
-    required_named_data = (MODEL_NAME,)
 
     def open(self, delegate: DelegateFiles) -> OrtHandle:
         label, processed, boundary = delegate.label, delegate.processed, delegate.boundary
