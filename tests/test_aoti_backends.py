@@ -5,6 +5,8 @@ Nothing here compiles or needs a GPU; the CUDA runs are in test_cuda_end_to_end.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -20,8 +22,15 @@ def autotune(value: bytes) -> list[CompileSpec]:
     return [CompileSpec("autotune", value)]
 
 
+def emulate_precision_casts(value: bytes) -> list[CompileSpec]:
+    return [CompileSpec("emulate_precision_casts", value)]
+
+
 def test_cpu_compile_options_keep_weights_out_of_the_library():
-    assert aotstack.AotiCpuBackend().compile_options([]) == {"aot_inductor.package_constants_in_so": False}
+    assert aotstack.AotiCpuBackend().compile_options([]) == {
+        "emulate_precision_casts": False,
+        "aot_inductor.package_constants_in_so": False,
+    }
 
 
 def test_cuda_compile_options_with_autotuning_on_by_default():
@@ -29,7 +38,7 @@ def test_cuda_compile_options_with_autotuning_on_by_default():
 
     assert options == {
         "aot_inductor.embed_kernel_binary": True,
-        "emulate_precision_casts": True,
+        "emulate_precision_casts": False,
         "max_autotune": True,
         "max_autotune_gemm_backends": "ATEN,TRITON",
         "max_autotune_conv_backends": "ATEN,TRITON",
@@ -56,7 +65,10 @@ def test_cuda_autotuning_without_aten_kernels_tunes_among_triton_templates_only(
 def test_metal_compile_options_and_kernel_list():
     backend = aotstack.MetalBackend()
 
-    assert backend.compile_options([]) == {"aot_inductor.package_constants_in_so": False}
+    assert backend.compile_options([]) == {
+        "emulate_precision_casts": False,
+        "aot_inductor.package_constants_in_so": False,
+    }
     assert backend.fallback_kernels([]) == {
         "aten.mm.out",
         "aten.bmm.out",
@@ -73,6 +85,63 @@ def test_an_autotune_value_other_than_on_or_off_is_refused_naming_the_spec(value
         aotstack.CudaPartitioner(compile_specs=autotune(value))
     with pytest.raises(aotstack.CompileSpecError, match="autotune"):
         aotstack.CudaBackend().compile_options(autotune(value))
+
+
+BACKENDS = [aotstack.AotiCpuBackend, aotstack.CudaBackend, aotstack.MetalBackend]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    ("specs", "emulated"),
+    [([], False), (emulate_precision_casts(b"OFF"), False), (emulate_precision_casts(b" on "), True)],
+)
+def test_emulating_eager_precision_casts_is_a_compile_spec_off_by_default(backend, specs, emulated):
+    options = backend().compile_options(specs)
+
+    assert options["emulate_precision_casts"] is emulated
+
+
+class InductorCalled(Exception):
+    pass
+
+
+@pytest.mark.parametrize(("value", "emulated"), [(None, False), (b"ON", True), (b"off", False)])
+def test_the_precision_casts_spec_reaches_inductor(value, emulated, monkeypatch):
+    """What a compile hands AOTInductor, caught before it compiles anything."""
+    seen: list[dict] = []
+
+    def recording(program, package_path, inductor_configs):
+        seen.append(dict(inductor_configs))
+        raise InductorCalled
+
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", "off")
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", recording)
+    program = aotstack.export(models.build("add"), {"forward": models.example_inputs("add")}).methods["forward"]
+    specs = [] if value is None else emulate_precision_casts(value)
+
+    with pytest.raises(aotstack.LoweringError) as raised:
+        aotstack.AotiCpuBackend().preprocess(program, specs)
+
+    assert isinstance(raised.value.__cause__, InductorCalled)
+    # Set either way, so TORCHINDUCTOR_EMULATE_PRECISION_CASTS cannot decide in the spec's place.
+    assert [configs["emulate_precision_casts"] for configs in seen] == [emulated]
+
+
+def test_the_precision_casts_spec_reaches_the_cuda_compile_steps():
+    steps = aotstack.CudaBackend().compile_steps(emulate_precision_casts(b"ON"))
+
+    assert steps.options["emulate_precision_casts"] is True
+    assert aotstack.CudaBackend().compile_steps([]).options["emulate_precision_casts"] is False
+
+
+@pytest.mark.parametrize("value", [b"yes", b"1", b"", b"ONN"])
+@pytest.mark.parametrize("partitioner", [aotstack.AotiCpuPartitioner, aotstack.CudaPartitioner])
+def test_an_emulate_precision_casts_value_other_than_on_or_off_is_refused_naming_it(partitioner, value):
+    message = rf"compile spec 'emulate_precision_casts' must be ON or OFF, got {re.escape(repr(value))}"
+    with pytest.raises(aotstack.CompileSpecError, match=message):
+        partitioner(compile_specs=emulate_precision_casts(value))
+    with pytest.raises(aotstack.CompileSpecError, match="emulate_precision_casts"):
+        partitioner.backend().compile_options(emulate_precision_casts(value))
 
 
 def test_an_unknown_fallback_kernel_is_refused_naming_the_spec():

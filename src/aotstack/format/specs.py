@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from ..errors import CompileSpecError
+
 if TYPE_CHECKING:
     from .tensor_data import BytesLike
 
@@ -20,6 +22,8 @@ class SpecKey:
     FALLBACK_KERNELS = "fallback_kernels"
     # AOTInductor on CUDA: ``ON`` or ``OFF``.
     AUTOTUNE = "autotune"
+    # AOTInductor: ``ON`` rounds every bf16/fp16 intermediate as eager does, ``OFF`` keeps it in float32.
+    EMULATE_PRECISION_CASTS = "emulate_precision_casts"
     # ONNX Runtime: execution providers in priority order, comma-separated.
     PROVIDERS = "providers"
 
@@ -69,6 +73,20 @@ def compile_spec_value(compile_specs: list[CompileSpec], key: str) -> bytes | No
         if spec.key == key:
             found = spec.value
     return found
+
+
+def switch_spec(compile_specs: list[CompileSpec], key: str, *, default: bool) -> bool:
+    """A spec that is ``ON`` or ``OFF`` (any case, spaces around ignored), ``default`` when absent.
+
+    Any other value raises ``CompileSpecError`` naming the spec and the value.
+    """
+    value = compile_spec_value(compile_specs, key)
+    if value is None:
+        return default
+    setting = value.decode(errors="replace").strip().upper()
+    if setting not in ("ON", "OFF"):
+        raise CompileSpecError(f"compile spec {key!r} must be ON or OFF, got {value!r}")
+    return setting == "ON"
 
 
 def partition_label(backend_id: str, compile_specs: list[CompileSpec]) -> str:

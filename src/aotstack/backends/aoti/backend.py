@@ -21,7 +21,14 @@ from ...engine.interface import Backend
 from ...errors import LoweringError, MissingFallbackKernelsError
 from ...format.custom_ops import is_custom_op_name
 from ...format.devices import HOST, Device
-from ...format.specs import CompileSpec, PreprocessResult, SpecKey, compile_spec_value, partition_label
+from ...format.specs import (
+    CompileSpec,
+    PreprocessResult,
+    SpecKey,
+    compile_spec_value,
+    partition_label,
+    switch_spec,
+)
 from ...format.tensor_data import content_key, weights_as_named_data
 from .compile import CompileSteps, KernelCheck, compile_partition
 from .kernels import kernel_allowed, parse_kernel_list
@@ -38,6 +45,8 @@ class AotiBackend(Backend):
     - ``target_device``: ``cpu``, ``cuda:1``, ``mps``; its type must be the backend's.
     - ``fallback_kernels``: the ATen kernels the target's runtime has, as op names separated
       by commas (``aten.addmm.out,aten.convolution``); replaces the backend's own list.
+    - ``emulate_precision_casts``: ``ON`` or ``OFF`` (the default). ON rounds every bf16 or fp16
+      intermediate to its dtype as eager does between ops: closer to eager, slower on a GPU.
     """
 
     device_name: ClassVar[str]
@@ -74,7 +83,13 @@ class AotiBackend(Backend):
 
     def compile_options(self, compile_specs: list[CompileSpec]) -> dict[str, Any]:
         """Every AOTInductor option a compile uses: the target's, with weights kept out of the library."""
-        return {**self.inductor_options(compile_specs), "aot_inductor.package_constants_in_so": False}
+        return {
+            **self.inductor_options(compile_specs),
+            # OFF, as plain AOTInductor and torch.compile: a fused kernel keeps bf16/fp16 intermediates
+            # in float32. Set either way, so that Inductor's environment variable cannot change the file.
+            "emulate_precision_casts": switch_spec(compile_specs, SpecKey.EMULATE_PRECISION_CASTS, default=False),
+            "aot_inductor.package_constants_in_so": False,
+        }
 
     def target_device(self, compile_specs: list[CompileSpec]) -> Device:
         return target_device(compile_specs, self.backend_id, self.device_name)
@@ -88,7 +103,7 @@ class AotiBackend(Backend):
         """Raise ``CompileSpecError`` naming the first spec this backend cannot take."""
         self.target_device(compile_specs)
         self.fallback_kernels(compile_specs)
-        self.inductor_options(compile_specs)
+        self.compile_options(compile_specs)
 
     def compile_steps(self, compile_specs: list[CompileSpec], device: Device | None = None) -> CompileSteps:
         options = self.compile_options(compile_specs)
