@@ -17,8 +17,20 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 # Autotuning would benchmark every GEMM and convolution while compiling: minutes, not seconds.
 QUICK = CompileSpec("autotune", b"OFF")
-# What AOTInductor calls for this model with autotuning off, less median's kernel.
-KERNELS_BUT_MEDIAN = CompileSpec("fallback_kernels", b"aten.mm,aten.addmm,aten.bmm,aten.convolution")
+# What AOTInductor calls for this model on CUDA with autotuning off, less median's kernel. Each device
+# lowers scaled_dot_product_attention to its own fused kernel, which Inductor calls as a fallback
+# kernel (on the CPU aten._scaled_dot_product_flash_attention_for_cpu). Which one the GPU gets is
+# torch's choice for the GPU, dtype and shapes: float32 on an H100 the memory-efficient kernel, fp16
+# and bf16 flash or cuDNN; all three are listed.
+CUDA_ATTENTION_KERNELS = [
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+]
+KERNELS_BUT_MEDIAN = CompileSpec(
+    "fallback_kernels",
+    ",".join(["aten.mm", "aten.addmm", "aten.bmm", "aten.convolution", *CUDA_ATTENTION_KERNELS]).encode(),
+)
 
 
 def assert_close_to_eager(outputs: list[torch.Tensor]) -> None:
