@@ -80,7 +80,7 @@ def test_a_decode_with_the_cache_in_the_engine_generates_eager_tokens_again_afte
 def test_the_cache_memory_the_engine_writes_is_the_programs_one_state(decoder_file):
     _, _, path, _ = decoder_file
     loaded = aotstack.load(path)
-    state = {fqn: loaded._state.mutable[fqn][0] for fqn in CACHES}
+    state = {fqn: loaded._state.mutable[fqn].current for fqn in CACHES}
     addresses = {fqn: torch.frombuffer(memory, dtype=torch.uint8).data_ptr() for fqn, memory in state.items()}
     loaded.forward(torch.tensor([[3]]), torch.tensor([0]))
     written = {fqn: torch.frombuffer(memory, dtype=torch.float32).abs().sum().item() for fqn, memory in state.items()}

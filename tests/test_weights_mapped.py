@@ -120,7 +120,8 @@ def test_a_buffer_the_program_updates_is_the_one_writable_copy(tmp_path: Path) -
     aotstack.lower(program, []).save(path)
     loaded = aotstack.load(path)
     regions = mapped_regions(path)
-    [(fqn, (current, _))] = loaded._state.mutable.items()
+    [(fqn, state)] = loaded._state.mutable.items()
+    current = state.current
     copied = [weight for weight in method_weights(loaded) if not inside(regions, weight)]
 
     # The updated buffer is a copy (it is written to); the buffer only read is the file's.

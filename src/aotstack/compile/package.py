@@ -15,12 +15,13 @@ from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
 from .. import __version__
-from ..errors import LoweringError
+from ..errors import LoweringError, PackageError
 from ..format.archive import PROGRAM_PATH, hashes, write_package
 from ..format.devices import Device
 from ..format.manifest import DelegateRecord, Dim, InputRecord, Manifest, MethodRecord, WeightRecord
 from ..format.placement import Placement
 from ..format.records import Delegate
+from ..format.state import state_devices
 from ..format.tensor_data import BytesLike, content_key, dtype_name, tensor_buffer, tensor_is_viewable
 from .custom_ops import custom_op_records
 from .plan import method_plan
@@ -142,6 +143,11 @@ def manifest_of(
         name: method_record(name, program, delegates[name], store, placements.get(name), runnable_only)
         for name, program in methods.items()
     }
+    if runnable_only:
+        try:
+            state_devices(records)
+        except PackageError as exc:
+            raise LoweringError(f"cannot save: {exc}") from None
     return Manifest(
         aotstack_version=__version__,
         torch_version=torch.__version__,

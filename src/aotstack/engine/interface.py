@@ -28,6 +28,10 @@ class BackendRuntime:
     """The run side of a backend: what ``aotstack.load`` calls for each of its delegates."""
 
     backend_id: ClassVar[str]
+    # Whether ``execute`` on a device only launches work on the device's current stream, with no
+    # wait for the host and no allocation it cannot repeat, so a CUDA graph can capture and replay
+    # it (``runtime/graphs.py``). An engine that runs on the host, or syncs, leaves it False.
+    captures_in_graph: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -129,7 +133,10 @@ class Backend(BackendRuntime):
         """Whether a partition may own ``buffer``, which it updates, changing it in place at run time.
 
         Such a buffer is stored as the partition's named data ``weight:<fqn>``
-        (``tensor_data.weights_as_named_data``); at load, ``init`` gets a writable view of the
-        buffer's one shared state in its place, which it must update without copying.
+        (``tensor_data.weights_as_named_data``); at load, ``init`` gets the buffer's one shared
+        state in its place, which it must update without copying: a writable memoryview on the
+        host, or, for a delegate on a device, a one-dimensional uint8 tensor on that device
+        (``tensor_data.tensor_from_bytes`` views either as the buffer). A buffer lives on a
+        device only where delegates on that device alone use it (``format/state.py``).
         """
         return False

@@ -17,7 +17,14 @@ import torch
 
 from ..errors import PackageError
 from .boundary import Boundary
-from .tensor_data import WEIGHT_PREFIX, BytesLike, dtype_from_name, dtype_name, tensor_from_bytes
+from .tensor_data import (
+    WEIGHT_PREFIX,
+    NamedDataValue,
+    byte_count,
+    dtype_from_name,
+    dtype_name,
+    tensor_from_bytes,
+)
 
 
 def read_processed(processed_bytes: bytes, label: str, version: int | tuple[int, ...]) -> dict[str, Any]:
@@ -66,7 +73,7 @@ def boundary(data: Mapping[str, Any], label: str) -> Boundary:
         raise PackageError(f"{label}: {exc}") from None
 
 
-def weights(data: Mapping[str, Any], named_data: Mapping[str, BytesLike], label: str) -> dict[str, torch.Tensor]:
+def weights(data: Mapping[str, Any], named_data: Mapping[str, NamedDataValue], label: str) -> dict[str, torch.Tensor]:
     """The weights ``processed["weights"]`` describes, each a tensor over its named data, sizes checked."""
     tensors = {}
     for fqn, entry in field(data, "weights", dict, label).items():
@@ -88,7 +95,7 @@ def weights(data: Mapping[str, Any], named_data: Mapping[str, BytesLike], label:
         if blob is None:
             raise PackageError(f"{where}: the package holds no named data {WEIGHT_PREFIX + fqn!r}")
         expected = math.prod(shape) * dtype.itemsize
-        size = memoryview(blob).nbytes
+        size = byte_count(blob)
         if size != expected:
             raise PackageError(f"{where}: {dtype_text}{shape} takes {expected} bytes, its data holds {size}")
         tensors[fqn] = tensor_from_bytes(blob, dtype, shape)
@@ -119,7 +126,7 @@ class OwnedBuffer:
     in_place: bool
 
 
-def owned_state(data: Mapping[str, Any], named_data: Mapping[str, BytesLike], label: str) -> list[OwnedBuffer]:
+def owned_state(data: Mapping[str, Any], named_data: Mapping[str, NamedDataValue], label: str) -> list[OwnedBuffer]:
     """The buffers ``processed["state"]`` lists (none where it has no such field), each over its shared memory.
 
     Loading hands a delegate the buffers it updates as writable named data ``weight:<fqn>``; a
@@ -134,7 +141,12 @@ def owned_state(data: Mapping[str, Any], named_data: Mapping[str, BytesLike], la
         names = [record.get("input"), record.get("output")]
         if not all(isinstance(name, str) for name in names) or not isinstance(record.get("in_place"), bool):
             raise PackageError(f"{label}: state {fqn!r} must name its input and output and say whether it is in place")
-        if memoryview(named_data[WEIGHT_PREFIX + fqn]).readonly:
+        if is_read_only(named_data[WEIGHT_PREFIX + fqn]):
             raise PackageError(f"{label}: state {fqn!r} was handed over read-only; the loader must share it writable")
         owned.append(OwnedBuffer(fqn, tensors[fqn], names[0], names[1], record["in_place"]))
     return owned
+
+
+def is_read_only(data: NamedDataValue) -> bool:
+    # A state on a device is a tensor the loader made for it alone: always writable.
+    return not isinstance(data, torch.Tensor) and memoryview(data).readonly

@@ -11,6 +11,9 @@ import torch
 
 # A blob as loaded: a read-only view into the mapped file, or bytes.
 BytesLike = bytes | bytearray | memoryview
+# A delegate's named data as loading hands it over: verified bytes of the file, or the writable state
+# of a buffer it updates (host memory, or a uint8 tensor on its device: ``format/state.py``).
+NamedDataValue = BytesLike | torch.Tensor
 
 
 def tensor_buffer(tensor: torch.Tensor) -> memoryview:
@@ -42,11 +45,15 @@ def tensor_bytes(tensor: torch.Tensor) -> bytes:
     return tensor_buffer(tensor).tobytes()
 
 
-def tensor_from_bytes(data: BytesLike, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+def tensor_from_bytes(data: NamedDataValue, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
     """A tensor over ``data`` itself, not a copy: the inverse of :func:`tensor_bytes`.
 
     It must not be written to (``data`` is read-only); ``clone()`` it to get a tensor that may.
+    ``data`` may also be bytes already in a tensor (one dimension of uint8, on any device): a
+    buffer's state that lives on a device (``format/state.py``), viewed as ``dtype`` there.
     """
+    if isinstance(data, torch.Tensor):
+        return data.view(dtype).reshape(shape)
     if not data:
         return torch.empty(shape, dtype=dtype)
     with warnings.catch_warnings():
@@ -54,6 +61,13 @@ def tensor_from_bytes(data: BytesLike, dtype: torch.dtype, shape: list[int]) -> 
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(data, dtype=torch.uint8)
     return flat.view(dtype).reshape(shape)
+
+
+def byte_count(data: NamedDataValue) -> int:
+    """How many bytes ``data`` holds: a byte string, or bytes in a tensor on a device."""
+    if isinstance(data, torch.Tensor):
+        return data.numel() * data.element_size()
+    return memoryview(data).nbytes
 
 
 def dtype_name(dtype: torch.dtype) -> str:

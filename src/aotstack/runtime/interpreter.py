@@ -61,7 +61,8 @@ class StepProgram:
         self.template: Slots = []
         self.input_slots: list[int] = []
         self.actions: list[Action] = []
-        # What each action runs, for the message when it fails.
+        # The step each action runs, one for one; and what it runs, for the message when it fails.
+        self.action_steps: list[Step] = []
         self.labels: dict[Action, str] = {}
         for step in steps:
             self.add(step, weights, delegates)
@@ -78,14 +79,19 @@ class StepProgram:
             outputs = [(index, self.new_slot(name)) for index, name in step.outputs]
             if step.delegate not in delegates:
                 raise PackageError(f"the plan calls delegate {step.delegate!r}, which the package lacks")
-            self.actions.append(delegate_action(delegates[step.delegate], inputs, outputs))
-            self.labels[self.actions[-1]] = f"delegate {step.delegate}"
+            action = delegate_action(delegates[step.delegate], inputs, outputs)
+            self.add_action(step, action, f"delegate {step.delegate}")
         else:
             args = [self.resolver(arg) for arg in step.args]
             kwargs = {key: self.resolver(value) for key, value in step.kwargs.items()}
             target = resolved_op(step.target, self.allowed_ops)
-            self.actions.append(op_action(target, args, kwargs, self.new_slot(step.name)))
-            self.labels[self.actions[-1]] = f"step {step.name!r} ({step.target})"
+            action = op_action(target, args, kwargs, self.new_slot(step.name))
+            self.add_action(step, action, f"step {step.name!r} ({step.target})")
+
+    def add_action(self, step: Step, action: Action, label: str) -> None:
+        self.actions.append(action)
+        self.action_steps.append(step)
+        self.labels[action] = label
 
     def new_slot(self, name: str, value: Any = None) -> int:
         self.slots[name] = len(self.template)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,11 +15,14 @@ from ..engine.registry import runtime_class
 from ..errors import AotstackError, DelegateInitError, MethodNotFoundError, PackageError, RunError
 from ..format.archive import PackageContents, read_package
 from ..format.custom_ops import allowed_op_names, check_custom_ops
+from ..format.devices import HOST, Device
 from ..format.manifest import DelegateRecord, MethodRecord, WeightRecord
 from ..format.op_names import OpName
 from ..format.plan import MethodPlan, WeightStep, refs, step_reads
 from ..format.seal import PublicKeyLike, keys_from_environment, public_keys
-from ..format.tensor_data import WEIGHT_PREFIX, BytesLike, dtype_from_name, tensor_from_bytes
+from ..format.state import state_devices
+from ..format.tensor_data import WEIGHT_PREFIX, BytesLike, NamedDataValue, dtype_from_name, tensor_from_bytes
+from .graphs import CudaGraphs, GraphedCall, GraphMaker, graphed_methods, use_graphs
 from .inputs import InputCheck
 from .interpreter import LoadedDelegate, StepProgram
 
@@ -41,8 +45,13 @@ class Method:
         self.out_spec = out_spec
         self.single_output = out_spec.is_leaf()
         self.body = StepProgram(plan.steps, weights, delegates, allowed_ops)
-        self.outputs = [self.body.resolver(value) for value in plan.outputs]
+        self.plan_outputs = plan.outputs
+        self.output_resolvers = [self.body.resolver(value) for value in plan.outputs]
         self.mutations = [(weights[fqn], self.body.slot(name)) for fqn, name in plan.mutations]
+        # How a flat list of checked arguments is run: plainly, or replayed as a CUDA graph
+        # (``graphs.use_graphs`` sets ``graph`` and makes it the call).
+        self.graph: GraphedCall | None = None
+        self.flat_call: Callable[[Sequence[Any]], list[Any]] = self.plain_call
         # The program's one state lock (ProgramState.lock) where this method reads or updates a
         # buffer that some method or delegate updates; LoadedProgram sets it. None: nothing this
         # method reads changes, so calls run concurrently, from any number of threads.
@@ -54,13 +63,18 @@ class Method:
         # Checked outside the lock: a bad call never waits for, or holds up, another thread.
         flat = self.check.flat_arguments(args, kwargs)
         if self.lock is None:
-            slots = self.run(flat)
+            outputs = self.flat_call(flat)
         else:
             with self.lock:
-                slots = self.run(flat)
+                outputs = self.flat_call(flat)
         if self.single_output:
-            return self.outputs[0](slots)
-        return pytree.tree_unflatten([output(slots) for output in self.outputs], self.out_spec)
+            return outputs[0]
+        return pytree.tree_unflatten(outputs, self.out_spec)
+
+    def plain_call(self, flat: Sequence[Any]) -> list[Any]:
+        """The plan run on checked arguments; its outputs, flat."""
+        slots = self.run(flat)
+        return [output(slots) for output in self.output_resolvers]
 
     def run(self, flat: Sequence[Any]) -> list[Any]:
         """The plan run on checked arguments, and the buffers it updates written back."""
@@ -76,10 +90,14 @@ class Method:
 class LoadedProgram:
     """A package opened by :func:`load`; each method is callable by name or as an attribute."""
 
-    def __init__(self, path: str, methods: dict[str, Method], state: ProgramState) -> None:
+    def __init__(
+        self, path: str, methods: dict[str, Method], state: ProgramState, graph_statuses: dict[str, str] | None = None
+    ) -> None:
         self.path = path
         self._methods = methods
         self._state = state
+        # Why a method asked to run as a CUDA graph cannot be (``graphs.why_not_captured``).
+        self._graph_statuses = graph_statuses or {}
         for name in state.locked_methods & set(methods):
             methods[name].lock = state.lock
         # Methods become plain attributes, so a call skips __getattr__; names the class uses stay reachable by run().
@@ -102,6 +120,22 @@ class LoadedProgram:
     def run(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run ``method`` on ``args``, e.g. ``loaded.run("encode", x)``."""
         return self.method(method)(*args, **kwargs)
+
+    @property
+    def cuda_graphs(self) -> dict[str, str]:
+        """Each method loaded with ``cuda_graphs``, and whether it is captured, warming up, or why it is not.
+
+        Example: ``{"decode": "captured on cuda:0", "prefill": "not captured: input 'input_ids' has a
+        dynamic shape"}``.
+        """
+        statuses = dict(self._graph_statuses)
+        statuses.update({name: method.graph.status for name, method in self._methods.items() if method.graph})
+        return statuses
+
+    @property
+    def state_devices(self) -> dict[str, str]:
+        """Each buffer the methods update (a KV cache) and where its one state lives: ``cpu``, ``cuda:0``."""
+        return self._state.state_places()
 
     def reset(self) -> None:
         """Put every buffer the methods update (a KV cache, say) back to its value in the file.
@@ -127,7 +161,11 @@ class LoadedProgram:
 
 
 def load(
-    path: str | os.PathLike[str], public_key: PublicKeyLike = None, *, allow_ops: Iterable[OpName] = ()
+    path: str | os.PathLike[str],
+    public_key: PublicKeyLike = None,
+    *,
+    allow_ops: Iterable[OpName] = (),
+    cuda_graphs: bool | Iterable[str] | None = None,
 ) -> LoadedProgram:
     """Open a ``.pt2`` written by :meth:`LoweredProgram.save` and get it ready to run.
 
@@ -145,8 +183,15 @@ def load(
     process first, by importing the module that defines them; ``CustomOpError`` names any missing.
     A custom op that no engine claimed runs as a step of the plan only where ``allow_ops`` names
     it, e.g. ``aotstack.load(path, allow_ops=["mylib.gather_qmv"])``.
+
+    ``cuda_graphs`` (True for every method, or a list of names, e.g. ``cuda_graphs=["decode"]``)
+    replays each named method whose plan runs wholly on one GPU with static shapes as one CUDA
+    graph, after three plain calls; each call's results are copies, valid after the next call.
+    ``loaded.cuda_graphs`` says which were captured, and why the others were not; those run as
+    without graphs. Off by default: a graph keeps its own pool of device memory, and a method
+    called once or with changing shapes gains nothing from one.
     """
-    return loaded_program(path, public_key, allowed_ops=allowed_op_names(allow_ops))
+    return loaded_program(path, public_key, allowed_ops=allowed_op_names(allow_ops), cuda_graphs=cuda_graphs)
 
 
 # Given a delegate's id and its run side, what the plan calls in its place.
@@ -159,12 +204,16 @@ def loaded_program(
     *,
     allowed_ops: frozenset[str] | None = frozenset(),
     wrap_delegate: DelegateWrapper | None = None,
+    cuda_graphs: bool | Iterable[str] | None = None,
+    graph_maker: GraphMaker | None = None,
 ) -> LoadedProgram:
     """What :func:`load` returns; with ``wrap_delegate``, every delegate is passed through it first.
 
     Internal: the numerical check wraps each delegate to record what it was given and gave
     back. Wrapping happens once, at load, so a plain load's calls run exactly as before.
     ``allowed_ops=None`` allows every custom op the file lists: for the process that lowered it.
+    ``graph_maker`` makes the graphs ``cuda_graphs`` asks for (``CudaGraphs`` by default; the
+    tests' stand-in captures on the host).
     """
     trusted = public_keys(public_key) if public_key is not None else keys_from_environment()
     contents = read_package(path, trusted)
@@ -172,14 +221,18 @@ def loaded_program(
     if allowed_ops is None:
         allowed_ops = frozenset(record.name for record in custom_ops)
     check_custom_ops(custom_ops, allowed_ops)
+    records = contents.manifest.methods
+    graphed = graphed_methods(cuda_graphs, records)
     state = ProgramState(contents)
     methods = {
         name: load_method(state, name, record, wrap_delegate, allowed_ops)
-        for name, record in contents.manifest.methods.items()
+        for name, record in records.items()
     }
     # Verifying read every page of the file; what nothing reads in place now leaves memory.
     state.release_unread()
-    return LoadedProgram(contents.path, methods, state)
+    program = LoadedProgram(contents.path, methods, state)
+    program._graph_statuses = use_graphs(methods, records, graphed, graph_maker or CudaGraphs())
+    return program
 
 
 class ProgramState:
@@ -193,15 +246,16 @@ class ProgramState:
     def __init__(self, contents: PackageContents) -> None:
         self.blobs = contents.blobs
         self.pages = contents.pages
-        self.mutable: dict[str, tuple[bytearray, memoryview]] = {}
+        devices = state_devices(contents.manifest.methods)
+        self.mutable: dict[str, StateBuffer] = {}
         # The blob each buffer in ``mutable`` starts from: read again only by reset().
         self.initial_blobs: set[str] = set()
         for method in contents.manifest.methods.values():
             for fqn, _ in method.plan.mutations:
-                self.add_mutable(fqn, method.weights[fqn].blob)
+                self.add_mutable(fqn, method.weights[fqn].blob, devices[fqn])
             for delegate in method.delegates:
                 for fqn in delegate.updates:
-                    self.add_mutable(fqn, delegate.named_data[WEIGHT_PREFIX + fqn])
+                    self.add_mutable(fqn, delegate.named_data[WEIGHT_PREFIX + fqn], devices[fqn])
         # Who reads each blob where the file holds it: PLAN_READER for a method's weights, a
         # delegate by its id; the pages of a blob no one reads are dropped from memory.
         self.readers: dict[str, set[str]] = {}
@@ -217,10 +271,9 @@ class ProgramState:
             name for name, method in contents.manifest.methods.items() if reads_state(method, set(self.mutable))
         }
 
-    def add_mutable(self, fqn: str, key: str) -> None:
+    def add_mutable(self, fqn: str, key: str, device: Device) -> None:
         if fqn not in self.mutable:
-            initial = self.blobs[key]
-            self.mutable[fqn] = (bytearray(initial), initial)
+            self.mutable[fqn] = StateBuffer.starting_from(self.blobs[key], device)
             self.initial_blobs.add(key)
 
     def add_reader(self, reader: str, delegate: DelegateRecord, released: Collection[str]) -> None:
@@ -257,22 +310,56 @@ class ProgramState:
         return {fqn: self.weight(fqn, record) for fqn, record in weights.items()}
 
     def weight(self, fqn: str, record: WeightRecord) -> torch.Tensor:
-        data = self.mutable[fqn][0] if fqn in self.mutable else self.blobs[record.blob]
+        data = self.mutable[fqn].current if fqn in self.mutable else self.blobs[record.blob]
         return tensor_from_bytes(data, dtype_from_name(record.dtype), record.shape)
 
-    def delegate_named_data(self, delegate: DelegateRecord) -> dict[str, BytesLike]:
-        """The delegate's named data; a buffer it updates in place is the shared, writable state."""
-        named_data: dict[str, BytesLike] = {local: self.blobs[key] for local, key in delegate.named_data.items()}
+    def delegate_named_data(self, delegate: DelegateRecord) -> dict[str, NamedDataValue]:
+        """The delegate's named data; a buffer it updates in place is the shared, writable state, where it lives."""
+        named_data: dict[str, NamedDataValue] = {local: self.blobs[key] for local, key in delegate.named_data.items()}
         for fqn in delegate.updates:
-            named_data[WEIGHT_PREFIX + fqn] = memoryview(self.mutable[fqn][0])
+            named_data[WEIGHT_PREFIX + fqn] = self.mutable[fqn].shared()
         return named_data
 
+    def state_places(self) -> dict[str, str]:
+        """Each buffer the methods update -> where its state lives: ``cpu``, ``cuda:0``."""
+        return {fqn: str(buffer.device) for fqn, buffer in self.mutable.items()}
+
     def reset(self) -> None:
-        for current, initial in self.mutable.values():
-            current[:] = initial
+        for buffer in self.mutable.values():
+            buffer.reset()
         # Copying read the initial values back in; they are not read again until the next reset.
         with self.readers_lock:
             self.release([key for key in self.initial_blobs if key not in self.readers])
+
+
+@dataclass(eq=False)
+class StateBuffer:
+    """One buffer's state: its memory where it lives (host bytes, or bytes on a device), and its value in the file.
+
+    The memory is allocated once and only ever written in place, so every delegate, method and
+    captured CUDA graph that holds its address keeps seeing the current value, ``reset()`` included.
+    """
+
+    current: bytearray | torch.Tensor
+    initial: memoryview
+    device: Device
+
+    @classmethod
+    def starting_from(cls, initial: BytesLike, device: Device) -> StateBuffer:
+        view = memoryview(initial)
+        if device == HOST:
+            return cls(bytearray(view), view, device)
+        return cls(tensor_from_bytes(view, torch.uint8, [view.nbytes]).to(str(device)), view, device)
+
+    def shared(self) -> NamedDataValue:
+        """What a delegate that updates this buffer is handed: writable, its updates seen by all."""
+        return memoryview(self.current) if isinstance(self.current, bytearray) else self.current
+
+    def reset(self) -> None:
+        if isinstance(self.current, bytearray):
+            self.current[:] = self.initial
+        else:
+            self.current.copy_(tensor_from_bytes(self.initial, torch.uint8, [self.initial.nbytes]))
 
 
 # The reader of a method's own weights (its plan's weight steps), in ProgramState.readers.

@@ -138,10 +138,11 @@ class AotiBackend(Backend):
         pick_vec_isa()
 
     def updates_in_place(self, buffer: torch.Tensor, compile_specs: list[CompileSpec]) -> bool:
-        # The runner writes into the user-managed buffer it is given; a device copy would not be the
-        # shared state. Inductor folds a one-element buffer into the code as a constant, update and all
+        # The runner writes into the user-managed buffer it is given, on the host or on its device,
+        # where loading puts the buffer's one state (format/state.py): a decode step's cache never
+        # moves. Inductor folds a one-element buffer into the code as a constant, update and all
         # (plain AOTInductor packages get such a counter wrong too), so one stays an input.
-        return self.target_device(compile_specs) == HOST and buffer.numel() > 1
+        return buffer.numel() > 1
 
     # Compile side ----------------------------------------------------------------------------
 

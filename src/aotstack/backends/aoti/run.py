@@ -29,7 +29,7 @@ from ...format.custom_ops import registered_op
 from ...format.devices import HOST, Device, DeviceType
 from ...format.seal import is_hex
 from ...format.specs import CompileSpec, SpecKey, compile_spec_value, partition_label
-from ...format.tensor_data import WEIGHT_PREFIX, BytesLike
+from ...format.tensor_data import WEIGHT_PREFIX, BytesLike, NamedDataValue
 
 # The named data holding a partition's shared library.
 LIBRARY_NAME = "model.so"
@@ -46,9 +46,12 @@ class AotiRuntime(BackendRuntime):
     """The run side every AOTInductor backend shares; each device type registers its own."""
 
     device_name: ClassVar[str]
+    # The generated code launches its kernels on the current stream, into memory it is given or
+    # gets from torch's allocator, which a capture gives from the graph's own pool.
+    captures_in_graph = True
 
     def init(
-        self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
+        self, processed_bytes: bytes, named_data: Mapping[str, NamedDataValue], compile_specs: list[CompileSpec]
     ) -> AotiHandle:
         label = partition_label(self.backend_id, compile_specs)
         device = target_device(compile_specs, self.backend_id, self.device_name)
