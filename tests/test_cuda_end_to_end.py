@@ -87,3 +87,107 @@ def test_inputs_and_outputs_can_stay_on_the_gpu(tmp_path):
     with torch.no_grad():
         expected, _ = models.build("attention")(image.cpu())
     torch.testing.assert_close(result.cpu(), expected, rtol=2e-3, atol=2e-3)
+
+
+# State on the GPU, and CUDA graphs ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cache_step_on_gpu(tmp_path_factory):
+    """test_cuda_graphs.py's toy decode step, its cache owned by one CUDA delegate; inputs and outputs on the GPU."""
+    from tests.test_cuda_graphs import CacheStep, step_inputs
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    program = aotstack.export(CacheStep(), {"forward": step_inputs(0)})
+    lowered = aotstack.lower(
+        program, [aotstack.CudaPartitioner(compile_specs=[QUICK])],
+        skip_h2d_for_method_inputs=True, skip_d2h_for_method_outputs=True,
+    )
+    path = tmp_path_factory.mktemp("cuda-state") / "cache_step.pt2"
+    lowered.save(path)
+    return lowered, path
+
+
+def gpu_step_inputs(index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    from tests.test_cuda_graphs import step_inputs
+
+    return tuple(tensor.to("cuda:0") for tensor in step_inputs(index))
+
+
+def assert_steps_match_eager(loaded: aotstack.LoadedProgram, count: int) -> None:
+    from tests.test_cuda_graphs import eager_steps
+
+    for index, want in enumerate(eager_steps(count)):
+        got = loaded.forward(*gpu_step_inputs(index))
+        for tensor, expected in zip(got, want, strict=True):
+            assert tensor.device == torch.device("cuda:0")
+            torch.testing.assert_close(tensor.cpu(), expected, rtol=2e-3, atol=2e-3)
+
+
+def host_device_copies(call) -> list[str]:
+    """The host<->device copies the GPU ran during ``call()``, by torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiled:
+        call()
+        torch.cuda.synchronize()
+    return [event.name for event in profiled.events() if "HtoD" in event.name or "DtoH" in event.name]
+
+
+@needs_cuda
+def test_a_cuda_delegate_keeps_its_cache_on_the_gpu_and_a_step_copies_nothing_across(cache_step_on_gpu):
+    lowered, path = cache_step_on_gpu
+    (delegate,) = lowered.delegates("forward")
+    assert delegate.updated_buffers == ["cache"]
+    loaded = aotstack.load(path)
+    assert loaded.state_devices == {"cache": "cuda:0"}
+    (state,) = loaded._state.mutable.values()
+    address = state.current.data_ptr()
+
+    assert_steps_match_eager(loaded, 5)
+    inputs = gpu_step_inputs(5)
+    assert host_device_copies(lambda: loaded.forward(*inputs)) == []
+
+    loaded.reset()
+    assert state.current.data_ptr() == address
+    assert_steps_match_eager(loaded, 5)
+
+
+@needs_cuda
+def test_a_decode_step_replayed_as_a_cuda_graph_matches_eager_and_survives_reset(cache_step_on_gpu):
+    from aotstack.runtime.graphs import WARM_UP_CALLS
+
+    _, path = cache_step_on_gpu
+    loaded = aotstack.load(path, cuda_graphs=["forward"])
+
+    assert_steps_match_eager(loaded, WARM_UP_CALLS + 4)
+    assert loaded.cuda_graphs == {"forward": "captured on cuda:0"}
+    loaded.reset()
+    assert_steps_match_eager(loaded, WARM_UP_CALLS + 4)
+    inputs = gpu_step_inputs(0)
+    assert host_device_copies(lambda: loaded.forward(*inputs)) == []
+
+
+@needs_cuda
+def test_a_transformers_decoder_on_the_gpu_with_graphs_generates_eager_tokens(tmp_path):
+    """Host token ids in, host logits out: the copies run outside the graph, the cache stays on the GPU."""
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    from tests.test_language_models import CACHE, PROMPT, STEPS, small_llama, token_by_token
+
+    model = small_llama()
+    exported = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE).export(
+        input_ids=torch.tensor([[1]]), cache_position=torch.tensor([0])
+    )
+    lowered = aotstack.lower(aotstack.Program({"forward": exported}), [aotstack.CudaPartitioner(compile_specs=[QUICK])])
+    lowered.save(tmp_path / "llama.pt2")
+    eager = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE).model
+    expected = token_by_token(lambda ids, pos: eager(input_ids=ids, cache_position=pos), PROMPT, STEPS)
+
+    loaded = aotstack.load(tmp_path / "llama.pt2", cuda_graphs=True)
+    tokens = token_by_token(lambda ids, pos: loaded.forward(input_ids=ids, cache_position=pos), PROMPT, STEPS)
+
+    assert tokens == expected
+    assert loaded.cuda_graphs == {"forward": "captured on cuda:0"}
+    assert set(loaded.state_devices.values()) == {"cuda:0"}

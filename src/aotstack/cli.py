@@ -134,6 +134,8 @@ def argument_parser() -> argparse.ArgumentParser:
     run.add_argument("package", metavar="FILE.pt2")
     run.add_argument("--method", help="method to run (default: every method)")
     run.add_argument("--calls", type=int, default=100, help="timed calls per method (default 100)")
+    run.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                     help="run methods on a GPU step by step, not replayed as CUDA graphs")
     run.add_argument("--public-key", action="append", metavar="PUB",
                      help="refuse the file unless a key in PUB (PEM) signed it; repeatable")
     run.add_argument("--import", dest="imports", action="append", default=[], metavar="MODULE",
@@ -405,7 +407,9 @@ def run_command(args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise ValueError(f"--import {module}: {exc}") from None
     started = time.perf_counter()
-    loaded = aotstack.load(args.package, public_key=args.public_key, allow_ops=args.allow_ops)
+    loaded = aotstack.load(
+        args.package, public_key=args.public_key, allow_ops=args.allow_ops, cuda_graphs=args.cuda_graphs
+    )
     manifest = read_manifest(args.package)
     print(f"loaded {args.package} in {(time.perf_counter() - started) * 1e3:.1f} ms")
     names = [args.method] if args.method else loaded.method_names
@@ -427,6 +431,8 @@ def run_command(args: argparse.Namespace) -> int:
             label = "".join(str(key) for key in path) or "output"
             print(f"  {label}: {describe_tensor(value)} {summary(value)}")
         print(f"  median {statistics.median(times) * 1e6:.1f} µs per call over {args.calls} calls")
+        if any(delegate.target_device != "cpu" for delegate in record.delegates):
+            print(f"  CUDA graph: {loaded.cuda_graphs.get(name, 'off (--no-cuda-graphs)')}")
     return 0
 
 

@@ -201,7 +201,7 @@ class AotstackExporter(HfExporter):
 
     @classmethod
     def load_program(cls, path: str | Path) -> aotstack.LoadedProgram:
-        return aotstack.load(path)
+        return aotstack.load(path, cuda_graphs=RUNNER_CUDA_GRAPHS)
 
 
 def refuse_quantizer(config: AotstackConfig) -> None:
@@ -215,6 +215,12 @@ def refuse_quantizer(config: AotstackConfig) -> None:
 def quantized_copy(model: Any, quantization: Quantization) -> Any:
     """``model`` itself when nothing is quantized; else a quantized copy, so the caller's model stays float."""
     return quantization.apply(copy.deepcopy(model)) if quantization else model
+
+
+# A runner calls its methods over and over with the same shapes (a decode step above all), so each
+# method that runs wholly on one GPU with static shapes is replayed as a CUDA graph; the others
+# (a prefill's prompt length changes) and every method of a host file run as without.
+RUNNER_CUDA_GRAPHS = True
 
 
 class AotstackModelRunner(ModelRunner):
@@ -247,7 +253,7 @@ class AotstackModelRunner(ModelRunner):
             keep = tempfile.TemporaryDirectory(prefix="aotstack-hf-")
             path = os.path.join(keep.name, f"{COMPONENT}.pt2")
             program.save(path)
-            program = aotstack.load(path)
+            program = aotstack.load(path, cuda_graphs=RUNNER_CUDA_GRAPHS)
         return cls(program, metadata, keep)
 
     def __call__(self, share_inputs: bool = True, share_outputs: bool = False, **kwargs: Any) -> Any:
