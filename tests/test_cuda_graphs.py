@@ -262,3 +262,11 @@ def test_a_buffer_updated_on_a_gpu_and_read_on_the_host_is_refused_naming_both()
     with pytest.raises(PackageError, match=r"buffer 'cache' is used on cuda:0 by delegate d0 of 'decode', and on "
                                            r"cpu by method 'peek''s plan, which reads it"):
         state_devices({"decode": decode, "peek": peek})
+
+
+def test_state_on_a_device_this_process_lacks_is_refused_naming_the_buffer():
+    from aotstack.errors import DelegateInitError
+    from aotstack.runtime.load import StateBuffer
+
+    with pytest.raises(DelegateInitError, match="buffer 'cache' lives on cuda:63, which this process cannot use"):
+        StateBuffer.starting_from("cache", memoryview(bytes(16)), Device(DeviceType.CUDA, 63))

@@ -273,7 +273,7 @@ class ProgramState:
 
     def add_mutable(self, fqn: str, key: str, device: Device) -> None:
         if fqn not in self.mutable:
-            self.mutable[fqn] = StateBuffer.starting_from(self.blobs[key], device)
+            self.mutable[fqn] = StateBuffer.starting_from(fqn, self.blobs[key], device)
             self.initial_blobs.add(key)
 
     def add_reader(self, reader: str, delegate: DelegateRecord, released: Collection[str]) -> None:
@@ -345,11 +345,16 @@ class StateBuffer:
     device: Device
 
     @classmethod
-    def starting_from(cls, initial: BytesLike, device: Device) -> StateBuffer:
+    def starting_from(cls, fqn: str, initial: BytesLike, device: Device) -> StateBuffer:
         view = memoryview(initial)
         if device == HOST:
             return cls(bytearray(view), view, device)
-        return cls(tensor_from_bytes(view, torch.uint8, [view.nbytes]).to(str(device)), view, device)
+        try:
+            current = tensor_from_bytes(view, torch.uint8, [view.nbytes]).to(str(device))
+        except (RuntimeError, AssertionError) as exc:
+            # torch's own words for a device this build or machine lacks.
+            raise DelegateInitError(f"buffer {fqn!r} lives on {device}, which this process cannot use: {exc}") from None
+        return cls(current, view, device)
 
     def shared(self) -> NamedDataValue:
         """What a delegate that updates this buffer is handed: writable, its updates seen by all."""
