@@ -29,7 +29,7 @@ from ..engine.registry import runtime_class
 from ..errors import MethodNotFoundError
 from ..format.devices import Device
 from ..format.manifest import MethodRecord
-from ..format.plan import InputStep, OpStep, Ref, Step, SubgraphStep, refs
+from ..format.plan import InputStep, MethodPlan, OpStep, Ref, SubgraphStep, WeightStep, refs
 
 if TYPE_CHECKING:
     from .load import Method
@@ -98,9 +98,6 @@ def why_not_captured(record: MethodRecord, device_type: str) -> str | Device:
             return f"input {item.name!r} has a dynamic shape"
         if item.kind in ("int", "float", "bool") and item.value is None:
             return f"input {item.name!r} is a {item.kind} that changes between calls"
-    if record.plan.mutations:
-        fqn = record.plan.mutations[0][0]
-        return f"its plan updates buffer {fqn!r} on the host"
     if not record.delegates:
         return "it calls no delegate"
     devices = {delegate.target_device for delegate in record.delegates}
@@ -111,31 +108,36 @@ def why_not_captured(record: MethodRecord, device_type: str) -> str | Device:
             return f"delegate {delegate.id} runs on {delegate.backend_id}, whose run side cannot be captured"
     if len(devices) > 1:
         return f"its delegates run on {len(devices)} devices ({', '.join(sorted(devices))})"
-    host_steps = host_work(record.plan.steps, record.plan.outputs)
+    host_steps = host_work(record.plan)
     if host_steps:
         return f"step {host_steps[0]} runs on the host"
     return Device.parse(devices.pop())
 
 
-def host_work(steps: Sequence[Step], outputs: Sequence[Any]) -> list[str]:
-    """The steps that a graph cannot hold: all but delegates, input copies in and output copies out."""
-    inputs = {step.name for step in steps if isinstance(step, InputStep)}
-    returned = set(refs(outputs))
+def host_work(plan: MethodPlan) -> list[str]:
+    """The steps that a graph cannot hold: all but delegates, the copies in and the copies out.
+
+    A copy in takes a method input or a buffer the plan reads (a one-element counter the plan
+    updates) to the device; a copy out brings back an output or a buffer's new value. Each runs
+    on every call, outside the graph, into or out of the buffers the graph reads and writes.
+    """
+    sources = {step.name for step in plan.steps if isinstance(step, (InputStep, WeightStep))}
+    results = set(refs(plan.outputs)) | {name for _, name in plan.mutations}
     found = []
-    for step in steps:
+    for step in plan.steps:
         if isinstance(step, SubgraphStep):
             found.append(f"{step.name!r} (a branch or loop)")
-        elif isinstance(step, OpStep) and not (is_input_copy(step, inputs) or is_output_copy(step, returned)):
+        elif isinstance(step, OpStep) and not (is_copy_in(step, sources) or is_copy_out(step, results)):
             found.append(f"{step.name!r} ({step.target})")
     return found
 
 
-def is_input_copy(step: OpStep, inputs: set[str]) -> bool:
-    return step.target == H2D_COPY and isinstance(step.args[0], Ref) and step.args[0].name in inputs
+def is_copy_in(step: OpStep, sources: set[str]) -> bool:
+    return step.target == H2D_COPY and isinstance(step.args[0], Ref) and step.args[0].name in sources
 
 
-def is_output_copy(step: OpStep, returned: set[str]) -> bool:
-    return step.target == D2H_COPY and step.name in returned
+def is_copy_out(step: OpStep, results: set[str]) -> bool:
+    return step.target == D2H_COPY and step.name in results
 
 
 @dataclass
@@ -155,23 +157,27 @@ class GraphedCall:
 
     def __post_init__(self) -> None:
         body = self.method.body
-        inputs = {body.input_slots[index]: index for index in range(len(body.input_slots))}
-        returned = set(refs(self.method.plan_outputs))
-        self.prologue: list[tuple[int, int]] = []  # (argument index, slot its device copy fills)
+        inputs = {slot: index for index, slot in enumerate(body.input_slots)}
+        results = {body.slot(ref) for ref in refs(self.method.plan_outputs)}
+        results |= {slot for _, slot in self.method.mutations}
+        # Each copy in: what it copies (an argument, or a buffer's current value) and the slot it fills.
+        self.prologue: list[tuple[Reader, int]] = []
         self.captured: list[Callable[[list[Any]], None]] = []
         self.epilogue: list[Callable[[list[Any]], None]] = []
         self.epilogue_slots: set[int] = set()
         for action, step in zip(body.actions, body.action_steps, strict=True):
             if isinstance(step, OpStep) and step.target == H2D_COPY:
-                self.prologue.append((inputs[body.slot(step.args[0].name)], body.slot(step.name)))
-            elif isinstance(step, OpStep) and is_output_copy(step, returned):
+                source = body.slot(step.args[0].name)
+                self.prologue.append((source_reader(source, inputs, body.template), body.slot(step.name)))
+            elif isinstance(step, OpStep) and step.target == D2H_COPY and body.slot(step.name) in results:
                 self.epilogue.append(action)
                 self.epilogue_slots.add(body.slot(step.name))
             else:
                 self.captured.append(action)
-        copied = {index for index, _ in self.prologue}
+        copied = {read.argument for read, _ in self.prologue}
         self.direct_inputs = [(index, slot) for slot, index in inputs.items() if index not in copied]
-        self.static: list[tuple[int, torch.Tensor]] = []  # (argument index, the buffer the graph reads)
+        # (what it copies, the buffer the graph reads it from)
+        self.static: list[tuple[Reader, torch.Tensor]] = []
         self.slots: list[Any] = []
         self.outputs: list[Callable[[list[Any]], Any]] = []
 
@@ -202,11 +208,11 @@ class GraphedCall:
         body = self.method.body
         slots = body.template.copy()
         self.static = []
-        for index, slot in self.prologue:
-            slots[slot] = self.static_buffer(index, torch.as_tensor(flat[index]).to(str(self.device)))
+        for read, slot in self.prologue:
+            slots[slot] = self.static_buffer(read, torch.as_tensor(read(flat)).to(str(self.device)))
         for index, slot in self.direct_inputs:
             value = flat[index]
-            slots[slot] = self.static_buffer(index, value) if isinstance(value, torch.Tensor) else value
+            slots[slot] = self.static_buffer(Reader(index), value) if isinstance(value, torch.Tensor) else value
         graph = self.graph_maker(self.device)
         written: list[int] = []
 
@@ -226,9 +232,9 @@ class GraphedCall:
         self.outputs = [self.copied_out(resolve) for resolve in self.method.output_resolvers]
         self.graph = graph
 
-    def static_buffer(self, index: int, value: torch.Tensor) -> torch.Tensor:
+    def static_buffer(self, read: Reader, value: torch.Tensor) -> torch.Tensor:
         buffer = value.clone()
-        self.static.append((index, buffer))
+        self.static.append((read, buffer))
         return buffer
 
     def copied_out(self, resolve: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
@@ -239,16 +245,34 @@ class GraphedCall:
         return lambda slots: resolve(slots).clone()
 
     def replayed(self, flat: Sequence[Any]) -> list[Any]:
-        for index, buffer in self.static:
-            argument = flat[index]
-            if not (isinstance(argument, torch.Tensor) and argument.data_ptr() == buffer.data_ptr()):
-                buffer.copy_(argument)
+        for read, buffer in self.static:
+            value = read(flat)
+            if not (isinstance(value, torch.Tensor) and value.data_ptr() == buffer.data_ptr()):
+                buffer.copy_(value)
         assert self.graph is not None
         self.graph.replay()
         slots = self.slots
         for action in self.epilogue:
             action(slots)
+        for target, slot in self.method.mutations:
+            target.copy_(slots[slot])
         return [output(slots) for output in self.outputs]
+
+
+@dataclass(frozen=True)
+class Reader:
+    """What a copy into the graph's buffers copies on each call: argument ``argument``, else ``value`` (a buffer)."""
+
+    argument: int | None
+    value: Any = None
+
+    def __call__(self, flat: Sequence[Any]) -> Any:
+        return self.value if self.argument is None else flat[self.argument]
+
+
+def source_reader(slot: int, inputs: dict[int, int], template: list[Any]) -> Reader:
+    """The reader of what fills ``slot``: the argument whose slot it is, or the weight or state the plan put there."""
+    return Reader(inputs[slot]) if slot in inputs else Reader(None, template[slot])
 
 
 def graphed_methods(
