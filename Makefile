@@ -34,3 +34,18 @@ bench: $(VENV)/.installed-bench
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info
+
+# On a GPU machine, with its image's own python3 (torch with CUDA; aotstack not installed, so PYTHONPATH=src:.):
+# the probe, the CUDA tests, the corpus on the GPU and a speed table, under 10 minutes (README: "On a GPU machine").
+# Wheels carried in .whl/ are installed into GPU_SITE first and put on the path. GPU_ARGS="--quick --only bert"
+GPU_PYTHON ?= python3
+GPU_SITE ?= /tmp/site
+GPU_WHEELS := $(wildcard .whl/*.whl)
+
+.PHONY: gpu-check
+gpu-check:
+ifneq ($(GPU_WHEELS),)
+	$(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $(GPU_SITE) $(GPU_WHEELS)
+endif
+	PYTHONUNBUFFERED=1 PYTHONPATH=$(if $(GPU_WHEELS),$(GPU_SITE):)src:.$${PYTHONPATH:+:$$PYTHONPATH} \
+		$(GPU_PYTHON) bench/gpu.py $(GPU_ARGS)
