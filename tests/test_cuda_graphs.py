@@ -199,8 +199,10 @@ def tensor_input(name: str, shape: list) -> InputRecord:
     return InputRecord(name, "tensor", "float32", shape, device="cpu")
 
 
-def cuda_delegate(delegate_id="d0", backend="aoti_cuda", device="cuda:0", updates=()) -> DelegateRecord:
-    return DelegateRecord(delegate_id, backend, device, [], [], [], [], "0" * 64, {}, updates=list(updates))
+def cuda_delegate(delegate_id="d0", backend="aoti_cuda", device="cuda:0", updates=(), calls=()) -> DelegateRecord:
+    return DelegateRecord(
+        delegate_id, backend, device, [], [], [], [], "0" * 64, {}, updates=list(updates), calls=list(calls)
+    )
 
 
 def method(steps, delegates, inputs=None, outputs=None, mutations=()) -> MethodRecord:
@@ -249,12 +251,14 @@ def test_a_counter_the_plan_copies_to_the_gpu_and_back_does_not_stop_a_capture()
          "delegate d0 runs on cpu, not on a cuda device"),
         (method(decode_plan(), [cuda_delegate(backend="onnxruntime", device="cuda:0")]),
          "delegate d0 runs on onnxruntime, whose run side cannot be captured"),
+        (method(decode_plan(), [cuda_delegate(calls=["mylib.topk_sync.default"])]),
+         "delegate d0 calls custom op mylib.topk_sync.default back through torch"),
         (method(decode_plan(), [cuda_delegate(), cuda_delegate("d1", device="cuda:1")]),
          "its delegates run on 2 devices (cuda:0, cuda:1)"),
         (method(decode_plan(OpStep("x_item", "aten.relu.default", [Ref("x_cuda")], {})), [cuda_delegate()]),
          "step 'x_item' (aten.relu.default) runs on the host"),
     ],
-    ids=["dynamic shape", "symbolic int", "no delegate", "host delegate", "engine that syncs",
+    ids=["dynamic shape", "symbolic int", "no delegate", "host delegate", "engine that syncs", "custom op",
          "two devices", "host step"],
 )
 def test_a_method_that_cannot_be_captured_says_why(record, reason):

@@ -106,6 +106,9 @@ def why_not_captured(record: MethodRecord, device_type: str) -> str | Device:
             return f"delegate {delegate.id} runs on {delegate.target_device}, not on a {device_type} device"
         if not getattr(runtime_class(delegate.backend_id), "captures_in_graph", False):
             return f"delegate {delegate.id} runs on {delegate.backend_id}, whose run side cannot be captured"
+        if delegate.calls:
+            # A custom op runs whatever its author wrote, a wait for the host (``.item()``) included.
+            return f"delegate {delegate.id} calls custom op {delegate.calls[0]} back through torch"
     if len(devices) > 1:
         return f"its delegates run on {len(devices)} devices ({', '.join(sorted(devices))})"
     host_steps = host_work(record.plan)
