@@ -19,7 +19,7 @@ import aotstack
 from aotstack.backends.openvino import run as ov_run
 from aotstack.backends.openvino.partitioner import OpenVinoPartitioner
 from aotstack.format.archive import read_manifest
-from aotstack.format.specs import CompileSpec, SpecKey, partition_label
+from aotstack.format.specs import CompileSpec, SpecKey
 from aotstack.format.tensor_data import WEIGHT_PREFIX, content_key, tensor_bytes
 from tests import models
 from tests.conftest import assert_matches_eager, run_child, run_in_fresh_process
@@ -178,9 +178,10 @@ def test_float32_stays_float32_where_openvino_would_pick_bfloat16(tmp_path):
 
     if "BF16" not in openvino.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
         pytest.skip("this CPU has no bfloat16 kernels: OpenVINO computes a bf16 request in f32, nothing to tell apart")
-    label = partition_label("openvino", delegate.compile_specs)
-    part = ov_run.read_part(delegate.processed_bytes, delegate.named_data, label)
-    in_bf16 = ov_run.compiled_model(dataclasses.replace(part, precision="bf16"), label)
+    files = ov_run.OpenVinoRuntime().delegate_files(delegate.processed_bytes, delegate.named_data,
+                                                    delegate.compile_specs)
+    part = ov_run.read_part(files)
+    in_bf16 = ov_run.compiled_model(dataclasses.replace(part, precision="bf16"), files.label)
     request = in_bf16.create_infer_request()
     request.infer({0: x.numpy()})
     with pytest.raises(AssertionError):
