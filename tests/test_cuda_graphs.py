@@ -293,3 +293,17 @@ def test_state_on_a_device_this_process_lacks_is_refused_naming_the_buffer():
 
     with pytest.raises(DelegateInitError, match="buffer 'cache' lives on cuda:63, which this process cannot use"):
         StateBuffer.starting_from("cache", memoryview(bytes(16)), Device(DeviceType.CUDA, 63))
+
+
+def test_a_buffer_the_plan_holds_on_a_gpu_lives_there_and_its_weight_step_says_so_in_the_file():
+    from aotstack.format.plan import step_from_json, step_to_json
+
+    held = WeightStep("length", "length", device="cuda:0")
+    decode = method([InputStep("x"), held], [cuda_delegate()], mutations=[("length", "x")])
+    on_host = method([InputStep("x"), WeightStep("length", "length")], [], mutations=[("length", "x")])
+
+    assert state_devices({"decode": decode}) == {"length": Device(DeviceType.CUDA, 0)}
+    assert step_from_json(step_to_json(held)) == held
+    assert step_to_json(WeightStep("w", "w")) == {"kind": "weight", "name": "w", "fqn": "w"}
+    with pytest.raises(PackageError, match="buffer 'length' is used on cuda:0 by method 'decode''s plan"):
+        state_devices({"decode": decode, "prefill": on_host})

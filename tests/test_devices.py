@@ -235,3 +235,44 @@ def test_the_skip_options_take_and_return_device_tensors(tmp_path):
 
     assert result.device == torch.device("cuda:0")
     torch.testing.assert_close(result.cpu(), a + b)
+
+
+class Running(torch.nn.Module):
+    """A running total the method updates, and a sum; ``read_on_host`` also reads the total before the update."""
+
+    def __init__(self, read_on_host: bool = False) -> None:
+        super().__init__()
+        self.read_on_host = read_on_host
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, a, b):
+        before = self.total * 2 if self.read_on_host else None
+        self.total.add_(a)
+        return a + b if before is None else (a + b, before)
+
+
+def test_a_buffer_only_delegates_on_one_device_use_lives_there_and_is_updated_there():
+    from aotstack.compile.plan import method_plan
+    from aotstack.format.plan import WeightStep
+
+    program = lowered(Running(), NodesOnDevice("cuda:0", "add", "add_1"))
+
+    # No copy of the total to the device and back: the plan holds it there.
+    assert [n.args[0].name for n in calls(program, h2d_copy)] == ["a", "b"]
+    [new_total, _] = program.graph.output_node().args[0]
+    assert new_total.target is not d2h_copy and devices(program)[new_total.name] == "cuda:0"
+    assert devices(program)["b_total"] == "cuda:0"
+    [step] = [s for s in method_plan(program).steps if isinstance(s, WeightStep)]
+    assert (step.fqn, step.device) == ("total", "cuda:0")
+
+
+def test_a_buffer_a_host_op_also_reads_stays_on_the_host():
+    from aotstack.compile.plan import method_plan
+    from aotstack.format.plan import WeightStep
+
+    program = lowered(Running(read_on_host=True), NodesOnDevice("cuda:0", "add", "add_1"))
+
+    assert "b_total" in [n.args[0].name for n in calls(program, h2d_copy)]
+    assert devices(program)["b_total"] == "cpu"
+    [step] = [s for s in method_plan(program).steps if isinstance(s, WeightStep)]
+    assert step.device is None

@@ -38,10 +38,12 @@ def propagate_device_pass(
     graph = exported_program.graph
     user_inputs = set(exported_program.graph_signature.user_inputs)
     device_of = node_devices(graph, delegate_devices, user_inputs if skip_h2d_for_method_inputs else set())
+    # New values of buffers that live on a device stay there: the plan updates the buffer in place.
+    kept = state_on_device(exported_program, device_of)
     for node in list(graph.nodes):
         if node.op == "output":
             if not skip_d2h_for_method_outputs:
-                move_inputs(graph, node, HOST, device_of)
+                move_inputs(graph, node, HOST, device_of, keep=kept)
         elif is_delegate_call(node):
             move_inputs(graph, node, device_of[node], device_of)
         elif node.op == "call_function" and not is_delegate_output(node) and node.target not in (h2d_copy, d2h_copy):
@@ -74,6 +76,29 @@ def node_devices(
     return devices
 
 
+def state_on_device(exported_program: ExportedProgram, device_of: dict[Node, Device]) -> set[Node]:
+    """Put on a device each buffer the plan updates that only delegates on that device use; their new values.
+
+    A buffer a delegate cannot own (AOTInductor folds a one-element buffer into its code, so a cache's
+    length stays a plan input) would otherwise cross to the device and back on every call. Where every
+    reader of the buffer is a delegate on one device, and a delegate there computes its new value, the
+    buffer lives on that device: the plan hands it over and writes the new value into it there.
+    """
+    signature = exported_program.graph_signature
+    nodes = {node.name: node for node in exported_program.graph.nodes}
+    placeholder_of = {fqn: name for name, fqn in signature.inputs_to_buffers.items()}
+    kept = set()
+    for value_name, fqn in signature.buffers_to_mutate.items():
+        buffer, value = nodes.get(placeholder_of.get(fqn, "")), nodes.get(value_name)
+        if buffer is None or value is None or not is_delegate_output(value) or device_of[value] == HOST:
+            continue
+        readers = list(buffer.users)
+        if readers and all(is_delegate_call(user) and device_of[user] == device_of[value] for user in readers):
+            device_of[buffer] = device_of[value]
+            kept.add(value)
+    return kept
+
+
 def delegate_device(node: Node, delegate_devices: Mapping[str, tuple[str, str]]) -> Device:
     delegate_id = node.args[0]
     if delegate_id not in delegate_devices:
@@ -89,10 +114,12 @@ def delegate_device(node: Node, delegate_devices: Mapping[str, tuple[str, str]])
     return Device.parse(target_device)
 
 
-def move_inputs(graph: Graph, consumer: Node, device: Device, device_of: dict[Node, Device]) -> None:
-    """Give ``consumer`` each tensor input on ``device``, through a copy where it lives elsewhere."""
+def move_inputs(
+    graph: Graph, consumer: Node, device: Device, device_of: dict[Node, Device], keep: set[Node] = frozenset()
+) -> None:
+    """Give ``consumer`` each tensor input but ``keep``'s on ``device``, through a copy where it lives elsewhere."""
     for value in consumer.all_input_nodes:
-        if value not in device_of or device_of[value] == device or not is_tensor(value):
+        if value in keep or value not in device_of or device_of[value] == device or not is_tensor(value):
             continue
         consumer.replace_input_with(value, copy_of(graph, value, device, device_of, consumer))
 

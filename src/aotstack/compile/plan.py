@@ -13,6 +13,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import LoweringError, PackageError
 from ..format.custom_ops import is_custom_op_name
+from ..format.devices import HOST
 from ..format.op_names import op_name
 from ..format.ops import is_delegate_call, is_delegate_output
 from ..format.plan import (
@@ -53,7 +54,7 @@ def graph_steps(graph_module: GraphModule, weights: dict[str, str], runnable_onl
     steps: list[Step] = []
     for node in graph_module.graph.nodes:
         if node.op == "placeholder":
-            steps.append(WeightStep(node.name, weights[node.name]) if node.name in weights else InputStep(node.name))
+            steps.append(weight_step(node, weights[node.name]) if node.name in weights else InputStep(node.name))
         elif node.op == "get_attr":
             steps.append(SubgraphStep(node.name, subgraph_plan(graph_module, node, runnable_only)))
         elif is_delegate_call(node):
@@ -63,6 +64,12 @@ def graph_steps(graph_module: GraphModule, weights: dict[str, str], runnable_onl
             args, kwargs = plan_value(list(node.args), node), plan_value(dict(node.kwargs), node)
             steps.append(OpStep(node.name, target_name(node, runnable_only), args, kwargs))
     return steps
+
+
+def weight_step(node: Node, fqn: str) -> WeightStep:
+    """The step reading ``fqn``; with its device where the device pass put it off the host (a buffer's state)."""
+    device = node.meta.get("device")
+    return WeightStep(node.name, fqn, None if device is None or device == HOST else str(device))
 
 
 def subgraph_plan(graph_module: GraphModule, node: Node, runnable_only: bool = True) -> SubgraphPlan:

@@ -62,10 +62,15 @@ class InputStep:
 
 @dataclass(frozen=True)
 class WeightStep:
-    """A parameter, buffer or constant the method reads, by FQN."""
+    """A parameter, buffer or constant the method reads, by FQN.
+
+    ``device``: where a buffer the plan updates lives, where that is not the host (``cuda:0``):
+    every reader of it and the producer of its new value are delegates on that device.
+    """
 
     name: str
     fqn: str
+    device: str | None = None
 
 
 @dataclass(frozen=True)
@@ -224,7 +229,8 @@ def step_to_json(step: Step) -> dict[str, Any]:
     if isinstance(step, InputStep):
         return {"kind": "input", "name": step.name}
     if isinstance(step, WeightStep):
-        return {"kind": "weight", "name": step.name, "fqn": step.fqn}
+        weight = {"kind": "weight", "name": step.name, "fqn": step.fqn}
+        return weight if step.device is None else {**weight, "device": step.device}
     if isinstance(step, SubgraphStep):
         plan = {"steps": [step_to_json(s) for s in step.plan.steps], "output": value_to_json(step.plan.output)}
         return {"kind": "subgraph", "name": step.name, "plan": plan}
@@ -246,7 +252,8 @@ def step_from_json(data: Any, depth: int = 0) -> Step:
     if kind == "input":
         return InputStep(text(data, "name"))
     if kind == "weight":
-        return WeightStep(text(data, "name"), text(data, "fqn"))
+        device = data.get("device")
+        return WeightStep(text(data, "name"), text(data, "fqn"), None if device is None else text(data, "device"))
     if kind == "subgraph":
         if depth >= MAX_SUBGRAPH_DEPTH:
             raise PackageError(f"subgraphs in a run plan are nested deeper than {MAX_SUBGRAPH_DEPTH} levels")

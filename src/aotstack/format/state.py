@@ -1,9 +1,10 @@
 """Where each buffer a file's methods update (a KV cache) lives while it runs: the host, or one device.
 
 A buffer has one state, shared by every method and delegate that reads or updates it. It lives
-with what updates it: on the host where a method's plan updates it or reads it, or where a host
-delegate owns it; on a device where delegates on that device alone own it and update it in place
-there, so a decode step on a GPU never moves its cache. Lowering checks a file before writing it
+with what updates it: on the host where a method's plan updates it or reads it there, or where a
+host delegate owns it; on a device where delegates on that device alone own it and update it in
+place there, or where the plan holds it on that device for such delegates (``WeightStep.device``:
+a cache's one-element length), so a decode step on a GPU never moves its state. Lowering checks a file before writing it
 and loading checks it again, with this one rule.
 """
 
@@ -29,11 +30,13 @@ def state_devices(methods: Mapping[str, MethodRecord]) -> dict[str, Device]:
     updated |= {fqn for method in methods.values() for delegate in method.delegates for fqn in delegate.updates}
     where: dict[str, dict[Device, str]] = {fqn: {} for fqn in sorted(updated)}
     for name, method in methods.items():
+        # Where the plan holds a buffer it updates: the host, or the device its weight step names.
+        held = {step.fqn: plan_device(step.device) for step in method.plan.steps if isinstance(step, WeightStep)}
         for fqn, _ in method.plan.mutations:
-            where[fqn].setdefault(HOST, f"method {name!r}'s plan, which updates it")
+            where[fqn].setdefault(held.get(fqn, HOST), f"method {name!r}'s plan, which updates it")
         for step in method.plan.steps:
             if isinstance(step, WeightStep) and step.fqn in where:
-                where[step.fqn].setdefault(HOST, f"method {name!r}'s plan, which reads it")
+                where[step.fqn].setdefault(held[step.fqn], f"method {name!r}'s plan, which reads it")
         for delegate in method.delegates:
             for fqn in delegate.updates:
                 where[fqn].setdefault(delegate_device(delegate.target_device), f"delegate {delegate.id} of {name!r}")
@@ -47,6 +50,10 @@ def state_devices(methods: Mapping[str, MethodRecord]) -> dict[str, Device]:
             )
         devices[fqn] = next(iter(places))
     return devices
+
+
+def plan_device(text: str | None) -> Device:
+    return HOST if text is None else delegate_device(text)
 
 
 def delegate_device(text: str) -> Device:

@@ -179,6 +179,9 @@ class GraphedCall:
                 self.captured.append(action)
         copied = {read.argument for read, _ in self.prologue}
         self.direct_inputs = [(index, slot) for slot, index in inputs.items() if index not in copied]
+        # A buffer the plan updates on the graph's device is written inside the graph; one on the host after it.
+        self.captured_mutations = [(target, slot) for target, slot in self.method.mutations if on(target, self.device)]
+        self.host_mutations = [(target, slot) for target, slot in self.method.mutations if not on(target, self.device)]
         # (what it copies, the buffer the graph reads it from)
         self.static: list[tuple[Reader, torch.Tensor]] = []
         self.slots: list[Any] = []
@@ -224,6 +227,8 @@ class GraphedCall:
             work = slots.copy()
             for action in self.captured:
                 action(work)
+            for target, slot in self.captured_mutations:
+                target.copy_(work[slot])
             if not written:
                 written.extend(i for i, value in enumerate(work) if isinstance(value, torch.Tensor))
             return [work[i] for i in written]
@@ -257,9 +262,13 @@ class GraphedCall:
         slots = self.slots
         for action in self.epilogue:
             action(slots)
-        for target, slot in self.method.mutations:
+        for target, slot in self.host_mutations:
             target.copy_(slots[slot])
         return [output(slots) for output in self.outputs]
+
+
+def on(tensor: torch.Tensor, device: Device) -> bool:
+    return tensor.device.type == device.type.value and (tensor.device.index or 0) == device.index
 
 
 @dataclass(frozen=True)
