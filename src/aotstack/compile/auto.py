@@ -11,7 +11,12 @@ The algorithm, kept small so a report can explain it:
    delegate's time is recorded too, so the report can say where a call's time went. Compiles and
    timings run in child processes: an engine that crashes (a signal in its native code) fails
    its plan with an ``EngineCrashError`` the report names, and auto goes on with the others.
-3. Per method, the fastest plan wins; boundary costs are in its time, as they are in a user's
+3. Per method, the measured plans' regions propose one more plan that mixes engines region by
+   region (``mixing.py``): each engine's region that measured faster than every other plan's
+   estimate for the same nodes is kept, the closing engine takes the rest. It is lowered and
+   timed like the others (at most one more plan per method), so boundaries are in its time too,
+   and the selection's reason lists the regions it kept and what each measured against.
+4. Per method, the fastest plan wins; boundary costs are in its time, as they are in a user's
    call. Within ``TIE`` of AOTInductor alone, AOTInductor alone wins: one engine and no
    boundaries for a difference the measurement cannot tell apart. Methods choose separately, so
    one file may run ``prefill`` in one engine and ``decode`` in another.
@@ -40,13 +45,15 @@ from ..format.placement import Candidate, Selection
 from ..format.specs import CompileSpec, SpecKey
 from .cache import package_version, read_entry, write_entry
 from .measure import MethodTiming
+from .mixing import Mix, Region, RegionPartitioner
 from .partitioner import Partitioner
 
 logger = logging.getLogger("aotstack")
 
 # A plan no more than this much slower than AOTInductor alone does not displace it.
 TIE = 0.03
-CACHE_KIND = "measurements"
+# The measurements' cache; each entry keeps its plan's regions too (``mixing.py``), which older entries lack.
+CACHE_KIND = "measurements-2"
 
 Plan = tuple[str, ...]
 
@@ -136,12 +143,13 @@ def measurement_key(fingerprint: str, exported: ExportedProgram, plan: Plan, thr
 # AOTInductor alone again, so it is neither timed nor listed (two timings of one plan would let noise choose).
 SAME_AS_ALONE = "same_as_alone"
 
-Measurement = tuple[Candidate, dict[str, float]]
+# A plan's measurement of one method: its candidate, each delegate's seconds a call, and its delegates as regions.
+Measurement = tuple[Candidate, dict[str, float], list[Region]]
 
 
-def cached_measurement(key: str, plan: Plan) -> Measurement | str | None:
-    """A measurement of ``plan`` kept by an earlier lowering (its candidate, and each delegate's seconds a
-    call), ``SAME_AS_ALONE``, or None where there is none."""
+def cached_measurement(key: str, engines: Sequence[str]) -> Measurement | str | None:
+    """A measurement kept by an earlier lowering (``engines`` name its plan in the report),
+    ``SAME_AS_ALONE``, or None where there is none."""
     data = read_entry(CACHE_KIND, key + ".json")
     if data is None:
         return None
@@ -149,8 +157,12 @@ def cached_measurement(key: str, plan: Plan) -> Measurement | str | None:
         entry = json.loads(data)
         if entry.get(SAME_AS_ALONE) is True:
             return SAME_AS_ALONE
-        candidate = Candidate(list(plan), float(entry["seconds"]), dict(entry["engine_seconds"]))
-        return candidate, {str(k): float(v) for k, v in entry["delegate_seconds"].items()}
+        candidate = Candidate(list(engines), float(entry["seconds"]), dict(entry["engine_seconds"]))
+        regions = [
+            Region(str(r["engine"]), {str(k): float(v) for k, v in r["nodes"].items()}, float(r["seconds"]))
+            for r in entry["regions"]
+        ]
+        return candidate, {str(k): float(v) for k, v in entry["delegate_seconds"].items()}, regions
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
 
@@ -161,11 +173,12 @@ def store_measurement(key: str, measured: Measurement | str) -> None:
     if isinstance(measured, str):
         entry: dict[str, object] = {SAME_AS_ALONE: True}
     else:
-        candidate, delegate_seconds = measured
+        candidate, delegate_seconds, regions = measured
         if candidate.seconds is None:
             return
         entry = {"seconds": candidate.seconds, "engine_seconds": candidate.engine_seconds,
-                 "delegate_seconds": dict(delegate_seconds)}
+                 "delegate_seconds": dict(delegate_seconds),
+                 "regions": [{"engine": r.engine, "nodes": r.nodes, "seconds": r.seconds} for r in regions]}
     write_entry(CACHE_KIND, key + ".json", json.dumps(entry).encode())
 
 
@@ -183,11 +196,26 @@ def measured_candidate(plan: Plan, timing: MethodTiming, backends: Mapping[str, 
     return Candidate(list(plan), timing.seconds, by_engine)
 
 
-def failed_candidate(plan: Plan, error: BaseException) -> Candidate:
+def failed_candidate(plan: Sequence[str], error: BaseException) -> Candidate:
     """``plan`` as it failed; an engine's crash is named by its own short message (engine, stage, signal)."""
     if isinstance(error, EngineCrashError) and isinstance(error.__cause__, EngineCrashError):
         error = error.__cause__
     return Candidate(list(plan), None, {}, f"{type(error).__name__}: {error}"[:2000])
+
+
+def mix_partitioners(mix: Mix, device: str) -> list[Partitioner]:
+    """The mixed plan's partitioners: each engine kept to its regions, in order, then the closing engine."""
+    restricted: list[Partitioner] = [
+        RegionPartitioner(plan_partitioners((engine,), device)[0], engine, mix.regions(engine))
+        for engine in mix.engines
+    ]
+    return [*restricted, *plan_partitioners((mix.closing,), device)]
+
+
+def mix_key(fingerprint: str, exported: ExportedProgram, mix: Mix, threads: int) -> str:
+    """What a mixed plan's measurement depends on: what a plan's does, and which nodes each engine keeps."""
+    plan = (*mix.engines, mix.closing)
+    return hashlib.sha256((measurement_key(fingerprint, exported, plan, threads) + mix.digest).encode()).hexdigest()
 
 
 def selection(method: str, candidates: list[Candidate], threads: int) -> Selection:

@@ -35,6 +35,7 @@ from ..report.model import Report, program_report
 from .auto import (
     SAME_AS_ALONE,
     Auto,
+    Measurement,
     Plan,
     auto_option,
     cached_measurement,
@@ -42,6 +43,8 @@ from .auto import (
     failed_candidate,
     measured_candidate,
     measurement_key,
+    mix_key,
+    mix_partitioners,
     plan_partitioners,
     plan_text,
     selection,
@@ -53,7 +56,8 @@ from .constants import without_unused_constants
 from .devices import propagate_device_pass
 from .export import Program
 from .jobs import CompileJob, CompileOutcome
-from .measure import measured_methods
+from .measure import MethodTiming, measured_methods
+from .mixing import MeasuredPlan, Mix, measured_plan, mixed_cover, node_work
 from .package import save, unsaved_manifest
 from .parallel import compile_all, default_workers, quiet_torch_warnings
 from .partitioner import DELEGATION_TAG, Partitioner, PartitionResult, get_non_lowered_nodes
@@ -263,7 +267,8 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowerer) -> Lower
     """Every candidate plan lowered and measured (or its figures read from the cache), the fastest kept per method.
 
     A plan that cannot be lowered (a part failed to compile, under ``on_compile_error="raise"``)
-    or run is reported in the selection, not raised, unless no plan works for a method.
+    or run is reported in the selection, not raised, unless no plan works for a method. Then, per
+    method, the plans' regions propose one mixed plan (``mixing.py``), measured like the others.
     """
     threads = torch.get_num_threads()
     plans = candidate_plans(auto)
@@ -292,41 +297,101 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowerer) -> Lower
             failed = failed_candidate(plan, error)
             logger.warning("auto: %s could not be lowered or run: %s", plan_text(plan), failed.error)
             for name in program.methods:
-                measured[name, plan] = (failed, {})
+                measured[name, plan] = (failed, {}, [])
             continue
         lowered_by_plan[plan] = lowered
         for name in program.methods:
             if name not in timings:
                 measured[name, plan] = SAME_AS_ALONE
             else:
-                by_id = {d.delegate_id: d.backend_id for d in lowered.delegate_table[name]}
-                measured[name, plan] = (measured_candidate(plan, timings[name], by_id), timings[name].delegate_seconds)
+                measured[name, plan] = plan_measurement(plan, lowered.delegate_table[name], timings[name])
                 logger.info("auto: %s: %s takes %.3g ms a call", name, plan_text(plan), timings[name].seconds * 1e3)
             store_measurement(keys[name, plan], measured[name, plan])
     # Per method, the plans that differ from AOTInductor alone there, with what each measured.
-    listed = {
+    listed: dict[str, dict[Plan, Measurement]] = {
         name: {plan: entry for plan in plans if isinstance(entry := measured[name, plan], tuple)}
         for name in program.methods
     }
+    mixes: dict[str, tuple[Plan, Mix]] = {}
+    mixed_lowerings: dict[str, LoweredProgram] = {}
+    for name, exported in program.methods.items():
+        mix = method_mix(listed[name], plans[0][0])
+        if mix is None:
+            continue
+        label = tuple(mix.labels)
+        logger.info("auto: %s: the plans' regions propose %s (%s)", name, plan_text(label), mix.explanation())
+        key = mix_key(fingerprints[name], exported, mix, threads)
+        entry, lowered = mix_measurement(name, exported, mix, auto, lower_plan, key)
+        listed[name][label] = entry
+        mixes[name] = (label, mix)
+        if lowered is not None:
+            mixed_lowerings[name] = lowered
     selections = {
-        name: selection(name, [candidate for candidate, _ in entries.values()], threads)
+        name: selection(name, [candidate for candidate, _, _ in entries.values()], threads)
         for name, entries in listed.items()
     }
     chosen = {name: list(listed[name])[kept.chosen] for name, kept in selections.items()}
     by_method = {name: lowered_by_plan[plan] for name, plan in chosen.items() if plan in lowered_by_plan}
+    for name, lowered in mixed_lowerings.items():
+        if chosen[name] == mixes[name][0]:
+            by_method[name] = lowered
     # A method whose plans were measured from the cache is lowered now, from the compile caches.
     unlowered = [name for name in program.methods if name not in by_method]
     if unlowered:
         again = lower_plan(
             Program({name: program.methods[name] for name in unlowered}),
-            {name: plan_partitioners(chosen[name], auto.device) for name in unlowered},
+            {
+                name: mix_partitioners(mixes[name][1], auto.device)
+                if name in mixes and chosen[name] == mixes[name][0] else plan_partitioners(chosen[name], auto.device)
+                for name in unlowered
+            },
         )
         by_method.update(dict.fromkeys(unlowered, again))
     by_method = {name: by_method[name] for name in program.methods}
     merged = merged_methods(by_method)
     for name, placement in merged.placements.items():
-        merged.placements[name] = measured_placement(placement, selections[name], listed[name][chosen[name]][1])
+        kept = selections[name]
+        if name in mixes:
+            kept = replace(kept, reason=f"{kept.reason}; {mixes[name][1].explanation()}")
+        merged.placements[name] = measured_placement(placement, kept, listed[name][chosen[name]][1])
     return merged
+
+
+def plan_measurement(engines: Sequence[str], delegates: list[Delegate], timing: MethodTiming) -> Measurement:
+    by_id = {d.delegate_id: d.backend_id for d in delegates}
+    regions = measured_plan(engines, delegates, timing.delegate_seconds).regions
+    return measured_candidate(tuple(engines), timing, by_id), timing.delegate_seconds, regions
+
+
+def method_mix(listed: Mapping[Plan, Measurement], closing: str) -> Mix | None:
+    """The mixed plan one method's measured plans propose, where they propose one."""
+    plans = [
+        MeasuredPlan(tuple(plan), regions)
+        for plan, (candidate, _, regions) in listed.items()
+        if candidate.seconds is not None and regions
+    ]
+    return mixed_cover(plans, closing) if len(plans) > 1 else None
+
+
+def mix_measurement(
+    name: str, exported: ExportedProgram, mix: Mix, auto: Auto, lower_plan: PlanLowerer, key: str
+) -> tuple[Measurement, LoweredProgram | None]:
+    """The mixed plan's measurement of method ``name``, from the cache or lowered and timed now."""
+    cached = cached_measurement(key, mix.labels)
+    if isinstance(cached, tuple):
+        return cached, None
+    try:
+        lowered = lower_plan(Program({name: exported}), {name: mix_partitioners(mix, auto.device)})
+        delegates = lowered.delegate_table[name]
+        timing = measured_methods({name: lowered.methods[name]}, {name: delegates}, {name: exported})[name]
+    except Exception as error:  # noqa: BLE001 - like any plan, a mix that fails is named, not raised
+        failed = failed_candidate(mix.labels, error)
+        logger.warning("auto: %s could not be lowered or run: %s", plan_text(mix.labels), failed.error)
+        return (failed, {}, []), None
+    measurement = plan_measurement(mix.labels, delegates, timing)
+    logger.info("auto: %s: %s takes %.3g ms a call", name, plan_text(mix.labels), timing.seconds * 1e3)
+    store_measurement(key, measurement)
+    return measurement, lowered
 
 
 def measured_placement(placement: Placement, chosen: Selection, delegate_seconds: Mapping[str, float]) -> Placement:
@@ -757,6 +822,7 @@ def compiled_delegate(claim: Claim, result: PreprocessResult, delegate_id: str) 
         updated_buffers=list(part.updated_buffers),
         calls=sorted(set(calls)),
         quantized=quantized_layers(claim.nodes),
+        nodes={node.name: node_work(node) for node in claim.nodes},
     )
 
 

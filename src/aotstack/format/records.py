@@ -41,6 +41,9 @@ class Delegate:
     calls: list[str] = field(default_factory=list)
     # Its quantized layers, counted by kind and scheme: ``{"linear 8da4w, group 32": 28}``.
     quantized: dict[str, int] = field(default_factory=dict)
+    # The method's nodes it took, by name, each with a rough count of its arithmetic (``compile/mixing.py``);
+    # known to the lowering process only, not stored in a file.
+    nodes: dict[str, float] = field(default_factory=dict, repr=False)
 
     @property
     def target_device(self) -> str:
