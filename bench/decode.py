@@ -251,7 +251,7 @@ class MemoryRun:
 
 def decode_memory(settings: Settings, run: MemoryRun) -> Figures:
     """Resident memory a fresh process adds by load + one call, per dtype and engine order, against the weights."""
-    from peers import quantized, weights_at_bits
+    from workloads import quantized, weights_at_bits
 
     inputs = save_inputs(settings.path("decode-memory-inputs.pt"),
                          kwargs={"input_ids": torch.tensor([[1]]), "cache_position": torch.tensor([0])})

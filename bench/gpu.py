@@ -56,8 +56,15 @@ REPO = os.path.dirname(BENCH)
 PRELOAD = "/lib/x86_64-linux-gnu/libstdc++.so.6"
 STEPS = ("probe", "tests", "corpus", "speed")
 DTYPES = ("fp32", "bf16")
-# The speed table's rows (gpu_child.ROWS builds them) and columns, in order.
+# The speed table's rows (gpu_child.ROWS builds them), their labels, and columns, in order.
 ROWS = ("bert", "resnet", "llama-256", "llama-2048", "0.5b-1024")
+ROW_LABELS = {
+    "bert": "BERT 28.8 M, 128 tokens",
+    "resnet": "ResNet-50, 224x224",
+    "llama-256": "Llama 99.5 M decode, cache 256",
+    "llama-2048": "Llama 99.5 M decode, cache 2048",
+    "0.5b-1024": "Llama 0.49 B decode, cache 1024",
+}
 DECODERS = ("llama-256", "llama-2048", "0.5b-1024")
 EAGER, AOTI, COMPILE, STACK, GRAPHS = "eager", "plain AOTI", "torch.compile", "aotstack", "aotstack graphs"
 VARIANTS = (EAGER, AOTI, COMPILE, STACK, GRAPHS)
@@ -788,7 +795,6 @@ def compile_everything(plan: Plan, preload: bool, report: dict[str, Any]) -> tup
 def time_rows(plan: Plan, preload: bool) -> dict[tuple[str, str], dict[str, dict[str, Any]]]:
     """Each row timed in a process of its own, one after another (nothing else running); the table."""
     from common import progress
-    from gpu_child import ROWS as ROW_SPECS
 
     print(f"\n== 4. speed: {len(plan.cases)} row(s), each timed in one process, columns side by side", flush=True)
     runner = Runner(plan.workdir, plan.environment(preload))
@@ -797,7 +803,7 @@ def time_rows(plan: Plan, preload: bool) -> dict[tuple[str, str], dict[str, dict
         cells = measure_row(runner, plan.packages, plan.device, plan.size, row, dtype, plan.timing, plan.deadline)
         results[(row, dtype)] = cells
         progress(f"{row} {dtype}: " + ", ".join(f"{name} {short_cell(cells.get(name, {}))}" for name in VARIANTS))
-    labels = {row: ROW_SPECS[row].label for row in dict.fromkeys(row for row, _ in plan.cases)}
+    labels = {row: ROW_LABELS[row] for row in dict.fromkeys(row for row, _ in plan.cases)}
     if plan.size != "full":
         labels = {row: f"{label} (smoke mode: a small model of this architecture)" for row, label in labels.items()}
     print_speed(results, labels)

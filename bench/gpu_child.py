@@ -30,7 +30,7 @@ import torch
 import aotstack
 from common import median
 from decode import PROMPT
-from gpu import AOTI, COMPILE, EAGER, GRAPHS, STACK, VARIANTS, build_record, package_path
+from gpu import AOTI, COMPILE, EAGER, GRAPHS, ROW_LABELS, STACK, VARIANTS, build_record, package_path
 from workloads import peer_bert, peer_llama, peer_resnet
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -74,11 +74,11 @@ class Row:
 ROWS = {
     row.name: row
     for row in (
-        Row("bert", "BERT 28.8 M, 128 tokens"),
-        Row("resnet", "ResNet-50, 224x224"),
-        Row("llama-256", "Llama 99.5 M decode, cache 256", 256),
-        Row("llama-2048", "Llama 99.5 M decode, cache 2048", 2048),
-        Row("0.5b-1024", "Llama 0.49 B decode, cache 1024", 1024),
+        Row("bert", ROW_LABELS["bert"]),
+        Row("resnet", ROW_LABELS["resnet"]),
+        Row("llama-256", ROW_LABELS["llama-256"], 256),
+        Row("llama-2048", ROW_LABELS["llama-2048"], 2048),
+        Row("0.5b-1024", ROW_LABELS["0.5b-1024"], 1024),
     )
 }
 

@@ -130,14 +130,13 @@ from common import (
 )
 from decode import PROMPT, decode
 from stacked import engines as delegate_engines
-from workloads import peer_bert, peer_llama, peer_resnet
+from workloads import QUANTIZED, peer_bert, peer_llama, peer_resnet, quantized, weights_at_bits
 
 WORKLOADS = ("bert", "resnet", "llama")
 # A quantization scheme is one more "dtype": a float32 model whose linears and embeddings ``aotstack.quantize``
 # turns to torchao's int8/int4 weights, named after its linear scheme: (linear, embedding, group size). As in
 # ExecuTorch's LLM export: int4 in groups of 32, int8 one scale per output channel (group 0; XNNPACK takes
 # group-wise scales for int4 only).
-QUANTIZED = {"8w": ("8w", "8w", 0), "8da8w": ("8da8w", "8w", 0), "4w": ("4w", "4w", 32), "8da4w": ("8da4w", "4w", 32)}
 QUANTIZED_WORKLOADS = ("bert", "llama")  # the ones with linears and embeddings to quantize; resnet is skipped
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, **dict.fromkeys(QUANTIZED, torch.float32)}
 DEFAULT_DTYPES = ("fp32", "bf16")
@@ -331,40 +330,6 @@ def cache_in_out(case: Case) -> tuple[torch.export.ExportedProgram, CacheInOut]:
 
 
 # Building the cases.
-
-
-def quantized(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
-    """``model`` quantized in place with the scheme ``dtype`` names; float32 and bfloat16 models unchanged."""
-    if dtype not in QUANTIZED:
-        return model
-    linear, embedding, group_size = QUANTIZED[dtype]
-    with contextlib.redirect_stdout(io.StringIO()):  # torchao prints its missing CUDA libraries
-        return aotstack.quantize(model, linear=linear, embedding=embedding, group_size=group_size)
-
-
-def weights_at_bits(model: torch.nn.Module, dtype: str) -> int:
-    """Bytes of ``model``'s parameters and buffers, a quantized weight's values at their bit width.
-
-    torchao keeps an int4 value in an int8 (``qdata``): counted here as half a byte, the size a
-    packed kernel reads; scales and zero points as stored.
-    """
-    linear, embedding, _ = QUANTIZED.get(dtype, (None, None, 0))
-    bits = {torch.nn.Linear: linear, torch.nn.Embedding: embedding}
-    total, seen = 0, set()
-    for module in model.modules():
-        scheme = next((bits[kind] for kind in bits if isinstance(module, kind)), None)
-        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-            if id(tensor) in seen:
-                continue
-            seen.add(id(tensor))
-            if type(tensor) in (torch.Tensor, torch.nn.Parameter):
-                total += tensor.numel() * tensor.element_size()
-                continue
-            for name in tensor.__tensor_flatten__()[0]:
-                inner = getattr(tensor, name)
-                value_bits = 4 if name == "qdata" and scheme in ("4w", "8da4w") else 8 * inner.element_size()
-                total += inner.numel() * value_bits // 8
-    return total
 
 
 def program_bytes(exported: torch.export.ExportedProgram) -> int:

@@ -6,6 +6,8 @@ are on their path), so a parent and its children compile the same model.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -13,6 +15,7 @@ from typing import Any
 
 import torch
 
+import aotstack
 from aotstack.demo import demo_model
 
 Workload = tuple[torch.nn.Module, tuple[Any, ...]]
@@ -174,3 +177,41 @@ WORKLOADS.update({
     "peer_bert": lambda: peer_bert("full"),
     "peer_bert_quick": lambda: peer_bert("quick"),
 })
+
+
+# A quantized row's scheme: (linear, embedding, group size) as ``aotstack.quantize`` takes them.
+QUANTIZED = {"8w": ("8w", "8w", 0), "8da8w": ("8da8w", "8w", 0), "4w": ("4w", "4w", 32), "8da4w": ("8da4w", "4w", 32)}
+
+
+def quantized(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """``model`` quantized in place with the scheme ``dtype`` names; float32 and bfloat16 models unchanged."""
+    if dtype not in QUANTIZED:
+        return model
+    linear, embedding, group_size = QUANTIZED[dtype]
+    with contextlib.redirect_stdout(io.StringIO()):  # torchao prints its missing CUDA libraries
+        return aotstack.quantize(model, linear=linear, embedding=embedding, group_size=group_size)
+
+
+def weights_at_bits(model: torch.nn.Module, dtype: str) -> int:
+    """Bytes of ``model``'s parameters and buffers, a quantized weight's values at their bit width.
+
+    torchao keeps an int4 value in an int8 (``qdata``): counted here as half a byte, the size a
+    packed kernel reads; scales and zero points as stored.
+    """
+    linear, embedding, _ = QUANTIZED.get(dtype, (None, None, 0))
+    bits = {torch.nn.Linear: linear, torch.nn.Embedding: embedding}
+    total, seen = 0, set()
+    for module in model.modules():
+        scheme = next((bits[kind] for kind in bits if isinstance(module, kind)), None)
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            if type(tensor) in (torch.Tensor, torch.nn.Parameter):
+                total += tensor.numel() * tensor.element_size()
+                continue
+            for name in tensor.__tensor_flatten__()[0]:
+                inner = getattr(tensor, name)
+                value_bits = 4 if name == "qdata" and scheme in ("4w", "8da4w") else 8 * inner.element_size()
+                total += inner.numel() * value_bits // 8
+    return total

@@ -5,7 +5,8 @@ loads a package; its compile side (``Backend``: ``preprocess``) runs once, ahead
 built-in backend keeps the two in separate modules, and loading imports the module of a run side
 only when a package names its backend, so a process that only loads imports no compiler. A
 user's backend may be one ``Backend`` subclass that does both. Defining a subclass with a
-``backend_id`` registers it (``registry.py``); import its module before lowering or loading.
+``backend_id`` registers it (``register``; ``registry.py`` looks it up); import its module before
+lowering or loading.
 """
 
 from __future__ import annotations
@@ -18,10 +19,33 @@ import torch
 from ..format.custom_ops import is_custom_op_name
 from ..format.specs import CompileSpec, PreprocessResult
 from ..format.tensor_data import BytesLike
-from .registry import register_backend, register_runtime
 
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
+
+
+# Every backend class defined, by id and side; ``registry.py`` looks them up.
+REGISTERED_BACKENDS: dict[str, type[Backend]] = {}
+REGISTERED_RUNTIMES: dict[str, type[BackendRuntime]] = {}
+
+
+def register_backend(backend_id: str, cls: type[Backend]) -> None:
+    register(REGISTERED_BACKENDS, backend_id, cls)
+
+
+def register_runtime(backend_id: str, cls: type[BackendRuntime]) -> None:
+    register(REGISTERED_RUNTIMES, backend_id, cls)
+
+
+def register(table: dict[str, type], backend_id: str, cls: type) -> None:
+    existing = table.get(backend_id)
+    # Re-running the same definition (a reloaded module, a notebook cell) replaces it; a second,
+    # different class claiming the id is a mistake worth stopping.
+    if existing is not None and (existing.__module__, existing.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise TypeError(
+            f"backend id {backend_id!r} is already registered by {existing.__module__}.{existing.__qualname__}"
+        )
+    table[backend_id] = cls
 
 
 class BackendRuntime:

@@ -9,12 +9,9 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..errors import BackendNotFoundError
-
-if TYPE_CHECKING:
-    from .interface import Backend, BackendRuntime
+from .interface import REGISTERED_BACKENDS, REGISTERED_RUNTIMES, Backend, BackendRuntime
 
 
 @dataclass(frozen=True)
@@ -71,27 +68,9 @@ def run_side_modules() -> set[str]:
     return {engine.run for engine in BUILT_IN.values()}
 
 
-_BACKENDS: dict[str, type[Backend]] = {}
-_RUNTIMES: dict[str, type[BackendRuntime]] = {}
-
-
-def register_backend(backend_id: str, cls: type[Backend]) -> None:
-    _register(_BACKENDS, backend_id, cls)
-
-
-def register_runtime(backend_id: str, cls: type[BackendRuntime]) -> None:
-    _register(_RUNTIMES, backend_id, cls)
-
-
-def _register(table: dict[str, type], backend_id: str, cls: type) -> None:
-    existing = table.get(backend_id)
-    # Re-running the same definition (a reloaded module, a notebook cell) replaces it; a second,
-    # different class claiming the id is a mistake worth stopping.
-    if existing is not None and (existing.__module__, existing.__qualname__) != (cls.__module__, cls.__qualname__):
-        raise TypeError(
-            f"backend id {backend_id!r} is already registered by {existing.__module__}.{existing.__qualname__}"
-        )
-    table[backend_id] = cls
+# Filled as backend classes are defined (``interface.BackendRuntime.__init_subclass__``).
+_BACKENDS = REGISTERED_BACKENDS
+_RUNTIMES = REGISTERED_RUNTIMES
 
 
 def backend_class(backend_id: str) -> type[Backend]:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -30,9 +30,7 @@ from ..errors import MethodNotFoundError
 from ..format.devices import Device
 from ..format.manifest import MethodRecord
 from ..format.plan import InputStep, MethodPlan, OpStep, Ref, SubgraphStep, WeightStep, refs
-
-if TYPE_CHECKING:
-    from .load import Method
+from .interpreter import StepProgram
 
 # Plain calls before the capture: the first call of an AOTInductor library loads its kernels, and
 # cuBLAS makes its workspace on its first GEMM; neither may happen during a capture.
@@ -40,6 +38,20 @@ WARM_UP_CALLS = 3
 
 H2D_COPY = "aotstack.h2d_copy.default"
 D2H_COPY = "aotstack.d2h_copy.default"
+
+
+class GraphableMethod(Protocol):
+    """What a graph needs of a loaded method (``load.Method``): its steps, outputs and updates, and its plain call."""
+
+    body: StepProgram
+    plan_outputs: list[Any]
+    output_resolvers: list[Callable[[list[Any]], Any]]
+    mutations: list[tuple[torch.Tensor, int]]
+    lock: threading.Lock | None
+    graph: GraphedCall | None
+    flat_call: Callable[[Sequence[Any]], list[Any]]
+
+    def plain_call(self, flat: Sequence[Any]) -> list[Any]: ...
 
 
 class Graph(Protocol):
@@ -151,7 +163,7 @@ class GraphedCall:
     the plan's steps that ``body.actions`` run, one for one.
     """
 
-    method: Method
+    method: GraphableMethod
     device: Device
     graph_maker: GraphMaker
     calls: int = 0
@@ -307,7 +319,7 @@ def graphed_methods(
 
 
 def use_graphs(
-    methods: dict[str, Method], records: dict[str, MethodRecord], names: list[str], maker: GraphMaker
+    methods: dict[str, GraphableMethod], records: dict[str, MethodRecord], names: list[str], maker: GraphMaker
 ) -> dict[str, str]:
     """Give each named method its graph where it can be captured; each one's status, or why not."""
     statuses = {}
