@@ -10,6 +10,7 @@ graphs where one is present.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -64,7 +65,7 @@ class RecordingGraph:
         if self.maker.fail_with is not None:
             raise self.maker.fail_with
         # A capture launches nothing: the state it would have updated is as it was.
-        state = [buffer.current for buffer in self.maker.program._state.mutable.values()]
+        state = [buffer.current for buffer in self.maker.program()._state.mutable.values()]
         saved = [bytes(current) for current in state]
         self.outputs = body()
         for current, before in zip(state, saved):
@@ -89,7 +90,8 @@ class RecordingGraphs:
         self.fail_with = fail_with
         self.captures = 0
         self.replays = 0
-        self.program: aotstack.LoadedProgram | None = None
+        # The program whose state a capture leaves as it was; weakly, as a real graph holds no program.
+        self.program: Callable[[], aotstack.LoadedProgram | None] = lambda: None
 
     def __call__(self, device: Device) -> RecordingGraph:
         assert device == HOST
@@ -107,7 +109,7 @@ def cache_step_file(tmp_path_factory):
 
 def graphed(path, maker: RecordingGraphs) -> aotstack.LoadedProgram:
     program = loaded_program(path, cuda_graphs=["forward"], graph_maker=maker)
-    maker.program = program
+    maker.program = weakref.ref(program)
     return program
 
 
@@ -307,3 +309,21 @@ def test_a_buffer_the_plan_holds_on_a_gpu_lives_there_and_its_weight_step_says_s
     assert step_to_json(WeightStep("w", "w")) == {"kind": "weight", "name": "w", "fqn": "w"}
     with pytest.raises(PackageError, match="buffer 'length' is used on cuda:0 by method 'decode''s plan"):
         state_devices({"decode": decode, "prefill": on_host})
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["plain", "graphed"])
+def test_a_loaded_program_is_freed_as_soon_as_it_is_dropped(cache_step_file, graphs):
+    """No reference cycle: an engine's session freed later by the garbage collector, perhaps in a forked child
+    (a compile worker), can hang there waiting for threads the child does not have."""
+    import gc
+
+    program = graphed(cache_step_file, RecordingGraphs()) if graphs else aotstack.load(cache_step_file)
+    for index in range(WARM_UP_CALLS + 2):
+        program.forward(*step_inputs(index))
+    method = weakref.ref(program.forward)
+    gc.disable()
+    try:
+        del program
+        assert method() is None
+    finally:
+        gc.enable()

@@ -49,7 +49,6 @@ class GraphableMethod(Protocol):
     mutations: list[tuple[torch.Tensor, int]]
     lock: threading.Lock | None
     graph: GraphedCall | None
-    flat_call: Callable[[Sequence[Any]], list[Any]]
 
     def plain_call(self, flat: Sequence[Any]) -> list[Any]: ...
 
@@ -155,26 +154,26 @@ def is_copy_out(step: OpStep, results: set[str]) -> bool:
     return step.target == D2H_COPY and step.name in results
 
 
-@dataclass
 class GraphedCall:
     """A method's calls: plain ones first, then one capture, then replays (see the module's notes).
 
-    ``flat_call`` is the method's own call on a flat list of checked arguments; ``steps`` are
-    the plan's steps that ``body.actions`` run, one for one.
+    Called with the method and a flat list of its checked arguments. It keeps what it derives from
+    the method (its steps split into copies in, captured work and copies out), never the method
+    itself: a method holding a graph that holds the method would be a cycle, freed only by the
+    garbage collector, which may run in a forked child, where freeing an engine's session can hang.
     """
 
-    method: GraphableMethod
-    device: Device
-    graph_maker: GraphMaker
-    calls: int = 0
-    graph: Graph | None = None
-    failure: str | None = None
-
-    def __post_init__(self) -> None:
-        body = self.method.body
+    def __init__(self, method: GraphableMethod, device: Device, graph_maker: GraphMaker) -> None:
+        self.device = device
+        self.graph_maker = graph_maker
+        self.calls = 0
+        self.graph: Graph | None = None
+        self.failure: str | None = None
+        body = method.body
+        self.body = body
         inputs = {slot: index for index, slot in enumerate(body.input_slots)}
-        results = {body.slot(ref) for ref in refs(self.method.plan_outputs)}
-        results |= {slot for _, slot in self.method.mutations}
+        results = {body.slot(ref) for ref in refs(method.plan_outputs)}
+        results |= {slot for _, slot in method.mutations}
         # Each copy in: what it copies (an argument, or a buffer's current value) and the slot it fills.
         self.prologue: list[tuple[Reader, int]] = []
         self.captured: list[Callable[[list[Any]], None]] = []
@@ -192,8 +191,8 @@ class GraphedCall:
         copied = {read.argument for read, _ in self.prologue}
         self.direct_inputs = [(index, slot) for slot, index in inputs.items() if index not in copied]
         # A buffer the plan updates on the graph's device is written inside the graph; one on the host after it.
-        self.captured_mutations = [(target, slot) for target, slot in self.method.mutations if on(target, self.device)]
-        self.host_mutations = [(target, slot) for target, slot in self.method.mutations if not on(target, self.device)]
+        self.captured_mutations = [(target, slot) for target, slot in method.mutations if on(target, device)]
+        self.host_mutations = [(target, slot) for target, slot in method.mutations if not on(target, device)]
         # (what it copies, the buffer the graph reads it from)
         self.static: list[tuple[Reader, torch.Tensor]] = []
         self.slots: list[Any] = []
@@ -207,24 +206,23 @@ class GraphedCall:
             return f"captured on {self.device}"
         return f"warming up ({self.calls} of {WARM_UP_CALLS} plain calls before the capture)"
 
-    def __call__(self, flat: Sequence[Any]) -> list[Any]:
+    def __call__(self, method: GraphableMethod, flat: Sequence[Any]) -> list[Any]:
         if self.graph is not None:
             return self.replayed(flat)
         if self.failure is not None or self.calls < WARM_UP_CALLS:
             self.calls += 1
-            return self.method.plain_call(flat)
+            return method.plain_call(flat)
         try:
-            self.capture(flat)
+            self.capture(method, flat)
         except Exception as exc:
             # The method runs on as before; the graph's status keeps why.
             self.failure = f"capture failed: {type(exc).__name__}: {exc}"
             self.graph = None
-            return self.method.plain_call(flat)
+            return method.plain_call(flat)
         return self.replayed(flat)
 
-    def capture(self, flat: Sequence[Any]) -> None:
-        body = self.method.body
-        slots = body.template.copy()
+    def capture(self, method: GraphableMethod, flat: Sequence[Any]) -> None:
+        slots = self.body.template.copy()
         self.static = []
         for read, slot in self.prologue:
             slots[slot] = self.static_buffer(read, torch.as_tensor(read(flat)).to(str(self.device)))
@@ -249,7 +247,7 @@ class GraphedCall:
         for index, tensor in zip(written, captured, strict=True):
             slots[index] = tensor
         self.slots = slots
-        self.outputs = [self.copied_out(resolve) for resolve in self.method.output_resolvers]
+        self.outputs = [self.copied_out(resolve) for resolve in method.output_resolvers]
         self.graph = graph
 
     def static_buffer(self, read: Reader, value: torch.Tensor) -> torch.Tensor:
@@ -330,7 +328,6 @@ def use_graphs(
             continue
         method = methods[name]
         method.graph = GraphedCall(method, where, maker)
-        method.flat_call = method.graph
         if method.lock is None:
             # Every call of a graph reads and writes the same buffers.
             method.lock = threading.Lock()

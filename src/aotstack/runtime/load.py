@@ -48,10 +48,8 @@ class Method:
         self.plan_outputs = plan.outputs
         self.output_resolvers = [self.body.resolver(value) for value in plan.outputs]
         self.mutations = [(weights[fqn], self.body.slot(name)) for fqn, name in plan.mutations]
-        # How a flat list of checked arguments is run: plainly, or replayed as a CUDA graph
-        # (``graphs.use_graphs`` sets ``graph`` and makes it the call).
+        # Where set (``graphs.use_graphs``), calls are replayed as a CUDA graph once it is captured.
         self.graph: GraphedCall | None = None
-        self.flat_call: Callable[[Sequence[Any]], list[Any]] = self.plain_call
         # The program's one state lock (ProgramState.lock) where this method reads or updates a
         # buffer that some method or delegate updates; LoadedProgram sets it. None: nothing this
         # method reads changes, so calls run concurrently, from any number of threads.
@@ -63,10 +61,10 @@ class Method:
         # Checked outside the lock: a bad call never waits for, or holds up, another thread.
         flat = self.check.flat_arguments(args, kwargs)
         if self.lock is None:
-            outputs = self.flat_call(flat)
+            outputs = self.plain_call(flat) if self.graph is None else self.graph(self, flat)
         else:
             with self.lock:
-                outputs = self.flat_call(flat)
+                outputs = self.plain_call(flat) if self.graph is None else self.graph(self, flat)
         if self.single_output:
             return outputs[0]
         return pytree.tree_unflatten(outputs, self.out_spec)
