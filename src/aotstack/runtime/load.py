@@ -228,9 +228,8 @@ def loaded_program(
     }
     # Verifying read every page of the file; what nothing reads in place now leaves memory.
     state.release_unread()
-    program = LoadedProgram(contents.path, methods, state)
-    program._graph_statuses = use_graphs(methods, records, graphed, graph_maker or CudaGraphs())
-    return program
+    statuses = use_graphs(methods, records, graphed, graph_maker or CudaGraphs())
+    return LoadedProgram(contents.path, methods, state, statuses)
 
 
 class ProgramState:
