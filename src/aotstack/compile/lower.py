@@ -57,7 +57,7 @@ from .devices import propagate_device_pass
 from .export import Program
 from .jobs import CompileJob, CompileOutcome
 from .measure import MethodTiming, measured_methods
-from .mixing import MeasuredPlan, Mix, measured_plan, mixed_cover, node_work
+from .mixing import MeasuredPlan, Mix, delegate_regions, mixed_cover, node_work
 from .package import save, unsaved_manifest
 from .parallel import compile_all, default_workers, quiet_torch_warnings
 from .partitioner import DELEGATION_TAG, Partitioner, PartitionResult, get_non_lowered_nodes
@@ -359,7 +359,7 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowerer) -> Lower
 
 def plan_measurement(engines: Sequence[str], delegates: list[Delegate], timing: MethodTiming) -> Measurement:
     by_id = {d.delegate_id: d.backend_id for d in delegates}
-    regions = measured_plan(engines, delegates, timing.delegate_seconds).regions
+    regions = delegate_regions(delegates, timing.delegate_seconds)
     return measured_candidate(tuple(engines), timing, by_id), timing.delegate_seconds, regions
 
 

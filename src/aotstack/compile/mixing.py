@@ -110,10 +110,9 @@ class Mix:
         return "regions kept: " + "; ".join(rows)
 
 
-def measured_plan(engines: Sequence[str], delegates: Sequence[Delegate], seconds: dict[str, float]) -> MeasuredPlan:
+def delegate_regions(delegates: Sequence[Delegate], seconds: dict[str, float]) -> list[Region]:
     """A lowered plan's delegates as regions, each with its measured seconds a call."""
-    regions = [Region(d.backend_id, dict(d.nodes), seconds.get(d.delegate_id, 0.0)) for d in delegates if d.nodes]
-    return MeasuredPlan(tuple(engines), regions)
+    return [Region(d.backend_id, dict(d.nodes), seconds.get(d.delegate_id, 0.0)) for d in delegates if d.nodes]
 
 
 def mixed_cover(plans: Sequence[MeasuredPlan], closing: str) -> Mix | None:
