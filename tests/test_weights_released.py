@@ -22,6 +22,7 @@ import torch
 
 import aotstack
 from aotstack import Backend, DelegationSpec, Partitioner, PartitionResult, PreprocessResult
+from aotstack.backends.xnnpack.packages import executorch_problem
 from aotstack.format.archive import page_ranges, read_manifest
 
 needs_pagemap = pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="needs Linux's /proc/self/pagemap")
@@ -111,6 +112,8 @@ def packages(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
     def package(engine: str) -> tuple[Path, list[torch.Tensor]]:
         module, scheme, partitioners = ENGINES[engine]
         pytest.importorskip(module)
+        if module == "executorch" and executorch_problem() is not None:
+            pytest.skip(str(executorch_problem()))
         if engine not in built:
             model = Wide().eval()
             if scheme is not None:
