@@ -332,9 +332,8 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowerer) -> Lower
     }
     chosen = {name: list(listed[name])[kept.chosen] for name, kept in selections.items()}
     by_method = {name: lowered_by_plan[plan] for name, plan in chosen.items() if plan in lowered_by_plan}
-    for name, lowered in mixed_lowerings.items():
-        if chosen[name] == mixes[name][0]:
-            by_method[name] = lowered
+    mixed = {name for name, (label, _) in mixes.items() if chosen[name] == label}
+    by_method.update({name: mixed_lowerings[name] for name in mixed if name in mixed_lowerings})
     # A method whose plans were measured from the cache is lowered now, from the compile caches.
     unlowered = [name for name in program.methods if name not in by_method]
     if unlowered:
@@ -342,7 +341,7 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowerer) -> Lower
             Program({name: program.methods[name] for name in unlowered}),
             {
                 name: mix_partitioners(mixes[name][1], auto.device)
-                if name in mixes and chosen[name] == mixes[name][0] else plan_partitioners(chosen[name], auto.device)
+                if name in mixed else plan_partitioners(chosen[name], auto.device)
                 for name in unlowered
             },
         )

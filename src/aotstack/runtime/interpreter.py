@@ -19,6 +19,7 @@ from ..format.plan import (
     DelegateStep,
     InputStep,
     OpRef,
+    OpStep,
     Ref,
     Step,
     SubgraphPlan,
@@ -61,9 +62,8 @@ class StepProgram:
         self.template: Slots = []
         self.input_slots: list[int] = []
         self.actions: list[Action] = []
-        # The step each action runs, one for one; and what it runs, for the message when it fails.
+        # The step each action runs, one for one: named in the message when it fails.
         self.action_steps: list[Step] = []
-        self.labels: dict[Action, str] = {}
         for step in steps:
             self.add(step, weights, delegates)
 
@@ -80,18 +80,17 @@ class StepProgram:
             if step.delegate not in delegates:
                 raise PackageError(f"the plan calls delegate {step.delegate!r}, which the package lacks")
             action = delegate_action(delegates[step.delegate], inputs, outputs)
-            self.add_action(step, action, f"delegate {step.delegate}")
+            self.add_action(step, action)
         else:
             args = [self.resolver(arg) for arg in step.args]
             kwargs = {key: self.resolver(value) for key, value in step.kwargs.items()}
             target = resolved_op(step.target, self.allowed_ops)
             action = op_action(target, args, kwargs, self.new_slot(step.name))
-            self.add_action(step, action, f"step {step.name!r} ({step.target})")
+            self.add_action(step, action)
 
-    def add_action(self, step: Step, action: Action, label: str) -> None:
+    def add_action(self, step: Step, action: Action) -> None:
         self.actions.append(action)
         self.action_steps.append(step)
-        self.labels[action] = label
 
     def new_slot(self, name: str, value: Any = None) -> int:
         self.slots[name] = len(self.template)
@@ -131,8 +130,16 @@ class StepProgram:
         except Exception as exc:
             # Zero-cost until raised; the error names the step rather than a line in this loop.
             text = str(exc).strip().splitlines()
-            raise RunError(f"{self.labels[action]} failed: {type(exc).__name__}: {text[0] if text else ''}") from exc
+            step = self.action_steps[self.actions.index(action)]
+            raise RunError(f"{step_label(step)} failed: {type(exc).__name__}: {text[0] if text else ''}") from exc
         return slots
+
+
+def step_label(step: Step) -> str:
+    """How a failing step is named: ``delegate forward.0``, ``step 'relu' (aten.relu.default)``."""
+    if isinstance(step, DelegateStep):
+        return f"delegate {step.delegate}"
+    return f"step {step.name!r} ({step.target})" if isinstance(step, OpStep) else repr(step)
 
 
 def subgraph_function(plan: SubgraphPlan, allowed_ops: frozenset[str] = frozenset()) -> Callable[..., Any]:
