@@ -47,7 +47,8 @@ def run_child(script: str, *args: str, stdin: str | None = None) -> Any:
     """Run ``script`` in a new Python process at the repository root; the JSON its last line prints."""
     child = subprocess.run(
         [sys.executable, "-c", script, *args], input=stdin, capture_output=True, text=True, cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))},
+        check=False,
     )
     assert child.returncode == 0, child.stderr[-4000:]
     return json.loads(child.stdout.strip().splitlines()[-1])

@@ -30,7 +30,7 @@ from ..errors import MethodNotFoundError
 from ..format.devices import Device
 from ..format.manifest import MethodRecord
 from ..format.plan import InputStep, MethodPlan, OpStep, Ref, SubgraphStep, WeightStep, refs
-from .interpreter import StepProgram
+from .interpreter import StepProgram, write_back
 
 # Plain calls before the capture: the first call of an AOTInductor library loads its kernels, and
 # cuBLAS makes its workspace on its first GEMM; neither may happen during a capture.
@@ -237,8 +237,7 @@ class GraphedCall:
             work = slots.copy()
             for action in self.captured:
                 action(work)
-            for target, slot in self.captured_mutations:
-                target.copy_(work[slot])
+            write_back(self.captured_mutations, work)
             if not written:
                 written.extend(i for i, value in enumerate(work) if isinstance(value, torch.Tensor))
             return [work[i] for i in written]
@@ -272,8 +271,7 @@ class GraphedCall:
         slots = self.slots
         for action in self.epilogue:
             action(slots)
-        for target, slot in self.host_mutations:
-            target.copy_(slots[slot])
+        write_back(self.host_mutations, slots)
         return [output(slots) for output in self.outputs]
 
 

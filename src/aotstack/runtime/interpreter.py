@@ -135,6 +135,16 @@ class StepProgram:
         return slots
 
 
+def write_back(mutations: Sequence[tuple[torch.Tensor, int]], slots: Sequence[Any]) -> None:
+    """Copy each buffer's new value (its slot) into the buffer.
+
+    One grouped copy rather than one per buffer: a decoder's step updates a small counter per layer, and on a GPU
+    each separate copy is a dispatch and a launch (about 10 us on the host each, measured on an H100).
+    """
+    if mutations:
+        torch._foreach_copy_([target for target, _ in mutations], [slots[slot] for _, slot in mutations])
+
+
 def step_label(step: Step) -> str:
     """How a failing step is named: ``delegate forward.0``, ``step 'relu' (aten.relu.default)``."""
     if isinstance(step, DelegateStep):

@@ -24,7 +24,7 @@ from ..format.state import state_devices
 from ..format.tensor_data import WEIGHT_PREFIX, BytesLike, NamedDataValue, dtype_from_name, tensor_from_bytes
 from .graphs import CudaGraphs, GraphedCall, GraphMaker, graphed_methods, use_graphs
 from .inputs import InputCheck
-from .interpreter import LoadedDelegate, StepProgram
+from .interpreter import LoadedDelegate, StepProgram, write_back
 
 
 class Method:
@@ -77,8 +77,7 @@ class Method:
     def run(self, flat: Sequence[Any]) -> list[Any]:
         """The plan run on checked arguments, and the buffers it updates written back."""
         slots = self.body.run(flat)
-        for target, slot in self.mutations:
-            target.copy_(slots[slot])
+        write_back(self.mutations, slots)
         if self.after_first_call is not None:
             done, self.after_first_call = self.after_first_call, None
             done()
