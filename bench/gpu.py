@@ -1,12 +1,14 @@
 """One command for a GPU machine (``make gpu-check``): does aotstack work there, and how fast is it?
 
 Run by the image's own ``python3`` (it has torch with CUDA; aotstack is not installed, so
-``PYTHONPATH=src:.``), in four steps, each in fresh processes (``bench/gpu_child.py``):
+``PYTHONPATH=src:.``), in up to four steps, each in fresh processes (``bench/gpu_child.py``):
 
-1. probe:  a tiny model compiled as a plain AOTInductor package and as an aotstack file, each opened
-           in a fresh process without ``LD_PRELOAD``. Where an open dies of a signal (the GPU image's
-           python3 has segfaulted opening any AOTInductor library), every later step runs with
-           ``LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6``, and the output says so.
+1. probe (only when ``--steps`` names it): a tiny model compiled as a plain AOTInductor package and as
+           an aotstack file, each opened in a fresh process without ``LD_PRELOAD``; the later steps run
+           with ``LD_PRELOAD=/lib/x86_64-linux-gnu/libstdc++.so.6`` where an open dies of a signal. Without
+           the probe they run with that preload wherever the file exists (``--no-preload``: never): the
+           lent GPU image's python3 segfaults opening any AOTInductor library without it (the probe found
+           so on an H100 on 2026-11-25), and its cold compiles made the probe alone take 269 s of a call.
 2. tests:  ``pytest tests/test_cuda_end_to_end.py`` and every test marked as needing CUDA elsewhere in
            ``tests/`` (a ``skipif(not torch.cuda.is_available())`` marker); pass/fail counts.
 3. corpus: the test suite's transformers corpus (``tests/hf_models.py``) lowered with ``CudaPartitioner``
@@ -22,8 +24,8 @@ caches are filled then too, so its compile in the timed process is mostly a cach
 keeps to ``--budget`` seconds: builds still running when only the timing's share is left are stopped,
 and a row with no time left is skipped; the last lines name what did not run.
 
-    python3 bench/gpu.py [--quick] [--only bert,llama-256] [--dtypes fp32,bf16] [--steps probe,tests,corpus,speed]
-                         [--jobs N] [--budget 570] [--preload] [--json PATH] [--keep DIR]
+    python3 bench/gpu.py [--quick] [--only bert,llama-256] [--dtypes fp32,bf16] [--steps tests,corpus,speed]
+                         [--jobs N] [--budget 570] [--no-preload] [--json PATH] [--keep DIR]
 
 Exit status: 0 when every check that ran passed (what the budget left out is named, not failed),
 and on a machine without a CUDA GPU (nothing to check); 1 when a test failed, a corpus model did
@@ -55,6 +57,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(BENCH)
 PRELOAD = "/lib/x86_64-linux-gnu/libstdc++.so.6"
 STEPS = ("probe", "tests", "corpus", "speed")
+DEFAULT_STEPS = ("tests", "corpus", "speed")
 DTYPES = ("fp32", "bf16")
 # The speed table's rows (gpu_child.ROWS builds them), their labels, and columns, in order.
 ROWS = ("bert", "resnet", "llama-256", "llama-2048", "0.5b-1024")
@@ -71,9 +74,10 @@ VARIANTS = (EAGER, AOTI, COMPILE, STACK, GRAPHS)
 QUICK_ROWS, QUICK_DTYPES = ("bert", "llama-256"), ("fp32",)
 QUICK_CORPUS = ("llama", "bert", "resnet", "whisper")
 # Seconds one row's measuring process is expected to take (start, loads, torch.compile from warm caches,
-# checks, rounds): the timing's share of the budget, which the compiles leave to it. Estimates, not yet
-# measured on a GPU machine: correct them from a run's log (each row's process prints when it ends).
-ROW_SECONDS = {"bert": 20, "resnet": 25, "llama-256": 25, "llama-2048": 25, "0.5b-1024": 60}
+# checks, rounds): the timing's share of the budget, which the compiles leave to it. Measured on an H100
+# (2026-11-25): llama-256 80 s with every column; bert 46 s and resnet 52 s with only eager and
+# torch.compile. The rest are estimates: correct them from a run's log (each row's process prints when it ends).
+ROW_SECONDS = {"bert": 60, "resnet": 65, "llama-256": 80, "llama-2048": 90, "0.5b-1024": 150}
 FAILED_STATUSES = ("WRONG", "failed", "crashed")
 OUT_OF_TIME = "out of time"  # in a reason: skipped for the budget, not failed
 
@@ -609,11 +613,13 @@ def options(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--only", type=comma_list(ROWS), default=None, metavar="ROWS",
                         help=f"speed rows, of {','.join(ROWS)}")
     parser.add_argument("--dtypes", type=comma_list(DTYPES), default=None, help="fp32,bf16 (default both)")
-    parser.add_argument("--steps", type=comma_list(STEPS), default=list(STEPS), help=",".join(STEPS))
+    parser.add_argument("--steps", type=comma_list(STEPS), default=list(DEFAULT_STEPS),
+                        help=f"of {','.join(STEPS)} (default {','.join(DEFAULT_STEPS)})")
     parser.add_argument("--jobs", type=int, default=None, help="compiles side by side (default: cores / 3, at most 6)")
     parser.add_argument("--budget", type=float, default=570, help="seconds for the whole run (default 570)")
-    parser.add_argument("--preload", action="store_true",
-                        help=f"run every step with LD_PRELOAD={PRELOAD} whatever the probe finds")
+    parser.add_argument("--no-preload", dest="preload", action="store_false",
+                        help=f"never set LD_PRELOAD={PRELOAD} (default: set where the file exists, or where the "
+                             "probe, when asked for, finds an open dies without it)")
     parser.add_argument("--json", default=None, metavar="PATH", help="also write every result here")
     parser.add_argument("--keep", default=None, metavar="DIR", help="work in DIR (packages, logs) and keep it")
     # A smoke run of the machinery on the host: small models, AotiCpuPartitioner, no CUDA graphs.
@@ -693,16 +699,14 @@ def run(plan: Plan) -> int:
     report: dict[str, Any] = {"device": where, "versions": versions(), "quick": args.quick}
     phases: dict[str, float] = {}
 
-    print("\n== 1. probe: open an AOTInductor library without LD_PRELOAD", flush=True)
-    preload = args.preload
+    preload = args.preload and os.path.exists(PRELOAD)
     if "probe" in args.steps:
+        print("\n== 1. probe: open an AOTInductor library without LD_PRELOAD", flush=True)
         found = probe(plan.workdir, plan.device)
-        preload = preload or found.preload
+        preload = args.preload and found.preload
         report["probe"] = found.as_json()
-    else:
-        print("    skipped (--steps)")
-    if args.preload:
-        print(f"    --preload: every later step runs with LD_PRELOAD={PRELOAD}")
+    print(f"\n   every later step runs {f'with LD_PRELOAD={PRELOAD}' if preload else 'without LD_PRELOAD'}",
+          flush=True)
     phases["probe"] = time.perf_counter() - plan.started
 
     tests, corpus, names = compile_everything(plan, preload, report)

@@ -37,9 +37,6 @@ RUN_SIDE = run_side_modules() | {
     f"{engine.rpartition('.')[0]}.packages"
     for engine in run_side_modules()
     if (PACKAGE.parent / engine.rpartition(".")[0].replace(".", "/") / "packages.py").exists()
-} | {
-    # How AOTInductor's run side opens a library (standard library only).
-    "aotstack.backends.aoti.system_libraries",
 }
 BELOW_RUNTIME = ("aotstack.errors", "aotstack.forking", "aotstack.format", "aotstack.engine")
 # Module (or package prefix) -> the aotstack modules it may import (prefixes).

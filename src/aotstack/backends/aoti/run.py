@@ -30,7 +30,6 @@ from ...format.devices import HOST, Device, DeviceType
 from ...format.seal import is_hex
 from ...format.specs import CompileSpec, SpecKey, compile_spec_value, partition_label
 from ...format.tensor_data import WEIGHT_PREFIX, BytesLike, NamedDataValue
-from .system_libraries import preopened_library
 
 # The named data holding a partition's shared library.
 LIBRARY_NAME = "model.so"
@@ -223,7 +222,7 @@ def open_runner(
     """
     open_on_device = runner_factory(device, label)
     try:
-        return open_on_device(preopened_library(library_path(library, key, extern_nodes)))
+        return open_on_device(library_path(library, key, extern_nodes))
     except RuntimeError as exc:
         raise PackageError(f"cannot open the AOTInductor library of {label}: {exc}") from exc
 
