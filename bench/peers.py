@@ -605,13 +605,15 @@ def executorch_runner(case: Case, threads: int, settings: Settings) -> Runner:
     _unsafe_reset_threadpool(threads)  # XNNPACK's pool; no method is running now
     program = Runtime.get().load_program(program_bytes)
     method = [program.load_method("forward")]
-    if not case.decoder:
-        args = list(case.args)
-        return Runner(lambda: method[0].execute(args)[0], detail=detail, files=[path])
 
-    def reset() -> None:  # the cache lives in the method's planned memory
+    # Every closure holds ``program``: a method points into its program, and executorch 1.5 frees a program no
+    # Python object holds, leaving the method to crash (SIGSEGV in Method::inputs_size) on its next call.
+    def reset() -> None:  # a decoder's cache lives in the method's planned memory
         method[0] = program.load_method("forward")
 
+    if not case.decoder:
+        args = list(case.args)
+        return Runner(lambda: method[0].execute(args)[0], reset, detail, [path])
     return Runner(lambda ids, pos: method[0].execute([ids, pos])[0], reset, detail, [path], ("executorch", path))
 
 

@@ -21,6 +21,7 @@ from aotstack.compile.check import (
     CheckResult,
     check_package,
     compared_outputs,
+    leaf_difference,
     on_devices,
     placed_inputs,
     tensor_difference,
@@ -240,7 +241,28 @@ def test_a_bad_tolerance_is_refused(tolerance):
 
 def test_a_tolerance_is_written_as_given():
     assert Check(atol=1e-2, rtol=0).tolerance_text() == "atol 1e-02, rtol 0e+00"
-    assert Check(atol=1.5e-3).tolerance_text() == "atol 1.500e-03, rtol 1e-04"
+    assert Check(atol=1.5e-3).tolerance_text(torch.float32) == "atol 1.500e-03, rtol 1e-04"
+    assert Check(atol=1.5e-3).tolerance_text(torch.bfloat16) == "atol 1.500e-03, rtol 5e-02"
+
+
+def test_an_unset_tolerance_is_the_outputs_dtypes_and_a_given_one_holds_for_every_dtype():
+    assert Check().tolerance(torch.float32) == Check().tolerance(torch.float64) == (1e-4, 1e-4)
+    assert Check().tolerance(torch.bfloat16) == (1e-1, 5e-2)
+    assert Check().tolerance(torch.float16) == (1e-2, 1e-2)
+    assert Check(rtol=0).tolerance(torch.bfloat16) == (1e-1, 0)
+    assert Check().tolerance_text() == "atol 1e-04, rtol 1e-04"
+    assert Check().tolerance_text(torch.float32, torch.bfloat16, torch.float32) == (
+        "float32: atol 1e-04, rtol 1e-04; bfloat16: atol 1e-01, rtol 5e-02"
+    )
+
+
+def test_a_bf16_output_a_few_units_off_passes_by_default_and_its_failure_names_the_bf16_tolerance():
+    # 1.0 against 1.0625: eight bf16 units (2**-7 each at 1.0) apart, what a fused bf16 layer stack leaves.
+    lowered, eager = torch.tensor([1.0625, 3.0], dtype=torch.bfloat16), torch.tensor([1.0, 3.0], dtype=torch.bfloat16)
+    assert tensor_difference(lowered, eager, Check())[2] is True
+    assert tensor_difference(lowered.float(), eager.float(), Check())[2] is False, "float32 keeps 1e-4"
+    far = leaf_difference("forward", "output", lowered + 1, eager, Check())
+    assert not far.passed and far.failure_line(Check()).endswith("(atol 1e-01, rtol 5e-02)")
 
 
 def test_the_check_leaves_the_models_buffers_as_they_were():
@@ -340,7 +362,7 @@ def test_the_result_as_text_and_json():
     assert "method 'forward'" in lines[2] and "1.000e+00" in lines[2] and lines[2].endswith("FAIL")
     assert "delegate forward.1 (test_check_add)" in lines[4] and lines[4].endswith("ok")
     data = json.loads(json.dumps(result.to_json()))
-    assert data["check"] == {"partition": True, "atol": 1e-4, "rtol": 1e-4}
+    assert data["check"] == {"partition": True, "atol": None, "rtol": None}, "None: each output's dtype's default"
     assert data["passed"] is False
     assert data["outputs"][0]["output"] == "output" and data["outputs"][0]["max_abs"] == pytest.approx(1.0)
     assert [d["delegate"] for d in data["delegates"]] == ["forward.0", "forward.1"]
@@ -353,6 +375,7 @@ def test_the_result_as_text_and_json():
         "max_rel": data["delegates"][0]["max_rel"],
         "passed": False,
         "mismatch": None,
+        "dtype": "float32",
     }
 
 

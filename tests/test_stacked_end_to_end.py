@@ -163,7 +163,9 @@ def test_onnx_runtime_declines_bf16_and_the_next_engine_takes_it(tmp_path):
     assert alone.delegates == [] and alone.unclaimed
     assert all("no arithmetic kernels for bfloat16" in g.reasons[0].detail for g in alone.unclaimed)
 
-    lowered = aotstack.lower(program, [aotstack.OrtPartitioner(), aotstack.AotiCpuPartitioner()])
+    # check=True: a bf16 output is judged by bf16's default tolerance, not float32's (which it would fail).
+    lowered = aotstack.lower(program, [aotstack.OrtPartitioner(), aotstack.AotiCpuPartitioner()], check=True)
+    assert lowered.check_result.passed and "(atol 1e-01, rtol 5e-02): passed" in lowered.check_result.text()
     assert {d.backend_id for d in lowered.delegates("forward")} == {"aoti_cpu"}
     assert plain_ops(lowered) == [], "AOTInductor took everything ONNX Runtime declined"
     lowered.save(tmp_path / "bf16.pt2")

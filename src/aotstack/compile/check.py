@@ -38,31 +38,62 @@ if TYPE_CHECKING:
     from .export import Program
 
 
+# (atol, rtol) by the compared output's dtype, where Check leaves them unset. float32 and wider: sums reordered by
+# fused kernels. bfloat16 and float16: a fused kernel keeps intermediates in float32 and rounds once
+# (emulate_precision_casts OFF, plain AOTInductor's default), eager rounds after every op, so the two part by a few
+# units of the last place per layer (a bf16 unit is 2**-7 of the value): a 4-layer bf16 block was 0.047 to 0.078
+# off eager on outputs of magnitude 1 to 4, on the CPU and on an H100.
+DEFAULT_TOLERANCE = (1e-4, 1e-4)
+DTYPE_TOLERANCE = {torch.bfloat16: (1e-1, 5e-2), torch.float16: (1e-2, 1e-2)}
+
+
 @dataclass(frozen=True)
 class Check:
     """What ``lower(..., check=...)`` compares, and how far apart two answers may be.
 
-    An element passes when ``|lowered - eager| <= atol + rtol * |eager|``. With ``partition``,
-    each delegate's outputs are also compared with the eager ops it replaced, run on the
-    inputs the delegate got, so a wrong answer is traced to the delegate that produced it.
+    An element passes when ``|lowered - eager| <= atol + rtol * |eager|``. ``atol`` and ``rtol``
+    left unset take the output's dtype's default (``DTYPE_TOLERANCE``; 1e-4 for float32), so a
+    bf16 model is judged as bf16. With ``partition``, each delegate's outputs are also compared
+    with the eager ops it replaced, run on the inputs the delegate got, so a wrong answer is
+    traced to the delegate that produced it.
+
+    >>> Check().tolerance(torch.bfloat16)
+    (0.1, 0.05)
     """
 
     partition: bool = False
-    atol: float = 1e-4
-    rtol: float = 1e-4
+    atol: float | None = None
+    rtol: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("atol", "rtol"):
             value = getattr(self, name)
+            if value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
                 raise ValueError(f"Check's {name} must be a finite number >= 0, got {value!r}")
 
-    def tolerance_text(self) -> str:
-        """``atol 1e-04, rtol 1e-04``."""
-        return f"atol {tolerance_number(self.atol)}, rtol {tolerance_number(self.rtol)}"
+    def tolerance(self, dtype: torch.dtype) -> tuple[float, float]:
+        """``(atol, rtol)`` for an output of ``dtype``: the ones given, else the dtype's default."""
+        atol, rtol = DTYPE_TOLERANCE.get(dtype, DEFAULT_TOLERANCE)
+        return (atol if self.atol is None else self.atol), (rtol if self.rtol is None else self.rtol)
+
+    def tolerance_text(self, *dtypes: torch.dtype | None) -> str:
+        """``atol 1e-04, rtol 1e-04`` for outputs of ``dtypes`` (float32 when none is given), or, where their
+        tolerances differ, each dtype's: ``float32: atol 1e-04, rtol 1e-04; bfloat16: atol 1e-01, rtol 5e-02``."""
+        texts = {d: pair_text(self.tolerance(d)) for d in dtypes if d is not None} or {
+            torch.float32: pair_text(self.tolerance(torch.float32))
+        }
+        if len(set(texts.values())) == 1:
+            return next(iter(texts.values()))
+        return "; ".join(f"{str(d).removeprefix('torch.')}: {text}" for d, text in texts.items())
 
     def to_json(self) -> dict[str, Any]:
         return {"partition": self.partition, "atol": self.atol, "rtol": self.rtol}
+
+
+def pair_text(tolerance: tuple[float, float]) -> str:
+    return f"atol {tolerance_number(tolerance[0])}, rtol {tolerance_number(tolerance[1])}"
 
 
 def tolerance_number(value: float) -> str:
@@ -105,6 +136,8 @@ class Difference:
     backend_id: str | None = None
     # Why the two cannot be compared element by element, e.g. ``shape (2, 3), eager (3, 2)``.
     mismatch: str | None = None
+    # The compared tensors' dtype, whose tolerance judged them; None for a value that is not a tensor.
+    dtype: torch.dtype | None = None
 
     @property
     def where(self) -> str:
@@ -117,7 +150,7 @@ class Difference:
         """``max abs 1.000e+00, max rel 2.3e+00 (atol 1e-04, rtol 1e-04)``, or what does not match."""
         if self.mismatch is not None:
             return self.mismatch
-        return f"max abs {self.max_abs:.3e}, max rel {self.max_rel:.1e} ({check.tolerance_text()})"
+        return f"max abs {self.max_abs:.3e}, max rel {self.max_rel:.1e} ({check.tolerance_text(self.dtype)})"
 
     def failure_line(self, check: Check) -> str:
         against = "eager" if self.delegate is None else "its eager ops"
@@ -136,6 +169,7 @@ class Difference:
             "max_rel": json_number(self.max_rel),
             "passed": self.passed,
             "mismatch": self.mismatch,
+            "dtype": None if self.dtype is None else str(self.dtype).removeprefix("torch."),
         }
 
 
@@ -155,6 +189,11 @@ class CheckResult:
     def passed(self) -> bool:
         return all(d.passed for d in (*self.outputs, *self.delegates))
 
+    def tolerance_text(self) -> str:
+        """The tolerances of the compared outputs' floating dtypes."""
+        dtypes = (d.dtype for d in (*self.outputs, *self.delegates) if d.dtype is not None)
+        return self.check.tolerance_text(*(dtype for dtype in dtypes if dtype.is_floating_point))
+
     def failing_delegates(self) -> list[str]:
         """The delegates, each named once with its backend, whose outputs differ from their eager ops."""
         return list(dict.fromkeys(d.where.removeprefix("delegate ") for d in self.delegates if not d.passed))
@@ -163,7 +202,7 @@ class CheckResult:
         """Which outputs (and, in a partition check, which delegates) are past the tolerance, and by how much."""
         failing = [d for d in (*self.outputs, *self.delegates) if not d.passed]
         if not failing:
-            return f"every output is within the tolerance ({self.check.tolerance_text()})"
+            return f"every output is within the tolerance ({self.tolerance_text()})"
         lines = ["the lowered program's answers differ from eager PyTorch's:"]
         lines += [f"  {d.failure_line(self.check)}" for d in failing]
         if self.check.partition:
@@ -194,7 +233,7 @@ class CheckResult:
             numbers = (f"{d.max_abs:.3e}", f"{d.max_rel:.1e}") if d.mismatch is None else (d.mismatch, "")
             rows.append((d.where, d.output, *numbers, "ok" if d.passed else "FAIL"))
         widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
-        lines = [f"numerical check of {mode} ({self.check.tolerance_text()}): {verdict}"]
+        lines = [f"numerical check of {mode} ({self.tolerance_text()}): {verdict}"]
         lines += ["  " + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows]
         return "\n".join(lines)
 
@@ -459,7 +498,7 @@ def leaf_difference(
     if not isinstance(eager, torch.Tensor):
         return Difference(method, name, 0.0, 0.0, True, delegate, backend_id)
     max_abs, max_rel, passed = tensor_difference(lowered, eager, check)
-    return Difference(method, name, max_abs, max_rel, passed, delegate, backend_id)
+    return Difference(method, name, max_abs, max_rel, passed, delegate, backend_id, dtype=eager.dtype)
 
 
 def leaf_mismatch(lowered: Any, eager: Any) -> str | None:
@@ -495,7 +534,8 @@ def tensor_difference(lowered: torch.Tensor, eager: torch.Tensor, check: Check) 
     rel = torch.where(rel.isnan(), math.inf, rel)
     if lowered.is_floating_point() or lowered.is_complex():
         # An infinite bound (eager inf) would otherwise let any finite answer through.
-        within = (diff == 0) | (diff.isfinite() & (diff <= check.atol + check.rtol * scale))
+        atol, rtol = check.tolerance(eager.dtype)
+        within = (diff == 0) | (diff.isfinite() & (diff <= atol + rtol * scale))
         passed = bool(within.all())
     else:
         passed = torch.equal(lowered.detach().cpu(), eager.detach().cpu())
