@@ -293,6 +293,34 @@ def test_the_partitioner_says_why_it_leaves_each_op(tmp_path):
     assert "aten.relu.default" not in {op for op, _ in reasons}, "an op it converts is claimed"
 
 
+class DropoutThenReshape(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.dropout = torch.nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dropout(self.linear(x)).reshape(4, 2, 8))
+
+
+def test_a_program_from_torch_export_is_claimed_whole_as_one_from_aotstack_export():
+    """``torch.export.export`` gives the training IR (eval-mode dropout, reshape), which OpenVINO's converter lacks:
+    Program brings it to the form ``aotstack.export`` gives, so OpenVINO takes the model in one part."""
+    model, x = DropoutThenReshape().eval(), torch.randn(4, 16)
+    with torch.no_grad():
+        exported = torch.export.export(model, (x,))
+    assert exported.dialect == "TRAINING" and "aten.dropout.default" in graph_ops(exported)
+
+    program = aotstack.Program({"forward": exported})
+    assert not {"aten.dropout.default", "aten.reshape.default"} & set(graph_ops(program.methods["forward"]))
+    explained = aotstack.explain(program, [OpenVinoPartitioner()]).method("forward")
+    assert len(explained.delegates) == 1 and not explained.unclaimed
+
+
+def graph_ops(exported: torch.export.ExportedProgram) -> list[str]:
+    return [str(node.target) for node in exported.graph.nodes if node.op == "call_function"]
+
+
 def test_ops_narrows_what_it_claims():
     reasons = dict(refusals(models.build("stacked"), models.example_inputs("stacked")[0],
                             OpenVinoPartitioner(ops=["aten.linear"])))

@@ -29,14 +29,14 @@ class Program:
                 raise ExportError(
                     f"method {name!r}: expected a torch.export.ExportedProgram, got {type(program).__name__}"
                 )
-        # A program exported elsewhere (transformers' export wrappers, say) may update its
-        # buffers in place; lowering needs those updates as outputs of a functional graph.
-        # One exported from a model quantized with torchao holds its weights as tensor subclasses;
-        # decomposing unwraps them into the plain tensors they pack, which the file can store.
-        self.methods = {
-            name: functional(program) if mutates_in_place(program) or holds_subclass_weights(program) else program
-            for name, program in self.methods.items()
-        }
+        # Every method is brought to the one form ``export`` gives, however it was exported:
+        # - ``torch.export.export`` returns the training IR: eval-mode dropout, ``reshape`` and other ops an
+        #   engine's converter may lack (OpenVINO's does) are still there, and split its part in pieces;
+        # - a program exported elsewhere (transformers' export wrappers, say) may update its buffers in place,
+        #   and lowering needs those updates as outputs of a functional graph;
+        # - one exported from a model quantized with torchao holds its weights as tensor subclasses, which
+        #   decomposing unwraps into the plain tensors they pack, which the file can store.
+        self.methods = {name: normalized(program) for name, program in self.methods.items()}
 
 
 def export(
@@ -106,6 +106,13 @@ def functional(exported: ExportedProgram) -> ExportedProgram:
         # torch's TreeSpec warns about its own deprecated LeafSpec while being deep-copied.
         warnings.simplefilter("ignore", FutureWarning)
         return exported.run_decompositions({})
+
+
+def normalized(exported: ExportedProgram) -> ExportedProgram:
+    """``exported`` as ``export`` would have made it: functional and in the inference IR."""
+    if exported.dialect == "TRAINING" or mutates_in_place(exported) or holds_subclass_weights(exported):
+        return functional(exported)
+    return exported
 
 
 def mutates_in_place(exported: ExportedProgram) -> bool:
