@@ -10,6 +10,7 @@ import torch
 
 import aotstack
 from aotstack.backends.aoti import compile as aoti_compile
+from aotstack.compile.program_parts import program_structure
 from tests import models
 
 
@@ -28,24 +29,56 @@ def test_second_lowering_reuses_the_cached_library(tmp_path, monkeypatch):
     assert second.delegates("forward")[0].named_data == first.delegates("forward")[0].named_data
 
 
-def test_changed_weights_change_the_key():
-    model = models.build("linear")
-    program = aotstack.export(model, {"forward": models.example_inputs("linear")}).methods["forward"]
-    key = aoti_compile.cache_key(program, {})
-    changed = copy.deepcopy(model)
-    with torch.no_grad():
-        for parameter in changed.parameters():
-            parameter.add_(1)
-    changed_program = aotstack.export(changed, {"forward": models.example_inputs("linear")}).methods["forward"]
+def linear_program(model: torch.nn.Module, rows: int = 4) -> torch.export.ExportedProgram:
+    return aotstack.export(model, {"forward": (torch.randn(rows, 16),)}).methods["forward"]
 
-    assert aoti_compile.cache_key(changed_program, {}) != key
-    assert aoti_compile.cache_key(program, {"max_autotune": True}) != key
-    assert aoti_compile.cache_key(program, {}) == key
+
+def key_of(program: torch.export.ExportedProgram, options: dict | None = None) -> str:
+    options = options or {}
+    structure = program_structure(program, every_value=aoti_compile.folds_weights(options))
+    return aoti_compile.cache_key(structure, options)
+
+
+def test_the_key_follows_the_code_and_small_weights_not_large_weights_or_names():
+    model = models.build("linear")
+    key = key_of(linear_program(model))
+    # Linear(16, 8): its 128-element weight is bound by name at load, its 8-element bias may be in the code.
+    other_weight = copy.deepcopy(model)
+    other_bias = copy.deepcopy(model)
+    with torch.no_grad():
+        other_weight.linear.weight.add_(1)
+        other_bias.linear.bias.add_(1)
+    renamed = torch.nn.Sequential(torch.nn.Identity(), copy.deepcopy(model.linear))
+
+    assert key_of(linear_program(other_weight)) == key
+    assert key_of(linear_program(renamed)) == key
+    assert key_of(linear_program(other_bias)) != key
+    assert key_of(linear_program(model, rows=5)) != key
+    assert key_of(linear_program(model), {"max_autotune": True}) != key
+    # Freezing folds every weight into the code.
+    assert key_of(linear_program(other_weight), {"freezing": True}) != key_of(linear_program(model), {"freezing": True})
+
+
+def test_a_library_serves_a_partition_of_the_same_structure_with_its_own_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    first, second = models.build("linear"), models.build("linear")
+    x = models.example_inputs("linear")
+    aotstack.lower(aotstack.export(first, {"forward": x}), [aotstack.AotiCpuPartitioner()])
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("compiled again despite a library of the same structure")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", refuse)
+    lowered = aotstack.lower(aotstack.export(second, {"forward": x}), [aotstack.AotiCpuPartitioner()])
+    assert [r.state for r in lowered.compile_log["forward"]] == ["cached"]
+    lowered.save(tmp_path / "second.pt2")
+    torch.testing.assert_close(aotstack.load(tmp_path / "second.pt2").forward(*x), second(*x).detach())
 
 
 def test_a_corrupt_cache_entry_is_ignored(tmp_path, monkeypatch):
     monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path))
-    files = aoti_compile.CompiledFiles(b"library bytes", b'{"nodes": []}')
+    files = aoti_compile.CompiledFiles(b"library bytes", b'{"nodes": []}', ["linear.weight"])
     aoti_compile.store_files("k", files)
     assert aoti_compile.cached_files("k") == files
 
@@ -54,11 +87,14 @@ def test_a_corrupt_cache_entry_is_ignored(tmp_path, monkeypatch):
     aoti_compile.store_files("k", files)
     (tmp_path / "k.so").write_bytes(b"library bytez")
     assert aoti_compile.cached_files("k") is None
+    aoti_compile.store_files("k", files)
+    (tmp_path / "k.weights").write_bytes(b'["other.weight"]')
+    assert aoti_compile.cached_files("k") is None
 
 
 def test_the_cache_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("AOTSTACK_CACHE_DIR", "off")
-    aoti_compile.store_files("k", aoti_compile.CompiledFiles(b"library bytes", None))
+    aoti_compile.store_files("k", aoti_compile.CompiledFiles(b"library bytes", None, []))
     assert aoti_compile.cached_files("k") is None
 
 
@@ -67,9 +103,9 @@ def test_the_thread_count_changes_the_key():
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = aoti_compile.cache_key(program, {})
+        one = key_of(program)
         torch.set_num_threads(2)
-        two = aoti_compile.cache_key(program, {})
+        two = key_of(program)
     finally:
         torch.set_num_threads(threads)
     assert one != two

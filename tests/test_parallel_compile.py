@@ -250,12 +250,12 @@ def test_the_compile_cache_never_holds_a_partial_entry(tmp_path: Path, monkeypat
         original_replace(source, target)
 
     monkeypatch.setattr(os, "replace", replace_once_then_fail)
-    store_files(key, CompiledFiles(b"\x7fELF not really a library", None))
+    store_files(key, CompiledFiles(b"\x7fELF not really a library", None, []))
     monkeypatch.setattr(os, "replace", original_replace)
     assert cached_files(key) is None
-    assert sorted(p.name for p in tmp_path.iterdir()) == [key + ".so.sha256"]
-    store_files(key, CompiledFiles(b"\x7fELF not really a library", None))
-    assert cached_files(key) == CompiledFiles(b"\x7fELF not really a library", None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [key + ".so.sha256", key + ".weights", key + ".weights.sha256"]
+    store_files(key, CompiledFiles(b"\x7fELF not really a library", None, []))
+    assert cached_files(key) == CompiledFiles(b"\x7fELF not really a library", None, [])
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".partial-")]
 
 
@@ -384,3 +384,50 @@ def test_weights_a_worker_hands_back_are_the_programs_own_not_copies() -> None:
         weight = memoryview(delegate.named_data["weight:linear.weight"])
         assert numpy.frombuffer(weight, dtype=numpy.uint8).ctypes.data == model.linear.weight.data_ptr()
         assert weight.tobytes() == model.linear.weight.detach().numpy().tobytes()
+
+
+class RepeatedBlocks(torch.nn.Module):
+    """Blocks of the same shape with their own weights (each over 64 elements), sigmoid between: parts of one structure.
+
+    ``small`` gives each block a 4-element scale, which Inductor writes into its code as values.
+    """
+
+    def __init__(self, blocks: int, small: bool = False) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(128, 128) for _ in range(blocks))
+        for index, block in enumerate(self.blocks):
+            block.register_buffer("scale", torch.full((4,), float(index + 2)) if small else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for index, block in enumerate(self.blocks):
+            x = block(x) if block.scale is None else block(x) * block.scale.repeat(32)
+            if index < len(self.blocks) - 1:
+                x = torch.sigmoid(x)
+        return x
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["large weights", "values in the code"])
+def test_partitions_of_one_structure_compile_once_and_each_runs_its_own_weights(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, small: bool
+) -> None:
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    model = RepeatedBlocks(3 if not small else 2, small).eval()
+    x = torch.randn(2, 128)
+    program = aotstack.export(model, {"forward": (x,)})
+    partitioners = [aotstack.AotiCpuPartitioner(exclude_ops=["aten.sigmoid"])]
+    lowered = aotstack.lower(program, partitioners, jobs=2, progress=False)
+
+    log = lowered.compile_log["forward"]
+    libraries = {bytes(d.named_data["model.so"]) for d in lowered.delegates("forward")}
+    if small:
+        # Each block's scale is in its code: no library serves the other.
+        assert [entry.state for entry in log] == ["compiled"] * 2
+        assert len(libraries) == 2
+    else:
+        # The first compiles; the others take its library from the cache in this process, with no worker.
+        assert [(entry.state, entry.worker is None) for entry in log] == [("compiled", False)] + [("cached", True)] * 2
+        assert len(libraries) == 1
+    path = tmp_path / "blocks.pt2"
+    lowered.save(path)
+    torch.testing.assert_close(aotstack.load(path).forward(x), model(x).detach())

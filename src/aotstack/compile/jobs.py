@@ -9,7 +9,7 @@ from torch.export import ExportedProgram
 
 from ..engine.interface import Backend
 from ..format.specs import CompileSpec, PreprocessResult, SpecKey
-from .program_parts import program_fingerprint
+from .program_parts import program_fingerprint, program_structure
 
 
 @dataclass(eq=False)
@@ -35,11 +35,22 @@ class CompileJob:
         The ``method_name`` spec is left out: it names the method in messages only, so a
         partition two methods share (the same program, weights and options) compiles once.
         """
+        return self.keyed(program_fingerprint(self.program))
+
+    def structure(self) -> str:
+        """Like :meth:`identity`, with the program's names and most weights' values left out (``program_structure``).
+
+        Jobs sharing it compile to one code where their backend shares code across weights.
+        """
+        return self.keyed(program_structure(self.program).digest)
+
+    def keyed(self, program_hash: str) -> str:
+        """``program_hash`` with the backend and the compile specs but ``method_name``, hashed."""
         digest = hashlib.sha256(self.backend_id.encode())
         for spec in self.compile_specs:
             if spec.key != SpecKey.METHOD_NAME:
                 digest.update(spec.key.encode() + b"\0" + spec.value + b"\0")
-        digest.update(program_fingerprint(self.program).encode())
+        digest.update(program_hash.encode())
         return digest.hexdigest()
 
 

@@ -59,7 +59,16 @@ def compile_all(
         misses = [job for job in representatives if job not in results]
         if misses:
             warm_up_backends(misses)
-            results.update(compiled_in_workers(misses, min(workers, len(misses)), progress, stop_on_error))
+            first, later = split_by_structure(misses)
+            results.update(compiled_in_workers(first, min(workers, len(first)), progress, stop_on_error))
+            if later and stop_on_error and any(results[job].error is not None for job in first):
+                results.update(cancelled(later, progress))
+            elif later:
+                # Each shares the code of a job compiled above, which its backend's cache now holds.
+                results.update(cached_outcomes(later, progress))
+                rest = [job for job in later if job not in results]
+                if rest:
+                    results.update(compiled_in_workers(rest, min(workers, len(rest)), progress, stop_on_error))
     else:
         results = compiled_here(representatives, progress, stop_on_error)
     outcomes = []
@@ -120,6 +129,31 @@ def distinct_jobs(jobs: Sequence[CompileJob]) -> tuple[list[CompileJob], dict[Co
         if first is not job:
             same_as[job] = first
     return [job for job in jobs if job not in same_as], same_as
+
+
+def split_by_structure(jobs: Sequence[CompileJob]) -> tuple[list[CompileJob], list[CompileJob]]:
+    """The jobs to compile first, and the later ones whose code one of those compiles (``CompileJob.structure``).
+
+    Compiled at once, jobs of one structure would each make the same code in a worker of its own.
+    """
+    sharing = [job for job in jobs if job.backend.shares_code_across_weights]
+    if len(sharing) < 2:
+        return list(jobs), []
+    seen: set[str] = set()
+    later = []
+    for job in sharing:
+        structure = job.structure()
+        if structure in seen:
+            later.append(job)
+        seen.add(structure)
+    return [job for job in jobs if job not in later], later
+
+
+def cancelled(jobs: Sequence[CompileJob], progress: Progress) -> dict[CompileJob, CompileOutcome]:
+    outcomes = {job: CompileOutcome(job) for job in jobs}
+    for outcome in outcomes.values():
+        progress.finished(outcome)
+    return outcomes
 
 
 def compiled_here(
@@ -196,14 +230,12 @@ def compiled_in_workers(
                 outcome = outcomes[job] = finished_worker(worker, job)
                 progress.finished(outcome)
                 if stop_on_error and outcome.error is not None:
-                    for waiting in pending:
-                        outcomes[waiting] = CompileOutcome(waiting)
-                        progress.finished(outcomes[waiting])
+                    outcomes.update(cancelled(pending, progress))
                     pending.clear()
-                    for other, cancelled in running.items():
+                    for other, stopped in running.items():
                         stop(other)
-                        outcomes[cancelled] = CompileOutcome(cancelled, seconds=time.perf_counter() - other.started)
-                        progress.finished(outcomes[cancelled])
+                        outcomes[stopped] = CompileOutcome(stopped, seconds=time.perf_counter() - other.started)
+                        progress.finished(outcomes[stopped])
                     running.clear()
                     break
     finally:

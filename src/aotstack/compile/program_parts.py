@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -108,6 +109,89 @@ def program_fingerprint(program: ExportedProgram) -> str:
     for fqn, tensor in sorted(program_weights(program).items()):
         digest.update(f"{fqn}:{tensor.dtype}:{tuple(tensor.shape)}:{content_key(tensor_buffer(tensor))}".encode())
     return digest.hexdigest()
+
+
+# A weight of at most this many elements may be written into compiled code as its values: Inductor
+# inlines 0-d tensors and 1-d ones of at most 8 elements (``GraphLowering.can_inline_constant``);
+# the margin covers a release that inlines more.
+VALUES_IN_CODE = 64
+
+
+@dataclass(frozen=True)
+class Structure:
+    """A program's code, inputs and signature hashed without its names, and its weights in that hash's order."""
+
+    digest: str
+    # FQNs, one per weight role the digest lists: a program with the same digest has its own in the same roles.
+    weights: list[str]
+
+
+def program_structure(program: ExportedProgram, *, every_value: bool = False) -> Structure:
+    """What a compile of ``program`` depends on except names, and the values of weights its code does not hold.
+
+    Two partitions cut from one model's repeated layers (the same ops on the same shapes, other
+    weights, other node names) share it, so code compiled for one runs the other given its
+    weights. A weight small enough that a compiler may write its values into the code
+    (``VALUES_IN_CODE``), or every weight with ``every_value`` (a compile that folds them), is
+    hashed by value too.
+    """
+    digest = hashlib.sha256()
+    for name, module in program.graph_module.named_modules():
+        if isinstance(module, GraphModule):
+            digest.update(f"module {name}\n".encode())
+            digest.update(graph_text(module.graph).encode())
+    signature = program.graph_signature
+    placeholders = [node.name for node in program.graph.nodes if node.op == "placeholder"]
+    weights = program_weights(program)
+    order = [spec.target for spec in signature.input_specs if spec.kind in _CONSTANT_KINDS and spec.target]
+    for spec in signature.input_specs:
+        role = placeholders.index(spec.arg.name) if getattr(spec.arg, "name", None) in placeholders else None
+        digest.update(f"in {spec.kind.name} {role} {spec.persistent}\n".encode())
+        tensor = weights.get(spec.target) if spec.kind in _CONSTANT_KINDS and spec.target else None
+        if isinstance(tensor, torch.Tensor):
+            digest.update(f"{tensor.dtype}:{tuple(tensor.shape)}:{tensor.stride()}\n".encode())
+            if every_value or tensor.numel() <= VALUES_IN_CODE:
+                digest.update(content_key(tensor_buffer(tensor)).encode())
+    for spec in signature.output_specs:
+        # What an update writes to: a weight role, or an input's position (a user input's target is its name).
+        if spec.target in order:
+            written = f"weight {order.index(spec.target)}"
+        else:
+            written = f"input {placeholders.index(spec.target)}" if spec.target in placeholders else spec.target
+        digest.update(f"out {spec.kind.name} {written}\n".encode())
+    digest.update(repr(sorted((str(k), str(v)) for k, v in program.range_constraints.items())).encode())
+    return Structure(digest.hexdigest(), order)
+
+
+def graph_text(graph: Graph) -> str:
+    """``graph``'s nodes with each named by its position: the ops, their operands, the inputs' types and layouts."""
+    index: dict[Node, int] = {}
+    lines = []
+    for node in graph.nodes:
+        index[node] = len(index)
+        operands = torch.fx.node.map_arg((node.args, node.kwargs), lambda operand: f"%{index[operand]}")
+        line = f"{node.op} {target_text(node)} {operands!r}"
+        value = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(value, torch.Tensor):
+            line += f" {value.dtype} {value.device} {tuple(value.shape)} {value.stride()}"
+        elif node.op == "placeholder":
+            line += f" {value!r}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def target_text(node: Node) -> str:
+    if node.op == "placeholder":
+        return ""  # its name, which the structure leaves out
+    target = node.target
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    try:
+        return torch.fx.node._get_qualified_name(target)
+    except (AttributeError, RuntimeError, TypeError):
+        return repr(target)
 
 
 def mutated_buffer_names(exported_program: ExportedProgram) -> set[str]:

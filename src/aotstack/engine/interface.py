@@ -120,6 +120,10 @@ class Backend(BackendRuntime):
     # ``preprocess``'s results that lowering keeps for this backend (``compile/cache.py``), so an
     # unchanged partition is not compiled twice; None: no such cache (or the backend keeps its own).
     cached_by_packages: ClassVar[tuple[str, ...] | None] = None
+    # True where partitions of the same structure (the same ops on the same shapes, other weights,
+    # other names: a model's repeated layers) compile to code that ``cached_preprocess`` answers
+    # for each once one has compiled. Lowering then compiles one of them, not all at once.
+    shares_code_across_weights: ClassVar[bool] = False
 
     def preprocess(
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]

@@ -50,6 +50,8 @@ class AotiBackend(Backend):
     """
 
     device_name: ClassVar[str]
+    # A library takes its weights by name at load, so it serves every partition of its structure (compile.py).
+    shares_code_across_weights = True
     # None: the target's runtime has every fallback kernel AOTInductor can call.
     default_fallback_kernels: ClassVar[frozenset[str] | None] = None
 
@@ -187,6 +189,9 @@ class AotiBackend(Backend):
             "version": PROCESSED_VERSION,
             "library": content_key(compiled.library),
             "weights": weights,
+            # The library's name for a weight it asks for under another FQN: its code was compiled for
+            # another partition of the same structure (the library is stored once in the package).
+            "library_fqns": compiled.library_fqns,
             "input_strides": [static_stride(node) for node in user_input_placeholders(exported_program)],
             # What the library's code takes; its run side checks every call against it.
             "boundary": partition_boundary(exported_program, label, device.type.value).to_json(),

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import tempfile
 import zipfile
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ... import __version__
 from ...compile.cache import read_entry, write_entry
-from ...compile.program_parts import program_fingerprint, program_weights
+from ...compile.program_parts import Structure, program_structure, program_weights
 from ...errors import LoweringError
 from ...format.devices import HOST, Device, DeviceType
 from ...format.tensor_data import content_key
@@ -52,6 +53,9 @@ class CompiledPartition:
 
     library: bytes
     constants: dict[str, torch.Tensor]
+    # The library's name for each weight it asks for under another FQN than this partition's: a
+    # library compiled for a partition of the same structure (``program_structure``) is reused.
+    library_fqns: dict[str, str] = field(default_factory=dict)
     # The calls the library makes through AOTInductor's proxy executor (custom ops), as the JSON
     # it reads beside the library; None where it makes none.
     extern_nodes: bytes | None = None
@@ -65,6 +69,8 @@ class CompiledFiles:
 
     library: bytes
     extern_nodes: bytes | None
+    # The FQNs the library asks its weights by, in the order of its program's structure.
+    weights: list[str]
 
 
 def compile_partition(
@@ -85,20 +91,22 @@ def compile_partition(
     constants = program_weights(program)
     # Inductor's own cache skips code generation, where fallback kernels are recorded.
     options = steps.options if kernel_check is None else {**steps.options, "fx_graph_cache": False}
-    key = cache_key(program, {**options, "aotstack.device": str(steps.device)})
+    structure = program_structure(program, every_value=folds_weights(options))
+    key = cache_key(structure, {**options, "aotstack.device": str(steps.device)})
     files = cached_files(key)
-    if files is not None:
+    if files is not None and len(files.weights) == len(structure.weights):
         logger.debug("%s: reusing the library from the compile cache", label)
-        return CompiledPartition(files.library, constants, files.extern_nodes, from_cache=True)
+        renamed = {ours: theirs for ours, theirs in zip(files.weights, structure.weights) if ours != theirs}
+        return CompiledPartition(files.library, constants, renamed, files.extern_nodes, from_cache=True)
     if cache_only:
         return None
-    files = compiled_files(program, replace(steps, options=options), label, kernel_check)
+    files = compiled_files(program, replace(steps, options=options), label, kernel_check, structure.weights)
     store_files(key, files)
-    return CompiledPartition(files.library, constants, files.extern_nodes)
+    return CompiledPartition(files.library, constants, extern_nodes=files.extern_nodes)
 
 
 def compiled_files(
-    program: ExportedProgram, steps: CompileSteps, label: str, kernel_check: KernelCheck | None
+    program: ExportedProgram, steps: CompileSteps, label: str, kernel_check: KernelCheck | None, weights: list[str]
 ) -> CompiledFiles:
     with tempfile.TemporaryDirectory(prefix="aotstack-aoti-") as workdir:
         package_path = os.path.join(workdir, "partition.pt2")
@@ -109,7 +117,7 @@ def compiled_files(
                 raise LoweringError(f"AOTInductor failed to compile {label}: {exc}") from exc
         if kernel_check is not None:
             kernel_check(frozenset(kernels))
-        return files_from_package(package_path, label)
+        return files_from_package(package_path, label, weights)
 
 
 def aoti_package(program: ExportedProgram, package_path: str, steps: CompileSteps) -> None:
@@ -140,7 +148,7 @@ def prepared_program(exported_program: ExportedProgram, steps: CompileSteps) -> 
     return program
 
 
-def files_from_package(package_path: str, label: str) -> CompiledFiles:
+def files_from_package(package_path: str, label: str, weights: list[str]) -> CompiledFiles:
     """The library of an AOTInductor package, and the proxy executor's JSON AOTInductor writes beside it."""
     with zipfile.ZipFile(package_path) as archive:
         names = set(archive.namelist())
@@ -153,19 +161,30 @@ def files_from_package(package_path: str, label: str) -> CompiledFiles:
         return CompiledFiles(
             library=archive.read(libraries[0]),
             extern_nodes=archive.read(extern_nodes) if extern_nodes in names else None,
+            weights=weights,
         )
 
 
-def cache_key(program: ExportedProgram, options: dict[str, Any]) -> str:
-    """A hash of everything the library depends on: the program, its weights' values and the options.
+def folds_weights(options: dict[str, Any]) -> bool:
+    """Whether a compile with ``options`` may write any weight's values into the library's code."""
+    from torch._inductor import config
 
-    So is the thread count, which the generated OpenMP code bakes in.
+    return bool(options.get("freezing", config.freezing)) or bool(
+        options.get("aot_inductor.use_runtime_constant_folding", config.aot_inductor.use_runtime_constant_folding)
+    )
+
+
+def cache_key(structure: Structure, options: dict[str, Any]) -> str:
+    """A hash of everything the library depends on: the program's structure and the options.
+
+    So is the thread count, which the generated OpenMP code bakes in. Weights' names and (but for
+    the ones the code may hold) values are not: partitions of repeated layers share a library.
     """
-    # "extern-nodes": entries from before the proxy executor's JSON was kept beside a library are not reused.
+    # "structure": entries keyed by names and every weight's value, from before, are not reused.
     threads, options_text = str(torch.get_num_threads()), repr(sorted(options.items()))
-    parts = (torch.__version__, __version__, threads, options_text, "extern-nodes")
+    parts = (torch.__version__, __version__, threads, options_text, "structure")
     digest = hashlib.sha256("\0".join(parts).encode())
-    digest.update(program_fingerprint(program).encode())
+    digest.update(structure.digest.encode())
     return digest.hexdigest()
 
 
@@ -173,11 +192,17 @@ def cached_files(key: str) -> CompiledFiles | None:
     library = cached_entry(key + ".so")
     if library is None:
         return None
-    # Stored before the library, so a library in the cache never lacks its proxy calls.
+    # Stored before the library, so a library in the cache never lacks its proxy calls or its weights' names.
     extern_nodes = read_entry(CACHE_KIND, key + ".json")
     if extern_nodes is not None and cached_entry(key + ".json") is None:
         return None
-    return CompiledFiles(library, extern_nodes)
+    try:
+        weights = json.loads(cached_entry(key + ".weights") or b"")
+    except ValueError:
+        return None
+    if not isinstance(weights, list) or not all(isinstance(fqn, str) for fqn in weights):
+        return None
+    return CompiledFiles(library, extern_nodes, weights)
 
 
 def cached_entry(name: str) -> bytes | None:
@@ -193,6 +218,7 @@ def store_files(key: str, files: CompiledFiles) -> None:
     """Add a compile's files to the cache, each hash before its file, the library last."""
     if files.extern_nodes is not None:
         store_entry(key + ".json", files.extern_nodes)
+    store_entry(key + ".weights", json.dumps(files.weights).encode())
     store_entry(key + ".so", files.library)
 
 

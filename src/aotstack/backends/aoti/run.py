@@ -37,9 +37,10 @@ LIBRARY_NAME = "model.so"
 # ops), the JSON the executor reads from beside the library; absent where it calls none.
 EXTERN_NODES_NAME = "extern_nodes.json"
 # The processed JSON this side writes; version 2 added the boundary, 3 the proxy executor's calls
-# (a reader of 2 would open such a library without them). Older files are refused by name.
-PROCESSED_VERSION = 3
-READABLE_VERSIONS = (2, 3)
+# (a reader of 2 would open such a library without them), 4 the library's own names for weights
+# (``library_fqns``; a reader of 3 would not find them). Older files are refused by name.
+PROCESSED_VERSION = 4
+READABLE_VERSIONS = (2, 3, 4)
 
 
 class AotiRuntime(BackendRuntime):
@@ -63,6 +64,7 @@ class AotiRuntime(BackendRuntime):
             # It names the library's file on disk, and which opened library delegates share.
             raise PackageError(f"{label}: processed field 'library' must be a SHA-256 in hex, got {key[:80]!r}")
         weights = processed_json.weights(processed, named_data, label)
+        renamed = library_fqns(processed, weights, label)
         if LIBRARY_NAME not in named_data:
             raise PackageError(f"{label}: the package holds no named data {LIBRARY_NAME!r}")
         extern_nodes = named_data.get(EXTERN_NODES_NAME)
@@ -71,9 +73,11 @@ class AotiRuntime(BackendRuntime):
         runner = open_runner(named_data[LIBRARY_NAME], key, device, label, extern_nodes)
         if device != HOST:
             weights = {fqn: tensor.to(str(device)) for fqn, tensor in weights.items()}
-        bound = bind_constants(runner, weights, label)
+        bound = bind_constants(runner, weights, label, renamed)
         # On the host the runner reads the weights it asks for where they are: the file's pages.
-        in_place = {WEIGHT_PREFIX + fqn for fqn in runner.get_constant_names_to_original_fqns().values()}
+        in_place = {
+            WEIGHT_PREFIX + renamed.get(fqn, fqn) for fqn in runner.get_constant_names_to_original_fqns().values()
+        }
         handle = AotiHandle(
             runner=runner, input_strides=strides, constants=bound, check=boundary.checker(label), label=label,
             reads_in_place=frozenset(in_place if device == HOST else ()),
@@ -288,14 +292,26 @@ def remove_directory(directory: str, owner: int) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def library_fqns(processed: Mapping[str, Any], weights: Mapping[str, torch.Tensor], label: str) -> dict[str, str]:
+    """The library's name -> the delegate's FQN, for each weight the library asks for by another name."""
+    renamed = processed.get("library_fqns", {})
+    if not isinstance(renamed, dict) or not all(
+        isinstance(theirs, str) and isinstance(ours, str) and ours in weights for theirs, ours in renamed.items()
+    ):
+        raise PackageError(f"{label}: processed field 'library_fqns' must map names to the delegate's weights")
+    return renamed
+
+
 def bind_constants(
     runner: Any,
     constants_by_fqn: dict[str, torch.Tensor],
     label: str,
+    renamed: Mapping[str, str],
 ) -> dict[str, torch.Tensor]:
-    """Give the runner every weight it asks for; name the first one the package lacks."""
+    """Give the runner every weight it asks for (``renamed``: by the delegate's FQN); name the first one missing."""
     bound = {}
-    for name, fqn in runner.get_constant_names_to_original_fqns().items():
+    for name, asked in runner.get_constant_names_to_original_fqns().items():
+        fqn = renamed.get(asked, asked)
         if fqn not in constants_by_fqn:
             raise PackageError(f"{label}: the library asks for weight {fqn!r}, which the package lacks")
         bound[name] = constants_by_fqn[fqn]
