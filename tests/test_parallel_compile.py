@@ -86,10 +86,10 @@ class SlowBackend(aotstack.Backend):
 
 
 class TwoRelus(torch.nn.Module):
-    """Two relus with a sine between them: two partitions for a relu-only backend."""
+    """Two relus of different shapes with a sine between them: two distinct partitions for a relu-only backend."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(torch.sin(torch.relu(x)))
+        return torch.relu(torch.sin(torch.relu(x)).reshape(8, 4))
 
 
 class TwoMethods(TwoRelus):

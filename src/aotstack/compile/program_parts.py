@@ -91,23 +91,20 @@ def program_weights(exported_program: ExportedProgram) -> dict[str, torch.Tensor
 
 
 def program_fingerprint(program: ExportedProgram) -> str:
-    """A SHA-256 of everything a compile of ``program`` depends on.
+    """A SHA-256 of everything a compile of ``program`` depends on, names included.
 
-    Its code (every subgraph's too), its inputs' dtypes, devices, sizes and strides, its
-    signature, its dynamic ranges, and its weights' values: Inductor inlines small constants.
+    Its structure (``program_structure``: its code, every subgraph's too, its inputs' dtypes,
+    devices, sizes and strides, its signature and dynamic ranges) with every weight's value, and
+    the weights' FQNs, which a backend's result names them by. A weight the graph does not read
+    counts too: a backend may store it.
     """
-    digest = hashlib.sha256()
-    for name, module in program.graph_module.named_modules():
-        if isinstance(module, GraphModule):
-            digest.update(f"{name}\n{module.code}".encode())
-    for node in program.graph.nodes:
-        value = node.meta.get("val")
-        if node.op == "placeholder" and isinstance(value, torch.Tensor):
-            digest.update(f"{node.name}:{value.dtype}:{value.device}:{tuple(value.shape)}:{value.stride()}".encode())
-    digest.update(str(program.graph_signature).encode())
-    digest.update(repr(sorted((str(k), str(v)) for k, v in program.range_constraints.items())).encode())
+    structure = program_structure(program, every_value=True)
+    digest = hashlib.sha256(structure.digest.encode())
+    digest.update("\0".join(structure.weights).encode())
+    listed = set(structure.weights)
     for fqn, tensor in sorted(program_weights(program).items()):
-        digest.update(f"{fqn}:{tensor.dtype}:{tuple(tensor.shape)}:{content_key(tensor_buffer(tensor))}".encode())
+        if fqn not in listed:
+            digest.update(f"{fqn}:{tensor.dtype}:{tuple(tensor.shape)}:{content_key(tensor_buffer(tensor))}".encode())
     return digest.hexdigest()
 
 
