@@ -138,23 +138,24 @@ def program_structure(program: ExportedProgram, *, every_value: bool = False) ->
             digest.update(f"module {name}\n".encode())
             digest.update(graph_text(module.graph).encode())
     signature = program.graph_signature
-    placeholders = [node.name for node in program.graph.nodes if node.op == "placeholder"]
+    position = {node.name: index for index, node in enumerate(program.graph.find_nodes(op="placeholder"))}
     weights = program_weights(program)
     order = [spec.target for spec in signature.input_specs if spec.kind in _CONSTANT_KINDS and spec.target]
+    role = {fqn: index for index, fqn in enumerate(order)}
     for spec in signature.input_specs:
-        role = placeholders.index(spec.arg.name) if getattr(spec.arg, "name", None) in placeholders else None
-        digest.update(f"in {spec.kind.name} {role} {spec.persistent}\n".encode())
-        tensor = weights.get(spec.target) if spec.kind in _CONSTANT_KINDS and spec.target else None
+        placeholder = position.get(getattr(spec.arg, "name", None))
+        digest.update(f"in {spec.kind.name} {placeholder} {spec.persistent}\n".encode())
+        tensor = weights.get(spec.target) if spec.target in role else None
         if isinstance(tensor, torch.Tensor):
             digest.update(f"{tensor.dtype}:{tuple(tensor.shape)}:{tensor.stride()}\n".encode())
             if every_value or tensor.numel() <= VALUES_IN_CODE:
                 digest.update(content_key(tensor_buffer(tensor)).encode())
     for spec in signature.output_specs:
         # What an update writes to: a weight role, or an input's position (a user input's target is its name).
-        if spec.target in order:
-            written = f"weight {order.index(spec.target)}"
+        if spec.target in role:
+            written = f"weight {role[spec.target]}"
         else:
-            written = f"input {placeholders.index(spec.target)}" if spec.target in placeholders else spec.target
+            written = f"input {position[spec.target]}" if spec.target in position else spec.target
         digest.update(f"out {spec.kind.name} {written}\n".encode())
     digest.update(repr(sorted((str(k), str(v)) for k, v in program.range_constraints.items())).encode())
     return Structure(digest.hexdigest(), order)
