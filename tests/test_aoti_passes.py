@@ -10,6 +10,7 @@ from torch.fx import Graph, GraphModule
 
 import aotstack
 from aotstack.backends.aoti.cuda import conv1d_as_conv2d
+from aotstack.backends.aoti.dequantized_linear import DequantizedLinearAsReductionPass
 from aotstack.backends.aoti.metal import LinearAsMatmulPass
 
 aten = torch.ops.aten
@@ -150,3 +151,52 @@ def test_conv1d_as_conv2d_takes_unbatched_inputs():
     got = conv1d_as_conv2d(x, weight, bias, [1], [1], [1], 2)
 
     torch.testing.assert_close(got, torch.nn.functional.conv1d(x, weight, bias, 1, 1, 1, 2))
+
+
+class LinearsOfBothKinds(torch.nn.Module):
+    """A linear with a bias and one without, quantized or not by the test."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(64, 32)
+        self.second = torch.nn.Linear(32, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
+@pytest.mark.parametrize("scheme", ["8da4w", "8w"])
+def test_dequantized_linear_of_one_row_becomes_a_reduction_that_keeps_the_numbers(scheme):
+    model = aotstack.quantize(LinearsOfBothKinds().eval(), linear=scheme, group_size=32)
+    x = torch.randn(1, 1, 64)
+    exported = aotstack.export(model, {"forward": (x,)}).methods["forward"]
+    with torch.no_grad():
+        expected = exported.module()(x)
+
+    assert DequantizedLinearAsReductionPass()(exported.graph_module) is True
+
+    ops = targets(exported.graph_module)
+    assert aten.linear.default not in ops
+    assert ops.count(aten.sum.dim_IntList) == 2 and ops.count(aten.add.Tensor) == 1
+    # The activation (quantized per token, for 8da4w) is made once, not inside the reduction.
+    assert ops.count(torch.ops.prims.inductor_force_stride_order.default) == 2
+    reduced = [n for n in exported.graph_module.graph.nodes if n.target is aten.sum.dim_IntList]
+    assert [tuple(n.meta["val"].shape) for n in reduced] == [(1, 1, 32), (1, 1, 16)]
+    with torch.no_grad():
+        torch.testing.assert_close(exported.module()(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("quantized", "rows"),
+    [(False, 1), (True, 8)],
+    ids=["float weights", "eight rows"],
+)
+def test_dequantized_linear_pass_keeps_float_weights_and_many_rows_as_linear(quantized, rows):
+    model = LinearsOfBothKinds().eval()
+    if quantized:
+        model = aotstack.quantize(model, linear="8da4w", group_size=32)
+    exported = aotstack.export(model, {"forward": (torch.randn(rows, 64),)}).methods["forward"]
+
+    assert DequantizedLinearAsReductionPass()(exported.graph_module) is False
+    assert targets(exported.graph_module).count(aten.linear.default) == 2

@@ -381,3 +381,27 @@ def test_a_llama_runs_every_int8_linear_in_the_first_engine(tmp_path, name, orde
         assert got.argmax(-1).tolist() == expected.argmax(-1).tolist()
     else:
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5 * expected.abs().max().item())
+
+
+def test_one_token_through_aotinductor_reads_each_kind_of_intx_weight_right(tmp_path):
+    """A decode step (one row): AOTInductor reduces over integer weights (``DequantizedLinearAsReductionPass``).
+
+    One model carries three kinds of layer, so one compile covers them: int4 in groups with
+    activations quantized as it runs (``up``), int8 per channel weight-only (``down``), and int8
+    per channel with dynamic activations and a bias (``head``).
+    """
+    torch.manual_seed(0)
+    model = Tiny().eval()
+    quantize_(model, CONFIGS["8da4w-g32"].linear(), filter_fn=lambda module, fqn: fqn == "up")
+    quantize_(model, int8_rows(), filter_fn=lambda module, fqn: fqn == "down")
+    quantize_(model, CONFIGS["8da8w-channel"].linear(), filter_fn=lambda module, fqn: fqn == "head")
+    token = IDS[:, :1]
+    with torch.no_grad():
+        expected = model(token)
+    lowered = aotstack.lower(aotstack.export(model, {"forward": (token,)}), [aotstack.AotiCpuPartitioner()])
+    lowered.save(tmp_path / "one-token.pt2")
+
+    output = aotstack.load(tmp_path / "one-token.pt2").forward(token)
+
+    assert {delegate.backend_id for delegate in lowered.delegates("forward")} == {"aoti_cpu"}
+    torch.testing.assert_close(output, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())

@@ -5,12 +5,17 @@ from __future__ import annotations
 from typing import ClassVar
 
 from .backend import AotiBackend
+from .dequantized_linear import DequantizedLinearAsReductionPass
 from .partitioner import AotiPartitioner
+from .passes import GraphPass
 
 
 class AotiCpuBackend(AotiBackend):
     backend_id = "aoti_cpu"
     device_name = "cpu"
+
+    def custom_passes(self) -> list[GraphPass]:
+        return [DequantizedLinearAsReductionPass()]
 
 
 class AotiCpuPartitioner(AotiPartitioner):
