@@ -10,8 +10,8 @@ from torch.fx import Graph, GraphModule
 
 import aotstack
 from aotstack.backends.aoti.cuda import conv1d_as_conv2d
-from aotstack.backends.aoti.dequantized_linear import DequantizedLinearAsReductionPass
 from aotstack.backends.aoti.metal import LinearAsMatmulPass
+from aotstack.backends.aoti.quantized import DequantizedLinearAsReductionPass, IntMmRowMajorPass
 
 aten = torch.ops.aten
 
@@ -200,3 +200,45 @@ def test_dequantized_linear_pass_keeps_float_weights_and_many_rows_as_linear(qua
 
     assert DequantizedLinearAsReductionPass()(exported.graph_module) is False
     assert targets(exported.graph_module).count(aten.linear.default) == 2
+
+
+def test_dequantized_linear_pass_takes_a_product_over_a_cast_of_int8_weights():
+    """``Int8WeightOnlyConfig`` leaves ``mm(x, w_int8.t().to(float))`` and the scales after it."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    model = LinearsOfBothKinds().eval()
+    quantize_(model, Int8WeightOnlyConfig())
+    x = torch.randn(1, 1, 64)
+    exported = aotstack.export(model, {"forward": (x,)}).methods["forward"]
+    assert targets(exported.graph_module).count(aten.mm.default) == 2
+    with torch.no_grad():
+        expected = exported.module()(x)
+
+    assert DequantizedLinearAsReductionPass()(exported.graph_module) is True
+
+    ops = targets(exported.graph_module)
+    assert aten.mm.default not in ops and ops.count(aten.sum.dim_IntList) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(exported.module()(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_int_mm_pass_hands_the_product_a_row_major_activation():
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    model = LinearsOfBothKinds().eval()
+    quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    x = torch.randn(1, 1, 64)
+    exported = aotstack.export(model, {"forward": (x,)}).methods["forward"]
+    with torch.no_grad():
+        expected = exported.module()(x)
+
+    assert IntMmRowMajorPass()(exported.graph_module) is True
+
+    products = [n for n in exported.graph_module.graph.nodes if n.target is aten._int_mm.default]
+    assert len(products) == 2
+    for product in products:
+        operand = product.args[0]
+        assert operand.target is torch.ops.prims.inductor_force_stride_order.default
+        assert operand.args[1] == [operand.meta["val"].shape[-1], 1]
+    with torch.no_grad():
+        torch.testing.assert_close(exported.module()(x), expected)

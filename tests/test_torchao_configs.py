@@ -387,14 +387,16 @@ def test_one_token_through_aotinductor_reads_each_kind_of_intx_weight_right(tmp_
     """A decode step (one row): AOTInductor reduces over integer weights (``DequantizedLinearAsReductionPass``).
 
     One model carries three kinds of layer, so one compile covers them: int4 in groups with
-    activations quantized as it runs (``up``), int8 per channel weight-only (``down``), and int8
-    per channel with dynamic activations and a bias (``head``).
+    activations quantized as it runs (``up``), ``Int8WeightOnlyConfig``'s product over a cast of
+    int8 weights (``down``), and
+    ``Int8DynamicActivationInt8WeightConfig``'s ``_int_mm`` with a bias (``head``), which plain
+    AOTInductor computes wrongly at one row (``IntMmRowMajorPass``).
     """
     torch.manual_seed(0)
     model = Tiny().eval()
     quantize_(model, CONFIGS["8da4w-g32"].linear(), filter_fn=lambda module, fqn: fqn == "up")
-    quantize_(model, int8_rows(), filter_fn=lambda module, fqn: fqn == "down")
-    quantize_(model, CONFIGS["8da8w-channel"].linear(), filter_fn=lambda module, fqn: fqn == "head")
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda module, fqn: fqn == "down")
+    quantize_(model, Int8DynamicActivationInt8WeightConfig(), filter_fn=lambda module, fqn: fqn == "head")
     token = IDS[:, :1]
     with torch.no_grad():
         expected = model(token)

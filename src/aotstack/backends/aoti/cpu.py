@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import ClassVar
 
 from .backend import AotiBackend
-from .dequantized_linear import DequantizedLinearAsReductionPass
 from .partitioner import AotiPartitioner
 from .passes import GraphPass
+from .quantized import DequantizedLinearAsReductionPass, IntMmRowMajorPass
 
 
 class AotiCpuBackend(AotiBackend):
@@ -15,7 +15,7 @@ class AotiCpuBackend(AotiBackend):
     device_name = "cpu"
 
     def custom_passes(self) -> list[GraphPass]:
-        return [DequantizedLinearAsReductionPass()]
+        return [DequantizedLinearAsReductionPass(), IntMmRowMajorPass()]
 
 
 class AotiCpuPartitioner(AotiPartitioner):
