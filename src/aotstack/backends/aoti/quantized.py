@@ -89,7 +89,11 @@ class IntMmRowMajorPass:
 
     def __call__(self, graph_module: GraphModule) -> bool:
         graph = graph_module.graph
-        products = [node for node in graph.nodes if node.op == "call_function" and node.target is aten._int_mm.default]
+        products = [
+            node for node in graph.nodes
+            if node.op == "call_function" and node.target is aten._int_mm.default
+            and isinstance(node.args[0], Node) and isinstance(node.args[0].meta.get("val"), torch.Tensor)
+        ]
         for node in products:
             operand = node.args[0]
             columns = operand.meta["val"].shape[-1]
