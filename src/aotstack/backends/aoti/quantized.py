@@ -5,13 +5,14 @@ torchao's quantized layers (``IntxWeightOnlyConfig``, ``Int8DynamicActivationInt
 aotstack's ``8w``/``4w``/``8da8w``/``8da4w``) export as a ``linear`` whose weight operand is
 computed from integer weights and their scales. AOTInductor compiles that as written: a kernel
 writes the whole float weight out, then a float matrix product reads it back. At decode, one
-row a call, the product is bound by memory, so that path moves five times the bytes of the
-float model's own weights and runs 2-3x slower than float32.
+row a call, the product is bound by memory, so that path moves more than twice the bytes of the
+float model (the integers, then the floats written and read back) and ran 1.4-4x slower than
+float32 (measured on Llama decoders).
 
 As a multiply and a sum over the input dimension, Inductor fuses the dequantization into one
-reduction that reads each integer once and writes no weight: at one row about as fast as the
-float32 product (a 2048x2048 ``8da4w`` linear, 1 thread: 0.71 ms against 1.93 ms as written and
-0.77 ms in float32). Each extra row reads the weights again, so a prefill's many rows keep the
+reduction that reads each integer once and writes no weight: at one row as fast as the float32
+product or faster (a 2048x2048 ``8da4w`` linear, 1 thread: 0.71 ms against 1.93 ms as written
+and 0.77 ms in float32). Each extra row reads the weights again, so a prefill's many rows keep the
 matrix product.
 
 An ``_int_mm`` (``Int8DynamicActivationInt8WeightConfig``'s layers) of one row: its activation
