@@ -388,9 +388,8 @@ def test_one_token_through_aotinductor_reads_each_kind_of_intx_weight_right(tmp_
 
     One model carries three kinds of layer, so one compile covers them: int4 in groups with
     activations quantized as it runs (``up``), ``Int8WeightOnlyConfig``'s product over a cast of
-    int8 weights (``down``), and
-    ``Int8DynamicActivationInt8WeightConfig``'s ``_int_mm`` with a bias (``head``), which plain
-    AOTInductor computes wrongly at one row (``IntMmRowMajorPass``).
+    int8 weights (``down``), and ``Int8DynamicActivationInt8WeightConfig``'s ``_int_mm`` with a
+    bias (``head``), which plain AOTInductor computes wrongly at one row (``IntMmRowMajorPass``).
     """
     torch.manual_seed(0)
     model = Tiny().eval()
