@@ -14,7 +14,7 @@ from torch.nn.attention import SDPBackend
 
 from .backend import AotiBackend
 from .partitioner import AotiPartitioner
-from .passes import GraphPass, inserted_call
+from .passes import GraphPass, inserted_call, replace_node
 
 aten = torch.ops.aten
 
@@ -64,9 +64,7 @@ class LinearAsMatmulPass:
                     result = inserted_call(graph, aten.add.Tensor, (result, bias))
                 if flat:
                     result = inserted_call(graph, aten.squeeze.dims, (result, [0]))
-            result.meta.update({k: v for k, v in node.meta.items() if k != "val"})
-            node.replace_all_uses_with(result)
-            graph.erase_node(node)
+            replace_node(graph, node, result)
         return bool(linears)
 
 

@@ -105,3 +105,10 @@ def inserted_call(graph: Graph, target: torch._ops.OpOverload, args: tuple[Any, 
         with fake_mode:
             node.meta["val"] = target(*values)
     return node
+
+
+def replace_node(graph: Graph, node: Node, result: Node) -> None:
+    """Put ``result`` in ``node``'s place: its users read ``result``, which keeps ``node``'s meta but its value."""
+    result.meta.update({key: value for key, value in node.meta.items() if key != "val"})
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.fx import GraphModule, Node
 
-from .passes import inserted_call
+from .passes import inserted_call, replace_node
 
 aten = torch.ops.aten
 
@@ -77,9 +77,7 @@ class DequantizedLinearAsReductionPass:
                 result = inserted_call(graph, aten.sum.dim_IntList, (products, [-1]))
                 if product.bias is not None:
                     result = inserted_call(graph, aten.add.Tensor, (result, product.bias))
-            result.meta.update({key: value for key, value in node.meta.items() if key != "val"})
-            node.replace_all_uses_with(result)
-            graph.erase_node(node)
+            replace_node(graph, node, result)
         if found:
             graph_module.recompile()
         return bool(found)
