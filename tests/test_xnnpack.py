@@ -219,6 +219,35 @@ def test_the_partitioner_says_why_it_leaves_each_op():
     assert all(reason.engine == "xnnpack" for reason in result.refusals.values())
 
 
+class Gapped(torch.nn.Module):
+    """Two linears XNNPACK takes, a cumsum it does not take between them, and another after the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(32, 32)
+        self.second = torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(self.first(x).cumsum(-1)).cumsum(-1)
+
+
+@pytest.mark.parametrize("portable_kernels", [True, False])
+def test_ops_between_xnnpacks_parts_run_on_executorchs_portable_kernels_in_its_program(portable_kernels):
+    exported = aotstack.export(Gapped().eval(), {"forward": (torch.randn(4, 32),)}).methods["forward"]
+    result = aotstack.XnnpackPartitioner(portable_kernels=portable_kernels).partition(exported)
+    tags = {str(node.target): set() for node in exported.graph.nodes if node.op == "call_function"}
+    for node in exported.graph.nodes:
+        if node.op == "call_function":
+            tags[str(node.target)].add(node.meta.get("delegation_tag"))
+
+    # The cumsum between the linears joins their parts; the one after them is left to the next engine.
+    assert len(result.partition_tags) == (1 if portable_kernels else 2)
+    assert tags["aten.cumsum.default"] == ({*result.partition_tags, None} if portable_kernels else {None})
+    left = [reason.detail for reason in result.refusals.values()]
+    assert len(left) == (1 if portable_kernels else 2)
+    assert all("does not delegate it" in detail for detail in left)
+
+
 def test_min_block_size_leaves_small_parts(lowered_with):
     lowered, _ = lowered_with(
         "stacked", "xnnpack-min3",

@@ -79,6 +79,17 @@ def test_xnnpack_runs_every_quantized_linear_of_the_decoder(lowered):
     assert quantized == {"xnnpack": {"linear 8da4w, group 32": LINEARS}}
 
 
+def test_the_decoder_is_one_executorch_program_with_portable_kernels_between_xnnpacks_ops(lowered):
+    # XNNPACK leaves the RMS norms' mean, attention and the cache updates between its linears;
+    # ExecuTorch runs them in the same program rather than splitting it at each.
+    engines = [delegate.backend_id for delegate in lowered[0].delegates("forward")]
+    assert engines.count("xnnpack") == 1
+    [program] = [delegate for delegate in lowered[0].delegates("forward") if delegate.backend_id == "xnnpack"]
+    assert {"aten.mean.dim", "aten.scaled_dot_product_attention.default", "aten.index_copy.default"} <= set(program.ops)
+    # What precedes XNNPACK's first op (the embedding, the positions the cache reads) is the next engine's.
+    assert len(engines) == 2
+
+
 def test_the_file_generates_the_eager_quantized_models_tokens(model, lowered):
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 

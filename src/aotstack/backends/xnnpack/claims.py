@@ -12,10 +12,17 @@ Each edge node records the ATen nodes it was made from (``meta["from_node"]``, k
 ``run_decompositions``); an ATen node is claimed when every edge node made from it is tagged.
 XNNPACK's configs say why they decline a node through ExecuTorch's ``WhyNoPartition`` log
 records, which are caught while the partitioner runs and become each refusal's reason.
+
+An op XNNPACK leaves between ops it takes (an RMS norm's ``mean``, attention's mask and softmax,
+a cache update) would split its part in two, each a program of its own with a boundary crossed
+at every call. Where ExecuTorch's runtime has kernels for every edge op made from it, it stays
+in XNNPACK's part instead, and ExecuTorch runs it on its portable kernels inside the same
+program (``portable_between``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 import warnings
@@ -34,6 +41,7 @@ from ...compile.program_parts import constant_placeholders, contiguous_attention
 from ...compile.quantize import quantized_layer_label
 from ...compile.subprogram import partition_program
 from ...errors import LoweringError
+from .run import runtime_module
 
 DELEGATION_TAG = "delegation_tag"
 # The logger XNNPACK's partitioner configs report a declined node to (``WhyNoPartition``).
@@ -47,16 +55,22 @@ class XnnpackAnswer:
     claimed: frozenset[str]
     # ATen node name -> why XNNPACK leaves it (for call_function nodes not claimed).
     reasons: dict[str, str] = field(default_factory=dict)
+    # Nodes XNNPACK leaves between nodes it takes, which ExecuTorch runs on its portable kernels in the same program.
+    portable: frozenset[str] = frozenset()
 
     def refusal(self, node: Node) -> str | None:
-        """Why XNNPACK leaves ``node``; None where it takes it."""
-        if node.name in self.claimed:
+        """Why XNNPACK's part leaves ``node``; None where XNNPACK or ExecuTorch's portable kernels take it."""
+        if node.name in self.claimed or node.name in self.portable:
             return None
         return self.reasons.get(node.name, "ExecuTorch's XnnpackPartitioner does not delegate it")
 
 
-def xnnpack_answer(exported_program: ExportedProgram) -> XnnpackAnswer:
-    """Ask ExecuTorch's ``XnnpackPartitioner`` which nodes of ``exported_program`` (ATen dialect) it delegates."""
+def xnnpack_answer(exported_program: ExportedProgram, *, portable: bool = True) -> XnnpackAnswer:
+    """Ask ExecuTorch's ``XnnpackPartitioner`` which nodes of ``exported_program`` (ATen dialect) it delegates.
+
+    With ``portable``, the answer also names the ops between those that ExecuTorch can run on
+    its portable kernels in the same program (``portable_between``).
+    """
     edge, declined = tagged_edge_program(question_program(exported_program))
     made_from = edge_nodes_by_origin(edge, {node.name for node in exported_program.graph.nodes})
     claimed, vanished, reasons = set(), [], {}
@@ -78,10 +92,74 @@ def xnnpack_answer(exported_program: ExportedProgram) -> XnnpackAnswer:
     # XNNPACK folds a quantized linear's quantize ops into its kernel, so they vanish from the
     # edge program: they rejoin their linear first, then a layer claimed only in part is left whole.
     with_vanished_ops(vanished, claimed, constants, reasons)
+    declined = dict(reasons)
     with_whole_quantized_layers(exported_program, claimed, reasons)
     without_unpacked_weights(exported_program, constants, claimed, reasons)
     without_dangling_quantize_ops(exported_program, claimed, reasons)
-    return XnnpackAnswer(frozenset(claimed), reasons)
+    if not portable:
+        return XnnpackAnswer(frozenset(claimed), reasons)
+    # Only what ExecuTorch itself left, never what aotstack refused XNNPACK on purpose (a quantized layer, a cast).
+    left_by_executorch = {name for name, reason in reasons.items() if declined.get(name) == reason}
+    runnable = {
+        node.name for node in exported_program.graph.nodes
+        if node.name in left_by_executorch and not is_quantized_arithmetic(node, constants)
+        and runs_on_portable_kernels(made_from.get(node.name, []))
+    }
+    between = portable_between(exported_program.graph, claimed, runnable)
+    return XnnpackAnswer(frozenset(claimed), reasons, frozenset(between))
+
+
+def portable_between(graph: torch.fx.Graph, claimed: set[str], runnable: set[str]) -> set[str]:
+    """The ``runnable`` nodes on a path from a claimed node to a claimed node through runnable nodes alone.
+
+    Taking them joins XNNPACK's parts on either side into one program. A runnable node before
+    XNNPACK's first op or after its last (an embedding, the positions a cache reads) is left to
+    the next engine: ExecuTorch's portable kernels are plain loops, chosen only where they save
+    a boundary.
+    """
+    nodes = [node for node in graph.nodes if node.op == "call_function"]
+    after = set(claimed)
+    for node in nodes:
+        if node.name in runnable and any(source.name in after for source in node.all_input_nodes):
+            after.add(node.name)
+    before = set(claimed)
+    for node in reversed(nodes):
+        if node.name in runnable and any(reader.name in before for reader in node.users):
+            before.add(node.name)
+    return (after & before) - claimed
+
+
+def is_quantized_arithmetic(node: Node, constants: set[str]) -> bool:
+    """Whether ``node`` is part of a quantized layer or reads integer weights as float: XNNPACK's kernels or none."""
+    return (is_torchao_op(node) or quantized_layer_label(node) is not None
+            or integer_weights_cast(node, lambda placeholder: placeholder.name in constants) is not None)
+
+
+def runs_on_portable_kernels(edge_nodes: list[Node]) -> bool:
+    """Whether ExecuTorch's runtime here has a kernel for every op of ``edge_nodes`` (none: it drops them all)."""
+    available = runtime_operators()
+    return all(kernel_name(node.target) in available for node in edge_nodes)
+
+
+def kernel_name(target: Any) -> str | None:
+    """The runtime kernel ExecuTorch calls for an edge op (``aten::add.out`` for ``aten.add.Tensor``); None if none."""
+    from executorch.exir.operator.convert import to_out_variant
+
+    # An edge op wraps its ATen op; an ATen op's own ``_op`` is its C++ function.
+    op = target if isinstance(target, torch._ops.OpOverload) else getattr(target, "_op", target)
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
+    try:
+        out, _ = to_out_variant(op)
+    except Exception:  # no out variant: ExecuTorch's emitter refuses such an op too
+        return None
+    return f"{out._schema.name}.{out._overloadname}" if out._overloadname != "default" else out._schema.name
+
+
+@functools.cache
+def runtime_operators() -> frozenset[str]:
+    """The kernels ExecuTorch's runtime here has (``aten::add.out``, ...)."""
+    return frozenset(runtime_module()._get_operator_names())
 
 
 def with_vanished_ops(vanished: list[Node], claimed: set[str], constants: set[str], reasons: dict[str, str]) -> None:

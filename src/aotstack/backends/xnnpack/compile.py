@@ -28,9 +28,9 @@ from torch.fx.passes.infra.pass_base import PassResult
 
 from ...compile.program_parts import contiguous_attention_outputs
 from ...errors import LoweringError, PackageError
-from .claims import DELEGATION_TAG, edge_op_name, quiet_executorch
+from .claims import DELEGATION_TAG, edge_op_name, quiet_executorch, runtime_operators
 from .packages import require_executorch
-from .run import DATA_PREFIX, Segment, assembled_data_map, frame_header, runtime_module
+from .run import DATA_PREFIX, Segment, assembled_data_map, frame_header
 
 # The tag ExecuTorch names the external data file after; one file per partition.
 DATA_TAG = "aotstack"
@@ -119,11 +119,6 @@ def program_operators(program: Any) -> list[str]:
         for plan in program.executorch_program.execution_plan
         for operator in plan.operators
     ]
-
-
-def runtime_operators() -> set[str]:
-    """The kernels ExecuTorch's runtime here has."""
-    return set(runtime_module()._get_operator_names())
 
 
 def left_outside(edge: ExportedProgram) -> list[str]:

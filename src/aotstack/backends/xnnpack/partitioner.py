@@ -26,6 +26,11 @@ class XnnpackPartitioner(SupportedOpsPartitioner):
     a copy of its op list, decides. torchao-quantized linears (``8da4w``, ``8w``, ...) are claimed
     with their quantize and dequantize ops and reach XNNPACK's quantized kernels.
 
+    With ``portable_kernels`` (the default), the ops XNNPACK leaves between ops it takes are
+    claimed too where ExecuTorch's runtime has kernels for them: ExecuTorch runs them in the same
+    program, so a language model is a few XNNPACK parts, not one per gap (an RMS norm's ``mean``,
+    attention's softmax). ``portable_kernels=False`` claims XNNPACK's ops alone.
+
     Example::
 
         lowered = aotstack.lower(program, [XnnpackPartitioner(), AotiCpuPartitioner()])
@@ -33,13 +38,16 @@ class XnnpackPartitioner(SupportedOpsPartitioner):
 
     backend_id = XnnpackBackend.backend_id
 
-    def __init__(self, compile_specs: Iterable[CompileSpec] = (), *, min_block_size: int = 1) -> None:
+    def __init__(
+        self, compile_specs: Iterable[CompileSpec] = (), *, min_block_size: int = 1, portable_kernels: bool = True
+    ) -> None:
         super().__init__(min_block_size=min_block_size, compile_specs=compile_specs)
         require_executorch("XnnpackPartitioner needs executorch", LoweringError)
+        self.portable_kernels = portable_kernels
         self.answer: XnnpackAnswer | None = None
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
-        self.answer = xnnpack_answer(exported_program)
+        self.answer = xnnpack_answer(exported_program, portable=self.portable_kernels)
         return super().partition(exported_program)
 
     def supports_op(self, op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> bool:
