@@ -35,9 +35,14 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-from ...compile.int8_tensor import int8_linears, integer_weights_cast
+from ...compile.int8_tensor import LAYOUT_OPS, int8_linears, integer_weights_cast
 from ...compile.partitioner import get_non_lowered_nodes
-from ...compile.program_parts import constant_placeholders, contiguous_attention_outputs, is_size_computation
+from ...compile.program_parts import (
+    constant_placeholders,
+    contiguous_attention_outputs,
+    is_size_computation,
+    mutated_buffer_names,
+)
 from ...compile.quantize import quantized_layer_label
 from ...compile.subprogram import partition_program
 from ...errors import LoweringError
@@ -100,10 +105,14 @@ def xnnpack_answer(exported_program: ExportedProgram, *, portable: bool = True) 
         return XnnpackAnswer(frozenset(claimed), reasons)
     # Only what ExecuTorch itself left, never what aotstack refused XNNPACK on purpose (a quantized layer, a cast).
     left_by_executorch = {name for name, reason in reasons.items() if declined.get(name) == reason}
+    stateful = state_computations(exported_program, claimed)
+    for name in stateful & claimed:
+        claimed.discard(name)
+        reasons[name] = "it copies state (a KV cache) that stays with the engine updating it in place"
     runnable = {
         node.name for node in exported_program.graph.nodes
-        if node.name in left_by_executorch and not is_quantized_arithmetic(node, constants)
-        and runs_on_portable_kernels(made_from.get(node.name, []))
+        if node.name in left_by_executorch and node.name not in stateful
+        and not is_quantized_arithmetic(node, constants) and runs_on_portable_kernels(made_from.get(node.name, []))
     }
     between = portable_between(exported_program.graph, claimed, runnable)
     return XnnpackAnswer(frozenset(claimed), reasons, frozenset(between))
@@ -127,6 +136,31 @@ def portable_between(graph: torch.fx.Graph, claimed: set[str], runnable: set[str
         if node.name in runnable and any(reader.name in before for reader in node.users):
             before.add(node.name)
     return (after & before) - claimed
+
+
+def state_computations(exported_program: ExportedProgram, claimed: set[str]) -> set[str]:
+    """The nodes that read a buffer the method updates (a KV cache), through nodes XNNPACK leaves or that only copy it.
+
+    They stay with the next engine, which updates the state in place: in ExecuTorch's program the
+    whole cache would be copied in and out at every call, and its portable kernels (a cache update,
+    attention over it) loop over all of it. A copy XNNPACK would make of the state (transformers'
+    ``repeat_kv``, an expand and a clone of the cache) stays with it too, rather than making an
+    XNNPACK part of its own between the cache's update and the attention reading it.
+    """
+    stateful = set(mutated_buffer_names(exported_program))
+    for node in exported_program.graph.nodes:
+        if (node.op == "call_function" and (node.name not in claimed or only_moves_values(node))
+                and any(source.name in stateful for source in node.all_input_nodes)):
+            stateful.add(node.name)
+    return stateful
+
+
+def only_moves_values(node: Node) -> bool:
+    """Whether ``node`` only views, reshapes or copies its input (``view``, ``expand``, ``clone``, ...)."""
+    target = node.target
+    return node.target is operator.getitem or (
+        isinstance(target, torch._ops.OpOverload) and (target.is_view or target in LAYOUT_OPS)
+    )
 
 
 def is_quantized_arithmetic(node: Node, constants: set[str]) -> bool:
