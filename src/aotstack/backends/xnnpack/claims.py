@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
+from torch.utils import _pytree as pytree
 
 from ...compile.int8_tensor import LAYOUT_OPS, int8_linears, integer_weights_cast
 from ...compile.partitioner import get_non_lowered_nodes
@@ -49,6 +50,12 @@ from ...errors import LoweringError
 from .run import runtime_module
 
 DELEGATION_TAG = "delegation_tag"
+# The most elements a tensor an op XNNPACK leaves reads or writes may have for ExecuTorch's portable kernels to
+# run it in XNNPACK's program. Those kernels are plain loops, a few ns an element; what a boundary between two
+# parts costs (two engine calls) is a loop of about this many. A decode step's gaps (a norm's mean over one
+# token's hidden state) are far below it, a 128-token encoder's (a softmax over its attention scores) far above:
+# BERT lowered XNNPACK-first took 71 ms with its gaps run on portable kernels, 57 ms without.
+PORTABLE_MAX_ELEMENTS = 16384
 # The logger XNNPACK's partitioner configs report a declined node to (``WhyNoPartition``).
 WHY_LOGGER = "executorch.backends.xnnpack.partition.config.xnnpack_config"
 
@@ -111,7 +118,7 @@ def xnnpack_answer(exported_program: ExportedProgram, *, portable: bool = True) 
         reasons[name] = "it copies state (a KV cache) that stays with the engine updating it in place"
     runnable = {
         node.name for node in exported_program.graph.nodes
-        if node.name in left_by_executorch and node.name not in stateful
+        if node.name in left_by_executorch and node.name not in stateful and small_tensors(node)
         and not is_quantized_arithmetic(node, constants) and runs_on_portable_kernels(made_from.get(node.name, []))
     }
     between = portable_between(exported_program.graph, claimed, runnable)
@@ -161,6 +168,13 @@ def only_moves_values(node: Node) -> bool:
     return node.target is operator.getitem or (
         isinstance(target, torch._ops.OpOverload) and (target.is_view or target in LAYOUT_OPS)
     )
+
+
+def small_tensors(node: Node) -> bool:
+    """Whether every tensor ``node`` reads or writes has a static size of at most ``PORTABLE_MAX_ELEMENTS``."""
+    values = [source.meta.get("val") for source in node.all_input_nodes] + [node.meta.get("val")]
+    tensors = [value for value in pytree.tree_leaves(values) if isinstance(value, torch.Tensor)]
+    return all(isinstance(tensor.numel(), int) and tensor.numel() <= PORTABLE_MAX_ELEMENTS for tensor in tensors)
 
 
 def is_quantized_arithmetic(node: Node, constants: set[str]) -> bool:
