@@ -231,9 +231,12 @@ class Gapped(torch.nn.Module):
         return self.second(self.first(x).cumsum(-1)).cumsum(-1)
 
 
-@pytest.mark.parametrize("portable_kernels", [True, False])
-def test_ops_between_xnnpacks_parts_run_on_executorchs_portable_kernels_in_its_program(portable_kernels):
-    exported = aotstack.export(Gapped().eval(), {"forward": (torch.randn(4, 32),)}).methods["forward"]
+@pytest.mark.parametrize(
+    ("portable_kernels", "rows", "joined"), [(True, 4, True), (False, 4, False), (True, 1024, False)]
+)
+def test_ops_between_xnnpacks_parts_run_on_executorchs_portable_kernels_in_its_program(portable_kernels, rows, joined):
+    # 1024 rows: the cumsum reads and writes 32768 elements, too many for a plain loop to beat a boundary.
+    exported = aotstack.export(Gapped().eval(), {"forward": (torch.randn(rows, 32),)}).methods["forward"]
     result = aotstack.XnnpackPartitioner(portable_kernels=portable_kernels).partition(exported)
     tags = {str(node.target): set() for node in exported.graph.nodes if node.op == "call_function"}
     for node in exported.graph.nodes:
@@ -241,10 +244,10 @@ def test_ops_between_xnnpacks_parts_run_on_executorchs_portable_kernels_in_its_p
             tags[str(node.target)].add(node.meta.get("delegation_tag"))
 
     # The cumsum between the linears joins their parts; the one after them is left to the next engine.
-    assert len(result.partition_tags) == (1 if portable_kernels else 2)
-    assert tags["aten.cumsum.default"] == ({*result.partition_tags, None} if portable_kernels else {None})
+    assert len(result.partition_tags) == (1 if joined else 2)
+    assert tags["aten.cumsum.default"] == ({*result.partition_tags, None} if joined else {None})
     left = [reason.detail for reason in result.refusals.values()]
-    assert len(left) == (1 if portable_kernels else 2)
+    assert len(left) == (1 if joined else 2)
     assert all("does not delegate it" in detail for detail in left)
 
 
