@@ -15,6 +15,7 @@ gives the very bytes ExecuTorch wrote.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import tempfile
@@ -96,6 +97,13 @@ def lower_partition(exported_program: ExportedProgram, label: str) -> XnnpackPar
     packed = packed_keys(edge.exported_program(), label)
     return XnnpackPartition(program.buffer, frame, segments, data, len(ptd), outputs, left,
                             packed=[name for name, read in keys.items() if read <= packed])
+
+
+@functools.cache
+def warmed_lowering() -> None:
+    """Lower a tiny program once, so what ExecuTorch sets up at its first lowering is done in this process."""
+    tiny = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()).eval()
+    lower_partition(torch.export.export(tiny, (torch.randn(1, 8),)), "xnnpack warm-up")
 
 
 def constants_kept_outside(graph_module: torch.fx.GraphModule) -> PassResult:
