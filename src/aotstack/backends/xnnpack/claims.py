@@ -13,11 +13,12 @@ Each edge node records the ATen nodes it was made from (``meta["from_node"]``, k
 XNNPACK's configs say why they decline a node through ExecuTorch's ``WhyNoPartition`` log
 records, which are caught while the partitioner runs and become each refusal's reason.
 
-An op XNNPACK leaves between ops it takes (an RMS norm's ``mean``, attention's mask and softmax,
-a cache update) would split its part in two, each a program of its own with a boundary crossed
-at every call. Where ExecuTorch's runtime has kernels for every edge op made from it, it stays
-in XNNPACK's part instead, and ExecuTorch runs it on its portable kernels inside the same
-program (``portable_between``).
+An op XNNPACK leaves between ops it takes (an RMS norm's ``mean``, a rotary embedding's ``cat``)
+would split its part in two, each a program of its own with a boundary crossed at every call.
+Where ExecuTorch's runtime has kernels for every edge op made from it and its tensors are small,
+it stays in XNNPACK's part instead, and ExecuTorch runs it on its portable kernels inside the
+same program (``portable_between``). What reads a buffer the method updates (a KV cache) is
+left to the engine that updates it in place (``state_computations``).
 """
 
 from __future__ import annotations
@@ -104,14 +105,14 @@ def xnnpack_answer(exported_program: ExportedProgram, *, portable: bool = True) 
     # XNNPACK folds a quantized linear's quantize ops into its kernel, so they vanish from the
     # edge program: they rejoin their linear first, then a layer claimed only in part is left whole.
     with_vanished_ops(vanished, claimed, constants, reasons)
-    declined = dict(reasons)
+    executorch_reasons = dict(reasons)
     with_whole_quantized_layers(exported_program, claimed, reasons)
     without_unpacked_weights(exported_program, constants, claimed, reasons)
     without_dangling_quantize_ops(exported_program, claimed, reasons)
     if not portable:
         return XnnpackAnswer(frozenset(claimed), reasons)
     # Only what ExecuTorch itself left, never what aotstack refused XNNPACK on purpose (a quantized layer, a cast).
-    left_by_executorch = {name for name, reason in reasons.items() if declined.get(name) == reason}
+    left_by_executorch = {name for name, reason in reasons.items() if executorch_reasons.get(name) == reason}
     stateful = state_computations(exported_program, claimed)
     for name in stateful & claimed:
         claimed.discard(name)
@@ -165,7 +166,7 @@ def state_computations(exported_program: ExportedProgram, claimed: set[str]) -> 
 def only_moves_values(node: Node) -> bool:
     """Whether ``node`` only views, reshapes or copies its input (``view``, ``expand``, ``clone``, ...)."""
     target = node.target
-    return node.target is operator.getitem or (
+    return target is operator.getitem or (
         isinstance(target, torch._ops.OpOverload) and (target.is_view or target in LAYOUT_OPS)
     )
 

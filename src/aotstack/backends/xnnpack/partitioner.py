@@ -26,10 +26,11 @@ class XnnpackPartitioner(SupportedOpsPartitioner):
     a copy of its op list, decides. torchao-quantized linears (``8da4w``, ``8w``, ...) are claimed
     with their quantize and dequantize ops and reach XNNPACK's quantized kernels.
 
-    With ``portable_kernels`` (the default), the ops XNNPACK leaves between ops it takes are
-    claimed too where ExecuTorch's runtime has kernels for them: ExecuTorch runs them in the same
-    program, so a language model is a few XNNPACK parts, not one per gap (an RMS norm's ``mean``,
-    attention's softmax). ``portable_kernels=False`` claims XNNPACK's ops alone.
+    With ``portable_kernels`` (the default), the small ops XNNPACK leaves between ops it takes
+    are claimed too where ExecuTorch's runtime has kernels for them: ExecuTorch runs them in the
+    same program, so a decoder is one XNNPACK part per layer, not one per gap (an RMS norm's
+    ``mean``). What reads a KV cache stays with the next engine, which updates it in place.
+    ``portable_kernels=False`` claims XNNPACK's ops alone.
 
     Example::
 
