@@ -24,7 +24,9 @@ import torch
 import aotstack
 from aotstack.backends.aoti.compile import CompiledFiles, cached_files, store_files
 from aotstack.compile.jobs import CompileJob
+from aotstack.compile.lower import PlanLowering
 from aotstack.compile.program_parts import program_weights
+from aotstack.compile.progress import Progress
 from aotstack.format.tensor_data import weights_as_named_data
 from tests import models
 from tests.conftest import ROOT, assert_matches_eager, run_in_fresh_process
@@ -124,6 +126,34 @@ def test_two_partitions_compile_in_two_workers_at_once(tmp_path: Path) -> None:
     lowered.save(path)
     x = torch.randn(4, 8)
     torch.testing.assert_close(aotstack.load(path).forward(x), TwoRelus()(x))
+
+
+class SleepingPartitioner(OpPartitioner):
+    """Takes COMPILE_SECONDS to partition, as ExecuTorch's question of a whole method takes seconds; notes when."""
+
+    ended = 0.0
+
+    def partition(self, exported_program):
+        time.sleep(COMPILE_SECONDS)
+        self.ended = time.time()
+        return super().partition(exported_program)
+
+
+def test_plans_lowered_together_compile_while_the_next_is_partitioned_and_fail_alone() -> None:
+    lowering = PlanLowering(4, Progress(), "raise", False, False)
+    slow = SleepingPartitioner(relu="test_pid_relu")
+    results = lowering.together({
+        "first": (relu_program(), [OpPartitioner(relu="test_pid_relu")]),
+        "slow": (relu_program(), [slow]),
+        "failing": (relu_program(), [OpPartitioner(relu="test_raising_in_worker")]),
+    })
+    assert isinstance(results["failing"], aotstack.LoweringError)
+    assert "no kernel for this partition" in str(results["failing"])
+    first, later = (compile_records(results[plan]) for plan in ("first", "slow"))  # type: ignore[arg-type]
+    assert len(first) == len(later) == 2
+    # The first plan's parts started compiling while this process was still partitioning the next plan.
+    assert all(record["started"] < slow.ended for record in first)
+    assert all(record["started"] >= slow.ended for record in later)
 
 
 def test_one_job_compiles_in_one_worker_at_a_time() -> None:

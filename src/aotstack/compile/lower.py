@@ -6,9 +6,9 @@ import copy
 import logging
 import os
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Literal, get_args
+from typing import Literal, TypeVar, get_args
 
 import torch
 from torch.export import ExportedProgram
@@ -59,7 +59,7 @@ from .jobs import CompileJob, CompileOutcome
 from .measure import MethodTiming, measured_methods
 from .mixing import MeasuredPlan, Mix, delegate_regions, mixed_cover, node_work
 from .package import save, unsaved_manifest
-from .parallel import compile_all, default_workers, quiet_torch_warnings
+from .parallel import Batch, CompilePool, default_workers, quiet_torch_warnings
 from .partitioner import DELEGATION_TAG, Partitioner, PartitionResult, get_non_lowered_nodes
 from .program_parts import (
     called_ops,
@@ -236,17 +236,14 @@ def lower(
     checking = check_option(check)
     auto = auto_option(partitioners)
     with progress_for(progress) as shown:
-
-        def lower_plan(part: Program, plan: PartitionerPlan) -> LoweredProgram:
-            return lowered_program(
-                part,
-                plan,
-                lambda claims: compile_claims(claims, workers, shown, on_compile_error),
-                skip_h2d_for_method_inputs=skip_h2d_for_method_inputs,
-                skip_d2h_for_method_outputs=skip_d2h_for_method_outputs,
-                keep_references=checking is not None and checking.partition,
-            )
-
+        lower_plan = PlanLowering(
+            workers,
+            shown,
+            on_compile_error,
+            skip_h2d_for_method_inputs,
+            skip_d2h_for_method_outputs,
+            keep_references=checking is not None and checking.partition,
+        )
         if auto is None:
             lowered = lower_plan(program, partitioners)  # type: ignore[arg-type]
         else:
@@ -260,15 +257,14 @@ def lower(
     return lowered
 
 
-PlanLowerer = Callable[[Program, "PartitionerPlan"], LoweredProgram]
-
-
-def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowerer) -> LoweredProgram:
+def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowering) -> LoweredProgram:
     """Every candidate plan lowered and measured (or its figures read from the cache), the fastest kept per method.
 
     A plan that cannot be lowered (a part failed to compile, under ``on_compile_error="raise"``)
-    or run is reported in the selection, not raised, unless no plan works for a method. Then, per
-    method, the plans' regions propose one mixed plan (``mixing.py``), measured like the others.
+    or run is reported in the selection, not raised, unless no plan works for a method. The plans
+    lower together, so one plan's parts compile while the next is partitioned; then each is
+    timed, with no compile running beside it. Then, per method, the plans' regions propose one
+    mixed plan (``mixing.py``), measured like the others.
     """
     threads = torch.get_num_threads()
     plans = candidate_plans(auto)
@@ -280,12 +276,13 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowerer) -> Lower
     }
     # (method, plan) -> its measurement, or SAME_AS_ALONE; absent where neither is known yet.
     measured = {pair: entry for pair, key in keys.items() if (entry := cached_measurement(key, pair[1])) is not None}
+    unmeasured = [plan for plan in plans if not all((name, plan) in measured for name in program.methods)]
+    lowerings = lower_plan.together({plan: (program, plan_partitioners(plan, auto.device)) for plan in unmeasured})
     lowered_by_plan: dict[Plan, LoweredProgram] = {}
-    for plan in plans:
-        if all((name, plan) in measured for name in program.methods):
-            continue
+    for plan, lowered in lowerings.items():
         try:
-            lowered = lower_plan(program, plan_partitioners(plan, auto.device))
+            if isinstance(lowered, Exception):
+                raise lowered
             backends = {name: [d.backend_id for d in lowered.delegate_table[name]] for name in program.methods}
             timed = [name for name in program.methods if not takes_nothing(plan, backends[name])]
             timings = measured_methods(
@@ -373,7 +370,7 @@ def method_mix(listed: Mapping[Plan, Measurement], closing: str) -> Mix | None:
 
 
 def mix_measurement(
-    name: str, exported: ExportedProgram, mix: Mix, auto: Auto, lower_plan: PlanLowerer, key: str
+    name: str, exported: ExportedProgram, mix: Mix, auto: Auto, lower_plan: PlanLowering, key: str
 ) -> tuple[Measurement, LoweredProgram | None]:
     """The mixed plan's measurement of method ``name``, from the cache or lowered and timed now."""
     cached = cached_measurement(key, mix.labels)
@@ -416,6 +413,9 @@ def merged_methods(by_method: Mapping[str, LoweredProgram]) -> LoweredProgram:
 
 # Compiles the partitions one partitioner position claimed, in every method; their outcomes by job.
 CompileLevel = Callable[[Mapping[str, list["Claim"]]], Mapping[CompileJob, CompileOutcome]]
+# A lowering in steps: it yields each partitioner position's claims, in every method, is sent
+# their compile outcomes, and returns the lowered program.
+LoweringSteps = Generator[Mapping[str, list["Claim"]], Mapping[CompileJob, CompileOutcome], "LoweredProgram"]
 
 
 def lowered_program(
@@ -432,20 +432,44 @@ def lowered_program(
 
     ``planned``: ``compile_level`` compiles nothing (a dry run), and the result says so.
     """
-    plan = partitioners_by_method(program, partitioners)
+    steps = lowering_steps(
+        program,
+        partitioners,
+        skip_h2d_for_method_inputs=skip_h2d_for_method_inputs,
+        skip_d2h_for_method_outputs=skip_d2h_for_method_outputs,
+        keep_references=keep_references,
+        planned=planned,
+    )
     with quiet_torch_warnings():
-        states = {
-            name: MethodLowering.of(name, exported, keep_references=keep_references, planned=planned)
-            for name, exported in program.methods.items()
-        }
-        # Level by level: the partitioners at one position, in every method, compile together.
-        for level in range(max((len(listed) for listed in plan.values()), default=0)):
-            claims = {
-                name: state.claim(plan[name][level]) for name, state in states.items() if level < len(plan[name])
-            }
-            outcomes = compile_level(claims)
-            for name, listed in claims.items():
-                states[name].splice(listed, outcomes)
+        try:
+            claims = next(steps)
+            while True:
+                claims = steps.send(compile_level(claims))
+        except StopIteration as finished:
+            return finished.value
+
+
+def lowering_steps(
+    program: Program,
+    partitioners: PartitionerPlan,
+    *,
+    skip_h2d_for_method_inputs: MethodOption,
+    skip_d2h_for_method_outputs: MethodOption,
+    keep_references: bool = False,
+    planned: bool = False,
+) -> LoweringSteps:
+    """``lowered_program``'s work as steps, so a caller decides how and beside what each level compiles."""
+    plan = partitioners_by_method(program, partitioners)
+    states = {
+        name: MethodLowering.of(name, exported, keep_references=keep_references, planned=planned)
+        for name, exported in program.methods.items()
+    }
+    # Level by level: the partitioners at one position, in every method, compile together.
+    for level in range(max((len(listed) for listed in plan.values()), default=0)):
+        claims = {name: state.claim(plan[name][level]) for name, state in states.items() if level < len(plan[name])}
+        outcomes = yield claims
+        for name, listed in claims.items():
+            states[name].splice(listed, outcomes)
     methods: dict[str, ExportedProgram] = {}
     for name, state in states.items():
         propagate_device_pass(
@@ -467,6 +491,81 @@ def lowered_program(
     )
 
 
+PlanKey = TypeVar("PlanKey", bound=Hashable)
+
+
+@dataclass(frozen=True)
+class PlanLowering:
+    """``lower``'s options, applied to one partitioner plan (a call) or to several at once (``together``)."""
+
+    workers: int
+    progress: Progress
+    on_compile_error: OnCompileError
+    skip_h2d_for_method_inputs: MethodOption
+    skip_d2h_for_method_outputs: MethodOption
+    keep_references: bool = False
+
+    def __call__(self, program: Program, partitioners: PartitionerPlan) -> LoweredProgram:
+        lowered = self.together({"plan": (program, partitioners)})["plan"]
+        if isinstance(lowered, Exception):
+            raise lowered
+        return lowered
+
+    def together(
+        self, plans: Mapping[PlanKey, tuple[Program, PartitionerPlan]]
+    ) -> dict[PlanKey, LoweredProgram | Exception]:
+        """Each plan lowered, or the exception it raised; their compiles share one pool of workers.
+
+        A plan's parts compile while this process partitions the next plan, so workers one plan
+        leaves idle compile another's (auto lowers its candidate plans this way).
+        """
+        results: dict[PlanKey, LoweredProgram | Exception] = {}
+        # Each plan between steps: its steps, the claims it yielded and the batch compiling them.
+        waiting: dict[PlanKey, tuple[LoweringSteps, Mapping[str, list[Claim]], Batch]] = {}
+        with quiet_torch_warnings(), CompilePool(self.workers, self.progress) as pool:
+
+            def advance(
+                key: PlanKey, steps: LoweringSteps, outcomes: Mapping[CompileJob, CompileOutcome] | None
+            ) -> None:
+                try:
+                    claims = next(steps) if outcomes is None else steps.send(outcomes)
+                except StopIteration as finished:
+                    results[key] = finished.value
+                    return
+                except Exception as error:  # noqa: BLE001 - one plan's failure is its result; the others go on
+                    results[key] = error
+                    return
+                jobs = [claim.job for listed in claims.values() for claim in listed]
+                waiting[key] = (steps, claims, pool.submit(jobs, stop_on_error=self.on_compile_error == "raise"))
+
+            for key, (program, partitioners) in plans.items():
+                advance(key, self.steps(program, partitioners), None)
+            while waiting:
+                done = [key for key, (_, _, batch) in waiting.items() if batch.done]
+                if not done:
+                    pool.advance()
+                for key in done:
+                    steps, claims, batch = waiting.pop(key)
+                    outcomes = {outcome.job: outcome for outcome in pool.outcomes(batch)}
+                    try:
+                        raise_first_failure(claims, outcomes, self.on_compile_error)
+                    except Exception as error:  # noqa: BLE001 - as in advance
+                        steps.close()
+                        results[key] = error
+                        continue
+                    advance(key, steps, outcomes)
+        return {key: results[key] for key in plans}
+
+    def steps(self, program: Program, partitioners: PartitionerPlan) -> LoweringSteps:
+        return lowering_steps(
+            program,
+            partitioners,
+            skip_h2d_for_method_inputs=self.skip_h2d_for_method_inputs,
+            skip_d2h_for_method_outputs=self.skip_d2h_for_method_outputs,
+            keep_references=self.keep_references,
+        )
+
+
 def checked_jobs(jobs: object) -> int:
     """How many compiles may run at once: ``jobs``, or one per core where it is None."""
     if jobs is None:
@@ -476,20 +575,17 @@ def checked_jobs(jobs: object) -> int:
     return jobs
 
 
-def compile_claims(
-    claims: Mapping[str, list[Claim]], workers: int, progress: Progress, on_compile_error: OnCompileError
-) -> dict[CompileJob, CompileOutcome]:
-    """Compile every claimed partition; with ``"raise"``, raise for the first that failed, in lowering order."""
-    ordered = [claim for listed in claims.values() for claim in listed]
-    stop = on_compile_error == "raise"
-    outcomes = {o.job: o for o in compile_all([c.job for c in ordered], workers, progress, stop_on_error=stop)}
-    if stop:
-        for listed in claims.values():
-            for claim in listed:
-                error = claim_error(claim, outcomes[claim.job])
-                if error is not None:
-                    raise_compile_error(claim, error)
-    return outcomes
+def raise_first_failure(
+    claims: Mapping[str, list[Claim]], outcomes: Mapping[CompileJob, CompileOutcome], on_compile_error: OnCompileError
+) -> None:
+    """With ``"raise"``, raise for the first claimed partition that failed to compile, in lowering order."""
+    if on_compile_error != "raise":
+        return
+    for listed in claims.values():
+        for claim in listed:
+            error = claim_error(claim, outcomes[claim.job])
+            if error is not None:
+                raise_compile_error(claim, error)
 
 
 def check_lower_options(skip_h2d: object, skip_d2h: object, on_compile_error: object) -> None:

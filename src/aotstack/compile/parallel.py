@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -27,6 +27,7 @@ import numpy
 import torch
 from torch.export import ExportedProgram
 
+from ..engine.interface import Backend
 from ..errors import EngineCrashError, LoweringError
 from ..format.archive import usable_cores
 from ..format.specs import PreprocessResult
@@ -49,39 +50,184 @@ def compile_all(
     first failure cancels the jobs not yet finished (running workers are stopped), so a caller
     that raises on it does not wait for compiles whose results it would throw away.
     """
-    if not jobs:
-        return []
-    representatives, same_as = distinct_jobs(jobs)
-    progress.queued(jobs)
-    if can_fork():
+    with CompilePool(workers, progress) as pool:
+        batch = pool.submit(jobs, stop_on_error=stop_on_error)
+        while not batch.done:
+            pool.advance()
+        return pool.outcomes(batch)
+
+
+@dataclass(eq=False)
+class Batch:
+    """Jobs submitted together (one partitioner's parts, in every method): done once each has an outcome."""
+
+    jobs: list[CompileJob]
+    # The jobs that compile; each other job takes the outcome of the identical one it names in ``same_as``.
+    representatives: list[CompileJob]
+    same_as: dict[CompileJob, CompileJob]
+    stop_on_error: bool
+    results: dict[CompileJob, CompileOutcome] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return all(job in self.results for job in self.representatives)
+
+
+class CompilePool:
+    """Up to ``workers`` forked compile workers, shared by every batch submitted to it.
+
+    Batches from several lowerings (auto's plans) compile at once, so a worker that one plan
+    leaves idle compiles another's parts while this process partitions the next plan. A job
+    whose code a running job of the same structure compiles (``CompileJob.structure``) waits
+    for it, then takes that code from its backend's cache. Used as a context manager, no worker
+    outlives it (Ctrl-C included).
+    """
+
+    def __init__(self, workers: int, progress: Progress) -> None:
+        self.workers = workers
+        self.progress = progress
+        self.forking = can_fork()
+        self.pending: list[tuple[Batch, CompileJob]] = []
+        self.running: dict[Child, tuple[Batch, CompileJob]] = {}
+        # Children running a backend's warm-up whose work stays on disk; its jobs wait for it.
+        self.warming: dict[Child, type[Backend]] = {}
+        # Each code-sharing job's structure, and the structures a finished job compiled.
+        self.structures: dict[CompileJob, str] = {}
+        self.compiled_structures: set[str] = set()
+
+    def __enter__(self) -> CompilePool:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def submit(self, jobs: Sequence[CompileJob], *, stop_on_error: bool) -> Batch:
+        """Queue ``jobs``; those their backends' caches answer are done at once, the rest start as workers free."""
+        representatives, same_as = distinct_jobs(jobs)
+        batch = Batch(list(jobs), representatives, same_as, stop_on_error)
+        if not jobs:
+            return batch
+        self.progress.queued(jobs)
+        if not self.forking:
+            batch.results.update(compiled_here(representatives, self.progress, stop_on_error))
+            return batch
         # A partition compiled before costs no worker: its backend's cache answers here.
-        results = cached_outcomes(representatives, progress)
-        misses = [job for job in representatives if job not in results]
+        batch.results.update(cached_outcomes(representatives, self.progress))
+        misses = [job for job in representatives if job not in batch.results]
         if misses:
-            warm_up_backends(misses)
-            first, later = split_by_structure(misses)
-            results.update(compiled_in_workers(first, min(workers, len(first)), progress, stop_on_error))
-            if later and stop_on_error and any(results[job].error is not None for job in first):
-                results.update(cancelled(later, progress))
-            elif later:
-                # Each shares the code of a job compiled above, which its backend's cache now holds.
-                results.update(cached_outcomes(later, progress))
-                rest = [job for job in later if job not in results]
-                if rest:
-                    results.update(compiled_in_workers(rest, min(workers, len(rest)), progress, stop_on_error))
-    else:
-        results = compiled_here(representatives, progress, stop_on_error)
-    outcomes = []
-    for job in jobs:
-        first = same_as.get(job)
-        if first is None:
-            outcomes.append(results[job])
-            continue
-        original = results[first]
-        outcome = CompileOutcome(job, original.result, original.error, 0.0, None, first)
-        progress.finished(outcome)
-        outcomes.append(outcome)
-    return outcomes
+            self.warm_up_in_children(misses)
+            for job in misses:
+                if job.backend.shares_code_across_weights:
+                    self.structures[job] = job.structure()
+            self.pending.extend((batch, job) for job in misses)
+            self.start()
+        return batch
+
+    def advance(self) -> None:
+        """Wait until a running job ends, record its outcome, and start what can start."""
+        self.start()
+        if not self.running and not self.warming:
+            assert not self.pending, "a pending job waits only on a running job or warm-up"
+            return
+        self.reap(None)
+        self.start()
+
+    def outcomes(self, batch: Batch) -> list[CompileOutcome]:
+        """A done batch's outcomes, in the order of its jobs."""
+        outcomes = []
+        for job in batch.jobs:
+            first = batch.same_as.get(job)
+            if first is None:
+                outcomes.append(batch.results[job])
+                continue
+            original = batch.results[first]
+            outcome = CompileOutcome(job, original.result, original.error, 0.0, None, first)
+            self.progress.finished(outcome)
+            outcomes.append(outcome)
+        return outcomes
+
+    def start(self) -> None:
+        """Record the workers that ended, then start pending jobs while a worker is free."""
+        self.reap(0)
+        while len(self.running) + len(self.warming) < self.workers:
+            entry = next((entry for entry in self.pending if not self.waits(entry[1])), None)
+            if entry is None:
+                return
+            self.pending.remove(entry)
+            batch, job = entry
+            warmed_up(job.backend)
+            if self.structures.get(job) in self.compiled_structures:
+                # Its code compiled since it was queued; only a failed compile leaves nothing to take.
+                cached = cached_outcomes([job], self.progress)
+                if cached:
+                    batch.results.update(cached)
+                    continue
+            worker = forked(worker_message, (job,), f"aotstack-{job.tag}")
+            self.running[worker] = entry
+            self.progress.started(job, worker.pid)
+
+    def warm_up_in_children(self, jobs: Sequence[CompileJob]) -> None:
+        """Start the warm-up of each backend of ``jobs`` whose warm-up fills a cache on disk, in a forked child.
+
+        This process goes on partitioning meanwhile; its own warm-up, before the backend's first
+        compile worker forks, then reads what the child left instead of redoing it.
+        """
+        for backend in {type(job.backend): job.backend for job in jobs}.values():
+            kind = type(backend)
+            if backend.warm_up_fills_disk_cache and kind not in WARMED_UP and kind not in self.warming.values():
+                self.warming[forked(backend.warm_up, (), f"aotstack-warm-up-{backend.backend_id}")] = kind
+
+    def waits(self, job: CompileJob) -> bool:
+        """Whether a running job compiles the code ``job`` would share, or its backend's warm-up is still running."""
+        if type(job.backend) in self.warming.values():
+            return True
+        structure = self.structures.get(job)
+        running = (self.structures.get(other) for _, other in self.running.values())
+        return structure is not None and structure in running
+
+    def reap(self, timeout: float | None) -> None:
+        """Record the outcome of each worker that ended within ``timeout`` seconds (None: until one does)."""
+        children = [*self.running, *self.warming]
+        if not children:
+            return
+        ready = set(wait([c.connection for c in children] + [c.process.sentinel for c in children], timeout))
+        for worker in [c for c in children if c.connection in ready or c.process.sentinel in ready]:
+            if worker in self.warming:
+                # How it went does not matter: this process's own warm-up does whatever is left.
+                del self.warming[worker]
+                received(worker)
+                closed(worker)
+                continue
+            if worker not in self.running:
+                continue  # stopped below, with its batch
+            batch, job = self.running.pop(worker)
+            outcome = batch.results[job] = finished_worker(worker, job)
+            self.progress.finished(outcome)
+            if job in self.structures:
+                self.compiled_structures.add(self.structures[job])
+            if batch.stop_on_error and outcome.error is not None:
+                self.cancel(batch)
+
+    def cancel(self, batch: Batch) -> None:
+        """Give up ``batch``'s jobs that have not finished: pending ones never start, running ones are stopped."""
+        for entry in [entry for entry in self.pending if entry[0] is batch]:
+            self.pending.remove(entry)
+            outcome = batch.results[entry[1]] = CompileOutcome(entry[1])
+            self.progress.finished(outcome)
+        for worker, (owner, job) in list(self.running.items()):
+            if owner is batch:
+                stop(worker)
+                del self.running[worker]
+                outcome = batch.results[job] = CompileOutcome(job, seconds=time.perf_counter() - worker.started)
+                self.progress.finished(outcome)
+
+    def close(self) -> None:
+        """Stop every worker and warm-up still running; nothing pending starts."""
+        for child in [*self.running, *self.warming]:
+            stop(child)
+        self.running.clear()
+        self.warming.clear()
+        self.pending.clear()
 
 
 def cached_outcomes(jobs: Sequence[CompileJob], progress: Progress) -> dict[CompileJob, CompileOutcome]:
@@ -109,13 +255,24 @@ def kept_result(job: CompileJob) -> PreprocessResult | None:
     return None if key is None else kept_preprocess(key, job.program)
 
 
-def warm_up_backends(jobs: Sequence[CompileJob]) -> None:
-    """Each backend's once-per-process work, done here so that every forked worker inherits it.
+# The backends whose warm-up ran in this process; forked workers inherit it.
+WARMED_UP: set[type[Backend]] = set()
 
-    Done for one worker too: the next lowering in this process forks from it again.
+
+def warmed_up(backend: Backend) -> None:
+    """``backend``'s once-per-process work, done here (once) so that every forked worker inherits it.
+
+    A warm-up that fails is left to the compile: the worker meets the same problem and reports
+    it against the partition it compiles.
     """
-    for backend in {type(job.backend): job.backend for job in jobs}.values():
+    kind = type(backend)
+    if kind in WARMED_UP:
+        return
+    try:
         backend.warm_up()
+    except Exception:  # noqa: BLE001 - see above
+        logger.debug("%s's warm-up failed; its compiles do the work themselves", backend.backend_id, exc_info=True)
+    WARMED_UP.add(kind)
 
 
 def distinct_jobs(jobs: Sequence[CompileJob]) -> tuple[list[CompileJob], dict[CompileJob, CompileJob]]:
@@ -129,31 +286,6 @@ def distinct_jobs(jobs: Sequence[CompileJob]) -> tuple[list[CompileJob], dict[Co
         if first is not job:
             same_as[job] = first
     return [job for job in jobs if job not in same_as], same_as
-
-
-def split_by_structure(jobs: Sequence[CompileJob]) -> tuple[list[CompileJob], list[CompileJob]]:
-    """The jobs to compile first, and the later ones whose code one of those compiles (``CompileJob.structure``).
-
-    Compiled at once, jobs of one structure would each make the same code in a worker of its own.
-    """
-    sharing = [job for job in jobs if job.backend.shares_code_across_weights]
-    if len(sharing) < 2:
-        return list(jobs), []
-    seen: set[str] = set()
-    later = []
-    for job in sharing:
-        structure = job.structure()
-        if structure in seen:
-            later.append(job)
-        seen.add(structure)
-    return [job for job in jobs if job not in later], later
-
-
-def cancelled(jobs: Sequence[CompileJob], progress: Progress) -> dict[CompileJob, CompileOutcome]:
-    outcomes = {job: CompileOutcome(job) for job in jobs}
-    for outcome in outcomes.values():
-        progress.finished(outcome)
-    return outcomes
 
 
 def compiled_here(
@@ -208,41 +340,6 @@ def quiet_torch_warnings() -> Iterator[None]:
         for category in (DeprecationWarning, FutureWarning):
             warnings.filterwarnings("ignore", category=category, module=r"torch(\.|$)")
         yield
-
-
-def compiled_in_workers(
-    jobs: Sequence[CompileJob], workers: int, progress: Progress, stop_on_error: bool
-) -> dict[CompileJob, CompileOutcome]:
-    """Compile ``jobs`` in up to ``workers`` forked processes at once; outcomes by job."""
-    pending = list(jobs)
-    running: dict[Child, CompileJob] = {}
-    outcomes: dict[CompileJob, CompileOutcome] = {}
-    try:
-        while pending or running:
-            while pending and len(running) < workers:
-                job = pending.pop(0)
-                worker = forked(worker_message, (job,), f"aotstack-{job.tag}")
-                running[worker] = job
-                progress.started(job, worker.pid)
-            ready = set(wait([w.connection for w in running] + [w.process.sentinel for w in running]))
-            for worker in [w for w in running if w.connection in ready or w.process.sentinel in ready]:
-                job = running.pop(worker)
-                outcome = outcomes[job] = finished_worker(worker, job)
-                progress.finished(outcome)
-                if stop_on_error and outcome.error is not None:
-                    outcomes.update(cancelled(pending, progress))
-                    pending.clear()
-                    for other, stopped in running.items():
-                        stop(other)
-                        outcomes[stopped] = CompileOutcome(stopped, seconds=time.perf_counter() - other.started)
-                        progress.finished(outcomes[stopped])
-                    running.clear()
-                    break
-    finally:
-        # Interrupted (Ctrl-C) or failed: no worker outlives the call.
-        for worker in running:
-            stop(worker)
-    return outcomes
 
 
 def worker_message(job: CompileJob) -> tuple[Any, ...]:

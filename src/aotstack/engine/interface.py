@@ -124,6 +124,10 @@ class Backend(BackendRuntime):
     # other names: a model's repeated layers) compile to code that ``cached_preprocess`` answers
     # for each once one has compiled. Lowering then compiles one of them, not all at once.
     shares_code_across_weights: ClassVar[bool] = False
+    # True where ``warm_up`` keeps its work in a cache on disk (AOTInductor's probe of the CPU):
+    # lowering then first runs it in a forked child, beside its other work, and this process's
+    # own warm-up reads what the child left.
+    warm_up_fills_disk_cache: ClassVar[bool] = False
 
     def preprocess(
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
@@ -144,8 +148,8 @@ class Backend(BackendRuntime):
     def warm_up(self) -> None:
         """Do, once, the work every compile in a fresh process repeats (imports, probes of this machine).
 
-        ``lower`` calls it in its own process before it forks compile workers, which inherit the
-        result instead of each paying for it. The default does nothing.
+        ``lower`` calls it once in its own process before it forks compile workers, which
+        inherit the result instead of each paying for it. The default does nothing.
         """
 
     def custom_ops_called(self, claimed: list[str], result: PreprocessResult) -> list[str]:

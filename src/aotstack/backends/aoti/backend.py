@@ -52,6 +52,7 @@ class AotiBackend(Backend):
     device_name: ClassVar[str]
     # A library takes its weights by name at load, so it serves every partition of its structure (compile.py).
     shares_code_across_weights = True
+    warm_up_fills_disk_cache = True
     # None: the target's runtime has every fallback kernel AOTInductor can call.
     default_fallback_kernels: ClassVar[frozenset[str] | None] = None
 
