@@ -3,7 +3,8 @@
 A backend's ``preprocess`` is slow (an AOTInductor compile costs 10-90 s) and mostly single
 threaded, so partitions that do not depend on each other compile in forked worker processes,
 at most ``workers`` at a time. A forked worker inherits the partition, its backend and every
-registered backend as they are in memory; only the result travels back, through a pipe.
+registered backend as they are in memory; only the result travels back, through a pipe. One
+pool of workers (``CompilePool``) takes batches from several lowerings at once: auto's plans.
 
 Every compile runs in a worker, one at a time with ``workers=1`` too: an engine whose native code
 crashes (a signal) then ends its worker, not the caller, and the failure is an
