@@ -23,6 +23,7 @@ import torch
 
 import aotstack
 from aotstack.backends.aoti.compile import CompiledFiles, cached_files, store_files
+from aotstack.compile import parallel
 from aotstack.compile.jobs import CompileJob
 from aotstack.compile.lower import PlanLowering
 from aotstack.compile.program_parts import program_weights
@@ -154,6 +155,31 @@ def test_plans_lowered_together_compile_while_the_next_is_partitioned_and_fail_a
     # The first plan's parts started compiling while this process was still partitioning the next plan.
     assert all(record["started"] < slow.ended for record in first)
     assert all(record["started"] >= slow.ended for record in later)
+
+
+class DiskWarmedBackend(PidReluBackend):
+    """A warm-up that keeps its work on disk, as AOTInductor's probe of the CPU does; each run appends its process."""
+
+    backend_id = "test_disk_warmed"
+    warm_up_fills_disk_cache = True
+    log: Path | None = None
+
+    def warm_up(self):
+        assert DiskWarmedBackend.log is not None
+        time.sleep(COMPILE_SECONDS)
+        with DiskWarmedBackend.log.open("a") as log:
+            log.write(json.dumps({"pid": os.getpid(), "ended": time.time()}) + "\n")
+
+
+def test_a_warm_up_kept_on_disk_runs_first_in_a_child_then_once_here(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(parallel, "WARMED_UP", set())
+    DiskWarmedBackend.log = tmp_path / "warm-ups.jsonl"
+    for _ in range(2):
+        lowered = aotstack.lower(relu_program(), [OpPartitioner(relu="test_disk_warmed")], jobs=2, progress=False)
+    child, here = (json.loads(line) for line in DiskWarmedBackend.log.read_text().splitlines())
+    assert child["pid"] != TEST_PROCESS and here["pid"] == TEST_PROCESS
+    # The workers forked after both, so they inherited this process's warm-up; the second lowering did none.
+    assert all(record["started"] >= here["ended"] for record in compile_records(lowered))
 
 
 def test_one_job_compiles_in_one_worker_at_a_time() -> None:
