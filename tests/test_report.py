@@ -226,17 +226,17 @@ def test_explain_on_the_command_line_takes_compiles_options(tmp_path):
 
 def test_a_dry_run_cannot_be_saved(tmp_path):
     from aotstack.compile.explain import planned_outcomes
-    from aotstack.compile.lower import lowered_program
+    from aotstack.compile.lower import lowered_program, lowering_steps
 
     program = aotstack.export(models.build("add"), {"forward": models.example_inputs("add")})
-    lowered = lowered_program(
+    steps = lowering_steps(
         program,
         [aotstack.AotiCpuPartitioner()],
-        planned_outcomes,
         skip_h2d_for_method_inputs=False,
         skip_d2h_for_method_outputs=False,
         planned=True,
     )
+    lowered = lowered_program(steps, planned_outcomes)
     with pytest.raises(aotstack.LoweringError, match="dry run"):
         lowered.save(tmp_path / "x.pt2")
     assert not (tmp_path / "x.pt2").exists()

@@ -11,7 +11,7 @@ from ..report.model import Report
 from .auto import auto_option
 from .export import Program
 from .jobs import CompileJob, CompileOutcome
-from .lower import Claim, MethodOption, PartitionerPlan, check_lower_options, lowered_program
+from .lower import Claim, MethodOption, PartitionerPlan, check_lower_options, lowered_program, lowering_steps
 from .program_parts import program_weights
 
 
@@ -39,14 +39,14 @@ def explain(
             "explain is a dry run and compiles nothing, but auto chooses engines by timing compiled parts; "
             "pass the partitioners to explain, or lower with 'auto' and read lowered.report()"
         )
-    lowered = lowered_program(
+    steps = lowering_steps(
         program,
         partitioners,
-        planned_outcomes,
         skip_h2d_for_method_inputs=skip_h2d_for_method_inputs,
         skip_d2h_for_method_outputs=skip_d2h_for_method_outputs,
         planned=True,
     )
+    lowered = lowered_program(steps, planned_outcomes)
     return lowered.report()
 
 

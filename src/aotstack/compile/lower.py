@@ -418,28 +418,11 @@ CompileLevel = Callable[[Mapping[str, list["Claim"]]], Mapping[CompileJob, Compi
 LoweringSteps = Generator[Mapping[str, list["Claim"]], Mapping[CompileJob, CompileOutcome], "LoweredProgram"]
 
 
-def lowered_program(
-    program: Program,
-    partitioners: PartitionerPlan,
-    compile_level: CompileLevel,
-    *,
-    skip_h2d_for_method_inputs: MethodOption,
-    skip_d2h_for_method_outputs: MethodOption,
-    keep_references: bool = False,
-    planned: bool = False,
-) -> LoweredProgram:
-    """Every method partitioned, level by level, each claimed part compiled by ``compile_level`` and spliced in.
+def lowered_program(steps: LoweringSteps, compile_level: CompileLevel) -> LoweredProgram:
+    """What ``steps`` (``lowering_steps``) return, each level's claims compiled by ``compile_level`` in turn.
 
-    ``planned``: ``compile_level`` compiles nothing (a dry run), and the result says so.
+    Example, a dry run: ``lowered_program(lowering_steps(program, plan, ..., planned=True), planned_outcomes)``.
     """
-    steps = lowering_steps(
-        program,
-        partitioners,
-        skip_h2d_for_method_inputs=skip_h2d_for_method_inputs,
-        skip_d2h_for_method_outputs=skip_d2h_for_method_outputs,
-        keep_references=keep_references,
-        planned=planned,
-    )
     with quiet_torch_warnings():
         try:
             claims = next(steps)
@@ -458,7 +441,12 @@ def lowering_steps(
     keep_references: bool = False,
     planned: bool = False,
 ) -> LoweringSteps:
-    """``lowered_program``'s work as steps, so a caller decides how and beside what each level compiles."""
+    """Every method partitioned, level by level, each claimed part compiled by the caller and spliced in.
+
+    The steps yield each level's claims, in every method, and take their outcomes, so the caller
+    decides how and beside what they compile (``lowered_program``, ``PlanLowering.together``).
+    ``planned``: the outcomes compiled nothing (a dry run), and the result says so.
+    """
     plan = partitioners_by_method(program, partitioners)
     states = {
         name: MethodLowering.of(name, exported, keep_references=keep_references, planned=planned)
