@@ -55,6 +55,15 @@ class BrokenReluPartitioner(SleepyReluPartitioner):
     backend_id = "test_broken_relu"
 
 
+class UnusableReluPartitioner(SleepyReluPartitioner):
+    """An engine installed but unusable here (ExecuTorch built for another torch): its partitioner cannot be made."""
+
+    backend_id = "test_unusable_relu"
+
+    def __init__(self, *args, **kwargs):
+        raise aotstack.LoweringError("this engine's package is built for another torch")
+
+
 def engine(partitioner: str) -> Engine:
     return Engine(__name__, __name__, f"{__name__}:{partitioner}")
 
@@ -70,6 +79,7 @@ def test_engines(monkeypatch: pytest.MonkeyPatch, cache_dir):
     monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(cache_dir))
     monkeypatch.setitem(BUILT_IN, SLEEPY, engine("SleepyReluPartitioner"))
     monkeypatch.setitem(BUILT_IN, "test_broken_relu", engine("BrokenReluPartitioner"))
+    monkeypatch.setitem(BUILT_IN, "test_unusable_relu", engine("UnusableReluPartitioner"))
 
 
 def mlp_program() -> tuple[torch.nn.Module, tuple[torch.Tensor], aotstack.Program]:
@@ -128,15 +138,19 @@ def test_a_warm_auto_lower_reads_its_measurements_instead_of_timing_again(test_e
     torch.testing.assert_close(loaded.run("score", *x), model.score(*x).detach())
 
 
-def test_a_plan_that_cannot_run_is_reported_and_another_kept(test_engines, tmp_path):
+@pytest.mark.parametrize(
+    ("broken_engine", "error"),
+    [("test_broken_relu", "this engine cannot run here"), ("test_unusable_relu", "built for another torch")],
+)
+def test_a_plan_that_cannot_run_is_reported_and_another_kept(test_engines, tmp_path, broken_engine, error):
     model, inputs, program = mlp_program()
 
-    lowered = aotstack.lower(program, aotstack.Auto(engines=["test_broken_relu"]), progress=False)
+    lowered = aotstack.lower(program, aotstack.Auto(engines=[broken_engine]), progress=False)
 
     chosen = lowered.placements["forward"].selection
     broken = chosen.candidates[1]
-    assert broken.seconds is None and "this engine cannot run here" in broken.error
-    assert "test_broken_relu > aoti_cpu could not be lowered or run" in chosen.reason
+    assert broken.seconds is None and error in broken.error
+    assert f"{broken_engine} > aoti_cpu could not be lowered or run" in chosen.reason
     lowered.save(tmp_path / "kept.pt2")
     torch.testing.assert_close(aotstack.load(tmp_path / "kept.pt2").forward(*inputs), model(*inputs).detach())
 

@@ -277,9 +277,10 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowering) -> Lowe
     # (method, plan) -> its measurement, or SAME_AS_ALONE; absent where neither is known yet.
     measured = {pair: entry for pair, key in keys.items() if (entry := cached_measurement(key, pair[1])) is not None}
     unmeasured = [plan for plan in plans if not all((name, plan) in measured for name in program.methods)]
-    lowerings = lower_plan.together({plan: (program, plan_partitioners(plan, auto.device)) for plan in unmeasured})
+    lowerings = lower_plan.together(plan_lowerings(program, unmeasured, auto.device))
     lowered_by_plan: dict[Plan, LoweredProgram] = {}
-    for plan, lowered in lowerings.items():
+    for plan in unmeasured:
+        lowered = lowerings[plan]
         try:
             if isinstance(lowered, Exception):
                 raise lowered
@@ -351,6 +352,20 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowering) -> Lowe
             kept = replace(kept, reason=f"{kept.reason}; {mixes[name][1].explanation()}")
         merged.placements[name] = measured_placement(placement, kept, listed[name][chosen[name]][1])
     return merged
+
+
+def plan_lowerings(
+    program: Program, plans: Sequence[Plan], device: str
+) -> dict[Plan, tuple[Program, PartitionerPlan] | Exception]:
+    """What ``PlanLowering.together`` lowers for each plan, or why its partitioners cannot be made (an engine
+    installed but unusable here, such as ExecuTorch built for another torch): that plan fails, not auto."""
+    lowerings: dict[Plan, tuple[Program, PartitionerPlan] | Exception] = {}
+    for plan in plans:
+        try:
+            lowerings[plan] = (program, plan_partitioners(plan, device))
+        except Exception as error:  # noqa: BLE001 - reported as the plan's failure
+            lowerings[plan] = error
+    return lowerings
 
 
 def plan_measurement(engines: Sequence[str], delegates: list[Delegate], timing: MethodTiming) -> Measurement:
@@ -500,9 +515,9 @@ class PlanLowering:
         return lowered
 
     def together(
-        self, plans: Mapping[PlanKey, tuple[Program, PartitionerPlan]]
+        self, plans: Mapping[PlanKey, tuple[Program, PartitionerPlan] | Exception]
     ) -> dict[PlanKey, LoweredProgram | Exception]:
-        """Each plan lowered, or the exception it raised; their compiles share one pool of workers.
+        """Each plan lowered, or the exception it raised (or was given as); their compiles share one pool of workers.
 
         A plan's parts compile while this process partitions the next plan, so workers one plan
         leaves idle compile another's (auto lowers its candidate plans this way).
@@ -526,8 +541,11 @@ class PlanLowering:
                 jobs = [claim.job for listed in claims.values() for claim in listed]
                 waiting[key] = (steps, claims, pool.submit(jobs, stop_on_error=self.on_compile_error == "raise"))
 
-            for key, (program, partitioners) in plans.items():
-                advance(key, self.steps(program, partitioners), None)
+            for key, given in plans.items():
+                if isinstance(given, Exception):
+                    results[key] = given
+                else:
+                    advance(key, self.steps(*given), None)
             while waiting:
                 done = [key for key, (_, _, batch) in waiting.items() if batch.done]
                 if not done:
