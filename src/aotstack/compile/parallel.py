@@ -42,22 +42,6 @@ from .progress import Progress
 logger = logging.getLogger("aotstack")
 
 
-def compile_all(
-    jobs: Sequence[CompileJob], workers: int, progress: Progress, *, stop_on_error: bool
-) -> list[CompileOutcome]:
-    """Every job's outcome, in the order of ``jobs``.
-
-    Identical jobs (:meth:`CompileJob.identity`) compile once. With ``stop_on_error``, the
-    first failure cancels the jobs not yet finished (running workers are stopped), so a caller
-    that raises on it does not wait for compiles whose results it would throw away.
-    """
-    with CompilePool(workers, progress) as pool:
-        batch = pool.submit(jobs, stop_on_error=stop_on_error)
-        while not batch.done:
-            pool.advance()
-        return pool.outcomes(batch)
-
-
 @dataclass(eq=False)
 class Batch:
     """Jobs submitted together (one partitioner's parts, in every method): done once each has an outcome."""
@@ -103,7 +87,12 @@ class CompilePool:
         self.close()
 
     def submit(self, jobs: Sequence[CompileJob], *, stop_on_error: bool) -> Batch:
-        """Queue ``jobs``; those their backends' caches answer are done at once, the rest start as workers free."""
+        """Queue ``jobs``; those their backends' caches answer are done at once, the rest start as workers free.
+
+        Identical jobs (:meth:`CompileJob.identity`) compile once. With ``stop_on_error``, the
+        batch's first failure cancels its jobs not yet finished (running workers are stopped), so a
+        caller that raises on it does not wait for compiles whose results it would throw away.
+        """
         representatives, same_as = distinct_jobs(jobs)
         batch = Batch(list(jobs), representatives, same_as, stop_on_error)
         if not jobs:
