@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import re
 import signal
@@ -27,7 +28,7 @@ from aotstack.compile import parallel
 from aotstack.compile.jobs import CompileJob
 from aotstack.compile.lower import PlanLowering
 from aotstack.compile.program_parts import program_weights
-from aotstack.compile.progress import Progress
+from aotstack.compile.progress import LogProgress, Progress
 from aotstack.format.tensor_data import weights_as_named_data
 from tests import models
 from tests.conftest import ROOT, assert_matches_eager, run_in_fresh_process
@@ -155,6 +156,21 @@ def test_plans_lowered_together_compile_while_the_next_is_partitioned_and_fail_a
     # The first plan's parts started compiling while this process was still partitioning the next plan.
     assert all(record["started"] < slow.ended for record in first)
     assert all(record["started"] >= slow.ended for record in later)
+
+
+def test_progress_lines_name_the_plan_where_plans_lower_together(caplog) -> None:
+    lowering = PlanLowering(2, LogProgress(), "raise", False, False)
+    plans = {
+        ("first", "closing"): (relu_program(), [OpPartitioner(relu="test_pid_relu")]),
+        ("second", "closing"): (relu_program(), [ClaimAllPartitioner("test_pid_relu")]),
+    }
+    with caplog.at_level(logging.INFO, logger="aotstack"):
+        results = lowering.together(plans)
+    assert not any(isinstance(result, Exception) for result in results.values())
+    lines = [record.getMessage() for record in caplog.records]
+    for plan in ("first > closing", "second > closing"):
+        assert any(line.startswith(f"forward ({plan}): compiling ") for line in lines), lines
+        assert any(line.startswith(f"forward ({plan}): ") and "(test_pid_relu) " in line for line in lines), lines
 
 
 class DiskWarmedBackend(PidReluBackend):

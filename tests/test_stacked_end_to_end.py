@@ -32,8 +32,16 @@ def is_boundary(node: torch.fx.Node) -> bool:
     return node.target is call_delegate or node.target.__name__ == "getitem"
 
 
-@pytest.mark.parametrize("order", [ORT_THEN_AOTI, AOTI_THEN_ORT], ids=["ort-then-aoti", "aoti-then-ort"])
-def test_stacked_engines_share_a_method_and_match_eager(lowered_with, order):
+@pytest.mark.parametrize(
+    ("order", "plain"),
+    [
+        # The layer_norm alone between ONNX Runtime's linears and gelu runs as plain ATen: no compile for one op.
+        (ORT_THEN_AOTI, ["aten.layer_norm.default"]),
+        (AOTI_THEN_ORT, []),
+    ],
+    ids=["ort-then-aoti", "aoti-then-ort"],
+)
+def test_stacked_engines_share_a_method_and_match_eager(lowered_with, order, plain):
     lowered, path = lowered_with("stacked", *order)
 
     delegates = lowered.delegates("forward")
@@ -42,7 +50,7 @@ def test_stacked_engines_share_a_method_and_match_eager(lowered_with, order):
     assert "aten.linear.default" in by_backend["onnxruntime"]
     assert "aten.linear.default" not in by_backend["aoti_cpu"]
     assert "aten.tanh.default" in by_backend["aoti_cpu"]
-    assert plain_ops(lowered) == [], "every op is claimed by one engine or the other"
+    assert plain_ops(lowered) == plain
     assert_matches_eager(run_in_fresh_process(path, "forward", "stacked"), "stacked")
 
 

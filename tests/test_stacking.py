@@ -73,7 +73,7 @@ def test_a_delegate_call_and_its_getitems_are_not_tagged_again(backend_id):
     call = lower_by_hand(program, ["linear", "mul"], ["x", "p_first_weight", "p_first_bias"])
     [item] = call.users
 
-    PARTITIONERS[backend_id]().partition(program)
+    PARTITIONERS[backend_id](min_block_size=1).partition(program)
 
     assert DELEGATION_TAG not in call.meta and DELEGATION_TAG not in item.meta
     assert tag(program, "sigmoid") == f"{backend_id}_0"
@@ -83,7 +83,7 @@ def test_a_buffer_read_only_by_an_earlier_delegate_is_not_tagged():
     program = exported("buffer")
     lower_by_hand(program, ["add"], ["x", "b_offset"])
 
-    aotstack.AotiCpuPartitioner().partition(program)
+    aotstack.AotiCpuPartitioner(min_block_size=1).partition(program)
 
     assert tag(program, "b_offset") is None
     assert tag(program, "relu") == "aoti_cpu_0"
@@ -100,7 +100,7 @@ def test_two_adds_separated_by_a_delegate_give_two_convex_partitions():
     program = exported("shared_weight")
     lower_by_hand(program, ["mul"], ["add"])
 
-    result = aotstack.AotiCpuPartitioner().partition(program)
+    result = aotstack.AotiCpuPartitioner(min_block_size=1).partition(program)
 
     assert list(result.partition_tags) == ["aoti_cpu_0", "aoti_cpu_1"]
     for tag_name in result.partition_tags:
@@ -113,7 +113,7 @@ def test_a_weight_read_on_both_sides_of_a_delegate_goes_with_one_partition():
     program = exported("shared_weight")
     lower_by_hand(program, ["mul"], ["add"])
 
-    result = aotstack.AotiCpuPartitioner().partition(program)
+    result = aotstack.AotiCpuPartitioner(min_block_size=1).partition(program)
 
     assert tag(program, "p_w") in result.partition_tags
 
@@ -171,6 +171,48 @@ def test_min_block_size_leaves_small_parts_unclaimed():
     assert tag(program, "add") is None
     assert {tag(program, "linear"), tag(program, "relu")} == {"aoti_cpu_0"}
     assert {tag(program, "linear_1"), tag(program, "relu_1")} == {"aoti_cpu_1"}
+
+
+def test_a_lone_op_between_other_engines_delegates_is_left_to_plain_aten():
+    program = exported("shared_weight")
+    lower_by_hand(program, ["mul"], ["add"])
+
+    result = aotstack.AotiCpuPartitioner().partition(program)
+
+    assert result.partition_tags == {}
+    reasons = {result.refusals[name].kind for name in ("add", "add_1")}
+    assert reasons == {"min_block_size"}
+    assert "lone op between other engines' delegates" in result.refusals["add"].detail
+
+
+def test_a_lone_op_is_claimed_where_no_other_engine_took_a_part():
+    program = exported("island")
+    result = aotstack.AotiCpuPartitioner(exclude_ops=["aten.sigmoid"]).partition(program)
+
+    assert tag(program, "add") is not None
+    assert len(result.partition_tags) == 3
+
+
+class RunningSum(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.sigmoid(x)
+        self.total.add_(h)
+        return h
+
+
+def test_a_lone_op_that_computes_a_mutated_buffer_stays_claimed():
+    program = aotstack.export(RunningSum(), {"forward": (torch.randn(4),)}).methods["forward"]
+    lower_by_hand(program, ["sigmoid"], ["x"])
+
+    result = aotstack.AotiCpuPartitioner().partition(program)
+
+    # Run in the plan, the buffer's new value would be copied back at every call; a delegate updates it in place.
+    assert tag(program, "add") == "aoti_cpu_0" and list(result.partition_tags) == ["aoti_cpu_0"]
+    assert tag(program, "b_total") == "aoti_cpu_0"
 
 
 class ViewsAroundOneAdd(torch.nn.Module):

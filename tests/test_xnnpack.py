@@ -29,16 +29,21 @@ from tests.conftest import assert_matches_eager, run_child, run_in_fresh_process
 from tests.test_stacked_end_to_end import plain_ops  # noqa: E402
 
 # Lowerings of the "stacked" model (linear, gelu, layer_norm, linear, tanh, mul, slice, add), by name:
-# the partitioners in order, and the engines that must end up with a delegate.
+# the partitioners in order, and the engines that must end up with a delegate. AOTInductor closing
+# claims lone ops too (min_block_size=1), so every op has an engine and each engine a delegate.
 ORDERS = {
-    "xnnpack-aoti": (lambda: [aotstack.XnnpackPartitioner(), aotstack.AotiCpuPartitioner()], {"xnnpack", "aoti_cpu"}),
+    "xnnpack-aoti": (
+        lambda: [aotstack.XnnpackPartitioner(), aotstack.AotiCpuPartitioner(min_block_size=1)], {"xnnpack", "aoti_cpu"}
+    ),
     "aoti-xnnpack": (
         lambda: [aotstack.AotiCpuPartitioner(exclude_ops=["aten.linear"]), aotstack.XnnpackPartitioner()],
         {"xnnpack", "aoti_cpu"},
     ),
     "ort-xnnpack-aoti": (
         lambda: [
-            aotstack.OrtPartitioner(ops=["aten.linear"]), aotstack.XnnpackPartitioner(), aotstack.AotiCpuPartitioner()
+            aotstack.OrtPartitioner(ops=["aten.linear"]),
+            aotstack.XnnpackPartitioner(),
+            aotstack.AotiCpuPartitioner(min_block_size=1),
         ],
         {"onnxruntime", "xnnpack", "aoti_cpu"},
     ),

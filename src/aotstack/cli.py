@@ -182,8 +182,9 @@ def add_partitioner_options(parser: argparse.ArgumentParser) -> None:
                         help="let ONNX Runtime claim what it can first; AOTInductor takes the rest")
     parser.add_argument("--ort-op", action="append", default=[], metavar="OP",
                         help="like --ort, but ONNX Runtime claims only OP; repeatable")
-    parser.add_argument("--min-block-size", type=int, default=1, metavar="N",
-                        help="leave parts with fewer than N compute ops to the next engine (default 1)")
+    parser.add_argument("--min-block-size", type=int, default=None, metavar="N",
+                        help="leave parts with fewer than N compute ops to the next engine (default 1; AOTInductor "
+                             "on the CPU also leaves a lone op between other engines' parts to plain ATen)")
 
 
 def add_quantize_options(parser: argparse.ArgumentParser) -> None:
@@ -333,7 +334,7 @@ def cli_partitioners(args: argparse.Namespace, default: str = "aoti") -> Partiti
 
     engines = args.engines
     if engines is None:
-        explicit = args.exclude_op or args.min_block_size != 1
+        explicit = args.exclude_op or args.min_block_size is not None
         engines = "ort,aoti" if args.ort or args.ort_op else "aoti" if explicit else default
     return partitioners_for(engines, args.device, exclude_ops=args.exclude_op, ort_ops=args.ort_op,
                             min_block_size=args.min_block_size, option="--engines")

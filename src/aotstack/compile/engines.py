@@ -21,14 +21,15 @@ def partitioners_for(
     *,
     exclude_ops: Sequence[str] = (),
     ort_ops: Sequence[str] = (),
-    min_block_size: int = 1,
+    min_block_size: int | None = None,
     option: str = "engines",
 ) -> list[Partitioner] | Auto:
     """The plan ``engines`` names: ``"auto"`` (measure every installed engine), or engines in claiming order.
 
     Names are ``aoti`` (AOTInductor for ``device``), ``ort``, ``ov`` or backend ids, comma separated:
     ``partitioners_for("ort,aoti")``. ``exclude_ops`` goes to AOTInductor, ``ort_ops`` narrows ONNX
-    Runtime to those ops; ``min_block_size`` to every engine. ``option`` is how errors name the setting.
+    Runtime to those ops; ``min_block_size`` to every engine (None: each engine's default). ``option`` is how
+    errors name the setting.
     """
     from .auto import Auto
 
@@ -45,7 +46,7 @@ def engine_partitioner(
     device: str,
     exclude_ops: Sequence[str] = (),
     ort_ops: Sequence[str] = (),
-    min_block_size: int = 1,
+    min_block_size: int | None = None,
     option: str = "engines",
 ) -> Partitioner:
     """The partitioner of engine ``name`` (``aoti`` is AOTInductor for ``device``), with the options it takes."""
@@ -68,6 +69,7 @@ def engine_partitioner(
             compile_specs=[CompileSpec(SpecKey.TARGET_DEVICE, device.encode())],
             min_block_size=min_block_size,
         )
+    smallest = 1 if min_block_size is None else min_block_size
     if name == "onnxruntime":
-        return cls(ops=list(ort_ops) or None, min_block_size=min_block_size)
-    return cls(min_block_size=min_block_size)
+        return cls(ops=list(ort_ops) or None, min_block_size=smallest)
+    return cls(min_block_size=smallest)

@@ -24,6 +24,13 @@ class CompileJob:
     compile_specs: list[CompileSpec]
     # Call nodes in the partition, for the display.
     nodes: int
+    # The plan whose lowering claimed it, where several lower together (``xnnpack > aoti_cpu``); else empty.
+    plan: str = ""
+
+    @property
+    def title(self) -> str:
+        """Where the part comes from, for messages: ``forward``, or ``forward (xnnpack > aoti_cpu)`` under a plan."""
+        return f"{self.method} ({self.plan})" if self.plan else self.method
 
     @property
     def backend_id(self) -> str:

@@ -21,13 +21,12 @@ from ..errors import (
     EngineCrashError,
     LoweringError,
     MissingFallbackKernelsError,
-    PackageError,
 )
 from ..format.custom_ops import is_custom_op_name
 from ..format.op_names import op_name
 from ..format.ops import is_delegate_call
 from ..format.placement import DelegatePlacement, Placement, Reason, Selection, UnclaimedOp
-from ..format.plan import resolved_op
+from ..format.plan import runs_as_plain_op
 from ..format.records import Delegate, TensorSpec
 from ..format.specs import CompileSpec, DelegationSpec, PreprocessResult, SpecKey
 from ..format.tensor_data import WEIGHT_PREFIX
@@ -392,7 +391,7 @@ def mix_measurement(
     if isinstance(cached, tuple):
         return cached, None
     try:
-        lowered = lower_plan(Program({name: exported}), {name: mix_partitioners(mix, auto.device)})
+        lowered = lower_plan(Program({name: exported}), {name: mix_partitioners(mix, auto.device)}, tuple(mix.labels))
         delegates = lowered.delegate_table[name]
         timing = measured_methods({name: lowered.methods[name]}, {name: delegates}, {name: exported})[name]
     except Exception as error:  # noqa: BLE001 - like any plan, a mix that fails is named, not raised
@@ -508,8 +507,9 @@ class PlanLowering:
     skip_d2h_for_method_outputs: MethodOption
     keep_references: bool = False
 
-    def __call__(self, program: Program, partitioners: PartitionerPlan) -> LoweredProgram:
-        lowered = self.together({"plan": (program, partitioners)})["plan"]
+    def __call__(self, program: Program, partitioners: PartitionerPlan, plan: Plan = ()) -> LoweredProgram:
+        """``program`` lowered with ``partitioners``; ``plan`` names them in progress lines (auto's mixed plan)."""
+        lowered = self.together({plan: (program, partitioners)})[plan]
         if isinstance(lowered, Exception):
             raise lowered
         return lowered
@@ -520,7 +520,8 @@ class PlanLowering:
         """Each plan lowered, or the exception it raised (or was given as); their compiles share one pool of workers.
 
         A plan's parts compile while this process partitions the next plan, so workers one plan
-        leaves idle compile another's (auto lowers its candidate plans this way).
+        leaves idle compile another's (auto lowers its candidate plans this way). Where a key is an
+        auto ``Plan`` (engine names), progress lines name it beside each part.
         """
         results: dict[PlanKey, LoweredProgram | Exception] = {}
         # Each plan between steps: its steps, the claims it yielded and the batch compiling them.
@@ -539,6 +540,8 @@ class PlanLowering:
                     results[key] = error
                     return
                 jobs = [claim.job for listed in claims.values() for claim in listed]
+                for job in jobs:
+                    job.plan = plan_text(key) if isinstance(key, tuple) else ""
                 waiting[key] = (steps, claims, pool.submit(jobs, stop_on_error=self.on_compile_error == "raise"))
 
             for key, given in plans.items():
@@ -797,15 +800,6 @@ def plain_op_reasons(node: torch.fx.Node) -> list[Reason]:
             )
         ]
     return [] if runs_as_plain_op(op_name(node.target)) else [NOT_RUNNABLE]
-
-
-def runs_as_plain_op(name: str) -> bool:
-    """Whether a loaded package may call op ``name`` outside any delegate (see format/plan.py's closed list)."""
-    try:
-        resolved_op(name)
-    except PackageError:
-        return False
-    return True
 
 
 def engine_name(partitioner: Partitioner, result: PartitionResult) -> str:

@@ -111,8 +111,9 @@ class SupportedOpsPartitioner(Partitioner):
         proposed = CapabilityBasedPartitioner(
             graph_module, NodeSupport(supported), allows_single_node_partition=True
         ).propose_partitions()
-        kept = [p for p in proposed if compute_node_count(p.nodes) >= self.min_block_size]
-        refusals = self.refusals(graph_module, [p for p in proposed if p not in kept], answers)
+        judged = [(partition, self.part_refusal(partition, exported_program)) for partition in proposed]
+        kept = [partition for partition, refused in judged if refused is None]
+        refusals = self.refusals(graph_module, [(p, refused) for p, refused in judged if refused is not None], answers)
         tags: dict[str, DelegationSpec] = {}
         for index, partition in enumerate(sorted(kept, key=first_node_position(exported_program.graph))):
             tag = f"{self.backend_id}_{index}"
@@ -124,6 +125,17 @@ class SupportedOpsPartitioner(Partitioner):
         tag_constant_data(exported_program)
         tag_mutated_buffer(exported_program)
         return PartitionResult(exported_program, tags, refusals)
+
+    def part_refusal(self, partition: Partition, exported_program: ExportedProgram) -> Reason | None:
+        """Why a proposed part is left unclaimed as a whole; None where it is claimed.
+
+        Here: it has fewer than ``min_block_size`` compute ops. A subclass may leave more.
+        """
+        count = compute_node_count(partition.nodes)
+        if count >= self.min_block_size:
+            return None
+        detail = f"its part has {plural(count, 'compute op')}, fewer than min_block_size={self.min_block_size}"
+        return self.refusal("min_block_size", detail)
 
     def supports_node(self, node: Node, owner: GraphModule) -> bool:
         """Whether ``node``, a node of ``owner``'s graph, can go to this backend."""
@@ -169,22 +181,15 @@ class SupportedOpsPartitioner(Partitioner):
         return None
 
     def refusals(
-        self, graph_module: GraphModule, too_small: list[Partition], answers: Mapping[Node, bool]
+        self, graph_module: GraphModule, left_parts: list[tuple[Partition, Reason]], answers: Mapping[Node, bool]
     ) -> dict[str, Reason]:
         """Why each node offered (see get_non_lowered_nodes) is left untagged, by node name.
 
-        ``answers`` holds what ``supports_node`` said of each node while partitioning; a reason
-        is worked out only for the nodes it refused.
+        ``left_parts`` are the parts left whole, with why (``part_refusal``); ``answers`` holds
+        what ``supports_node`` said of each node while partitioning; a reason is worked out only
+        for the nodes it refused.
         """
-        left = {
-            node.name: self.refusal(
-                "min_block_size",
-                f"its part has {plural(compute_node_count(partition.nodes), 'compute op')}, "
-                f"fewer than min_block_size={self.min_block_size}",
-            )
-            for partition in too_small
-            for node in partition.nodes
-        }
+        left = {node.name: reason for partition, reason in left_parts for node in partition.nodes}
         for node in get_non_lowered_nodes(graph_module.graph):
             if node.name in left or is_size_computation(node):
                 continue

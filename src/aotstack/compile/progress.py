@@ -75,23 +75,28 @@ class LogProgress(Progress):
 
     def started(self, job: CompileJob, worker: int | None) -> None:
         where = f" in worker {worker}" if worker is not None else ""
-        logger.info("%s: compiling %s (%s, %d nodes)%s ...", job.method, job.tag, job.backend_id, job.nodes, where)
+        logger.info("%s: compiling %s (%s, %d nodes)%s ...", job.title, job.tag, job.backend_id, job.nodes, where)
 
     def finished(self, outcome: CompileOutcome) -> None:
         job = outcome.job
         if outcome.state == "failed":
             # lower raises or warns with the cause; this line only marks the end.
-            logger.info("%s: %s (%s) failed after %.1f s", job.method, job.tag, job.backend_id, outcome.seconds)
+            logger.info("%s: %s (%s) failed after %.1f s", job.title, job.tag, job.backend_id, outcome.seconds)
         elif outcome.state != "cancelled":
-            logger.info("%s: %s (%s) %s", job.method, job.tag, job.backend_id, outcome_text(outcome))
+            logger.info("%s: %s (%s) %s", job.title, job.tag, job.backend_id, outcome_text(outcome))
 
 
 def outcome_text(outcome: CompileOutcome) -> str:
     """``compiled in 12.3 s``, ``from the compile cache in 0.2 s``, ``same as forward/aoti_cpu_0``."""
     if outcome.same_as is not None:
-        return f"same as {outcome.same_as.method}/{outcome.same_as.tag}, compiled once"
+        return f"same as {same_as(outcome.same_as)}, compiled once"
     source = "taken from the compile cache" if outcome.from_cache else "compiled"
     return f"{source} in {outcome.seconds:.1f} s"
+
+
+def same_as(job: CompileJob) -> str:
+    """``forward/aoti_cpu_0``, with its plan where several lower together: ``forward/aoti_cpu_0 (aoti_cpu)``."""
+    return f"{job.method}/{job.tag}" + (f" ({job.plan})" if job.plan else "")
 
 
 @dataclass
@@ -135,7 +140,7 @@ class LiveProgress(Progress):
             row.state = outcome.state
             row.seconds = outcome.seconds
             if outcome.same_as is not None:
-                row.where = f"same as {outcome.same_as.method}/{outcome.same_as.tag}"
+                row.where = f"same as {same_as(outcome.same_as)}"
         self.refresh()
 
     def close(self) -> None:
@@ -163,7 +168,7 @@ class LiveProgress(Progress):
         for row in shown:
             elapsed = row.seconds if row.seconds is not None else (now - row.started if row.started else None)
             table.add_row(
-                row.job.method, row.job.tag, row.job.backend_id, str(row.job.nodes),
+                row.job.title, row.job.tag, row.job.backend_id, str(row.job.nodes),
                 STATE_STYLES.get(row.state, row.state),
                 "" if elapsed is None else f"{elapsed:.1f} s",
                 row.where,

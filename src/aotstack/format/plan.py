@@ -178,6 +178,15 @@ def resolved_op(name: str, allowed: frozenset[str] = frozenset()) -> Any:
     return op
 
 
+def runs_as_plain_op(name: str) -> bool:
+    """Whether a loaded package may call op ``name`` outside any delegate, with no custom op allowed."""
+    try:
+        resolved_op(name)
+    except PackageError:
+        return False
+    return True
+
+
 @functools.cache
 def resolved_custom_op(name: str, allowed: frozenset[str]) -> torch._ops.OpOverload:
     """Custom op ``name``, if ``allowed`` names it and this process registered it; else ``PackageError``.

@@ -30,3 +30,5 @@ class AotiCpuPartitioner(AotiPartitioner):
     """
 
     backend: ClassVar[type[AotiBackend]] = AotiCpuBackend
+    # The plan runs plain ATen on the host between delegates already; on a GPU, unmeasured.
+    lone_ops_to_aten: ClassVar[bool] = True

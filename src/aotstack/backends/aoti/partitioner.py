@@ -9,13 +9,16 @@ from typing import ClassVar
 import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
+from torch.fx.passes.infra.partitioner import Partition
 
-from ...compile.partitioner import PartitionResult, SupportedOpsPartitioner
+from ...compile.partitioner import PartitionResult, SupportedOpsPartitioner, compute_node_count
 from ...compile.program_parts import subgraph_modules
 from ...errors import MissingFallbackKernelsError
 from ...format.custom_ops import has_kernel, is_custom_op_name
 from ...format.op_names import OpName, matches_any, normalized_op_name, op_name
+from ...format.ops import is_delegate_call
 from ...format.placement import Reason
+from ...format.plan import runs_as_plain_op
 from ...format.specs import CompileSpec
 from .backend import AotiBackend
 from .kernels import kernel_allowed
@@ -26,7 +29,11 @@ class AotiPartitioner(SupportedOpsPartitioner):
 
     ``exclude_ops`` lists ops to leave to plain ATen (or to the next partitioner), as
     ``"aten.relu"`` (every overload), ``"aten.relu.default"`` or the op object itself.
-    ``min_block_size`` leaves parts with fewer compute nodes than that unclaimed.
+    ``min_block_size`` leaves parts with fewer compute nodes than that unclaimed. Left at None,
+    it is 1, except that a backend with ``lone_ops_to_aten`` leaves a part of one ATen op between
+    other engines' delegates to plain ATen: compiled alone the op fuses with nothing, so a
+    compile (seconds), a library in the file and a delegate boundary would buy the kernel ATen
+    runs anyway. ``min_block_size=1`` claims such parts too.
 
     Where the target's runtime lacks some fallback kernels (the backend's list, or the
     ``fallback_kernels`` compile spec), an op that would need one is not claimed: it runs as
@@ -37,6 +44,8 @@ class AotiPartitioner(SupportedOpsPartitioner):
     backend: ClassVar[type[AotiBackend]]
     # AOTInductor compiles the branches and bodies of these into the same library.
     control_flow = frozenset({"cond", "while_loop"})
+    # Whether, by default, a lone op between other engines' delegates runs as plain ATen (see above).
+    lone_ops_to_aten: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)
@@ -48,10 +57,11 @@ class AotiPartitioner(SupportedOpsPartitioner):
         exclude_ops: Iterable[OpName] = (),
         compile_specs: Iterable[CompileSpec] = (),
         *,
-        min_block_size: int = 1,
+        min_block_size: int | None = None,
         strict: bool = False,
     ) -> None:
-        super().__init__(min_block_size=min_block_size, compile_specs=compile_specs)
+        super().__init__(min_block_size=1 if min_block_size is None else min_block_size, compile_specs=compile_specs)
+        self.leaves_lone_ops = min_block_size is None and self.lone_ops_to_aten
         self.exclude_ops = frozenset(normalized_op_name(op, "exclude_ops") for op in exclude_ops)
         self.strict = strict
         self.aoti_backend = self.backend()
@@ -97,6 +107,16 @@ class AotiPartitioner(SupportedOpsPartitioner):
             return self.refusal("missing_kernels", f"it needs fallback kernel(s) the target's runtime lacks: {kernels}")
         return None
 
+    def part_refusal(self, partition: Partition, exported_program: ExportedProgram) -> Reason | None:
+        refused = super().part_refusal(partition, exported_program)
+        if refused is None and self.leaves_lone_ops and is_lone_plain_op(partition, exported_program):
+            return self.refusal(
+                "min_block_size",
+                "a lone op between other engines' delegates runs as plain ATen: compiled alone it fuses with "
+                "nothing, and ATen runs its own kernel without a boundary (min_block_size=1 claims it)",
+            )
+        return refused
+
     def missing_kernels(self, node: Node) -> frozenset[str]:
         """The fallback kernels ``node`` would need that the target's runtime lacks."""
         if self.fallback_kernels is None or not isinstance(node.target, torch._ops.OpOverload):
@@ -128,3 +148,21 @@ class AotiPartitioner(SupportedOpsPartitioner):
                         yield from self.candidate_nodes(body)
             else:
                 yield node
+
+
+def is_lone_plain_op(partition: Partition, exported_program: ExportedProgram) -> bool:
+    """Whether ``partition`` is one compute op, between other engines' delegates, that the plan can call itself.
+
+    A part that writes a mutated buffer's new value stays claimed: run in the plan, the new
+    value would be copied into the buffer at every call, where a delegate updates it in place.
+    """
+    graph = exported_program.graph
+    if compute_node_count(partition.nodes) != 1 or not any(is_delegate_call(node) for node in graph.nodes):
+        return False
+    mutations = set(exported_program.graph_signature.buffers_to_mutate)
+    for node in partition.nodes:
+        if node.name in mutations or isinstance(node.target, torch._ops.HigherOrderOperator):
+            return False
+        if isinstance(node.target, torch._ops.OpOverload) and not runs_as_plain_op(op_name(node.target)):
+            return False
+    return True
