@@ -57,8 +57,9 @@ def export_partition(
             )
     except Exception as error:
         raise LoweringError(f"{label}: the ONNX exporter failed: {error}") from error
-    model = onnx_program.model_proto
     weights = program_weights(exported_program)
+    fold_small_constants(onnx_program.model, set(weights))
+    model = onnx_program.model_proto
     external = {}
     for initializer in model.graph.initializer:
         if initializer.name in weights:
@@ -70,6 +71,30 @@ def export_partition(
         input_names=[value.name for value in model.graph.input],
         output_names=[value.name for value in model.graph.output],
     )
+
+
+# The largest tensor (elements) a fold may read or write: constants the exporter computes, never a weight.
+FOLD_LIMIT = 1 << 14
+
+
+def fold_small_constants(model: Any, weight_names: set[str]) -> None:
+    """Fold the small constants the exporter computes in ``model`` (an ``onnx_ir`` model), in place.
+
+    Without ``optimize``, the exporter gives a convolution without bias a zero bias it computes
+    (an ``Expand`` of zero to the weight's channel count). ONNX Runtime then cannot fold the
+    ``BatchNormalization`` after it into the convolution: ResNet-50's delegate ran about 1.3x
+    slower than ONNX Runtime alone. A node reading a weight is not folded (a ``Shape`` reads only
+    its size), so each weight stays one initializer named by its FQN, stored outside the model.
+    """
+    from onnxscript import optimizer
+
+    def should_fold(node: Any) -> bool | None:
+        if node.op_type != "Shape" and any(value is not None and value.name in weight_names for value in node.inputs):
+            return False
+        return None
+
+    optimizer.fold_constants(model, input_size_limit=FOLD_LIMIT, output_size_limit=FOLD_LIMIT, should_fold=should_fold)
+    optimizer.remove_unused_nodes(model)
 
 
 def mark_external(initializer, onnx) -> None:  # noqa: ANN001 - onnx is imported lazily
