@@ -178,3 +178,33 @@ def test_onnx_runtime_declines_bf16_and_the_next_engine_takes_it(tmp_path):
     assert plain_ops(lowered) == [], "AOTInductor took everything ONNX Runtime declined"
     lowered.save(tmp_path / "bf16.pt2")
     torch.testing.assert_close(aotstack.load(tmp_path / "bf16.pt2").forward(x), model(x).detach(), atol=1e-2, rtol=2e-2)
+
+
+class ConvNormRelu(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, bias=False)
+        self.norm = torch.nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.norm(self.conv(x)))
+
+
+def test_onnx_runtime_gets_a_bias_free_convolution_with_no_computed_bias_and_its_weights_outside():
+    import onnx
+
+    from aotstack.backends.ort.compile import export_partition
+
+    model = ConvNormRelu().eval()
+    model.norm.running_mean.uniform_(-1, 1)
+    program = aotstack.export(model, {"forward": (torch.randn(1, 3, 8, 8),)}).methods["forward"]
+    partition = export_partition(program, "conv")
+
+    onnx_model = onnx.load_from_string(partition.model)
+    ops = [node.op_type for node in onnx_model.graph.node]
+    # The exporter's zero bias (Expand of a zero) is folded away, so ONNX Runtime can fuse the norm into the conv.
+    assert "Expand" not in ops and ops.count("Conv") == 1
+    external = {i.name for i in onnx_model.graph.initializer if i.data_location == onnx.TensorProto.EXTERNAL}
+    assert external == set(partition.weights) == {
+        "conv.weight", "norm.weight", "norm.bias", "norm.running_mean", "norm.running_var"
+    }
