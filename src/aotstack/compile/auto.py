@@ -38,7 +38,7 @@ import torch
 from torch.export import ExportedProgram
 
 from .. import __version__
-from ..engine.registry import BUILT_IN
+from ..engine.registry import BUILT_IN, backend_class
 from ..errors import EngineCrashError, LoweringError
 from ..format.devices import parse_device_spec
 from ..format.placement import Candidate, Selection
@@ -127,7 +127,7 @@ def plan_text(plan: Sequence[str]) -> str:
 
 def measurement_key(fingerprint: str, exported: ExportedProgram, plan: Plan, threads: int) -> str:
     """What a measurement depends on: the program (its ``program_fingerprint``), its example inputs, the plan,
-    the thread count and the versions of torch, aotstack and the plan's engines.
+    the thread count and the versions of torch, aotstack and the plan's engines (their compile revisions too).
     """
     inputs = getattr(exported, "example_inputs", None)
     shapes = [
@@ -136,6 +136,7 @@ def measurement_key(fingerprint: str, exported: ExportedProgram, plan: Plan, thr
     ]
     parts = [torch.__version__, __version__, str(threads), json.dumps(list(plan)), json.dumps(shapes)]
     parts += [f"{name}={package_version(name)}" for backend_id in plan for name in BUILT_IN[backend_id].packages]
+    parts += [f"{backend_id} revision {backend_class(backend_id).compile_revision}" for backend_id in plan]
     return hashlib.sha256("\0".join([*parts, fingerprint]).encode()).hexdigest()
 
 

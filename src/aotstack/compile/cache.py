@@ -68,14 +68,15 @@ PREPROCESS_KIND = "preprocess"
 
 
 def preprocess_key(backend: Backend, program: ExportedProgram, compile_specs: list[CompileSpec]) -> str | None:
-    """What a partition's compile depends on: its program (weights' values included), its specs, the versions.
+    """What a partition's compile depends on: its program (weights' values included), its specs, the versions
+    (the backend's ``compile_revision`` too).
 
     None where ``backend`` asks for no cache of its results (``Backend.cached_by_packages``).
     """
     if backend.cached_by_packages is None:
         return None
     parts = [backend.backend_id, type(backend).__qualname__, torch.__version__, __version__,
-             str(torch.get_num_threads())]
+             str(torch.get_num_threads()), f"revision {backend.compile_revision}"]
     parts += [f"{spec.key}={spec.value.hex()}" for spec in compile_specs]
     parts += [f"{name}={package_version(name)}" for name in backend.cached_by_packages]
     digest = hashlib.sha256("\0".join(parts).encode())

@@ -120,6 +120,9 @@ class Backend(BackendRuntime):
     # ``preprocess``'s results that lowering keeps for this backend (``compile/cache.py``), so an
     # unchanged partition is not compiled twice; None: no such cache (or the backend keeps its own).
     cached_by_packages: ClassVar[tuple[str, ...] | None] = None
+    # Raised when ``preprocess`` writes something else for the same partition (a fix in the compile
+    # side): results kept under an earlier revision, and auto's measurements of them, are not read.
+    compile_revision: ClassVar[int] = 1
     # True where partitions of the same structure (the same ops on the same shapes, other weights,
     # other names: a model's repeated layers) compile to code that ``cached_preprocess`` answers
     # for each once one has compiled. Lowering then compiles one of them, not all at once.

@@ -29,6 +29,8 @@ class OrtBackend(Backend):
 
     backend_id = "onnxruntime"
     cached_by_packages = ("onnx", "onnxscript")
+    # 2: the small constants the exporter computes are folded (``compile.fold_small_constants``).
+    compile_revision = 2
 
     def custom_ops_called(self, claimed: list[str], result: PreprocessResult) -> list[str]:
         return []  # it claims only ops it translates into its own
