@@ -136,8 +136,17 @@ def measurement_key(fingerprint: str, exported: ExportedProgram, plan: Plan, thr
     ]
     parts = [torch.__version__, __version__, str(threads), json.dumps(list(plan)), json.dumps(shapes)]
     parts += [f"{name}={package_version(name)}" for backend_id in plan for name in BUILT_IN[backend_id].packages]
-    parts += [f"{backend_id} revision {backend_class(backend_id).compile_revision}" for backend_id in plan]
+    parts += [f"{backend_id} revision {compile_revision(backend_id)}" for backend_id in plan]
     return hashlib.sha256("\0".join([*parts, fingerprint]).encode()).hexdigest()
+
+
+def compile_revision(backend_id: str) -> str:
+    """``backend_id``'s ``compile_revision``; ``?`` where its compile side cannot be loaded here (an engine built for
+    another torch), whose plan then fails alone when its partitioners are made."""
+    try:
+        return str(backend_class(backend_id).compile_revision)
+    except Exception:  # noqa: BLE001 - the plan's own lowering reports why
+        return "?"
 
 
 # What the cache holds for a plan whose first engine took no op of a method: for that method it is
