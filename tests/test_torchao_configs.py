@@ -14,6 +14,7 @@ matmuls and gathers), or leave it whole to the next engine.
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -276,7 +277,7 @@ def openvino_weights(delegate: aotstack.Delegate) -> list[tuple[str, str, int]]:
     core = openvino.Core()
     model = core.read_model(bytes(delegate.named_data[ov_run.MODEL_NAME]),
                             ov_run.byte_tensor(delegate.named_data[ov_run.CONSTANTS_NAME]))
-    ov_run.with_weights_as_constants(model, weights)
+    ov_run.with_weights_as_constants(model, weights, "test")
     compiled = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f32",
                                                  "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0})
     found = []
@@ -289,15 +290,18 @@ def openvino_weights(delegate: aotstack.Delegate) -> list[tuple[str, str, int]]:
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_openvino_runs_its_quantized_layers_on_int8_weights(lowering, name):
+def test_openvino_runs_its_quantized_layers_on_integer_weights(lowering, name):
     """OpenVINO folds weights it does not read as compressed into a float32 copy; here every matmul reads int8
-    weights and every gather an int8 table (the float tables left are a quantized table's scales)."""
+    weights, or int4 ones two a byte where the config is 4-bit, and every gather an int8 table (the float
+    tables left are a quantized table's scales)."""
     built = lowering(name, "ov+aoti")
     (delegate,) = [d for d in built.lowered.delegates("forward") if d.backend_id == "openvino"]
     weights = openvino_weights(delegate)
     assert {kind for kind, _, _ in weights} == {"FullyConnected", "Gather"}, weights
-    assert all(element == "i8" for kind, element, _ in weights if kind == "FullyConnected"), weights
-    assert all(element == "i8" or elements <= VOCAB * DIM // 32 for kind, element, elements in weights), weights
+    matmuls = "i4" if CONFIGS[name].int4 else "i8"
+    assert all(element == matmuls for kind, element, _ in weights if kind == "FullyConnected"), weights
+    assert all(element == "i8" or elements <= VOCAB * DIM // 32 for kind, element, elements in weights
+               if kind == "Gather"), weights
 
 
 @pytest.fixture(scope="module")
@@ -323,6 +327,20 @@ def test_an_int4_file_through_onnx_runtime_is_under_a_third_of_float(lowering, f
     a float scale per 32 values (1/32), under 0.3x with the float biases."""
     built = lowering(name, "ort+aoti")
     assert built.path.stat().st_size <= 0.3 * float_file("ort+aoti").stat().st_size
+
+
+@pytest.mark.parametrize("name", [name for name, config in CONFIGS.items() if config.int4])
+def test_openvino_stores_int4_linear_weights_two_a_byte(lowering, name):
+    """torchao holds each int4 value in an int8; OpenVINO's delegate stores its linears' values packed, half the
+    bytes (the embedding's table, which a gather reads, stays int8)."""
+    built = lowering(name, "ov+aoti")
+    (delegate,) = [d for d in built.lowered.delegates("forward") if d.backend_id == "openvino"]
+    stored = json.loads(bytes(delegate.processed_bytes))["weights"].values()
+    packed = Counter(math.prod(entry["shape"]) for entry in stored if entry["dtype"] == "uint8")
+    assert packed[DIM * HIDDEN // 2] >= 2 and packed[DIM * VOCAB // 2] >= 1, packed
+    large_int8 = [entry["shape"] for entry in stored if entry["dtype"] == "int8"
+                  and math.prod(entry["shape"]) > VOCAB * DIM // 32]
+    assert large_int8 == [[VOCAB, DIM]], large_int8
 
 
 # --- a transformers model -------------------------------------------------------------------

@@ -12,6 +12,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
+from ...compile.packed_integers import fits_int4, packed_int4
 from ...compile.program_parts import program_weights
 from ...errors import LoweringError
 from .compressed import with_compressed_int8_linears
@@ -72,21 +73,67 @@ def convert_partition(exported_program: ExportedProgram, label: str, state: int 
     in_place = [
         scattered_into(model, f"{INPUT_ROLE}{inputs - state + index}", outputs[index]) for index in range(state)
     ]
+    every_weight = program_weights(decomposed)
+    weights = {
+        role.removeprefix(WEIGHT_ROLE): every_weight[role.removeprefix(WEIGHT_ROLE)].detach().contiguous()
+        for role in taken
+        if role.startswith(WEIGHT_ROLE)
+    }
+    for fqn in int4_weights(model, weights):
+        weights[fqn] = packed_int4(weights[fqn])
     xml, constants = serialized(model)
-    weights = program_weights(decomposed)
     return OpenVinoPartition(
         xml=xml,
         constants=constants,
-        weights={
-            role.removeprefix(WEIGHT_ROLE): weights[role.removeprefix(WEIGHT_ROLE)].detach().contiguous()
-            for role in taken
-            if role.startswith(WEIGHT_ROLE)
-        },
+        weights=weights,
         parameters=taken,
         outputs=outputs,
         precision=part_precision(exported_program),
         in_place=in_place,
     )
+
+
+# OpenVINO ops a weight may pass through, its values unchanged, on its way to the Convert that decompresses it.
+REARRANGING = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Transpose"})
+
+
+def int4_weights(model: Any, weights: dict[str, torch.Tensor]) -> list[str]:
+    """The int8 weights that hold 4-bit values and only reach a Convert: made ``i4`` parameters of ``model``, in place.
+
+    torchao keeps an int4 value in an int8 (``IntxWeightOnlyConfig``, ``8da4w``). OpenVINO's CPU
+    plugin decompresses an ``i4`` constant inside its matmul kernel as it does an ``i8`` one, and
+    reads half the bytes (measured: ``FullyConnected`` on ``i4``), so such a weight is stored two
+    values a byte (``packed_int4``, OpenVINO's layout) and the IR declares it ``i4``. A weight that
+    something else reads stays int8: a Gather of an ``i4`` table (an embedding's) is given an
+    ``i8`` copy of it by the plugin.
+    """
+    import openvino
+
+    found = []
+    for parameter in model.get_parameters():
+        fqn = parameter.get_friendly_name().removeprefix(WEIGHT_ROLE)
+        weight = weights.get(fqn)
+        if weight is None or weight.dtype != torch.int8 or not only_converted(parameter.output(0)) \
+                or not fits_int4(weight):
+            continue
+        parameter.set_element_type(openvino.Type.i4)
+        found.append(fqn)
+    if found:
+        model.validate_nodes_and_infer_types()
+    return found
+
+
+def only_converted(output: Any) -> bool:
+    """Whether every reader of ``output`` is a Convert, directly or through ops that only rearrange its values."""
+    readers = list(output.get_target_inputs())
+    for reader in readers:
+        node = reader.get_node()
+        kind = node.get_type_name()
+        if kind == "Convert":
+            continue
+        if kind not in REARRANGING or reader.get_index() != 0 or not only_converted(node.output(0)):
+            return False
+    return bool(readers)
 
 
 # OpenVINO ops that write their data input's values to their output, and updates over them.

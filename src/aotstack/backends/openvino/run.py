@@ -28,6 +28,7 @@ its own request, so concurrent calls are safe.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,9 +48,10 @@ from .packages import require_openvino
 MODEL_NAME = "openvino.xml"
 CONSTANTS_NAME = "openvino.bin"
 # The processed JSON the compile side writes; version 2 added the buffers a delegate owns (``state``), which a
-# version-1 reader would not update. The run side reads both.
-PROCESSED_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# version-1 reader would not update; version 3, weights the IR declares ``i4``, stored two values a byte, which
+# an earlier reader would hand OpenVINO as bytes. The run side reads all three.
+PROCESSED_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 # The torch dtypes a delegate's boundary may carry -> their OpenVINO element type.
 ELEMENT_TYPES = {
     torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16",
@@ -190,8 +192,8 @@ def compiled_model(part: Part, label: str) -> Any:
         model = core().read_model(part.xml, byte_tensor(part.constants))
     except Exception as error:
         raise DelegateInitError(f"{label}: OpenVINO could not read the model: {error}") from error
+    with_weights_as_constants(model, part.weights, label)
     try:
-        with_weights_as_constants(model, part.weights)
         return core().compile_model(model, "CPU", {
             "INFERENCE_PRECISION_HINT": part.precision,
             "INFERENCE_NUM_THREADS": torch.get_num_threads(),
@@ -215,8 +217,11 @@ def byte_tensor(data: BytesLike) -> Any:
     return openvino.Tensor(array, [array.size], openvino.Type.u8)
 
 
-def with_weights_as_constants(model: Any, weights: Mapping[str, torch.Tensor]) -> None:
-    """Replace each ``weight:<fqn>`` parameter of ``model`` by a constant over the weight's own memory, in place."""
+def with_weights_as_constants(model: Any, weights: Mapping[str, torch.Tensor], label: str) -> None:
+    """Replace each ``weight:<fqn>`` parameter of ``model`` by a constant over the weight's own memory, in place.
+
+    A parameter the IR declares ``i4`` takes its weight's bytes as they are, two values a byte.
+    """
     import openvino
 
     for parameter in list(model.get_parameters()):
@@ -224,10 +229,34 @@ def with_weights_as_constants(model: Any, weights: Mapping[str, torch.Tensor]) -
         if not role.startswith(WEIGHT_ROLE):
             continue
         weight = weights[role.removeprefix(WEIGHT_ROLE)]
-        constant = openvino.op.Constant(ov_tensor(weight), shared_memory=True)
-        parameter.output(0).replace(constant.output(0))
+        if parameter.get_element_type() == openvino.Type.i4:
+            tensor = int4_tensor(weight, parameter.get_partial_shape(), f"{label}: weight {role!r}")
+        else:
+            tensor = ov_tensor(weight)
+        try:
+            constant = openvino.op.Constant(tensor, shared_memory=True)
+            parameter.output(0).replace(constant.output(0))
+        except Exception as error:
+            raise DelegateInitError(f"{label}: OpenVINO could not take weight {role!r}: {error}") from error
         model.remove_parameter(parameter)
-    model.validate_nodes_and_infer_types()
+    try:
+        model.validate_nodes_and_infer_types()
+    except Exception as error:
+        raise DelegateInitError(f"{label}: OpenVINO could not take the weights: {error}") from error
+
+
+def int4_tensor(weight: torch.Tensor, shape: Any, where: str) -> Any:
+    """An ``i4`` ``openvino.Tensor`` of ``shape`` over ``weight``'s bytes, which must hold exactly its values."""
+    import openvino
+
+    if not shape.is_static:
+        raise PackageError(f"{where}: an i4 weight needs a static shape, the IR gives {shape}")
+    dims = list(shape.to_shape())
+    needed = (math.prod(dims) + 1) // 2
+    if weight.dtype != torch.uint8 or weight.numel() != needed:
+        raise PackageError(f"{where}: i4{dims} takes {needed} bytes of uint8, its data is "
+                           f"{weight.numel()} of {weight.dtype}")
+    return openvino.Tensor(weight.numpy(), dims, openvino.Type.i4)
 
 
 def ov_tensor(tensor: torch.Tensor) -> Any:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ...compile.packed_integers import packed_along_rows
 from ...errors import LoweringError
 
 
@@ -75,15 +76,6 @@ def channel_transposed(
 def unsigned(values: torch.Tensor, bits: int) -> torch.Tensor:
     """Signed ``bits``-bit integers shifted to ``[0, 2**bits)``, as uint8."""
     return (values.to(torch.int16) + (1 << (bits - 1))).to(torch.uint8)
-
-
-def packed_along_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """``[rows, n]`` uint8 values of ``bits`` bits packed into bytes along each row, low bits first."""
-    if bits == 8:
-        return values.contiguous()
-    if values.shape[-1] % 2:
-        values = torch.nn.functional.pad(values, (0, 1))
-    return (values[:, 0::2] | (values[:, 1::2] << 4)).contiguous()
 
 
 def check_range(values: torch.Tensor, bits: int, what: str) -> None:

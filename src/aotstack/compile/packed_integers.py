@@ -1,0 +1,42 @@
+"""Small integers packed into bytes, the layout the engines' 4-bit kernels read.
+
+torchao keeps an int4 value in an int8 tensor; an engine whose kernel reads 4-bit weights wants
+them two a byte, the first in the low nibble (ONNX Runtime's ``MatMulNBits`` and
+``GatherBlockQuantized``, OpenVINO's ``i4`` and ``u4`` constants alike).
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT4 = range(-8, 8)
+
+
+def packed_along_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[rows, n]`` uint8 values of ``bits`` bits packed into bytes along each row, low bits first.
+
+    A row of odd length is padded with a zero, so each row starts a byte.
+    """
+    if bits == 8:
+        return values.contiguous()
+    if values.shape[-1] % 2:
+        values = torch.nn.functional.pad(values, (0, 1))
+    return (values[:, 0::2] | (values[:, 1::2] << 4)).contiguous()
+
+
+def fits_int4(values: torch.Tensor) -> bool:
+    """Whether integer ``values`` all lie in the signed 4-bit range, so packing them two a byte loses nothing."""
+    return values.numel() > 0 and int(values.min()) >= INT4.start and int(values.max()) < INT4.stop
+
+
+def packed_int4(values: torch.Tensor) -> torch.Tensor:
+    """Signed 4-bit ``values`` (held in a wider integer), two a byte in row-major order, as a flat uint8 tensor.
+
+    Two's complement in each nibble; an odd count ends with a zero nibble.
+
+    Example::
+
+        packed_int4(torch.tensor([1, -1], dtype=torch.int8))  # tensor([0xF1], dtype=torch.uint8)
+    """
+    nibbles = (values.reshape(1, -1).to(torch.int16) & 0xF).to(torch.uint8)
+    return packed_along_rows(nibbles, 4).reshape(-1)
