@@ -29,6 +29,20 @@ def test_second_lowering_reuses_the_cached_library(tmp_path, monkeypatch):
     assert second.delegates("forward")[0].named_data == first.delegates("forward")[0].named_data
 
 
+def test_a_new_compile_revision_compiles_the_library_again(tmp_path, monkeypatch):
+    """AOTInductor's own library cache is keyed by the backend's compile_revision too, so a change to its passes is
+    not hidden by a library compiled before it (the lowering cache above it already was)."""
+    from aotstack.backends.aoti.cpu import AotiCpuBackend
+
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path))
+    program = aotstack.export(models.build("add"), {"forward": models.example_inputs("add")})
+    aotstack.lower(program, [aotstack.AotiCpuPartitioner()])
+    monkeypatch.setattr(AotiCpuBackend, "compile_revision", AotiCpuBackend.compile_revision + 1)
+    aotstack.lower(program, [aotstack.AotiCpuPartitioner()])
+
+    assert len(list(tmp_path.glob("*.so"))) == 2
+
+
 def linear_program(model: torch.nn.Module, rows: int = 4) -> torch.export.ExportedProgram:
     return aotstack.export(model, {"forward": (torch.randn(rows, 16),)}).methods["forward"]
 

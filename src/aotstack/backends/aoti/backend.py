@@ -119,6 +119,7 @@ class AotiBackend(Backend):
             decompositions=self.decomposition_table(),
             attention_kernels=self.attention_kernels(),
             options=options,
+            revision=self.compile_revision,
         )
 
     def needed_fallback_kernels(self, node: Node, compile_specs: list[CompileSpec]) -> frozenset[str]:

@@ -45,6 +45,8 @@ class CompileSteps:
     options: dict[str, Any]
     # None: Inductor picks attention kernels as plain AOTInductor does.
     attention_kernels: list[SDPBackend] | None = None
+    # The backend's ``compile_revision``: a change to its passes keys its libraries apart in the cache.
+    revision: int = 1
 
 
 @dataclass
@@ -92,7 +94,7 @@ def compile_partition(
     # Inductor's own cache skips code generation, where fallback kernels are recorded.
     options = steps.options if kernel_check is None else {**steps.options, "fx_graph_cache": False}
     structure = program_structure(program, every_value=folds_weights(options))
-    key = cache_key(structure, {**options, "aotstack.device": str(steps.device)})
+    key = cache_key(structure, {**options, "aotstack.device": str(steps.device), "aotstack.revision": steps.revision})
     files = cached_files(key)
     if files is not None and len(files.weights) == len(structure.weights):
         logger.debug("%s: reusing the library from the compile cache", label)
