@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import torch
 
-INT4 = range(-8, 8)
-
 
 def packed_along_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     """``[rows, n]`` uint8 values of ``bits`` bits packed into bytes along each row, low bits first.
@@ -24,9 +22,15 @@ def packed_along_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
     return (values[:, 0::2] | (values[:, 1::2] << 4)).contiguous()
 
 
-def fits_int4(values: torch.Tensor) -> bool:
-    """Whether integer ``values`` all lie in the signed 4-bit range, so packing them two a byte loses nothing."""
-    return values.numel() > 0 and int(values.min()) >= INT4.start and int(values.max()) < INT4.stop
+def signed_range(bits: int) -> range:
+    """The values a signed ``bits``-bit integer holds: ``range(-8, 8)`` for 4 bits."""
+    return range(-(1 << (bits - 1)), 1 << (bits - 1))
+
+
+def fit_signed(values: torch.Tensor, bits: int) -> bool:
+    """Whether integer ``values`` all lie in the signed ``bits``-bit range (so do none), so packing loses nothing."""
+    limits = signed_range(bits)
+    return not values.numel() or (int(values.min()) >= limits.start and int(values.max()) < limits.stop)
 
 
 def packed_int4(values: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
-from ...compile.packed_integers import fits_int4, packed_int4
+from ...compile.packed_integers import fit_signed, packed_int4
 from ...compile.program_parts import program_weights
 from ...errors import LoweringError
 from .compressed import with_compressed_int8_linears
@@ -113,8 +113,8 @@ def int4_weights(model: Any, weights: dict[str, torch.Tensor]) -> list[str]:
     for parameter in model.get_parameters():
         fqn = parameter.get_friendly_name().removeprefix(WEIGHT_ROLE)
         weight = weights.get(fqn)
-        if weight is None or weight.dtype != torch.int8 or not only_converted(parameter.output(0)) \
-                or not fits_int4(weight):
+        if weight is None or weight.dtype != torch.int8 or not weight.numel() \
+                or not only_converted(parameter.output(0)) or not fit_signed(weight, 4):
             continue
         parameter.set_element_type(openvino.Type.i4)
         found.append(fqn)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...compile.packed_integers import packed_along_rows
+from ...compile.packed_integers import fit_signed, packed_along_rows, signed_range
 from ...errors import LoweringError
 
 
@@ -79,6 +79,6 @@ def unsigned(values: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def check_range(values: torch.Tensor, bits: int, what: str) -> None:
-    low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
-    if values.numel() and (int(values.min()) < low or int(values.max()) > high):
-        raise LoweringError(f"{what} hold values outside the {bits}-bit range [{low}, {high}]")
+    if not fit_signed(values, bits):
+        limits = signed_range(bits)
+        raise LoweringError(f"{what} hold values outside the {bits}-bit range [{limits.start}, {limits.stop - 1}]")
