@@ -10,6 +10,7 @@ from torch.fx import Graph, GraphModule
 
 import aotstack
 from aotstack.backends.aoti.cuda import conv1d_as_conv2d
+from aotstack.backends.aoti.int4_weights import with_packed_int4_weights
 from aotstack.backends.aoti.metal import LinearAsMatmulPass
 from aotstack.backends.aoti.quantized import DequantizedLinearAsReductionPass, IntMmRowMajorPass
 
@@ -220,6 +221,83 @@ def test_dequantized_linear_pass_takes_a_product_over_a_cast_of_int8_weights():
     assert aten.mm.default not in ops and ops.count(aten.sum.dim_IntList) == 2
     with torch.no_grad():
         torch.testing.assert_close(exported.module()(x), expected, rtol=1e-5, atol=1e-5)
+
+
+class EmbeddingThenLinears(torch.nn.Module):
+    """An embedding read twice (one read is returned as it is) and two linears, for weights packed or not."""
+
+    def __init__(self, width: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(100, width)
+        self.first = torch.nn.Linear(width, 32)
+        self.second = torch.nn.Linear(32, 16, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = self.embed(ids)
+        return self.second(torch.relu(self.first(rows))), self.embed(ids + 1)
+
+
+def stored_integers(program) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The program's integer weights of more than one value per row, by FQN: their dtypes and shapes."""
+    weights = {**program.state_dict, **program.constants}
+    return {fqn: (value.dtype, tuple(value.shape)) for fqn, value in weights.items()
+            if not value.dtype.is_floating_point and value.shape[-1] > 4}
+
+
+@pytest.mark.parametrize(("linear", "group_size"), [("8da4w", 32), ("4w", 32), ("8da4w", 0)],
+                         ids=["8da4w-g32", "4w-g32", "8da4w-channel"])
+def test_int4_weights_are_stored_two_a_byte_and_keep_the_numbers(linear, group_size):
+    model = aotstack.quantize(EmbeddingThenLinears().eval(), linear=linear, embedding="4w", group_size=group_size)
+    ids = torch.tensor([[3, 97]])
+    exported = aotstack.export(model, {"forward": (ids,)}).methods["forward"]
+    before = stored_integers(exported)
+    with torch.no_grad():
+        expected = exported.module()(ids)
+
+    packed = with_packed_int4_weights(exported)
+
+    assert stored_integers(exported) == before, "the program given is not changed"
+    assert sorted(before.values()) == [(torch.int8, (16, 32)), (torch.int8, (32, 64)), (torch.int8, (100, 64))]
+    assert sorted(stored_integers(packed).values()) == [
+        (torch.uint8, (16, 16)), (torch.uint8, (32, 32)), (torch.uint8, (100, 32))]
+    ops = targets(packed.graph_module)
+    # Each linear reads the join of its two halves; each embedding joins the rows it gathered from each.
+    assert ops.count(aten.cat.default) == 4 and ops.count(aten.embedding.default) == 4
+    with torch.no_grad():
+        for got, want in zip(packed.module()(ids), expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_packed_linear_of_one_row_reduces_each_half_where_it_lies():
+    model = aotstack.quantize(LinearsOfBothKinds().eval(), linear="8da4w", group_size=32)
+    x = torch.randn(1, 1, 64)
+    exported = aotstack.export(model, {"forward": (x,)}).methods["forward"]
+    with torch.no_grad():
+        expected = exported.module()(x)
+    packed = with_packed_int4_weights(exported)
+
+    assert DequantizedLinearAsReductionPass()(packed.graph_module) is True
+
+    ops = targets(packed.graph_module)
+    # Two products per linear, one per half of its input, and no join of the halves left to compile.
+    assert ops.count(aten.sum.dim_IntList) == 4 and aten.cat.default not in ops
+    halves = [n.args[0].args[0] for n in packed.graph_module.graph.nodes if n.target is aten.sum.dim_IntList]
+    assert [tuple(n.meta["val"].shape[-1:]) for n in halves] == [(32,), (32,), (16,), (16,)]
+    with torch.no_grad():
+        torch.testing.assert_close(packed.module()(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("width", "linear", "group_size"), [(96, "8da4w", 32), (64, "8w", 32)],
+                         ids=["halves of partial groups", "8-bit values"])
+def test_weights_that_cannot_be_split_into_whole_groups_of_4_bits_stay_as_they_are(width, linear, group_size):
+    model = aotstack.quantize(EmbeddingThenLinears(width).eval(), linear=linear, embedding="8w", group_size=group_size)
+    exported = aotstack.export(model, {"forward": (torch.tensor([[3]]),)}).methods["forward"]
+
+    packed = with_packed_int4_weights(exported)
+
+    unpacked = {fqn: shape for fqn, shape in stored_integers(packed).items() if not fqn.startswith("second")}
+    assert all(dtype is torch.int8 for dtype, _ in unpacked.values()), unpacked
 
 
 def test_int_mm_pass_hands_the_product_a_row_major_activation():

@@ -324,9 +324,21 @@ def float_file(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path
 @pytest.mark.parametrize("name", [name for name, config in CONFIGS.items() if config.int4])
 def test_an_int4_file_through_onnx_runtime_is_under_a_third_of_float(lowering, float_file, name):
     """ONNX Runtime packs two int4 values a byte (MatMulNBits, GatherBlockQuantized): 1/8 of float32, plus
-    a float scale per 32 values (1/32), under 0.3x with the float biases."""
+    a float scale per 32 values (1/32), under 0.3x with the float biases. (An AOTInductor file of this small
+    model is mostly its library; its weights' bytes are checked below.)"""
     built = lowering(name, "ort+aoti")
     assert built.path.stat().st_size <= 0.3 * float_file("ort+aoti").stat().st_size
+
+
+@pytest.mark.parametrize("name", [name for name, config in CONFIGS.items() if config.int4])
+def test_aotinductor_stores_every_int4_weight_two_a_byte(lowering, name):
+    """The linears' weights and the embedding's table alike: uint8 of half the values, no large int8 left."""
+    built = lowering(name, "aoti")
+    (delegate,) = built.lowered.delegates("forward")
+    stored = json.loads(bytes(delegate.processed_bytes))["weights"].values()
+    packed = sorted(entry["shape"] for entry in stored if entry["dtype"] == "uint8")
+    assert packed == sorted([[HIDDEN, DIM // 2], [DIM, HIDDEN // 2], [VOCAB, DIM // 2], [VOCAB, DIM // 2]]), packed
+    assert not [entry for entry in stored if entry["dtype"] == "int8" and math.prod(entry["shape"]) > VOCAB * DIM // 32]
 
 
 @pytest.mark.parametrize("name", [name for name, config in CONFIGS.items() if config.int4])
@@ -404,13 +416,14 @@ def test_a_llama_runs_every_int8_linear_in_the_first_engine(tmp_path, name, orde
 def test_one_token_through_aotinductor_reads_each_kind_of_intx_weight_right(tmp_path):
     """A decode step (one row): AOTInductor reduces over integer weights (``DequantizedLinearAsReductionPass``).
 
-    One model carries three kinds of layer, so one compile covers them: int4 in groups with
+    One model carries four kinds of layer, so one compile covers them: an int4 embedding, int4 in groups with
     activations quantized as it runs (``up``), ``Int8WeightOnlyConfig``'s product over a cast of
     int8 weights (``down``), and ``Int8DynamicActivationInt8WeightConfig``'s ``_int_mm`` with a
     bias (``head``), which plain AOTInductor computes wrongly at one row (``IntMmRowMajorPass``).
     """
     torch.manual_seed(0)
     model = Tiny().eval()
+    quantize_(model, int4_rows(), filter_fn=lambda module, fqn: fqn == "embed")
     quantize_(model, CONFIGS["8da4w-g32"].linear(), filter_fn=lambda module, fqn: fqn == "up")
     quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda module, fqn: fqn == "down")
     quantize_(model, Int8DynamicActivationInt8WeightConfig(), filter_fn=lambda module, fqn: fqn == "head")
@@ -424,3 +437,8 @@ def test_one_token_through_aotinductor_reads_each_kind_of_intx_weight_right(tmp_
 
     assert {delegate.backend_id for delegate in lowered.delegates("forward")} == {"aoti_cpu"}
     torch.testing.assert_close(output, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+    # The int4 table and ``up``'s weight are read from bytes of two values each (``int4_weights.py``).
+    (delegate,) = lowered.delegates("forward")
+    stored = json.loads(bytes(delegate.processed_bytes))["weights"].values()
+    assert sorted(entry["shape"] for entry in stored if entry["dtype"] == "uint8") == [[HIDDEN, DIM // 2],
+                                                                                       [VOCAB, DIM // 2]]

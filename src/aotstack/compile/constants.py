@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, OutputSpec, TensorArgument
-from torch.fx import Node
+from torch.fx import Graph, Node
 
 from .program_parts import constant_placeholders
 
@@ -26,7 +26,7 @@ def without_unused_constants(exported: ExportedProgram, read_before: set[str]) -
     exported.graph_module.recompile()
     signature = ExportGraphSignature(
         input_specs=[s for s in exported.graph_signature.input_specs if s.arg.name not in gone],
-        output_specs=renamed_output_specs(exported),
+        output_specs=renamed_output_specs(exported.graph_signature, graph),
     )
     kept_targets = {s.target for s in signature.input_specs}
     return ExportedProgram(
@@ -41,11 +41,11 @@ def without_unused_constants(exported: ExportedProgram, read_before: set[str]) -
     )
 
 
-def renamed_output_specs(exported: ExportedProgram) -> list[OutputSpec]:
-    """Output specs naming the nodes the output now reads (a getitem where a delegate took over)."""
-    output_node = exported.graph.output_node()
+def renamed_output_specs(signature: ExportGraphSignature, graph: Graph) -> list[OutputSpec]:
+    """``signature``'s output specs naming the nodes ``graph``'s output now reads (a getitem where a delegate took
+    over, a node put in another's place)."""
     specs = []
-    for spec, value in zip(exported.graph_signature.output_specs, output_node.args[0]):
+    for spec, value in zip(signature.output_specs, graph.output_node().args[0]):
         if isinstance(spec.arg, TensorArgument) and isinstance(value, Node):
             spec = OutputSpec(spec.kind, TensorArgument(value.name), spec.target)
         specs.append(spec)

@@ -44,3 +44,19 @@ def packed_int4(values: torch.Tensor) -> torch.Tensor:
     """
     nibbles = (values.reshape(1, -1).to(torch.int16) & 0xF).to(torch.uint8)
     return packed_along_rows(nibbles, 4).reshape(-1)
+
+
+def packed_int4_halves(values: torch.Tensor) -> torch.Tensor:
+    """Signed 4-bit ``[rows, n]`` ``values``, n even, as ``[rows, n // 2]`` uint8: each row's halves side by side.
+
+    Byte ``j`` holds ``values[:, j] + 8`` in its low nibble and ``values[:, j + n // 2] + 8`` in its
+    high one, so a kernel reads both halves of a row in one contiguous pass (AOTInductor's fused
+    decode loop; see ``backends/aoti/int4_weights.py``).
+
+    Example::
+
+        packed_int4_halves(torch.tensor([[1, -1]], dtype=torch.int8))  # tensor([[0x79]], dtype=torch.uint8)
+    """
+    half = values.shape[-1] // 2
+    offset = values.to(torch.int16) + 8
+    return (offset[:, :half] | (offset[:, half:] << 4)).to(torch.uint8).contiguous()

@@ -30,7 +30,7 @@ from ...format.specs import (
     switch_spec,
 )
 from ...format.tensor_data import content_key, weights_as_named_data
-from .compile import CompileSteps, KernelCheck, compile_partition
+from .compile import CompileSteps, KernelCheck, ProgramPass, compile_partition
 from .kernels import kernel_allowed, parse_kernel_list
 from .passes import GraphPass, ReplaceViewCopyWithViewPass
 from .probe import needed_fallback_kernels
@@ -73,6 +73,10 @@ class AotiBackend(Backend):
     def inductor_options(self, compile_specs: list[CompileSpec]) -> dict[str, Any]:
         """AOTInductor options for this target; a bad compile spec raises ``CompileSpecError``."""
         return {}
+
+    def program_passes(self) -> list[ProgramPass]:
+        """Rewrites of the whole partition, weights included, this target runs before its graph passes."""
+        return []
 
     def custom_passes(self) -> list[GraphPass]:
         """Graph passes this target runs after the view-copy pass, before decompositions."""
@@ -120,6 +124,7 @@ class AotiBackend(Backend):
             attention_kernels=self.attention_kernels(),
             options=options,
             revision=self.compile_revision,
+            program_passes=self.program_passes(),
         )
 
     def needed_fallback_kernels(self, node: Node, compile_specs: list[CompileSpec]) -> frozenset[str]:

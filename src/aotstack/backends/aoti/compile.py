@@ -33,6 +33,8 @@ logger = logging.getLogger("aotstack")
 CACHE_KIND = "aoti"
 
 KernelCheck = Callable[[frozenset[str]], None]
+# A rewrite of a partition that may change its weights too; it returns a new program, the one given unchanged.
+ProgramPass = Callable[[ExportedProgram], ExportedProgram]
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,8 @@ class CompileSteps:
     attention_kernels: list[SDPBackend] | None = None
     # The backend's ``compile_revision``: a change to its passes keys its libraries apart in the cache.
     revision: int = 1
+    # Run before ``passes``.
+    program_passes: list[ProgramPass] = field(default_factory=list)
 
 
 @dataclass
@@ -142,6 +146,8 @@ def prepared_program(exported_program: ExportedProgram, steps: CompileSteps) -> 
     program = with_dense_experts(exported_program)
     if steps.device != HOST:
         program = move_to_device_pass(program, str(steps.device))
+    for program_pass in steps.program_passes:
+        program = program_pass(program)
     for graph_pass in steps.passes:
         if graph_pass(program.graph_module):
             program.graph_module.recompile()

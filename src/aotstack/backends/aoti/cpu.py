@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import ClassVar
 
 from .backend import AotiBackend
+from .compile import ProgramPass
+from .int4_weights import with_packed_int4_weights
 from .partitioner import AotiPartitioner
 from .passes import GraphPass
 from .quantized import DequantizedLinearAsReductionPass, IntMmRowMajorPass
@@ -13,6 +15,11 @@ from .quantized import DequantizedLinearAsReductionPass, IntMmRowMajorPass
 class AotiCpuBackend(AotiBackend):
     backend_id = "aoti_cpu"
     device_name = "cpu"
+    # 2: int4 linear weights stored two a byte (int4_weights.py).
+    compile_revision = 2
+
+    def program_passes(self) -> list[ProgramPass]:
+        return [with_packed_int4_weights]
 
     def custom_passes(self) -> list[GraphPass]:
         return [DequantizedLinearAsReductionPass(), IntMmRowMajorPass()]

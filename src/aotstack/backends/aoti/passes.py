@@ -96,14 +96,16 @@ def writes(argument: torch._C.Argument) -> bool:
     return argument.alias_info is not None and argument.alias_info.is_write
 
 
-def inserted_call(graph: Graph, target: torch._ops.OpOverload, args: tuple[Any, ...]) -> Node:
+def inserted_call(
+    graph: Graph, target: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+) -> Node:
     """A new call to ``target`` at the graph's insertion point, with its ``meta["val"]``."""
-    node = graph.call_function(target, args)
-    values = pytree.tree_map_only(Node, lambda arg: arg.meta["val"], args)
-    fake_mode = detect_fake_mode(pytree.tree_leaves(values))
+    node = graph.call_function(target, args, kwargs)
+    values, keywords = pytree.tree_map_only(Node, lambda arg: arg.meta["val"], (args, kwargs or {}))
+    fake_mode = detect_fake_mode(pytree.tree_leaves((values, keywords)))
     if fake_mode is not None:
         with fake_mode:
-            node.meta["val"] = target(*values)
+            node.meta["val"] = target(*values, **keywords)
     return node
 
 

@@ -23,6 +23,7 @@ AOTInductor's decode step of such a model is wrong by orders of magnitude (torch
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -69,15 +70,26 @@ class DequantizedLinearAsReductionPass:
             with graph.inserting_before(node):
                 stride = list(product.input.meta["val"].stride())
                 computed = inserted_call(graph, force_stride_order(), (product.input, stride))
-                rows = inserted_call(graph, aten.unsqueeze.default, (computed, -2))
                 weight = product.weight
                 if product.transposed:
                     weight = inserted_call(graph, aten.t.default, (weight,))
-                products = inserted_call(graph, aten.mul.Tensor, (rows, weight))
-                result = inserted_call(graph, aten.sum.dim_IntList, (products, [-1]))
+                sums = []
+                for piece, columns in column_pieces(weight):
+                    part = computed
+                    if columns is not None:
+                        part = inserted_call(graph, aten.slice.Tensor, (computed, -1, *columns))
+                    rows = inserted_call(graph, aten.unsqueeze.default, (part, -2))
+                    products = inserted_call(graph, aten.mul.Tensor, (rows, piece))
+                    sums.append(inserted_call(graph, aten.sum.dim_IntList, (products, [-1])))
+                result = sums[0]
+                for partial in sums[1:]:
+                    result = inserted_call(graph, aten.add.Tensor, (result, partial))
                 if product.bias is not None:
                     result = inserted_call(graph, aten.add.Tensor, (result, product.bias))
             replace_node(graph, node, result)
+            # A join left unread is still compiled, a whole float weight written each call.
+            if product.weight.op == "call_function" and not product.weight.users:
+                graph.erase_node(product.weight)
         if found:
             graph_module.recompile()
         return bool(found)
@@ -102,6 +114,23 @@ class IntMmRowMajorPass:
         if products:
             graph_module.recompile()
         return bool(products)
+
+
+def column_pieces(weight: Node) -> list[tuple[Node, tuple[int, int] | None]]:
+    """The pieces a weight is joined from along its input dimension, each with its columns; else the weight, whole.
+
+    A product over such a weight is a sum of one product per piece, each reading its piece in
+    place (packed int4 weights are so joined, ``int4_weights.py``), where one product over the
+    join would read every piece, masked, at every column.
+    """
+    if weight.op != "call_function" or weight.target is not aten.cat.default:
+        return [(weight, None)]
+    pieces, dim = weight.args[0], (weight.args[1] if len(weight.args) > 1 else 0)
+    values = [piece.meta.get("val") if isinstance(piece, Node) else None for piece in pieces]
+    if dim not in (1, -1) or not all(isinstance(value, torch.Tensor) and value.dim() == 2 for value in values):
+        return [(weight, None)]
+    ends = list(itertools.accumulate(int(value.shape[1]) for value in values))
+    return [(piece, (end - int(value.shape[1]), end)) for piece, value, end in zip(pieces, values, ends)]
 
 
 def force_stride_order() -> torch._ops.OpOverload:
