@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import threading
 
@@ -405,6 +406,64 @@ def test_a_model_openvino_cannot_read_is_a_delegate_init_error(lowered_with):
     named_data = {**delegate.named_data, ov_run.MODEL_NAME: b"<net><layers><layer/></layers></net>"}
     with pytest.raises(aotstack.DelegateInitError, match="OpenVINO could not read the model"):
         ov_run.OpenVinoRuntime().init(delegate.processed_bytes, named_data, delegate.compile_specs)
+
+
+def int4_delegate() -> aotstack.Delegate:
+    """A linear quantized ``4w``, lowered to OpenVINO alone: its weight's values stored two a byte as ``i4``."""
+    torch.manual_seed(0)
+    model = aotstack.quantize(torch.nn.Sequential(torch.nn.Linear(64, 32)).eval(), linear="4w", group_size=32)
+    program = aotstack.export(model, {"forward": (torch.randn(2, 64),)})
+    [delegate] = aotstack.lower(program, [aotstack.OpenVinoPartitioner()]).delegates("forward")
+    return delegate
+
+
+def with_weight_resized(delegate: aotstack.Delegate, dtype: str, change: int) -> tuple[bytes, dict, str]:
+    """The delegate's processed blob and named data with its first ``dtype`` weight ``change`` values longer."""
+    processed = json.loads(delegate.processed_bytes)
+    fqn, entry = next(((fqn, entry) for fqn, entry in processed["weights"].items() if entry["dtype"] == dtype),
+                      (None, processed["weights"]))
+    assert fqn is not None, entry
+    count = math.prod(entry["shape"]) + change
+    entry["shape"] = [count]
+    data = torch.zeros(count, dtype=getattr(torch, dtype))
+    named_data = {**delegate.named_data, WEIGHT_PREFIX + fqn: tensor_bytes(data)}
+    return json.dumps(processed).encode(), named_data, fqn
+
+
+def test_an_int4_weight_whose_bytes_do_not_fit_its_shape_is_a_package_error():
+    delegate = int4_delegate()
+    processed_bytes, named_data, fqn = with_weight_resized(delegate, "uint8", -1)
+    with pytest.raises(aotstack.PackageError, match=f"{fqn}.*takes 1024 bytes of uint8, its data is 1023"):
+        ov_run.OpenVinoRuntime().init(processed_bytes, named_data, delegate.compile_specs)
+
+
+def test_a_weight_openvino_cannot_take_is_a_delegate_init_error():
+    delegate = int4_delegate()
+    processed_bytes, named_data, fqn = with_weight_resized(delegate, "float32", 1)
+    with pytest.raises(aotstack.DelegateInitError, match="OpenVINO could not take (the )?weight"):
+        ov_run.OpenVinoRuntime().init(processed_bytes, named_data, delegate.compile_specs)
+
+
+TORCHAO_AFTER_A_FIRST_LOWERING = """
+import json, sys
+import torch, aotstack
+x = torch.randn(2, 64)
+aotstack.lower(aotstack.export(torch.nn.Linear(64, 32).eval(), {"forward": (x,)}), [aotstack.OpenVinoPartitioner()])
+first = "torchao" in sys.modules
+torch.manual_seed(0)
+model = aotstack.quantize(torch.nn.Sequential(torch.nn.Linear(64, 32)).eval(), linear="4w", group_size=32)
+lowered = aotstack.lower(aotstack.export(model, {"forward": (x,)}), [aotstack.OpenVinoPartitioner()])
+[delegate] = lowered.delegates("forward")
+weights = json.loads(bytes(delegate.processed_bytes))["weights"].values()
+print(json.dumps([first, sorted(entry["dtype"] for entry in weights)]))
+"""
+
+
+def test_torchao_imported_after_a_first_lowering_still_has_its_layers_taken_whole():
+    """OpenVINO's decomposition table is built again for ops registered since: torchao's dequantizations."""
+    torchao_before, dtypes = run_child(TORCHAO_AFTER_A_FIRST_LOWERING)
+    assert torchao_before is False
+    assert dtypes == ["float32", "float32", "uint8", "uint8"]
 
 
 WITHOUT_OPENVINO = """

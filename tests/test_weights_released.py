@@ -9,6 +9,7 @@ plain ATen), so no test waits for an AOTInductor compile it does not need.
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import random
@@ -196,6 +197,43 @@ def test_aotinductor_keeps_the_weights_it_reads_in_place_and_drops_its_library(t
     assert weight_pages >= 100 and weights == weight_pages
     assert library_pages > 0 and library == 0
     assert_close(loaded_answers(loaded), eager_answers(model), quantized=False)
+
+
+class Lookup(torch.nn.Module):
+    """An embedding table of 1 MB (256 pages), a call reading a few of its rows, and a linear read whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(4096, 64)
+        self.project = torch.nn.Linear(64, 1024, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.project(self.embed(ids))
+
+
+@needs_pagemap
+def test_aotinductor_lets_an_embedding_table_go_after_the_first_call_and_reads_rows_back(tmp_path):
+    model = Lookup().eval()
+    path = tmp_path / "lookup.pt2"
+    lowered = aotstack.lower(aotstack.export(model, {"forward": (torch.tensor([[7]]),)}),
+                             [aotstack.AotiCpuPartitioner()])
+    lowered.save(path)
+    (delegate,) = lowered.delegates("forward")
+    assert json.loads(bytes(delegate.processed_bytes))["gathered"] == ["embed.weight"]
+    loaded = aotstack.load(path)
+    assert blob_pages(loaded, path, "aoti_cpu", "weight:embed")[0] >= 250, "verified, not yet let go"
+
+    first = loaded.forward(torch.tensor([[7]]))
+
+    table, table_pages = blob_pages(loaded, path, "aoti_cpu", "weight:embed")
+    weights, weight_pages = blob_pages(loaded, path, "aoti_cpu", "weight:project")
+    assert table_pages >= 250 and table <= 64, (table, table_pages)  # a row's page and the kernel's fault-around
+    assert weight_pages >= 60 and weights == weight_pages
+    with torch.no_grad():
+        torch.testing.assert_close(first, model(torch.tensor([[7]])))
+        for token in (4095, 0, 1234):  # rows whose pages were let go, read back from the file
+            torch.testing.assert_close(loaded.forward(torch.tensor([[token]])), model(torch.tensor([[token]])))
 
 
 # A backend of the user's own, with no compiler: its delegate adds a 64 KB table it stores as named data.

@@ -199,6 +199,8 @@ class AotiBackend(Backend):
             # The library's name for a weight it asks for under another FQN: its code was compiled for
             # another partition of the same structure (the library is stored once in the package).
             "library_fqns": compiled.library_fqns,
+            # Read a few rows a call: the run side lets their pages go after the first.
+            "gathered": compiled.gathered,
             "input_strides": [static_stride(node) for node in user_input_placeholders(exported_program)],
             # What the library's code takes; its run side checks every call against it.
             "boundary": partition_boundary(exported_program, label, device.type.value).to_json(),

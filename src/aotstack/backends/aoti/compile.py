@@ -19,7 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ... import __version__
 from ...compile.cache import read_entry, write_entry
-from ...compile.program_parts import Structure, program_structure, program_weights
+from ...compile.program_parts import Structure, constant_placeholders, program_structure, program_weights
 from ...errors import LoweringError
 from ...format.devices import HOST, Device, DeviceType
 from ...format.tensor_data import content_key
@@ -67,6 +67,8 @@ class CompiledPartition:
     extern_nodes: bytes | None = None
     # Taken from aotstack's compile cache rather than compiled.
     from_cache: bool = False
+    # The weights read only as embedding tables, a few rows a call (``gathered_weights``).
+    gathered: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,7 @@ def compile_partition(
     """
     program = prepared_program(exported_program, steps)
     constants = program_weights(program)
+    gathered = gathered_weights(program)
     # Inductor's own cache skips code generation, where fallback kernels are recorded.
     options = steps.options if kernel_check is None else {**steps.options, "fx_graph_cache": False}
     structure = program_structure(program, every_value=folds_weights(options))
@@ -103,12 +106,51 @@ def compile_partition(
     if files is not None and len(files.weights) == len(structure.weights):
         logger.debug("%s: reusing the library from the compile cache", label)
         renamed = {ours: theirs for ours, theirs in zip(files.weights, structure.weights) if ours != theirs}
-        return CompiledPartition(files.library, constants, renamed, files.extern_nodes, from_cache=True)
+        return CompiledPartition(files.library, constants, renamed, files.extern_nodes, from_cache=True,
+                                 gathered=gathered)
     if cache_only:
         return None
     files = compiled_files(program, replace(steps, options=options), label, kernel_check, structure.weights)
     store_files(key, files)
-    return CompiledPartition(files.library, constants, extern_nodes=files.extern_nodes)
+    return CompiledPartition(files.library, constants, extern_nodes=files.extern_nodes, gathered=gathered)
+
+
+# What a table passes through between its stored form and the gather: elementwise ops, a slice of its
+# columns, its dequantization (``int4_weights.py`` unpacks packed tables so), reading each element once.
+ELEMENTWISE_TO_GATHER = frozenset({
+    "prims::convert_element_type", "aten::bitwise_and", "aten::bitwise_right_shift", "aten::sub", "aten::mul",
+    "aten::add", "aten::slice", "torchao::dequantize_affine",
+})
+
+
+def gathered_weights(program: ExportedProgram) -> list[str]:
+    """The FQNs of the weights every use of which ends, through elementwise ops, as an embedding's table.
+
+    A call reads a few rows of such a weight, not all of it, so the run side may drop its pages
+    from memory after the first call: the rows gathered later are read back from the file.
+    """
+    return sorted(fqn for node, fqn in constant_placeholders(program).items() if only_gathered(node))
+
+
+def only_gathered(weight: torch.fx.Node) -> bool:
+    derived, gathers, pending = {weight}, [], list(weight.users)
+    while pending:
+        user = pending.pop()
+        if user in derived:
+            continue
+        name = getattr(getattr(user.target, "_schema", None), "name", None) if user.op == "call_function" else None
+        if name == "aten::embedding":
+            gathers.append(user)
+        elif name in ELEMENTWISE_TO_GATHER:
+            derived.add(user)
+            pending.extend(user.users)
+        else:
+            return False
+    # The table is what is gathered from, never the indices.
+    return bool(gathers) and all(
+        gather.args[0] in derived and not any(argument in derived for argument in gather.args[1:])
+        for gather in gathers
+    )
 
 
 def compiled_files(

@@ -15,8 +15,8 @@ from .quantized import DequantizedLinearAsReductionPass, IntMmRowMajorPass
 class AotiCpuBackend(AotiBackend):
     backend_id = "aoti_cpu"
     device_name = "cpu"
-    # 2: int4 linear weights stored two a byte (int4_weights.py).
-    compile_revision = 2
+    # 2: int4 weights stored two a byte (int4_weights.py); 3: embedding tables named for release ("gathered").
+    compile_revision = 3
 
     def program_passes(self) -> list[ProgramPass]:
         return [with_packed_int4_weights]

@@ -78,9 +78,10 @@ class AotiRuntime(BackendRuntime):
         in_place = {
             WEIGHT_PREFIX + renamed.get(fqn, fqn) for fqn in runner.get_constant_names_to_original_fqns().values()
         }
+        in_place = in_place if device == HOST else set()
         handle = AotiHandle(
             runner=runner, input_strides=strides, constants=bound, check=boundary.checker(label), label=label,
-            reads_in_place=frozenset(in_place if device == HOST else ()),
+            reads_in_place=frozenset(in_place), gathered=gathered_names(processed, weights, label) & in_place,
         )
         if device != HOST:
             # The device's context does not survive os.fork; in a child, calls say so (see after_fork).
@@ -93,7 +94,10 @@ class AotiRuntime(BackendRuntime):
     def released_named_data(self, handle: AotiHandle, named_data: Collection[str], called: bool) -> Collection[str]:
         # The library and its extern nodes were copied into a file at init, a device's weights
         # onto the device, and a weight the runner does not ask for was folded into the code.
-        return () if called else [name for name in named_data if name not in handle.reads_in_place]
+        if called:
+            # An embedding's table: a call reads a few of its rows, which fault back in when read.
+            return sorted(handle.gathered)
+        return [name for name in named_data if name not in handle.reads_in_place]
 
 
 class AotiCpuRuntime(AotiRuntime):
@@ -142,6 +146,19 @@ class AotiHandle:
     label: str
     # The named data the runner reads where the file holds it: its weights, on the host.
     reads_in_place: frozenset[str] = frozenset()
+    # Of those, the ones it reads a few rows of a call (embedding tables).
+    gathered: frozenset[str] = frozenset()
+
+
+def gathered_names(processed: Mapping[str, Any], weights: Mapping[str, torch.Tensor], label: str) -> frozenset[str]:
+    """The named data of the processed ``gathered`` weights (absent from files written before it: none)."""
+    if "gathered" not in processed:
+        return frozenset()
+    fqns = processed_json.string_list(processed, "gathered", label)
+    unknown = [fqn for fqn in fqns if fqn not in weights]
+    if unknown:
+        raise PackageError(f"{label}: processed field 'gathered' names {unknown[0]!r}, which is not one of its weights")
+    return frozenset(WEIGHT_PREFIX + fqn for fqn in fqns)
 
 
 def input_strides(

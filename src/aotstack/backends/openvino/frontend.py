@@ -43,13 +43,19 @@ INT32 = range(-(2**31), 2**31)
 _RULE_FAILED = re.compile(r"Conversion is failed for: ([^\n]*)")
 
 
-@functools.cache
 def decompositions() -> Any:
     """OpenVINO's decomposition table for ExportedPrograms: core ATen, less the ops its frontend converts whole.
 
     With one of aotstack's own: ``_int_mm`` (torchao's ``Int8DynamicActivationInt8WeightConfig``
-    computes its linears with it), which the frontend has no rule for.
+    computes its linears with it), which the frontend has no rule for. Built again once a library
+    registers ops in a namespace of its own (torchao imported after a first lowering): a table
+    built before lacks their decompositions, and OpenVINO would refuse torchao's dequantizations.
     """
+    return decompositions_with(frozenset(torch.ops))
+
+
+@functools.cache
+def decompositions_with(namespaces: frozenset[str]) -> Any:
     from openvino.frontend.pytorch.torchdynamo.export_decompositions import ops_to_not_decompose
     from torch.export.decomp_utils import CustomDecompTable
 
@@ -70,10 +76,14 @@ def int_mm_in_float(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.to(torch.float32), b.to(torch.float32)).to(torch.int32)
 
 
-@functools.cache
 def decomposition_functions() -> dict[Any, Any]:
     """The same table as a plain dict, for tracing one op's decomposition."""
-    return dict(decompositions().items())
+    return decomposition_functions_with(frozenset(torch.ops))
+
+
+@functools.cache
+def decomposition_functions_with(namespaces: frozenset[str]) -> dict[Any, Any]:
+    return dict(decompositions_with(namespaces).items())
 
 
 def decomposes(op: torch._ops.OperatorBase) -> bool:
