@@ -458,6 +458,10 @@ BOUNDARY = {"inputs": [{"dtype": "float32", "device": "cpu", "sizes": [4, 16]}],
           "weights": {"w": {"dtype": "float32", "shape": [2]}}}, {}, "no named data 'weight:w'"),
         ({"version": 2, "library": "0" * 64, "input_strides": [None], "boundary": BOUNDARY, "weights": {}},
          {}, "no named data 'model.so'"),
+        ({"version": 4, "library": "0" * 64, "input_strides": [None], "boundary": BOUNDARY, "weights": {},
+          "gathered": ["w"]}, {}, "'gathered' names 'w', which is not one of its weights"),
+        ({"version": 4, "library": "0" * 64, "input_strides": [None], "boundary": BOUNDARY, "weights": {},
+          "gathered": "w"}, {}, "'gathered' must be a list"),
     ],
 )
 def test_aoti_processed_data_it_cannot_use_is_a_package_error_naming_the_delegate(processed, named_data, message):

@@ -93,7 +93,8 @@ class BackendRuntime:
         what the engine copied or packed into memory of its own by then. A dropped page that is
         read after all is read back from the file, so a name given too eagerly costs a page
         fault, never a wrong result. The default names nothing: an engine that reads its
-        weights in place (AOTInductor on the CPU) keeps the file's pages.
+        weights in place keeps the file's pages (AOTInductor on the CPU does, but for the
+        embedding tables it gathers a few rows of, which it names after the first call).
         """
         return ()
 

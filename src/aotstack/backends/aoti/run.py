@@ -65,6 +65,7 @@ class AotiRuntime(BackendRuntime):
             raise PackageError(f"{label}: processed field 'library' must be a SHA-256 in hex, got {key[:80]!r}")
         weights = processed_json.weights(processed, named_data, label)
         renamed = library_fqns(processed, weights, label)
+        gathered = gathered_names(processed, weights, label)
         if LIBRARY_NAME not in named_data:
             raise PackageError(f"{label}: the package holds no named data {LIBRARY_NAME!r}")
         extern_nodes = named_data.get(EXTERN_NODES_NAME)
@@ -81,7 +82,7 @@ class AotiRuntime(BackendRuntime):
         in_place = in_place if device == HOST else set()
         handle = AotiHandle(
             runner=runner, input_strides=strides, constants=bound, check=boundary.checker(label), label=label,
-            reads_in_place=frozenset(in_place), gathered=gathered_names(processed, weights, label) & in_place,
+            reads_in_place=frozenset(in_place), gathered=gathered & in_place,
         )
         if device != HOST:
             # The device's context does not survive os.fork; in a child, calls say so (see after_fork).
