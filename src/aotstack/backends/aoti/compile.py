@@ -20,6 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from ... import __version__
 from ...compile.cache import read_entry, write_entry
 from ...compile.program_parts import Structure, constant_placeholders, program_structure, program_weights
+from ...compile.quantize import op_qualname
 from ...errors import LoweringError
 from ...format.devices import HOST, Device, DeviceType
 from ...format.tensor_data import content_key
@@ -138,7 +139,7 @@ def only_gathered(weight: torch.fx.Node) -> bool:
         user = pending.pop()
         if user in derived:
             continue
-        name = getattr(getattr(user.target, "_schema", None), "name", None) if user.op == "call_function" else None
+        name = op_qualname(user) if user.op == "call_function" else None
         if name == "aten::embedding":
             gathers.append(user)
         elif name in ELEMENTWISE_TO_GATHER:

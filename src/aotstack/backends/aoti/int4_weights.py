@@ -53,14 +53,15 @@ def with_packed_int4_weights(exported_program: ExportedProgram) -> ExportedProgr
     """
     weights = program_weights(exported_program)
     fqns = constant_placeholders(exported_program)
-    if not packable_weights(exported_program.graph, fqns, weights):
-        return exported_program
     graph = Graph()
     graph.output(graph.graph_copy(exported_program.graph, {}))
     copied_fqns = {node: fqns[original] for node, original in zip(graph.nodes, exported_program.graph.nodes)
                    if original in fqns}
+    found = packable_weights(graph, copied_fqns, weights)
+    if not found:
+        return exported_program
     packed: dict[str, torch.Tensor] = {}
-    for weight in packable_weights(graph, copied_fqns, weights):
+    for weight in found:
         if weight.fqn not in packed:
             packed[weight.fqn] = packed_int4_halves(weights[weight.fqn])
             weight.stored.meta["val"] = fake_like(weight.stored, packed[weight.fqn])
