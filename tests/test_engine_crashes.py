@@ -206,3 +206,17 @@ def test_auto_drops_a_plan_whose_engine_dies_and_keeps_another(crashing_engines,
     assert reason in lowered.report().text(width=400)
     lowered.save(tmp_path / "kept.pt2")
     torch.testing.assert_close(aotstack.load(tmp_path / "kept.pt2").forward(X), torch.relu(X))
+
+
+def test_auto_still_times_other_engines_in_a_child_once_openvino_ran_here(crashing_engines, tmp_path):
+    # OpenVINO's CPU plugin leaves threads a forked child would wait on, so a plan using OpenVINO
+    # is timed in this process once it ran here; a plan without it still is not.
+    pytest.importorskip("openvino")
+    aotstack.lower(relu_program(), [aotstack.OpenVinoPartitioner()], progress=False).save(tmp_path / "ov.pt2")
+    torch.testing.assert_close(aotstack.load(tmp_path / "ov.pt2").forward(X), torch.relu(X))
+
+    lowered = aotstack.lower(relu_program(), aotstack.Auto(engines=["aoti_cpu", "test_fpe_running"]), progress=False)
+
+    alone, crashed = lowered.placements["forward"].selection.candidates
+    assert crashed.error.startswith("EngineCrashError: test_fpe_running died of SIGFPE while timing"), crashed.error
+    assert alone.seconds is not None

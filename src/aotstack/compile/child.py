@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import IO, Any
@@ -73,28 +73,30 @@ def can_fork() -> bool:
 
 
 # Native libraries that, once they ran in a process, leave a forked child of it waiting forever on threads fork
-# did not copy. OpenVINO's CPU plugin compiles a model on its executor's threads, so a child's compile_model never
-# returns (its compile side, which only converts, is unaffected). ONNX Runtime's sessions and ExecuTorch's pool
-# survive fork, and OpenMP's pool is paused before it.
-THREADS_LOST_IN_FORK = {"libopenvino_intel_cpu_plugin": "OpenVINO"}
+# did not copy, by the backend whose run side loads them. OpenVINO's CPU plugin compiles a model on its executor's
+# threads, so a child's compile_model never returns (its compile side, which only converts, is unaffected). A child
+# that never calls into the library is unaffected too. ONNX Runtime's sessions and ExecuTorch's pool survive fork,
+# and OpenMP's pool is paused before it.
+THREADS_LOST_IN_FORK = {"libopenvino_intel_cpu_plugin": "openvino"}
 
 
 def engines_lost_in_fork() -> list[str]:
-    """The engines that ran in this process and whose threads a forked child would wait on forever."""
+    """The backends that ran in this process and whose threads a forked child would wait on forever."""
     try:
         with open("/proc/self/maps") as maps:
             names = {line.split()[-1].rsplit("/", 1)[-1] for line in maps if "/" in line}
     except OSError:
         return []
-    return sorted({engine for library, engine in THREADS_LOST_IN_FORK.items()
+    return sorted({backend_id for library, backend_id in THREADS_LOST_IN_FORK.items()
                    if any(name.startswith(library) for name in names)})
 
 
-def can_run_engines_in_fork() -> bool:
-    """Whether a forked child can load and run engines: ``can_fork``, and no engine ran here that it would hang in."""
+def can_run_engines_in_fork(backend_ids: Collection[str]) -> bool:
+    """Whether a forked child can load and run ``backend_ids``: ``can_fork``, and none of them ran here already
+    in a way the child would hang in."""
     if not can_fork():
         return False
-    lost = engines_lost_in_fork()
+    lost = sorted(set(engines_lost_in_fork()) & set(backend_ids))
     if lost:
         logger.info("engines run in this process, so a crash in one would end it: %s ran here, and its threads "
                     "do not survive fork", " and ".join(lost))

@@ -64,15 +64,15 @@ def measured_methods(
 
     ``examples`` holds the programs as exported, whose example inputs the calls use.
     Every call starts from the package's initial state (a KV cache is reset each time).
-    The load and the calls run in a forked child where that is safe (``child.can_run_engines_in_fork``),
-    else in this process.
+    The load and the calls run in a forked child where that is safe for the engines the plan uses
+    (``child.can_run_engines_in_fork``), else in this process.
     """
     with tempfile.TemporaryDirectory(prefix="aotstack-measure-") as folder:
         path = os.path.join(folder, "measured.pt2")
         save(dict(methods), dict(delegates), path)
         engines = [(d.delegate_id, d.backend_id) for name in methods for d in delegates[name]]
         stage = Stage([delegate_id for delegate_id, _ in engines])
-        if not can_run_engines_in_fork():
+        if not can_run_engines_in_fork({backend_id for _, backend_id in engines}):
             return timings(path, list(methods), examples, stage)
         return timings_in_child(path, list(methods), examples, stage, engines)
 
