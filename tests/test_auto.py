@@ -11,7 +11,7 @@ import aotstack
 from aotstack.compile import auto as auto_module
 from aotstack.compile import lower as lower_module
 from aotstack.engine.registry import BUILT_IN, Engine
-from aotstack.format.placement import Candidate
+from aotstack.format.placement import Candidate, placement_from_json
 from aotstack.report.schema import REPORT_SCHEMA
 from tests import models
 from tests.schema_check import schema_errors
@@ -42,6 +42,24 @@ class SleepyReluPartitioner(aotstack.SupportedOpsPartitioner):
 
     def supports_op(self, op):
         return op is torch.ops.aten.relu.default
+
+
+HOARDING = "test_hoarding_relu"
+# What the hoarding engine holds once it is loaded: far more than the rest of a small model's plan.
+HOARD_BYTES = 64 * 2**20
+
+
+class HoardingReluBackend(SleepyReluBackend):
+    """A sleepy engine that also keeps memory of its own from its init on, as an engine that repacks weights does."""
+
+    backend_id = HOARDING
+
+    def init(self, processed_bytes, named_data, compile_specs):
+        return torch.ones(HOARD_BYTES // 4)
+
+
+class HoardingReluPartitioner(SleepyReluPartitioner):
+    backend_id = HOARDING
 
 
 class BrokenReluBackend(SleepyReluBackend):
@@ -78,6 +96,7 @@ def cache_dir(tmp_path_factory: pytest.TempPathFactory):
 def test_engines(monkeypatch: pytest.MonkeyPatch, cache_dir):
     monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(cache_dir))
     monkeypatch.setitem(BUILT_IN, SLEEPY, engine("SleepyReluPartitioner"))
+    monkeypatch.setitem(BUILT_IN, HOARDING, engine("HoardingReluPartitioner"))
     monkeypatch.setitem(BUILT_IN, "test_broken_relu", engine("BrokenReluPartitioner"))
     monkeypatch.setitem(BUILT_IN, "test_unusable_relu", engine("UnusableReluPartitioner"))
 
@@ -113,6 +132,20 @@ def test_auto_keeps_the_plan_its_measurement_favours_and_says_why(test_engines, 
     html = report._repr_html_()
     assert "engines chosen by measuring" in html and "kept: aoti_cpu is the fastest" in html
     torch.testing.assert_close(aotstack.load(tmp_path / "auto.pt2").forward(*inputs), model(*inputs).detach())
+
+
+def test_auto_measures_the_memory_each_plan_holds_once_loaded_and_called(test_engines):
+    _, _, program = mlp_program()
+
+    lowered = aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu", SLEEPY, HOARDING]), progress=False)
+
+    alone, sleepy, hoarding = lowered.placements["forward"].selection.candidates
+    assert hoarding.engines == [HOARDING, "aoti_cpu"]
+    assert 0 <= sleepy.resident_bytes < HOARD_BYTES // 4, sleepy
+    assert HOARD_BYTES <= hoarding.resident_bytes - sleepy.resident_bytes < HOARD_BYTES * 1.25, (sleepy, hoarding)
+    assert alone.resident_bytes is not None
+    memory_cells = [line for line in lowered.report().text(width=200).splitlines() if HOARDING in line]
+    assert any(" MB" in line for line in memory_cells), memory_cells
 
 
 def test_a_warm_auto_lower_reads_its_measurements_instead_of_timing_again(test_engines, monkeypatch, tmp_path):
@@ -173,8 +206,10 @@ def test_every_installed_engine_proposes_a_plan_and_the_result_matches_eager(tmp
     torch.testing.assert_close(aotstack.load(tmp_path / "default.pt2").forward(*inputs), model(*inputs).detach())
 
 
-def candidate(engines: list[str], seconds: float | None, error: str | None = None) -> Candidate:
-    return Candidate(engines, seconds, {}, error)
+def candidate(
+    engines: list[str], seconds: float | None, error: str | None = None, megabytes: float | None = None
+) -> Candidate:
+    return Candidate(engines, seconds, {}, error, None if megabytes is None else int(megabytes * 1e6))
 
 
 def test_the_fastest_plan_wins_and_the_runner_up_is_named():
@@ -191,6 +226,47 @@ def test_aoti_alone_wins_a_tie():
         "forward", [candidate(["aoti_cpu"], 0.0102), candidate(["openvino", "aoti_cpu"], 0.0100)], 1
     )
     assert kept.chosen == 0 and "within 3% of the fastest plan" in kept.reason
+
+
+def test_a_plan_level_with_the_fastest_and_much_lighter_wins():
+    plans = [
+        candidate(["aoti_cpu"], 0.020, megabytes=50),
+        candidate(["onnxruntime", "aoti_cpu"], 0.0100, megabytes=200),
+        candidate(["xnnpack", "aoti_cpu"], 0.0102, megabytes=60),
+    ]
+    kept = auto_module.selection("forward", plans, 1)
+    assert kept.chosen == 2
+    assert kept.reason == ("xnnpack > aoti_cpu is within 3% of the fastest plan, onnxruntime > aoti_cpu (10 ms a "
+                           "call), and holds 60.00 MB of memory against its 200.00 MB")
+
+
+@pytest.mark.parametrize(
+    ("seconds", "megabytes", "aoti_seconds"),
+    [
+        (0.0110, 60, 0.020),  # lighter, but 10% slower: not level
+        (0.0102, 190, 0.020),  # level, but only 5% lighter
+        (0.0102, 60, 0.0102),  # level and lighter, but AOTInductor alone is level too, and it keeps its place
+    ],
+)
+def test_a_lighter_plan_does_not_displace_a_faster_one_or_aoti_alone(seconds, megabytes, aoti_seconds):
+    plans = [
+        candidate(["aoti_cpu"], aoti_seconds, megabytes=300),
+        candidate(["onnxruntime", "aoti_cpu"], 0.0100, megabytes=200),
+        candidate(["xnnpack", "aoti_cpu"], seconds, megabytes=megabytes),
+    ]
+    kept = auto_module.selection("forward", plans, 1)
+    assert kept.chosen == (0 if aoti_seconds < 0.011 else 1), kept.reason
+
+
+@pytest.mark.parametrize("held", [-1, 1.5, "64 MB", True])
+def test_a_file_whose_plan_memory_is_not_a_count_is_refused(held):
+    plan = {"engines": ["aoti_cpu"], "seconds": 0.01, "engine_seconds": {}, "error": None, "resident_bytes": held}
+    data = {"delegates": {}, "unclaimed": [], "selection": {"candidates": [plan], "chosen": 0, "threads": 1,
+                                                              "reason": "alone"}}
+    with pytest.raises(aotstack.PackageError, match="a candidate's resident_bytes is"):
+        placement_from_json(data)
+    plan["resident_bytes"] = 7
+    assert placement_from_json(data).selection.candidates[0].resident_bytes == 7
 
 
 def test_no_plan_that_works_is_an_error_naming_each():

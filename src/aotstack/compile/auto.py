@@ -18,8 +18,11 @@ The algorithm, kept small so a report can explain it:
    and the selection's reason lists the regions it kept and what each measured against.
 4. Per method, the fastest plan wins; boundary costs are in its time, as they are in a user's
    call. Within ``TIE`` of AOTInductor alone, AOTInductor alone wins: one engine and no
-   boundaries for a difference the measurement cannot tell apart. Methods choose separately, so
-   one file may run ``prefill`` in one engine and ``decode`` in another.
+   boundaries for a difference the measurement cannot tell apart. Otherwise, among the plans
+   within ``TIE`` of the fastest, one holding at least ``LIGHTER`` less memory once loaded and
+   called (an engine that repacks weights keeps its own copy of them) wins over the fastest.
+   Methods choose separately, so one file may run ``prefill`` in one engine and ``decode`` in
+   another.
 
 The figures are cached by the method's program, its example inputs, the plan, the thread count
 and the versions of torch, aotstack and the engines: re-lowering an unchanged model compiles
@@ -43,6 +46,7 @@ from ..errors import EngineCrashError, LoweringError
 from ..format.devices import parse_device_spec
 from ..format.placement import Candidate, Selection
 from ..format.specs import CompileSpec, SpecKey
+from ..report.text import megabytes
 from .cache import package_version, read_entry, write_entry
 from .measure import MethodTiming
 from .mixing import Mix, Region, RegionPartitioner
@@ -50,10 +54,12 @@ from .partitioner import Partitioner
 
 logger = logging.getLogger("aotstack")
 
-# A plan no more than this much slower than AOTInductor alone does not displace it.
+# A plan no more than this much slower than another is level with it: AOTInductor alone keeps its place against a
+# level plan, and a level plan holding at least LIGHTER less memory than the fastest displaces it.
 TIE = 0.03
-# The measurements' cache; each entry keeps its plan's regions too (``mixing.py``), which older entries lack.
-CACHE_KIND = "measurements-2"
+LIGHTER = 0.10
+# The measurements' cache; each entry keeps its plan's regions (``mixing.py``) and memory, which older entries lack.
+CACHE_KIND = "measurements-3"
 
 Plan = tuple[str, ...]
 
@@ -167,7 +173,9 @@ def cached_measurement(key: str, engines: Sequence[str]) -> Measurement | str | 
         entry = json.loads(data)
         if entry.get(SAME_AS_ALONE) is True:
             return SAME_AS_ALONE
-        candidate = Candidate(list(engines), float(entry["seconds"]), dict(entry["engine_seconds"]))
+        held = entry.get("resident_bytes")
+        candidate = Candidate(list(engines), float(entry["seconds"]), dict(entry["engine_seconds"]),
+                              resident_bytes=None if held is None else int(held))
         regions = [
             Region(str(r["engine"]), {str(k): float(v) for k, v in r["nodes"].items()}, float(r["seconds"]))
             for r in entry["regions"]
@@ -187,6 +195,7 @@ def store_measurement(key: str, measured: Measurement | str) -> None:
         if candidate.seconds is None:
             return
         entry = {"seconds": candidate.seconds, "engine_seconds": candidate.engine_seconds,
+                 "resident_bytes": candidate.resident_bytes,
                  "delegate_seconds": dict(delegate_seconds),
                  "regions": [{"engine": r.engine, "nodes": r.nodes, "seconds": r.seconds} for r in regions]}
     write_entry(CACHE_KIND, key + ".json", json.dumps(entry).encode())
@@ -203,7 +212,7 @@ def measured_candidate(plan: Plan, timing: MethodTiming, backends: Mapping[str, 
     for delegate_id, seconds in timing.delegate_seconds.items():
         engine = backends.get(delegate_id, "?")
         by_engine[engine] = by_engine.get(engine, 0.0) + seconds
-    return Candidate(list(plan), timing.seconds, by_engine)
+    return Candidate(list(plan), timing.seconds, by_engine, resident_bytes=timing.resident_bytes)
 
 
 def failed_candidate(plan: Sequence[str], error: BaseException) -> Candidate:
@@ -237,10 +246,18 @@ def selection(method: str, candidates: list[Candidate], threads: int) -> Selecti
     fastest, best = min(timed, key=lambda item: item[1].seconds)
     baseline = candidates[0]
     assert best.seconds is not None
+    level = [(index, c) for index, c in timed if c.seconds is not None and c.seconds <= best.seconds * (1 + TIE)]
+    lighter = lightest(level, best)
     if fastest != 0 and baseline.seconds is not None and baseline.seconds <= best.seconds * (1 + TIE):
         fastest, best = 0, baseline
         reason = (f"{plan_text(baseline.engines)} alone is within {TIE:.0%} of the fastest plan, "
                   "so one engine with no boundaries is kept")
+    elif lighter is not None:
+        assert lighter[1].resident_bytes is not None and best.resident_bytes is not None
+        reason = (f"{plan_text(lighter[1].engines)} is within {TIE:.0%} of the fastest plan, "
+                  f"{plan_text(best.engines)} ({milliseconds(best.seconds)} a call), and holds "
+                  f"{megabytes(lighter[1].resident_bytes)} of memory against its {megabytes(best.resident_bytes)}")
+        fastest, best = lighter
     else:
         reason = f"{plan_text(best.engines)} is the fastest ({milliseconds(best.seconds)} a call)"
         others = [c for index, c in timed if index != fastest]
@@ -253,6 +270,17 @@ def selection(method: str, candidates: list[Candidate], threads: int) -> Selecti
     if failed:
         reason += "; " + ", ".join(plan_text(c.engines) for c in failed) + " could not be lowered or run"
     return Selection(candidates, fastest, threads, reason)
+
+
+def lightest(level: list[tuple[int, Candidate]], fastest: Candidate) -> tuple[int, Candidate] | None:
+    """The plan of ``level`` (plans within ``TIE`` of ``fastest``) holding the least memory, where it holds at least
+    ``LIGHTER`` less than ``fastest``; None where none does, or memory was not measured."""
+    measured = [(index, c) for index, c in level if c.resident_bytes is not None]
+    if not measured or fastest.resident_bytes is None:
+        return None
+    index, candidate = min(measured, key=lambda item: item[1].resident_bytes or 0)
+    assert candidate.resident_bytes is not None
+    return (index, candidate) if candidate.resident_bytes <= fastest.resident_bytes * (1 - LIGHTER) else None
 
 
 def milliseconds(seconds: float) -> str:

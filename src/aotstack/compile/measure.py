@@ -22,7 +22,7 @@ import tempfile
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -53,6 +53,8 @@ class MethodTiming:
 
     seconds: float
     delegate_seconds: dict[str, float] = field(default_factory=dict)
+    # What loading the plan's file and calling each of its methods added to resident memory (``resident_bytes``).
+    resident_bytes: int | None = None
 
 
 def measured_methods(
@@ -112,8 +114,14 @@ class Stage:
 def timings(
     path: str, names: Sequence[str], examples: Mapping[str, ExportedProgram], stage: Stage
 ) -> dict[str, MethodTiming]:
-    """Each method ``names`` lists of the program saved at ``path``, loaded and timed in this process."""
+    """Each method ``names`` lists of the program saved at ``path``, loaded and timed in this process.
+
+    Each timing also carries the memory the loaded program added by the end of the last method's
+    calls (``held_bytes``): what the engines allocated (packed weights, runtimes, state) and the
+    file's pages they still read.
+    """
     spent: dict[str, list[float]] = defaultdict(list)
+    before = held_bytes(path)
     stage.loading()
     loaded = loaded_program(path, allowed_ops=None, wrap_delegate=timing_into(spent, stage))
     manifest = read_manifest(path)
@@ -124,7 +132,31 @@ def timings(
             args, kwargs = placed_inputs(example_inputs(name, examples[name]), manifest.methods[name].inputs)
             method = loaded.method(name)
             result[name] = timed_method(lambda m=method, a=args, k=kwargs: m(*a, **k), loaded.reset, spent)
-    return result
+    after = held_bytes(path)
+    held = None if before is None or after is None else max(after - before, 0)
+    return {name: replace(timing, resident_bytes=held) for name, timing in result.items()}
+
+
+def held_bytes(package: str) -> int | None:
+    """Resident bytes of this process's own memory and of ``package``'s mapped pages; None where Linux's
+    ``/proc/self/smaps`` cannot be read.
+
+    Shared libraries are left out: their code is shared between processes, and a forked child
+    faults in pages of the ones its parent loaded as it runs them, which are no new memory.
+    """
+    target = os.path.realpath(package)
+    held, current = 0, False
+    try:
+        with open("/proc/self/smaps") as lines:
+            for line in lines:
+                fields = line.split()
+                if fields and not fields[0].endswith(":"):  # a mapping's header: range, perms, offset, dev, inode, path
+                    current = len(fields) < 6 or fields[5] == target or fields[5].startswith("[")
+                elif current and fields[0] == "Rss:":
+                    held += int(fields[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return held
 
 
 def timings_in_child(

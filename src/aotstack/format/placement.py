@@ -82,6 +82,9 @@ class Candidate:
     # Median seconds per call spent in each engine's delegates; plain ATen and the method's own steps are the rest.
     engine_seconds: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    # Bytes of resident memory the plan's file held once loaded and called (weights an engine packed, its runtime,
+    # the file's pages read); None where it failed or memory could not be read.
+    resident_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,7 @@ def candidate(data: Any) -> Candidate:
         seconds_or_none(data.get("seconds"), "a candidate's seconds"),
         {text(engine, "an engine"): seconds(value, "engine_seconds") for engine, value in spent.items()},
         None if error is None else text(error, "a candidate's error"),
+        count_or_none(data.get("resident_bytes"), "a candidate's resident_bytes"),
     )
 
 
@@ -177,6 +181,12 @@ def seconds(value: Any, what: str) -> float:
 
 def seconds_or_none(value: Any, what: str) -> float | None:
     return None if value is None else seconds(value, what)
+
+
+def count_or_none(value: Any, what: str) -> int | None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        raise PackageError(f"{what} is {value!r}; expected a non-negative int or null")
+    return value
 
 
 def delegate_placement(data: Any) -> DelegatePlacement:

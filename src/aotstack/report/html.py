@@ -15,6 +15,7 @@ from .text import (
     compile_text,
     custom_op_uses,
     duration,
+    held_memory,
     megabytes,
     ops_text,
     plural_threads,
@@ -115,11 +116,13 @@ def selection_html(selection: Selection) -> str:
             "✓" if index == selection.chosen else "",
             " &gt; ".join(swatch(engine) + escape(engine) for engine in candidate.engines),
             "failed" if candidate.seconds is None else duration(candidate.seconds),
+            held_memory(candidate.resident_bytes),
             spent if candidate.error is None else escape(candidate.error.splitlines()[0][:160]),
         ]
         rows.append("<tr>" + "".join(f"<td>{cell}</td>" for cell in cells) + "</tr>")
     caption = f"engines chosen by measuring, {plural_threads(selection.threads)}"
-    return table(caption, ["", "plan", "a call", "in each engine"], rows) + f"<p>kept: {escape(selection.reason)}</p>"
+    columns = ["", "plan", "a call", "memory", "in each engine"]
+    return table(caption, columns, rows) + f"<p>kept: {escape(selection.reason)}</p>"
 
 
 def delegates_html(delegates: list[DelegateSummary], planned: bool) -> str:

@@ -84,6 +84,8 @@ CANDIDATE = strict(
         "engine_seconds": {"type": "object", "additionalProperties": SECONDS,
                            "description": "engine -> median seconds a call in its delegates"},
         "error": nullable(TEXT),
+        "resident_bytes": {**nullable(COUNT),
+                           "description": "resident memory the loaded file held after its calls; null where unknown"},
     }
 )
 

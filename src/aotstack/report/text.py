@@ -131,17 +131,23 @@ def shares_text(method: MethodSummary) -> Text:
 def selection_table(selection: Selection) -> Group:
     """The plans auto-lowering timed for a method, the one it kept marked, and why it won."""
     table = Table(title=f"engines chosen by measuring, {plural_threads(selection.threads)}", title_justify="left")
-    for column in ("", "plan", "a call", "in each engine"):
-        table.add_column(column, justify="right" if column == "a call" else "left", overflow="fold")
+    for column in ("", "plan", "a call", "memory", "in each engine"):
+        table.add_column(column, justify="right" if column in ("a call", "memory") else "left", overflow="fold")
     for index, candidate in enumerate(selection.candidates):
         spent = ", ".join(f"{engine} {duration(seconds)}" for engine, seconds in candidate.engine_seconds.items())
         table.add_row(
             "✓" if index == selection.chosen else "",
             " > ".join(candidate.engines),
             "failed" if candidate.seconds is None else duration(candidate.seconds),
+            held_memory(candidate.resident_bytes),
             spent if candidate.error is None else candidate.error.splitlines()[0][:160],
         )
     return Group(table, Text(f"kept: {selection.reason}"))
+
+
+def held_memory(count: int | None) -> str:
+    """Memory a plan held once loaded and called, in MB; blank where it was not measured."""
+    return "" if count is None else megabytes(count)
 
 
 def plural_threads(threads: int) -> str:
