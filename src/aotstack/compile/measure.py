@@ -53,7 +53,7 @@ class MethodTiming:
 
     seconds: float
     delegate_seconds: dict[str, float] = field(default_factory=dict)
-    # What loading the plan's file and calling each of its methods added to resident memory (``resident_bytes``).
+    # What loading the plan's file and calling each of its methods added to resident memory (``held_bytes``).
     resident_bytes: int | None = None
 
 
