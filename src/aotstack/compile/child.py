@@ -34,6 +34,7 @@ from typing import IO, Any
 
 import torch
 
+from ..engine.registry import BUILT_IN
 from ..errors import EngineCrashError, LoweringError
 from ..forking import pause_openmp
 
@@ -72,23 +73,17 @@ def can_fork() -> bool:
     return False
 
 
-# Native libraries that, once they ran in a process, leave a forked child of it waiting forever on threads fork
-# did not copy, by the backend whose run side loads them. OpenVINO's CPU plugin compiles a model on its executor's
-# threads, so a child's compile_model never returns (its compile side, which only converts, is unaffected). A child
-# that never calls into the library is unaffected too. ONNX Runtime's sessions and ExecuTorch's pool survive fork,
-# and OpenMP's pool is paused before it.
-THREADS_LOST_IN_FORK = {"libopenvino_intel_cpu_plugin": "openvino"}
-
-
 def engines_lost_in_fork() -> list[str]:
-    """The backends that ran in this process and whose threads a forked child would wait on forever."""
+    """The engines that ran in this process and whose threads a forked child would wait on forever
+    (``Engine.lost_in_fork``). A child that never calls such an engine is unaffected. ONNX Runtime's
+    sessions and ExecuTorch's pool survive fork, and OpenMP's pool is paused before it."""
     try:
         with open("/proc/self/maps") as maps:
             names = {line.split()[-1].rsplit("/", 1)[-1] for line in maps if "/" in line}
     except OSError:
         return []
-    return sorted({backend_id for library, backend_id in THREADS_LOST_IN_FORK.items()
-                   if any(name.startswith(library) for name in names)})
+    return sorted(backend_id for backend_id, engine in BUILT_IN.items()
+                  if any(name.startswith(library) for library in engine.lost_in_fork for name in names))
 
 
 def can_run_engines_in_fork(backend_ids: Collection[str]) -> bool:

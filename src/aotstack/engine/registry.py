@@ -23,7 +23,9 @@ class Engine:
     built with no arguments; ``devices`` are the device types it targets (``"cpu"``,
     ``"cuda"``, ``"mps"``); ``packages`` are the modules it needs, and ``extra`` the pip extra
     that brings them. ``takes_every_op``: it compiles whatever ATen op another engine leaves on
-    its device, so auto-lowering ends every plan with it.
+    its device, so auto-lowering ends every plan with it. ``lost_in_fork``: native libraries
+    (file name prefixes) that, once they ran here, leave a forked child that calls the engine
+    waiting forever on threads fork did not copy; its plans are then timed in this process.
     """
 
     run: str
@@ -33,6 +35,7 @@ class Engine:
     packages: tuple[str, ...] = ()
     extra: str | None = None
     takes_every_op: bool = False
+    lost_in_fork: tuple[str, ...] = ()
 
     def installed(self) -> bool:
         """Whether every package this engine needs can be imported here."""
@@ -56,7 +59,10 @@ BUILT_IN: dict[str, Engine] = {
                           packages=("onnxruntime", "onnx", "onnxscript"), extra="onnx"),
     "openvino": Engine("aotstack.backends.openvino.run", "aotstack.backends.openvino.backend",
                        "aotstack.backends.openvino.partitioner:OpenVinoPartitioner",
-                       packages=("openvino",), extra="openvino"),
+                       packages=("openvino",), extra="openvino",
+                       # Its CPU plugin compiles a model on its executor's threads: a child's compile_model never
+                       # returns (its compile side, which only converts, is unaffected).
+                       lost_in_fork=("libopenvino_intel_cpu_plugin",)),
     "xnnpack": Engine("aotstack.backends.xnnpack.run", "aotstack.backends.xnnpack.backend",
                       "aotstack.backends.xnnpack.partitioner:XnnpackPartitioner",
                       packages=("executorch",), extra="xnnpack"),
