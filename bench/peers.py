@@ -666,6 +666,13 @@ def aotstack_runner(engine: str) -> Callable[[Case, int, Settings], Runner]:
         detail = (delegate_engines(lowered.delegates("forward")) or "no delegate") + fell_back
         progress(f"{case.name}: {engine} lowered for {threads} thread(s) in {time.perf_counter() - started:.1f} s "
                  f"({detail})")
+        selection = lowered.placements["forward"].selection
+        if selection is not None:
+            measured = ", ".join(
+                f"{' > '.join(c.engines)} " + ("failed" if c.seconds is None else f"{c.seconds * 1e3:.3g} ms")
+                for c in selection.candidates
+            )
+            progress(f"{case.name}: {engine} measured {measured}; kept: {selection.reason}")
         if any(d.backend_id == "openvino" for d in lowered.delegates("forward")):
             probe_aotstack(case, path, threads, settings)  # OpenVINO's compile can kill the process
         loaded = aotstack.load(path)  # after torch.set_num_threads: its ONNX Runtime sessions read it here
