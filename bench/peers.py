@@ -759,11 +759,12 @@ def check_decoder(case: Case, runner: Runner, eager_logits: Callable[[], torch.T
                   f"eager's (allowed {allowed:.2g})", tokens)
 
 
-def file_and_memory(case: Case, engine: str, runner: Runner, cell: Cell, settings: Settings) -> None:
+def file_and_memory(case: Case, engine: str, runner: Runner, cell: Cell, settings: Settings, threads: int) -> None:
     """The cell's file size, and for the decoder the RSS a fresh process adds by load + one call.
 
-    Memory is measured once per case and engine (at the first thread count): ``bench/child.py load``,
-    its RSS after the call over its RSS after the imports the load needs.
+    Memory is measured once per case and engine, at the first thread count (OpenVINO 2026.4 dies of
+    SIGFPE compiling the bf16 Llama at 1 thread, not at 2): ``bench/child.py load``, its RSS after the
+    call over its RSS after the imports the load needs.
     """
     cell.file_bytes = sum(os.path.getsize(f) for f in runner.files if os.path.exists(f)) or None
     if not case.decoder or runner.memory is None or engine not in MEMORY_ENGINES:
@@ -773,7 +774,7 @@ def file_and_memory(case: Case, engine: str, runner: Runner, cell: Cell, setting
         kind, path = runner.memory
         inputs = save_inputs(settings.path(f"peers-{case.name}-inputs.pt"),
                              kwargs=dict(zip(("input_ids", "cache_position"), decoder_inputs())))
-        sample = run_child(["load", kind, path, inputs, "1"])
+        sample = run_child(["load", kind, path, inputs, str(threads)])
         return sample["rss"] - sample["import_rss"]
 
     try:
@@ -885,7 +886,7 @@ def run_threads(case: Case, threads: int, settings: Settings, rounds: int) -> di
             cells[engine] = outcome(exc)
             progress(f"{case.name} {threads}t: {engine}: {cells[engine].kind}: {cells[engine].reason}")
         if runner is not None and engine in cells:
-            file_and_memory(case, engine, runner, cells[engine], settings)
+            file_and_memory(case, engine, runner, cells[engine], settings, threads)
     if not case.decoder:
         differences = ", ".join(f"{n} {c.difference:.1e}" for n, c in cells.items() if c.difference is not None)
         progress(f"{case.name} {threads}t: max |engine - eager|: {differences}")
