@@ -329,21 +329,11 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowering) -> Lowe
         for name, entries in listed.items()
     }
     for name, kept in selections.items():
-        contenders = [list(listed[name])[kept.chosen], plans[0]]
-        lowerings = {plan: mixed_lowerings.get(name) if name in mixes and plan == mixes[name][0]
-                     else lowered_by_plan.get(plan) for plan in contenders}
-        if kept.chosen == 0 or not all(isinstance(lowerings[plan], LoweredProgram) for plan in contenders):
-            continue  # AOTInductor alone kept, or a plan measured by an earlier lowering, which confirmed it then
-        for plan in contenders:
-            again = timed_again(name, program.methods[name], plan, lowerings[plan])  # type: ignore[arg-type]
-            if again is not None and again[0].seconds is not None and again[0].seconds < listed[name][plan][0].seconds:
-                listed[name][plan] = again
-                store_measurement(mix_keys[name] if name in mixes and plan == mixes[name][0] else keys[name, plan],
-                                  again)
-        confirmed = selection(name, [candidate for candidate, _, _ in listed[name].values()], threads)
-        selections[name] = replace(confirmed, reason=f"{confirmed.reason}; {plan_text(contenders[0])} and "
-                                                     f"{plan_text(contenders[1])} were timed twice, each keeping "
-                                                     "its faster timing")
+        # Each plan measured now: its lowering and its measurement's cache key.
+        sources = {plan: (lowered_by_plan[plan], keys[name, plan]) for plan in listed[name] if plan in lowered_by_plan}
+        if name in mixed_lowerings:
+            sources[mixes[name][0]] = (mixed_lowerings[name], mix_keys[name])
+        selections[name] = timed_twice(name, program.methods[name], kept, listed[name], sources, threads)
     chosen = {name: list(listed[name])[kept.chosen] for name, kept in selections.items()}
     by_method = {name: lowered_by_plan[plan] for name, plan in chosen.items() if plan in lowered_by_plan}
     mixed = {name for name, (label, _) in mixes.items() if chosen[name] == label}
@@ -390,14 +380,38 @@ def plan_measurement(engines: Sequence[str], delegates: list[Delegate], timing: 
     return measured_candidate(tuple(engines), timing, by_id), timing.delegate_seconds, regions
 
 
-def timed_again(name: str, exported: ExportedProgram, plan: Plan, lowered: LoweredProgram) -> Measurement | None:
-    """Method ``name`` of ``plan``'s lowering timed once more, as the first time; None where it fails now.
+def timed_twice(
+    name: str,
+    exported: ExportedProgram,
+    kept: Selection,
+    listed: dict[Plan, Measurement],
+    sources: Mapping[Plan, tuple[LoweredProgram, str]],
+    threads: int,
+) -> Selection:
+    """``kept`` made again after the plan it kept, where that beat AOTInductor alone, and AOTInductor alone are
+    timed once more, the winner first this time, each keeping its faster timing (in ``listed`` and the cache).
 
-    A plan that beat AOTInductor alone is timed again with it, the winner first this time, and
-    each keeps its faster timing: a burst of load on a shared machine while one plan was timed
-    (measured: AOTInductor alone at 1.5x its time) would otherwise choose a slower plan for good,
-    as the choice is cached.
+    A burst of load on a shared machine while one plan was timed (measured: AOTInductor alone at
+    1.5x its time) would otherwise choose a slower plan for good, as the choice is cached. Plans
+    measured by an earlier lowering (not in ``sources``) were confirmed then.
     """
+    contenders = [list(listed)[kept.chosen], list(listed)[0]]
+    if kept.chosen == 0 or not all(plan in sources for plan in contenders):
+        return kept
+    for plan in contenders:
+        lowered, key = sources[plan]
+        again = timed_again(name, exported, plan, lowered)
+        first = listed[plan][0].seconds
+        if again is not None and again[0].seconds is not None and (first is None or again[0].seconds < first):
+            listed[plan] = again
+            store_measurement(key, again)
+    confirmed = selection(name, [candidate for candidate, _, _ in listed.values()], threads)
+    return replace(confirmed, reason=f"{confirmed.reason}; {plan_text(contenders[0])} and {plan_text(contenders[1])} "
+                                     "were timed twice, each keeping its faster timing")
+
+
+def timed_again(name: str, exported: ExportedProgram, plan: Plan, lowered: LoweredProgram) -> Measurement | None:
+    """Method ``name`` of ``plan``'s lowering timed once more, as the first time; None where it fails now."""
     try:
         delegates = lowered.delegate_table[name]
         timing = measured_methods({name: lowered.methods[name]}, {name: delegates}, {name: exported})[name]
