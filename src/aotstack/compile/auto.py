@@ -21,7 +21,7 @@ The algorithm, kept small so a report can explain it:
    boundaries for a difference the measurement cannot tell apart. Otherwise, among the plans
    within ``TIE`` of the fastest, one holding at least ``LIGHTER`` less memory once loaded and
    called (an engine that repacks weights keeps its own copy of them) wins over the fastest.
-   A plan that beat AOTInductor alone is timed again with it (``lower.timed_again``), each
+   A plan that beat AOTInductor alone is timed again with it (``lower.timed_twice``), each
    keeping its faster timing, and the choice is made again.
    Methods choose separately, so one file may run ``prefill`` in one engine and ``decode`` in
    another.
