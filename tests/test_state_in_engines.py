@@ -77,13 +77,29 @@ def test_a_decode_with_the_cache_in_the_engine_generates_eager_tokens_again_afte
     assert tokens["again"] == expected, "reset() puts the cache back in the memory the engine writes"
 
 
-def test_the_cache_memory_the_engine_writes_is_the_programs_one_state(decoder_file):
-    _, _, path, _ = decoder_file
+def test_the_cache_lives_where_the_engine_updates_it(decoder_file):
+    """ONNX Runtime writes the program's one state in place; OpenVINO keeps the cache as its own state variables."""
+    engine, _, path, _ = decoder_file
     loaded = aotstack.load(path)
     state = {fqn: loaded._state.mutable[fqn].current for fqn in CACHES}
     addresses = {fqn: torch.frombuffer(memory, dtype=torch.uint8).data_ptr() for fqn, memory in state.items()}
     loaded.forward(torch.tensor([[3]]), torch.tensor([0]))
     written = {fqn: torch.frombuffer(memory, dtype=torch.float32).abs().sum().item() for fqn, memory in state.items()}
+    if engine == "openvino":
+        # Nothing else in the file reads the cache, so it never leaves the infer request: the
+        # compiled model neither takes nor returns it, and the program's memory for it stays as loaded.
+        [keeper] = loaded._state.keepers
+        assert {buffer.fqn for buffer in keeper.handle.kept.values()} == CACHES
+        cache = [1, 2, CACHE, 8]
+        ports = [*keeper.handle.compiled.inputs, *keeper.handle.compiled.outputs]
+        assert all(list(port.get_partial_shape().to_shape()) != cache for port in ports)
+        variables = keeper.handle.idle[0].request.query_state()
+        assert all(torch.from_numpy(v.state.data.copy()).abs().sum() > 0 for v in variables)
+        assert not any(written.values())
+        loaded.reset()
+        assert not any(torch.from_numpy(v.state.data.copy()).abs().sum() for v in variables)
+        return
+    assert not loaded._state.keepers
     assert all(total > 0 for total in written.values()), "the engine wrote the first position into the state"
     loaded.reset()
     assert all(not any(memory) for memory in state.values())
@@ -95,8 +111,9 @@ class RunningMean(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.register_buffer("mean", torch.zeros(4, 8))
-        self.register_buffer("calls", torch.zeros(4, 8))
+        # Not zeros: a state an engine keeps starts from the file's values, and reset() restores them.
+        self.register_buffer("mean", torch.linspace(-1.0, 1.0, 32).reshape(4, 8))
+        self.register_buffer("calls", torch.full((4, 8), 2.0))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.add_(1.0)
@@ -132,3 +149,45 @@ def test_the_report_says_which_delegate_keeps_each_buffer(decoder_file):
     [owner] = [d for d in report.to_json()["methods"][0]["delegates"] if d["state"]]
     assert owner["engine"] == engine and CACHES <= set(owner["state"])
     assert "state (in place, cpu): " in report.text(width=200)
+
+
+class Accumulator(torch.nn.Module):
+    """Two methods over one buffer: ``add`` updates it, ``read`` reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("total", torch.linspace(0.0, 3.0, 32).reshape(4, 8))
+
+    def add(self, x: torch.Tensor) -> torch.Tensor:
+        self.total.add_(x)
+        return self.total * 2
+
+    def read(self, x: torch.Tensor) -> torch.Tensor:
+        return self.total * x
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_buffer_another_method_reads_is_read_as_it_is_now(engine, tmp_path):
+    if not BUILT_IN[engine].installed():
+        pytest.skip(f"{engine} is not installed")
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    program = aotstack.export(Accumulator(), {"add": (x,), "read": (x,)})
+    lowered = aotstack.lower(program, [ENGINES[engine]()])
+    [adding], [reading] = lowered.delegates("add"), lowered.delegates("read")
+    assert (adding.backend_id, adding.updated_buffers) == (engine, ["total"])
+    # ``read``'s delegate takes the buffer as an input, not as a constant of its own, which an
+    # engine may copy at load and which would hold the value the file starts from.
+    assert "weight:total" not in reading.named_data and len(reading.inputs) == 2
+    path = tmp_path / "accumulator.pt2"
+    lowered.save(path)
+
+    loaded, eager = aotstack.load(path), Accumulator()
+    # ``add``'s engine updates the buffer, but ``read`` reads it too: no engine may keep it.
+    assert not loaded._state.keepers
+    for step in range(3):
+        y = torch.randn(4, 8)
+        torch.testing.assert_close(loaded.add(y), eager.add(y))
+        torch.testing.assert_close(loaded.read(x), eager.read(x), msg=f"step {step}")
+    loaded.reset()
+    torch.testing.assert_close(loaded.read(x), Accumulator().read(x))

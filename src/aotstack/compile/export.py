@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import types
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +13,7 @@ import torch
 from torch.export import ExportedProgram
 
 from ..errors import ExportError
+from .program_parts import updated_buffers
 
 
 @dataclass
@@ -20,6 +21,17 @@ class Program:
     """Every method of a model, exported: ``{method name: ExportedProgram}``."""
 
     methods: dict[str, ExportedProgram]
+    # Buffers that methods of a larger program this one was taken from update (``only``).
+    updated_elsewhere: frozenset[str] = frozenset()
+
+    @property
+    def state(self) -> set[str]:
+        """The FQNs of the buffers a method updates (a KV cache): any other method reads them as they are now."""
+        return updated_buffers(self.methods.values()) | self.updated_elsewhere
+
+    def only(self, names: Iterable[str]) -> Program:
+        """The methods ``names`` alone, still knowing which buffers the others update."""
+        return Program({name: self.methods[name] for name in names}, frozenset(self.state))
 
     def __post_init__(self) -> None:
         if not self.methods:

@@ -64,6 +64,7 @@ from .program_parts import (
     called_ops,
     constant_placeholders,
     is_size_computation,
+    mark_state_of_other_methods,
     program_fingerprint,
     program_weights,
 )
@@ -319,7 +320,7 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowering) -> Lowe
         label = tuple(mix.labels)
         logger.info("auto: %s: the plans' regions propose %s (%s)", name, plan_text(label), mix.explanation())
         key = mix_keys[name] = mix_key(fingerprints[name], exported, mix, threads)
-        entry, lowered = mix_measurement(name, exported, mix, auto, lower_plan, key)
+        entry, lowered = mix_measurement(program.only([name]), name, mix, auto, lower_plan, key)
         listed[name][label] = entry
         mixes[name] = (label, mix)
         if lowered is not None:
@@ -342,7 +343,7 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowering) -> Lowe
     unlowered = [name for name in program.methods if name not in by_method]
     if unlowered:
         again = lower_plan(
-            Program({name: program.methods[name] for name in unlowered}),
+            program.only(unlowered),
             {
                 name: mix_partitioners(mixes[name][1], auto.device)
                 if name in mixed else plan_partitioners(chosen[name], auto.device)
@@ -433,14 +434,15 @@ def method_mix(listed: Mapping[Plan, Measurement], closing: str) -> Mix | None:
 
 
 def mix_measurement(
-    name: str, exported: ExportedProgram, mix: Mix, auto: Auto, lower_plan: PlanLowering, key: str
+    method: Program, name: str, mix: Mix, auto: Auto, lower_plan: PlanLowering, key: str
 ) -> tuple[Measurement, LoweredProgram | None]:
-    """The mixed plan's measurement of method ``name``, from the cache or lowered and timed now."""
+    """The mixed plan's measurement of ``method``'s only method ``name``, from the cache or lowered and timed now."""
     cached = cached_measurement(key, mix.labels)
     if isinstance(cached, tuple):
         return cached, None
+    exported = method.methods[name]
     try:
-        lowered = lower_plan(Program({name: exported}), {name: mix_partitioners(mix, auto.device)}, tuple(mix.labels))
+        lowered = lower_plan(method, {name: mix_partitioners(mix, auto.device)}, tuple(mix.labels))
         delegates = lowered.delegate_table[name]
         timing = measured_methods({name: lowered.methods[name]}, {name: delegates}, {name: exported})[name]
     except Exception as error:  # noqa: BLE001 - like any plan, a mix that fails is named, not raised
@@ -512,7 +514,7 @@ def lowering_steps(
     """
     plan = partitioners_by_method(program, partitioners)
     states = {
-        name: MethodLowering.of(name, exported, keep_references=keep_references, planned=planned)
+        name: MethodLowering.of(name, exported, program.state, keep_references=keep_references, planned=planned)
         for name, exported in program.methods.items()
     }
     # Level by level: the partitioners at one position, in every method, compile together.
@@ -733,9 +735,17 @@ class MethodLowering:
 
     @classmethod
     def of(
-        cls, name: str, exported: ExportedProgram, *, keep_references: bool = False, planned: bool = False
+        cls,
+        name: str,
+        exported: ExportedProgram,
+        program_state: set[str],
+        *,
+        keep_references: bool = False,
+        planned: bool = False,
     ) -> MethodLowering:
+        """The method's lowering, on a copy; ``program_state``: the buffers any method of the program updates."""
         working = copied_program(exported)
+        mark_state_of_other_methods(working, program_state)
         read_before = {node.name for node in constant_placeholders(working) if node.users}
         first_id = sum(1 for node in working.graph.nodes if is_delegate_call(node))
         return cls(name, working, read_before, first_id, keep_references=keep_references, planned=planned)

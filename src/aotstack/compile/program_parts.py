@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,14 +193,36 @@ def target_text(node: Node) -> str:
         return repr(target)
 
 
+# Placeholder meta: another method of the program updates this buffer. A partition that reads it
+# then takes it as an input, like a buffer its own method updates, never as a constant of its
+# own: an engine may copy or repack its constants, and would read the value the file starts from.
+UPDATED_BY_ANOTHER_METHOD = "aotstack_updated_by_another_method"
+
+
 def mutated_buffer_names(exported_program: ExportedProgram) -> set[str]:
-    """Names of the placeholders whose buffers the method mutates."""
+    """Names of the placeholders whose buffers the method, or another method of its program, mutates."""
     mutated_targets = set(exported_program.graph_signature.buffers_to_mutate.values())
+    placeholders = {node.name: node for node in exported_program.graph.nodes if node.op == "placeholder"}
     return {
         spec.arg.name
         for spec in exported_program.graph_signature.input_specs
-        if spec.kind == InputKind.BUFFER and spec.target in mutated_targets
+        if spec.kind == InputKind.BUFFER
+        and (spec.target in mutated_targets or UPDATED_BY_ANOTHER_METHOD in placeholders[spec.arg.name].meta)
     }
+
+
+def updated_buffers(methods: Iterable[ExportedProgram]) -> set[str]:
+    """The FQNs of the buffers any of ``methods`` updates: the program's state."""
+    return {fqn for exported in methods for fqn in exported.graph_signature.buffers_to_mutate.values()}
+
+
+def mark_state_of_other_methods(exported_program: ExportedProgram, state: set[str]) -> None:
+    """Mark, in place, each buffer of ``state`` that ``exported_program`` reads but another method updates."""
+    own = set(exported_program.graph_signature.buffers_to_mutate.values())
+    placeholders = {node.name: node for node in exported_program.graph.nodes if node.op == "placeholder"}
+    for spec in exported_program.graph_signature.input_specs:
+        if spec.kind == InputKind.BUFFER and spec.target in state - own:
+            placeholders[spec.arg.name].meta[UPDATED_BY_ANOTHER_METHOD] = True
 
 
 def user_input_placeholders(exported_program: ExportedProgram) -> list[Node]:

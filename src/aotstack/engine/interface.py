@@ -84,6 +84,31 @@ class BackendRuntime:
         """Run one delegate call."""
         raise NotImplementedError
 
+    def init_keeping_state(
+        self,
+        processed_bytes: bytes,
+        named_data: Mapping[str, BytesLike],
+        compile_specs: list[CompileSpec],
+        keepable: frozenset[str],
+    ) -> tuple[Any, frozenset[str]]:
+        """``init``, told which buffers the delegate may keep inside its engine; the handle, and the buffers it keeps.
+
+        ``keepable`` names (by FQN) the buffers the delegate updates that nothing else in the
+        package reads or updates: no other delegate, no other method, no step of the plan. An
+        engine that holds state of its own (OpenVINO's state variables) may keep such a buffer
+        there, starting from its shared memory, rather than reading and writing that memory each
+        call; the buffer's value then never crosses the delegate's boundary. Loading never reads
+        the shared memory of a kept buffer again, and after ``reset()`` has rewritten it calls
+        ``reset_state``. The default keeps nothing: ``init``, with every buffer updated in place.
+        """
+        return self.init(processed_bytes, named_data, compile_specs), frozenset()
+
+    def reset_state(self, handle: Any) -> None:
+        """Set each buffer ``handle`` keeps inside the engine from its shared memory, which ``reset()`` just rewrote.
+
+        Called only for a handle that kept buffers (``init_keeping_state``), with no call of it running.
+        """
+
     def released_named_data(self, handle: Any, named_data: Collection[str], called: bool) -> Collection[str]:
         """Of ``named_data`` (the names ``init`` was given), those the engine no longer reads where the file holds them.
 

@@ -34,6 +34,9 @@ class DelegateFiles:
     compile_specs: list[CompileSpec]
     # The buffers the delegate updates, each over the program's one writable state.
     state: list[OwnedBuffer]
+    # Of those, the FQNs nothing else in the package reads or updates: the engine may keep them
+    # inside itself (``BackendRuntime.init_keeping_state``).
+    keepable: frozenset[str] = frozenset()
 
     def blob(self, name: str) -> BytesLike:
         """Named data ``name``, which the package must hold."""
@@ -57,8 +60,26 @@ class SessionRuntime(BackendRuntime):
     ) -> Any:
         return self.open(self.delegate_files(processed_bytes, named_data, compile_specs))
 
+    def init_keeping_state(
+        self,
+        processed_bytes: bytes,
+        named_data: Mapping[str, BytesLike],
+        compile_specs: list[CompileSpec],
+        keepable: frozenset[str],
+    ) -> tuple[Any, frozenset[str]]:
+        handle = self.open(self.delegate_files(processed_bytes, named_data, compile_specs, keepable))
+        return handle, self.kept_state(handle)
+
+    def kept_state(self, handle: Any) -> frozenset[str]:
+        """The buffers ``handle``'s session keeps inside itself, of those ``open`` was offered; none by default."""
+        return frozenset()
+
     def delegate_files(
-        self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
+        self,
+        processed_bytes: bytes,
+        named_data: Mapping[str, BytesLike],
+        compile_specs: list[CompileSpec],
+        keepable: frozenset[str] = frozenset(),
     ) -> DelegateFiles:
         label = partition_label(self.backend_id, compile_specs)
         processed = processed_json.read_processed(processed_bytes, label, self.readable_versions)
@@ -72,6 +93,7 @@ class SessionRuntime(BackendRuntime):
             named_data=named_data,
             compile_specs=compile_specs,
             state=processed_json.owned_state(processed, named_data, label),
+            keepable=keepable,
         )
 
     def open(self, delegate: DelegateFiles) -> Any:

@@ -266,6 +266,10 @@ class ProgramState:
         self.locked_methods = {
             name for name, method in contents.manifest.methods.items() if reads_state(method, set(self.mutable))
         }
+        # The buffers each delegate (by reader name) alone reads and updates, which its engine may
+        # keep inside itself; and the delegates whose engines keep some, told of each reset().
+        self.keepable = sole_updaters(contents.manifest.methods, set(self.mutable))
+        self.keepers: list[LoadedDelegate] = []
 
     def add_mutable(self, fqn: str, key: str, device: Device) -> None:
         if fqn not in self.mutable:
@@ -320,9 +324,15 @@ class ProgramState:
         """Each buffer the methods update -> where its state lives: ``cpu``, ``cuda:0``."""
         return {fqn: str(buffer.device) for fqn, buffer in self.mutable.items()}
 
+    def keepable_by(self, reader: str) -> frozenset[str]:
+        """The buffers the delegate ``reader`` may keep inside its engine: those it alone reads and updates."""
+        return frozenset(fqn for fqn, sole in self.keepable.items() if sole == reader)
+
     def reset(self) -> None:
         for buffer in self.mutable.values():
             buffer.reset()
+        for keeper in self.keepers:
+            keeper.runtime.reset_state(keeper.handle)
         # Copying read the initial values back in; they are not read again until the next reset.
         with self.readers_lock:
             self.release([key for key in self.initial_blobs if key not in self.readers])
@@ -375,11 +385,40 @@ def read_blobs(delegate: DelegateRecord, released: Collection[str]) -> set[str]:
 
 def reads_state(method: MethodRecord, mutable: set[str]) -> bool:
     """Whether ``method``'s plan or delegates read or update one of the ``mutable`` buffers."""
+    return bool(plan_state(method, mutable) or any(held_state(delegate, mutable) for delegate in method.delegates))
+
+
+def plan_state(method: MethodRecord, mutable: set[str]) -> set[str]:
+    """The ``mutable`` buffers that ``method``'s plan itself reads or updates, outside its delegates."""
     steps = method.plan.steps
-    state = {step.name for step in steps if isinstance(step, WeightStep) and step.fqn in mutable}
     read = set(refs(method.plan.outputs)).union(*(step_reads(step) for step in steps))
-    held = {local.removeprefix(WEIGHT_PREFIX) for delegate in method.delegates for local in delegate.named_data}
-    return bool(method.plan.mutations or state & read or held & mutable)
+    weights = {step.fqn for step in steps if isinstance(step, WeightStep) and step.fqn in mutable and step.name in read}
+    return weights | {fqn for fqn, _ in method.plan.mutations}
+
+
+def held_state(delegate: DelegateRecord, mutable: set[str]) -> set[str]:
+    """The ``mutable`` buffers ``delegate`` is handed as named data, to read or update."""
+    return {local.removeprefix(WEIGHT_PREFIX) for local in delegate.named_data} & mutable
+
+
+def sole_updaters(methods: Mapping[str, MethodRecord], mutable: set[str]) -> dict[str, str]:
+    """Each ``mutable`` buffer that one delegate updates and nothing else reads -> that delegate (``method/id``)."""
+    touched: dict[str, list[str]] = {}
+    updaters: dict[str, str] = {}
+    for name, method in methods.items():
+        for fqn in plan_state(method, mutable):
+            touched.setdefault(fqn, []).append(PLAN_READER)
+        for delegate in method.delegates:
+            reader = delegate_reader(name, delegate)
+            for fqn in held_state(delegate, mutable):
+                touched.setdefault(fqn, []).append(reader)
+            updaters.update((fqn, reader) for fqn in delegate.updates)
+    return {fqn: reader for fqn, reader in updaters.items() if touched.get(fqn) == [reader]}
+
+
+def delegate_reader(method: str, delegate: DelegateRecord) -> str:
+    """How ``ProgramState`` names a delegate among the readers of blobs and state: ``method/id``."""
+    return f"{method}/{delegate.id}"
 
 
 def load_method(
@@ -391,7 +430,8 @@ def load_method(
 ) -> Method:
     weights = state.method_weights(record.weights)
     # Each delegate is a reader of the file's blobs, named by its method and id.
-    opened = [(f"{name}/{d.id}", d, loaded_delegate(state, d, f"{name}/{d.id}")) for d in record.delegates]
+    readers = [(delegate_reader(name, d), d) for d in record.delegates]
+    opened = [(reader, d, loaded_delegate(state, d, reader)) for reader, d in readers]
     delegates = {d.id: delegate for _, d, delegate in opened}
     if wrap_delegate is not None:
         delegates = {delegate_id: wrap_delegate(delegate_id, loaded) for delegate_id, loaded in delegates.items()}
@@ -419,8 +459,11 @@ def treespec(method: str, what: str, text: str) -> pytree.TreeSpec:
 def loaded_delegate(state: ProgramState, record: DelegateRecord, reader: str) -> LoadedDelegate:
     runtime = runtime_class(record.backend_id)()
     named_data = state.delegate_named_data(record)
+    keepable = state.keepable_by(reader)
     try:
-        handle = runtime.init(bytes(state.blobs[record.processed]), named_data, list(record.compile_specs))
+        handle, kept = runtime.init_keeping_state(
+            bytes(state.blobs[record.processed]), named_data, list(record.compile_specs), keepable
+        )
         released = runtime.released_named_data(handle, list(named_data), False)
     except AotstackError:
         raise
@@ -429,8 +472,16 @@ def loaded_delegate(state: ProgramState, record: DelegateRecord, reader: str) ->
         raise DelegateInitError(
             f"delegate {record.id} ({record.backend_id}) could not start: {type(exc).__name__}: {exc}"
         ) from exc
+    if not set(kept) <= keepable:
+        raise DelegateInitError(
+            f"delegate {record.id} ({record.backend_id}) says it keeps buffers {sorted(set(kept) - keepable)} it "
+            f"was not offered; it may keep only {sorted(keepable)}"
+        )
     state.add_reader(reader, record, released)
-    return LoadedDelegate(runtime, handle)
+    loaded = LoadedDelegate(runtime, handle)
+    if kept:
+        state.keepers.append(loaded)
+    return loaded
 
 
 def released_after_first_call(state: ProgramState, delegates: list[tuple[str, DelegateRecord, LoadedDelegate]]) -> None:

@@ -23,6 +23,11 @@ at most ``COPY_LIMIT`` bytes is copied instead, into or out of the request's own
 small tensors a copy costs less than wrapping memory. An output the plugin makes an input's own
 (see ``passed_through``) is a copy of that input. A call from another thread while one runs gets
 its own request, so concurrent calls are safe.
+
+A buffer the delegate updates (a KV cache) that nothing else in the package reads is kept as a
+state variable of the model (``made_stateful``), as OpenVINO runs a model converted with its
+caches stateful: the request reads and writes it in its own memory, and it never crosses a call.
+Such a delegate has one request, since state is a request's; loading serialises its calls.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from typing import Any
 import torch
 
 from ...engine.session import DelegateFiles, SessionRuntime
-from ...errors import DelegateInitError, PackageError
+from ...errors import DelegateInitError, PackageError, RunError
 from ...format import processed as processed_json
 from ...format.boundary import Boundary, BoundaryCheck
 from ...format.processed import OwnedBuffer
@@ -83,21 +88,41 @@ class OpenVinoRuntime(SessionRuntime):
         import numpy
 
         part = read_part(delegate)
-        compiled = compiled_model(part, label)
+        model = read_model(part, label)
+        kept = kept_buffers(model, part, delegate.keepable)
+        if kept:
+            made_stateful(model, kept, label)
+        compiled = compiled_model(model, part.precision, label)
+        kept_results = {result for result, _ in kept}
         returned = part.outputs[len(part.state):]
-        return OpenVinoHandle(
+        handle = OpenVinoHandle(
             compiled,
-            feeds=feeds(compiled, part, label),
-            outputs=output_plans(compiled, part, label),
+            feeds=feeds(compiled, part, {buffer.input for _, buffer in kept}, label),
+            outputs=output_plans(compiled, part, kept_results, label),
             # None where the part returns each result once, in order.
             returned=None if returned == list(range(len(part.outputs))) else returned,
-            state=[(result, buffer.tensor, buffer.in_place) for result, buffer in zip(part.outputs, part.state)],
+            state=[
+                (result, buffer.tensor, buffer.in_place)
+                for result, buffer in zip(part.outputs, part.state) if result not in kept_results
+            ],
+            kept={variable_id(buffer, result): buffer for result, buffer in kept},
             label=label,
             check=part.boundary.checker(label),
             keep_alive=[part.weights, part.constants],
             copyto=numpy.copyto,
             infer=base_infer(),
         )
+        if kept:
+            # State is per request: a handle keeping buffers has one, from the start.
+            handle.idle.append(handle.new_request())
+            handle.load_state()
+        return handle
+
+    def kept_state(self, handle: OpenVinoHandle) -> frozenset[str]:
+        return frozenset(buffer.fqn for buffer in handle.kept.values())
+
+    def reset_state(self, handle: OpenVinoHandle) -> None:
+        handle.load_state()
 
     def execute(self, handle: OpenVinoHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         return run(handle, inputs)
@@ -186,16 +211,69 @@ def core() -> Any:
     return openvino.Core()
 
 
-def compiled_model(part: Part, label: str) -> Any:
-    """The part's IR read from memory, its weights made constants over the package's bytes, compiled for the CPU."""
+def read_model(part: Part, label: str) -> Any:
+    """The part's IR read from memory, its weights made constants over the package's bytes."""
     try:
         model = core().read_model(part.xml, byte_tensor(part.constants))
     except Exception as error:
         raise DelegateInitError(f"{label}: OpenVINO could not read the model: {error}") from error
     with_weights_as_constants(model, part.weights, label)
+    return model
+
+
+def kept_buffers(model: Any, part: Part, keepable: Collection[str]) -> list[tuple[int, OwnedBuffer]]:
+    """The buffers of ``part`` that become state variables of ``model``, each with the IR result that updates it.
+
+    A buffer is kept where loading offers it (nothing else reads it), its values are floating
+    (the CPU plugin refuses integer state under a bf16 precision hint), and the IR reads it as a
+    parameter and updates it by a result of its own, which no output of the part shares.
+    """
+    parameters = {parameter.get_friendly_name() for parameter in model.get_parameters()}
+    results = {result.get_friendly_name() for result in model.get_results()}
+    kept = []
+    for buffer, result in zip(part.state, part.outputs):
+        if (
+            buffer.fqn in keepable
+            and buffer.tensor.is_floating_point()
+            and buffer.input in parameters
+            and f"{OUTPUT_ROLE}{result}" in results
+            and part.outputs.count(result) == 1
+        ):
+            kept.append((result, buffer))
+    return kept
+
+
+def made_stateful(model: Any, kept: list[tuple[int, OwnedBuffer]], label: str) -> None:
+    """Turn each kept buffer's parameter and result into one state variable of ``model``, in place.
+
+    OpenVINO then reads and writes the buffer in the infer request's own memory, as it runs a
+    model converted with its caches stateful: no cache crosses a call's boundary.
+    """
+    from openvino._offline_transformations import apply_make_stateful_transformation
+
+    parameters = {parameter.get_friendly_name(): parameter for parameter in model.get_parameters()}
+    results = {result.get_friendly_name(): result for result in model.get_results()}
+    pairs = [(parameters[buffer.input], results[f"{OUTPUT_ROLE}{result}"]) for result, buffer in kept]
+    try:
+        apply_make_stateful_transformation(model, pairs)
+    except Exception as error:
+        raise DelegateInitError(f"{label}: OpenVINO could not keep its buffers as state: {error}") from error
+    made = {variable.get_info().variable_id for variable in model.get_variables()}
+    missing = sorted(buffer.fqn for result, buffer in kept if variable_id(buffer, result) not in made)
+    if missing:
+        raise DelegateInitError(f"{label}: OpenVINO made no state variable for buffers {missing}")
+
+
+def variable_id(buffer: OwnedBuffer, result: int) -> str:
+    """The id OpenVINO's stateful transformation gives ``buffer``'s variable: its parameter's, then result's name."""
+    return f"{buffer.input}{OUTPUT_ROLE}{result}"
+
+
+def compiled_model(model: Any, precision: str, label: str) -> Any:
+    """``model`` compiled for the CPU plugin, in ``precision``."""
     try:
         return core().compile_model(model, "CPU", {
-            "INFERENCE_PRECISION_HINT": part.precision,
+            "INFERENCE_PRECISION_HINT": precision,
             "INFERENCE_NUM_THREADS": torch.get_num_threads(),
             "PERFORMANCE_HINT": "LATENCY",
             "ENABLE_CPU_PINNING": False,
@@ -311,8 +389,8 @@ class Feed:
     copied: bool
 
 
-def feeds(compiled: Any, part: Part, label: str) -> list[Feed]:
-    """For each input of the compiled model, in its order, the delegate input it takes."""
+def feeds(compiled: Any, part: Part, kept_inputs: Collection[str], label: str) -> list[Feed]:
+    """For each input of the compiled model, in its order, the delegate input it takes (``kept_inputs`` are state)."""
     feeds = []
     for port in compiled.inputs:
         role = port.get_node().get_friendly_name()
@@ -322,7 +400,10 @@ def feeds(compiled: Any, part: Part, label: str) -> list[Feed]:
         dtype = part.input_dtypes()[index]
         shape = static_shape(port.get_partial_shape())
         feeds.append(Feed(index, dtype, port.get_element_type(), shape, copied(shape, dtype)))
-    expected = sorted(int(role.removeprefix(INPUT_ROLE)) for role in part.parameters if role.startswith(INPUT_ROLE))
+    expected = sorted(
+        int(role.removeprefix(INPUT_ROLE))
+        for role in part.parameters if role.startswith(INPUT_ROLE) and role not in kept_inputs
+    )
     if sorted(feed.index for feed in feeds) != expected:
         raise PackageError(f"{label}: the compiled model's inputs are not the ones its parameters name")
     return feeds
@@ -342,19 +423,25 @@ class OutputPlan:
     source: int | None
 
 
-def output_plans(compiled: Any, part: Part, label: str) -> list[OutputPlan]:
-    """The compiled model's outputs in the order of the IR's results (found by the names the compile side gave them)."""
+def output_plans(compiled: Any, part: Part, kept_results: Collection[int], label: str) -> list[OutputPlan | None]:
+    """The compiled model's outputs in the order of the IR's results (found by the names the compile side gave them).
+
+    A result that updates a buffer kept as state (``kept_results``) is no output: None.
+    """
     import openvino
 
     torch_types = {getattr(openvino.Type, name): dtype for dtype, name in ELEMENT_TYPES.items()}
     ports = {output.get_node().get_friendly_name(): port for port, output in enumerate(compiled.outputs)}
     count = len(set(part.outputs))
     names = [f"{OUTPUT_ROLE}{index}" for index in range(count)]
-    if sorted(ports) != sorted(names):
+    if sorted(ports) != sorted(name for index, name in enumerate(names) if index not in kept_results):
         raise PackageError(f"{label}: the compiled model's outputs are not the part's {count}")
     sources = passed_through(compiled)
-    plans = []
+    plans: list[OutputPlan | None] = []
     for name in names:
+        if name not in ports:
+            plans.append(None)
+            continue
         output = compiled.outputs[ports[name]]
         dtype = torch_types.get(output.get_element_type())
         if dtype is None:
@@ -401,10 +488,15 @@ class Request:
 class OpenVinoHandle:
     compiled: Any
     feeds: list[Feed]
-    outputs: list[OutputPlan]
+    # Per result of the IR; None for one that updates a buffer kept as state.
+    outputs: list[OutputPlan | None]
     returned: list[int] | None
-    # Per buffer the delegate owns: its result, its shared memory, and whether the request writes it there.
+    # Per buffer the delegate owns and the model does not keep: its result, its shared memory,
+    # and whether the request writes it there.
     state: list[tuple[int, torch.Tensor, bool]]
+    # The buffers kept as the request's state variables, by variable id; their shared memory is
+    # read only to set the state, at load and at each reset (``load_state``).
+    kept: dict[str, OwnedBuffer]
     label: str
     check: BoundaryCheck | None
     # The package's views that the model's constants point into: they must outlive it.
@@ -431,18 +523,30 @@ class OpenVinoHandle:
         self.written_state = written = {result for result, _, in_place in self.state if in_place}
         self.state_inputs = [tensor for _, tensor, _ in self.state]
         self.copied_state = [(result, tensor) for result, tensor, in_place in self.state if not in_place]
-        crossing = [(i, plan) for i, plan in enumerate(self.outputs) if plan.source is None and i not in written]
+        crossing = [
+            (i, plan) for i, plan in enumerate(self.outputs)
+            if plan is not None and plan.source is None and i not in written
+        ]
         self.written_outputs = [
             (i, plan.port, plan.shape, plan.dtype, tensor_wrapper(plan.dtype, openvino))
             for i, plan in crossing if plan.shape is not None and not plan.copied
         ]
         self.copied_outputs = [(i, bfloat16_or_none(plan.dtype)) for i, plan in crossing if plan.copied]
         self.dynamic_outputs = [(i, plan) for i, plan in crossing if plan.shape is None]
-        self.passed_outputs = [(i, plan.source) for i, plan in enumerate(self.outputs) if plan.source is not None]
+        self.passed_outputs = [
+            (i, plan.source) for i, plan in enumerate(self.outputs) if plan is not None and plan.source is not None
+        ]
+        self.requests_made = 0
 
     def new_request(self) -> Request:
         import openvino
 
+        if self.kept and self.requests_made:
+            # Loading serialises a method's calls where it updates state, so only a caller of the
+            # run side itself, from two threads, gets here.
+            raise RunError(f"{self.label}: called while another call runs; the buffers it keeps live in one "
+                           "infer request, which runs one call at a time")
+        self.requests_made += 1
         request = self.compiled.create_infer_request()
         inputs: list[Any] = [None] * len(self.feeds)
         for port, feed in enumerate(self.feeds):
@@ -456,11 +560,18 @@ class OpenVinoHandle:
             if in_place:
                 request.set_output_tensor(self.outputs[result].port, ov_tensor(tensor))
         for index, plan in enumerate(self.outputs):
-            if plan.copied and plan.source is None and index not in self.written_state:
+            if plan is not None and plan.copied and plan.source is None and index not in self.written_state:
                 tensor = openvino.Tensor(plan.element_type, list(plan.shape))
                 request.set_output_tensor(plan.port, tensor)
                 outputs[index] = host_array(tensor, plan.dtype)
         return Request(request, [None] * len(self.feeds), inputs, outputs)
+
+    def load_state(self) -> None:
+        """Set each kept buffer's state variable from the buffer's shared memory (OpenVINO copies it)."""
+        request = self.idle[0].request
+        variables = {variable.name: variable for variable in request.query_state()}
+        for name, buffer in self.kept.items():
+            variables[name].state = ov_tensor(buffer.tensor)
 
 
 def bfloat16_or_none(dtype: torch.dtype) -> torch.dtype | None:
