@@ -151,6 +151,41 @@ def test_the_report_says_which_delegate_keeps_each_buffer(decoder_file):
     assert "state (in place, cpu): " in report.text(width=200)
 
 
+class MeanAndSteps(torch.nn.Module):
+    """A floating buffer OpenVINO keeps as state, then an integer one it does not: both stay right."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.linspace(-1.0, 1.0, 32).reshape(4, 8))
+        self.register_buffer("steps", torch.full((4, 8), 5, dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.mean.mul_(0.5).add_(x * 0.5)
+        self.steps.add_(1)
+        return self.mean * self.steps
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_kept_and_bound_buffers_of_one_delegate_each_stay_right(engine, tmp_path):
+    if not BUILT_IN[engine].installed():
+        pytest.skip(f"{engine} is not installed")
+    torch.manual_seed(0)
+    inputs = [torch.randn(4, 8) for _ in range(3)]
+    lowered = aotstack.lower(aotstack.export(MeanAndSteps(), {"forward": (inputs[0],)}), [ENGINES[engine]()])
+    [delegate] = lowered.delegates("forward")
+    assert (delegate.backend_id, set(delegate.updated_buffers)) == (engine, {"mean", "steps"})
+    path = tmp_path / "mean_and_steps.pt2"
+    lowered.save(path)
+
+    loaded, eager = aotstack.load(path), MeanAndSteps()
+    kept = {buffer.fqn for keeper in loaded._state.keepers for buffer in keeper.handle.kept.values()}
+    assert kept == ({"mean"} if engine == "openvino" else set())
+    for x in [*inputs, *inputs]:
+        torch.testing.assert_close(loaded.forward(x), eager(x))
+    loaded.reset()
+    torch.testing.assert_close(loaded.forward(inputs[2]), MeanAndSteps()(inputs[2]))
+
+
 class Accumulator(torch.nn.Module):
     """Two methods over one buffer: ``add`` updates it, ``read`` reads it."""
 

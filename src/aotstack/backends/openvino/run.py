@@ -106,6 +106,7 @@ class OpenVinoRuntime(SessionRuntime):
                 for result, buffer in zip(part.outputs, part.state) if result not in kept_results
             ],
             kept={variable_id(buffer, result): buffer for result, buffer in kept},
+            state_inputs=[buffer.tensor for buffer in part.state],
             label=label,
             check=part.boundary.checker(label),
             keep_alive=[part.weights, part.constants],
@@ -497,6 +498,9 @@ class OpenVinoHandle:
     # The buffers kept as the request's state variables, by variable id; their shared memory is
     # read only to set the state, at load and at each reset (``load_state``).
     kept: dict[str, OwnedBuffer]
+    # Every buffer's shared memory, kept or not: the part's trailing inputs, after the delegate's
+    # own (a feed takes input ``inputs + k`` for buffer ``k``; a kept buffer has no feed).
+    state_inputs: list[torch.Tensor]
     label: str
     check: BoundaryCheck | None
     # The package's views that the model's constants point into: they must outlive it.
@@ -521,7 +525,6 @@ class OpenVinoHandle:
         # A buffer's result written in place is the request's for good (``new_request``); one that is not
         # crosses like any output, then is copied into the buffer.
         self.written_state = written = {result for result, _, in_place in self.state if in_place}
-        self.state_inputs = [tensor for _, tensor, _ in self.state]
         self.copied_state = [(result, tensor) for result, tensor, in_place in self.state if not in_place]
         crossing = [
             (i, plan) for i, plan in enumerate(self.outputs)
@@ -583,7 +586,7 @@ def run(handle: OpenVinoHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor
     """One call: inputs checked, then handed over; outputs in new torch tensors."""
     if handle.check is not None:
         handle.check(inputs)
-    if handle.state:
+    if handle.state_inputs:
         inputs = [*inputs, *handle.state_inputs]
     try:
         slot = handle.idle.pop()
