@@ -93,20 +93,28 @@ class BackendRuntime:
     ) -> tuple[Any, frozenset[str]]:
         """``init``, told which buffers the delegate may keep inside its engine; the handle, and the buffers it keeps.
 
-        ``keepable`` names (by FQN) the buffers the delegate updates that nothing else in the
-        package reads or updates: no other delegate, no other method, no step of the plan. An
-        engine that holds state of its own (OpenVINO's state variables) may keep such a buffer
-        there, starting from its shared memory, rather than reading and writing that memory each
-        call; the buffer's value then never crosses the delegate's boundary. Loading never reads
-        the shared memory of a kept buffer again, and after ``reset()`` has rewritten it calls
-        ``reset_state``. The default keeps nothing: ``init``, with every buffer updated in place.
+        ``keepable`` names (by FQN) the buffers the delegate updates that nothing else in its
+        method reads or updates: no other delegate, no step of the plan. An engine that holds
+        state of its own (OpenVINO's state variables) may keep such a buffer there rather than
+        read and write its shared memory each call; the buffer's value then never crosses the
+        delegate's boundary. Loading hands a kept buffer's value over through its shared memory
+        only when another method needs it, or after ``reset()``: ``store_state`` before anything
+        else reads that memory, ``load_state`` before the delegate's next call after it changed.
+        The default keeps nothing: ``init``, with every buffer updated in place.
         """
         return self.init(processed_bytes, named_data, compile_specs), frozenset()
 
-    def reset_state(self, handle: Any) -> None:
-        """Set each buffer ``handle`` keeps inside the engine from its shared memory, which ``reset()`` just rewrote.
+    def load_state(self, handle: Any, buffers: Collection[str]) -> None:
+        """Set each of ``buffers`` (kept by ``handle``) inside the engine from its shared memory.
 
-        Called only for a handle that kept buffers (``init_keeping_state``), with no call of it running.
+        Loading calls it before the delegate's first call, and again after another method or
+        ``reset()`` wrote that memory; never while a call of the delegate runs.
+        """
+
+    def store_state(self, handle: Any, buffers: Collection[str]) -> None:
+        """Write the value of each of ``buffers`` that ``handle`` keeps inside the engine into its shared memory.
+
+        Loading calls it before another method reads or updates the buffer there.
         """
 
     def released_named_data(self, handle: Any, named_data: Collection[str], called: bool) -> Collection[str]:

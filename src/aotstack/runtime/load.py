@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -56,6 +57,9 @@ class Method:
         self.lock: threading.Lock | None = None
         # Run once, after the first call: its delegates' engines say what they packed by then.
         self.after_first_call: Callable[[], None] | None = None
+        # Where engines keep buffers this method touches: moves them to where it reads them
+        # (``Handover.claim``), under the state lock, before its plan runs.
+        self.claim_state: Callable[[], None] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # Checked outside the lock: a bad call never waits for, or holds up, another thread.
@@ -76,6 +80,8 @@ class Method:
 
     def run(self, flat: Sequence[Any]) -> list[Any]:
         """The plan run on checked arguments, and the buffers it updates written back."""
+        if self.claim_state is not None:
+            self.claim_state()
         slots = self.body.run(flat)
         write_back(self.mutations, slots)
         if self.after_first_call is not None:
@@ -225,6 +231,9 @@ def loaded_program(
         name: load_method(state, name, record, wrap_delegate, allowed_ops)
         for name, record in records.items()
     }
+    state.handover.settled()
+    for name in state.handover.places:
+        methods[name].claim_state = functools.partial(state.handover.claim, name)
     # Verifying read every page of the file; what nothing reads in place now leaves memory.
     state.release_unread()
     statuses = use_graphs(methods, records, graphed, graph_maker or CudaGraphs())
@@ -266,10 +275,10 @@ class ProgramState:
         self.locked_methods = {
             name for name, method in contents.manifest.methods.items() if reads_state(method, set(self.mutable))
         }
-        # The buffers each delegate (by reader name) alone reads and updates, which its engine may
-        # keep inside itself; and the delegates whose engines keep some, told of each reset().
-        self.keepable = sole_updaters(contents.manifest.methods, set(self.mutable))
-        self.keepers: list[LoadedDelegate] = []
+        # The buffers each delegate (by reader name) alone reads and updates in its method, which
+        # its engine may keep inside itself (``Handover`` hands them between methods).
+        self.keepable = keepable_buffers(contents.manifest.methods, set(self.mutable))
+        self.handover = Handover()
 
     def add_mutable(self, fqn: str, key: str, device: Device) -> None:
         if fqn not in self.mutable:
@@ -324,15 +333,10 @@ class ProgramState:
         """Each buffer the methods update -> where its state lives: ``cpu``, ``cuda:0``."""
         return {fqn: str(buffer.device) for fqn, buffer in self.mutable.items()}
 
-    def keepable_by(self, reader: str) -> frozenset[str]:
-        """The buffers the delegate ``reader`` may keep inside its engine: those it alone reads and updates."""
-        return frozenset(fqn for fqn, sole in self.keepable.items() if sole == reader)
-
     def reset(self) -> None:
         for buffer in self.mutable.values():
             buffer.reset()
-        for keeper in self.keepers:
-            keeper.runtime.reset_state(keeper.handle)
+        self.handover.reset()
         # Copying read the initial values back in; they are not read again until the next reset.
         with self.readers_lock:
             self.release([key for key in self.initial_blobs if key not in self.readers])
@@ -401,19 +405,97 @@ def held_state(delegate: DelegateRecord, mutable: set[str]) -> set[str]:
     return {local.removeprefix(WEIGHT_PREFIX) for local in delegate.named_data} & mutable
 
 
-def sole_updaters(methods: Mapping[str, MethodRecord], mutable: set[str]) -> dict[str, str]:
-    """Each ``mutable`` buffer that one delegate updates and nothing else reads -> that delegate (``method/id``)."""
-    touched: dict[str, list[str]] = {}
-    updaters: dict[str, str] = {}
+def keepable_buffers(methods: Mapping[str, MethodRecord], mutable: set[str]) -> dict[str, frozenset[str]]:
+    """Per delegate (``method/id``), the ``mutable`` buffers it updates that nothing else in its method reads."""
+    keepable = {}
     for name, method in methods.items():
-        for fqn in plan_state(method, mutable):
-            touched.setdefault(fqn, []).append(PLAN_READER)
+        touched: dict[str, list[str]] = {fqn: [PLAN_READER] for fqn in plan_state(method, mutable)}
+        for delegate in method.delegates:
+            for fqn in held_state(delegate, mutable):
+                touched.setdefault(fqn, []).append(delegate_reader(name, delegate))
         for delegate in method.delegates:
             reader = delegate_reader(name, delegate)
-            for fqn in held_state(delegate, mutable):
-                touched.setdefault(fqn, []).append(reader)
-            updaters.update((fqn, reader) for fqn in delegate.updates)
-    return {fqn: reader for fqn, reader in updaters.items() if touched.get(fqn) == [reader]}
+            keepable[reader] = frozenset(fqn for fqn in delegate.updates if touched.get(fqn) == [reader])
+    return keepable
+
+
+class Handover:
+    """Where the current value of each buffer an engine keeps inside itself lives, and its moves between methods.
+
+    A kept buffer's value is either in its shared memory (``HOST``) or in the engine of one
+    delegate. Before a method runs (``claim``), each buffer it touches is moved to where that
+    method reads it: stored by the engine that holds it, then loaded by the one that keeps it in
+    this method. Methods that share a cache (prefill, then decode) move it once per switch, not
+    once per call; the calls of one method in a row move nothing. Every move runs under the
+    program's state lock.
+    """
+
+    def __init__(self) -> None:
+        self.keepers: dict[str, LoadedDelegate] = {}
+        # Per method, each buffer it touches and the delegate that keeps it there (None: the host).
+        self.places: dict[str, dict[str, str | None]] = {}
+        # Per kept buffer, the delegate whose engine holds its current value; absent: the host.
+        self.live: dict[str, str] = {}
+        self.last_method: str | None = None
+
+    def add_keeper(self, method: str, reader: str, loaded: LoadedDelegate, kept: frozenset[str]) -> None:
+        """Delegate ``reader`` of ``method`` keeps ``kept`` inside its engine."""
+        self.keepers[reader] = loaded
+        self.places.setdefault(method, {}).update(dict.fromkeys(kept, reader))
+
+    def add_method(self, name: str, touched: set[str]) -> None:
+        """Method ``name`` reads or updates ``touched``: on the host, except what a keeper of it holds."""
+        places = self.places.setdefault(name, {})
+        for fqn in touched:
+            places.setdefault(fqn, None)
+
+    def kept(self) -> set[str]:
+        return {fqn for places in self.places.values() for fqn, reader in places.items() if reader is not None}
+
+    def settled(self) -> None:
+        """Drop what needs no handing over: methods and buffers no engine keeps."""
+        kept = self.kept()
+        places = {name: {fqn: at for fqn, at in where.items() if fqn in kept} for name, where in self.places.items()}
+        self.places = {name: where for name, where in places.items() if where}
+
+    def claim(self, method: str) -> None:
+        """Move each kept buffer ``method`` touches to where it reads it."""
+        if self.last_method == method:
+            return
+        stores: dict[str, list[str]] = {}
+        loads: dict[str, list[str]] = {}
+        for fqn, reader in self.places.get(method, {}).items():
+            holder = self.live.get(fqn)
+            if holder == reader:
+                continue
+            if holder is not None:
+                stores.setdefault(holder, []).append(fqn)
+            if reader is not None:
+                loads.setdefault(reader, []).append(fqn)
+        for holder, fqns in stores.items():
+            self.moved(holder, "store_state", fqns)
+        for reader, fqns in loads.items():
+            self.moved(reader, "load_state", fqns)
+        self.last_method = method
+
+    def moved(self, reader: str, direction: str, fqns: list[str]) -> None:
+        keeper = self.keepers[reader]
+        try:
+            getattr(keeper.runtime, direction)(keeper.handle, fqns)
+        except Exception as exc:
+            # The state's place is unknown now: the next call of any method moves it again.
+            self.last_method = None
+            raise RunError(f"delegate {reader}: {direction} of {', '.join(fqns)} failed: {exc}") from exc
+        for fqn in fqns:
+            if direction == "store_state":
+                self.live.pop(fqn, None)
+            else:
+                self.live[fqn] = reader
+
+    def reset(self) -> None:
+        """The shared memory now holds every buffer's value again (``reset()`` rewrote it)."""
+        self.live.clear()
+        self.last_method = None
 
 
 def delegate_reader(method: str, delegate: DelegateRecord) -> str:
@@ -431,7 +513,10 @@ def load_method(
     weights = state.method_weights(record.weights)
     # Each delegate is a reader of the file's blobs, named by its method and id.
     readers = [(delegate_reader(name, d), d) for d in record.delegates]
-    opened = [(reader, d, loaded_delegate(state, d, reader)) for reader, d in readers]
+    opened = [(reader, d, loaded_delegate(state, name, d)) for reader, d in readers]
+    mutable = set(state.mutable)
+    touched = plan_state(record, mutable).union(*(held_state(delegate, mutable) for delegate in record.delegates))
+    state.handover.add_method(name, touched)
     delegates = {d.id: delegate for _, d, delegate in opened}
     if wrap_delegate is not None:
         delegates = {delegate_id: wrap_delegate(delegate_id, loaded) for delegate_id, loaded in delegates.items()}
@@ -456,10 +541,11 @@ def treespec(method: str, what: str, text: str) -> pytree.TreeSpec:
         raise PackageError(f"method {method!r}: unreadable {what} ({type(exc).__name__}: {exc})") from None
 
 
-def loaded_delegate(state: ProgramState, record: DelegateRecord, reader: str) -> LoadedDelegate:
+def loaded_delegate(state: ProgramState, method: str, record: DelegateRecord) -> LoadedDelegate:
+    reader = delegate_reader(method, record)
     runtime = runtime_class(record.backend_id)()
     named_data = state.delegate_named_data(record)
-    keepable = state.keepable_by(reader)
+    keepable = state.keepable.get(reader, frozenset())
     try:
         handle, kept = runtime.init_keeping_state(
             bytes(state.blobs[record.processed]), named_data, list(record.compile_specs), keepable
@@ -480,7 +566,7 @@ def loaded_delegate(state: ProgramState, record: DelegateRecord, reader: str) ->
     state.add_reader(reader, record, released)
     loaded = LoadedDelegate(runtime, handle)
     if kept:
-        state.keepers.append(loaded)
+        state.handover.add_keeper(method, reader, loaded, frozenset(kept))
     return loaded
 
 

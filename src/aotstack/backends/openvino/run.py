@@ -24,10 +24,11 @@ small tensors a copy costs less than wrapping memory. An output the plugin makes
 (see ``passed_through``) is a copy of that input. A call from another thread while one runs gets
 its own request, so concurrent calls are safe.
 
-A buffer the delegate updates (a KV cache) that nothing else in the package reads is kept as a
+A buffer the delegate updates (a KV cache) that nothing else in its method reads is kept as a
 state variable of the model (``made_stateful``), as OpenVINO runs a model converted with its
-caches stateful: the request reads and writes it in its own memory, and it never crosses a call.
-Such a delegate has one request, since state is a request's; loading serialises its calls.
+caches stateful: the request reads and writes it in its own memory, and it crosses no call; its
+value goes through the buffer's shared memory only when loading hands it to or from another
+method. Such a delegate has one request, since state is a request's; loading serialises its calls.
 """
 
 from __future__ import annotations
@@ -116,14 +117,19 @@ class OpenVinoRuntime(SessionRuntime):
         if kept:
             # State is per request: a handle keeping buffers has one, from the start.
             handle.idle.append(handle.new_request())
-            handle.load_state()
         return handle
 
     def kept_state(self, handle: OpenVinoHandle) -> frozenset[str]:
         return frozenset(buffer.fqn for buffer in handle.kept.values())
 
-    def reset_state(self, handle: OpenVinoHandle) -> None:
-        handle.load_state()
+    def load_state(self, handle: OpenVinoHandle, buffers: Collection[str]) -> None:
+        for variable, buffer in handle.state_variables(buffers):
+            # OpenVINO copies the value into the request's own memory.
+            variable.state = ov_tensor(buffer.tensor)
+
+    def store_state(self, handle: OpenVinoHandle, buffers: Collection[str]) -> None:
+        for variable, buffer in handle.state_variables(buffers):
+            handle.copyto(numpy_view(buffer.tensor), host_array(variable.state, buffer.tensor.dtype))
 
     def execute(self, handle: OpenVinoHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         return run(handle, inputs)
@@ -496,7 +502,7 @@ class OpenVinoHandle:
     # and whether the request writes it there.
     state: list[tuple[int, torch.Tensor, bool]]
     # The buffers kept as the request's state variables, by variable id; their shared memory is
-    # read only to set the state, at load and at each reset (``load_state``).
+    # read or written only when loading hands the value over (``load_state``, ``store_state``).
     kept: dict[str, OwnedBuffer]
     # Every buffer's shared memory, kept or not: the part's trailing inputs, after the delegate's
     # own (a feed takes input ``inputs + k`` for buffer ``k``; a kept buffer has no feed).
@@ -569,12 +575,10 @@ class OpenVinoHandle:
                 outputs[index] = host_array(tensor, plan.dtype)
         return Request(request, [None] * len(self.feeds), inputs, outputs)
 
-    def load_state(self) -> None:
-        """Set each kept buffer's state variable from the buffer's shared memory (OpenVINO copies it)."""
-        request = self.idle[0].request
-        variables = {variable.name: variable for variable in request.query_state()}
-        for name, buffer in self.kept.items():
-            variables[name].state = ov_tensor(buffer.tensor)
+    def state_variables(self, buffers: Collection[str]) -> list[tuple[Any, OwnedBuffer]]:
+        """The request's state variable of each kept buffer among ``buffers``, with the buffer."""
+        variables = {variable.name: variable for variable in self.idle[0].request.query_state()}
+        return [(variables[name], buffer) for name, buffer in self.kept.items() if buffer.fqn in buffers]
 
 
 def bfloat16_or_none(dtype: torch.dtype) -> torch.dtype | None:
