@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import mmap
 import os
 import threading
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
@@ -278,7 +279,7 @@ class ProgramState:
         # The buffers each delegate (by reader name) alone reads and updates in its method, which
         # its engine may keep inside itself (``Handover`` hands them between methods).
         self.keepable = keepable_buffers(contents.manifest.methods, set(self.mutable))
-        self.handover = Handover()
+        self.handover = Handover(self.release_state)
 
     def add_mutable(self, fqn: str, key: str, device: Device) -> None:
         if fqn not in self.mutable:
@@ -333,6 +334,11 @@ class ProgramState:
         """Each buffer the methods update -> where its state lives: ``cpu``, ``cuda:0``."""
         return {fqn: str(buffer.device) for fqn, buffer in self.mutable.items()}
 
+    def release_state(self, fqns: Iterable[str]) -> None:
+        """Let the host memory of ``fqns`` leave memory: an engine holds their values now."""
+        for fqn in fqns:
+            self.mutable[fqn].release()
+
     def reset(self) -> None:
         for buffer in self.mutable.values():
             buffer.reset()
@@ -348,9 +354,11 @@ class StateBuffer:
 
     The memory is allocated once and only ever written in place, so every delegate, method and
     captured CUDA graph that holds its address keeps seeing the current value, ``reset()`` included.
+    On the host it is a private anonymous mapping, so that while an engine keeps the value, its
+    pages can leave memory (``release``) and the cache is held once, not twice.
     """
 
-    current: bytearray | torch.Tensor
+    current: mmap.mmap | bytearray | torch.Tensor
     initial: memoryview
     device: Device
 
@@ -358,7 +366,11 @@ class StateBuffer:
     def starting_from(cls, fqn: str, initial: BytesLike, device: Device) -> StateBuffer:
         view = memoryview(initial)
         if device == HOST:
-            return cls(bytearray(view), view, device)
+            if not view.nbytes:
+                return cls(bytearray(), view, device)
+            current = mmap.mmap(-1, view.nbytes)
+            current[:] = view.cast("B")
+            return cls(current, view, device)
         try:
             current = tensor_from_bytes(view, torch.uint8, [view.nbytes]).to(str(device))
         except (RuntimeError, AssertionError) as exc:
@@ -368,13 +380,21 @@ class StateBuffer:
 
     def shared(self) -> NamedDataValue:
         """What a delegate that updates this buffer is handed: writable, its updates seen by all."""
-        return memoryview(self.current) if isinstance(self.current, bytearray) else self.current
+        return self.current if isinstance(self.current, torch.Tensor) else memoryview(self.current)
 
     def reset(self) -> None:
-        if isinstance(self.current, bytearray):
-            self.current[:] = self.initial
-        else:
+        if isinstance(self.current, torch.Tensor):
             self.current.copy_(tensor_from_bytes(self.initial, torch.uint8, [self.initial.nbytes]))
+        else:
+            self.current[:] = self.initial.cast("B")
+
+    def release(self) -> None:
+        """Let the pages of the host memory leave memory: its value is stale (an engine holds the current one).
+
+        Read again, the pages are zeros until written; the address stays.
+        """
+        if isinstance(self.current, mmap.mmap):
+            self.current.madvise(mmap.MADV_DONTNEED)
 
 
 # The reader of a method's own weights (its plan's weight steps), in ProgramState.readers.
@@ -430,7 +450,9 @@ class Handover:
     program's state lock.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, release: Callable[[Iterable[str]], None]) -> None:
+        # Lets the host memory of buffers an engine now holds leave memory.
+        self.release = release
         self.keepers: dict[str, LoadedDelegate] = {}
         # Per method, each buffer it touches and the delegate that keeps it there (None: the host).
         self.places: dict[str, dict[str, str | None]] = {}
@@ -476,6 +498,7 @@ class Handover:
             self.moved(holder, "store_state", fqns)
         for reader, fqns in loads.items():
             self.moved(reader, "load_state", fqns)
+            self.release(fqns)
         self.last_method = method
 
     def moved(self, reader: str, direction: str, fqns: list[str]) -> None:
