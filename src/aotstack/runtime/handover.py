@@ -1,0 +1,90 @@
+"""Handing a buffer that engines keep inside themselves between the methods that touch it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from ..errors import RunError
+from .interpreter import LoadedDelegate
+
+
+class Handover:
+    """Where the current value of each buffer an engine keeps inside itself lives, and its moves between methods.
+
+    A kept buffer's value is either in its shared memory (``HOST``) or in the engine of one
+    delegate. Before a method runs (``claim``), each buffer it touches is moved to where that
+    method reads it: stored by the engine that holds it, then loaded by the one that keeps it in
+    this method. Methods that share a cache (prefill, then decode) move it once per switch, not
+    once per call; the calls of one method in a row move nothing. Every move runs under the
+    program's state lock.
+    """
+
+    def __init__(self, release: Callable[[Iterable[str]], None]) -> None:
+        # Lets the host memory of buffers an engine now holds leave memory.
+        self.release = release
+        self.keepers: dict[str, LoadedDelegate] = {}
+        # Per method, each buffer it touches and the delegate that keeps it there (None: the host).
+        self.places: dict[str, dict[str, str | None]] = {}
+        # Per kept buffer, the delegate whose engine holds its current value; absent: the host.
+        self.live: dict[str, str] = {}
+        self.last_method: str | None = None
+
+    def add_keeper(self, method: str, reader: str, loaded: LoadedDelegate, kept: frozenset[str]) -> None:
+        """Delegate ``reader`` of ``method`` keeps ``kept`` inside its engine."""
+        self.keepers[reader] = loaded
+        self.places.setdefault(method, {}).update(dict.fromkeys(kept, reader))
+
+    def add_method(self, name: str, touched: set[str]) -> None:
+        """Method ``name`` reads or updates ``touched``: on the host, except what a keeper of it holds."""
+        places = self.places.setdefault(name, {})
+        for fqn in touched:
+            places.setdefault(fqn, None)
+
+    def kept(self) -> set[str]:
+        return {fqn for places in self.places.values() for fqn, reader in places.items() if reader is not None}
+
+    def settled(self) -> None:
+        """Drop what needs no handing over: methods and buffers no engine keeps."""
+        kept = self.kept()
+        places = {name: {fqn: at for fqn, at in where.items() if fqn in kept} for name, where in self.places.items()}
+        self.places = {name: where for name, where in places.items() if where}
+
+    def claim(self, method: str) -> None:
+        """Move each kept buffer ``method`` touches to where it reads it."""
+        if self.last_method == method:
+            return
+        stores: dict[str, list[str]] = {}
+        loads: dict[str, list[str]] = {}
+        for fqn, reader in self.places.get(method, {}).items():
+            holder = self.live.get(fqn)
+            if holder == reader:
+                continue
+            if holder is not None:
+                stores.setdefault(holder, []).append(fqn)
+            if reader is not None:
+                loads.setdefault(reader, []).append(fqn)
+        for holder, fqns in stores.items():
+            self.moved(holder, "store_state", fqns)
+        for reader, fqns in loads.items():
+            self.moved(reader, "load_state", fqns)
+            self.release(fqns)
+        self.last_method = method
+
+    def moved(self, reader: str, direction: str, fqns: list[str]) -> None:
+        keeper = self.keepers[reader]
+        try:
+            getattr(keeper.runtime, direction)(keeper.handle, fqns)
+        except Exception as exc:
+            # The state's place is unknown now: the next call of any method moves it again.
+            self.last_method = None
+            raise RunError(f"delegate {reader}: {direction} of {', '.join(fqns)} failed: {exc}") from exc
+        for fqn in fqns:
+            if direction == "store_state":
+                self.live.pop(fqn, None)
+            else:
+                self.live[fqn] = reader
+
+    def reset(self) -> None:
+        """The shared memory now holds every buffer's value again (``reset()`` rewrote it)."""
+        self.live.clear()
+        self.last_method = None
