@@ -204,13 +204,17 @@ class Accumulator(torch.nn.Module):
         return self.total - x
 
 
-@pytest.mark.parametrize("engine", list(ENGINES))
-def test_a_buffer_another_method_reads_is_read_as_it_is_now(engine, tmp_path):
+@pytest.mark.parametrize(
+    ("engine", "dtype"),
+    [("onnxruntime", torch.float32), ("openvino", torch.float32), ("openvino", torch.bfloat16)],
+    ids=["onnxruntime", "openvino", "openvino-bf16"],
+)
+def test_a_buffer_another_method_reads_is_read_as_it_is_now(engine, dtype, tmp_path):
     if not BUILT_IN[engine].installed():
         pytest.skip(f"{engine} is not installed")
     torch.manual_seed(0)
-    x = torch.randn(4, 8)
-    program = aotstack.export(Accumulator(), {"add": (x,), "read": (x,), "decay": (x,)})
+    x = torch.randn(4, 8, dtype=dtype)
+    program = aotstack.export(Accumulator().to(dtype), {"add": (x,), "read": (x,), "decay": (x,)})
     lowered = aotstack.lower(program, [ENGINES[engine]()])
     [adding], [reading] = lowered.delegates("add"), lowered.delegates("read")
     assert (adding.backend_id, adding.updated_buffers) == (engine, ["total"])
@@ -220,19 +224,19 @@ def test_a_buffer_another_method_reads_is_read_as_it_is_now(engine, tmp_path):
     path = tmp_path / "accumulator.pt2"
     lowered.save(path)
 
-    loaded, eager = aotstack.load(path), Accumulator()
+    loaded, eager = aotstack.load(path), Accumulator().to(dtype)
     # OpenVINO keeps the buffer in ``add`` and in ``decay``; loading hands its value between
     # them, and to ``read``, through the buffer's memory whenever the method called changes.
     keepers = ["add/add.0", "decay/decay.0"] if engine == "openvino" else []
     assert sorted(loaded._state.handover.keepers) == keepers
     for step in range(3):
-        y = torch.randn(4, 8)
+        y = torch.randn(4, 8, dtype=dtype)
         torch.testing.assert_close(loaded.add(y), eager.add(y))
         torch.testing.assert_close(loaded.add(y), eager.add(y))
         torch.testing.assert_close(loaded.read(x), eager.read(x), msg=f"step {step}")
         torch.testing.assert_close(loaded.decay(x), eager.decay(x), msg=f"step {step}")
     loaded.reset()
-    torch.testing.assert_close(loaded.read(x), Accumulator().read(x))
+    torch.testing.assert_close(loaded.read(x), Accumulator().to(dtype).read(x))
 
 
 @installed("openvino")
@@ -303,3 +307,18 @@ def test_a_cache_an_engine_keeps_is_held_once(engine, tmp_path):
     assert (resident_bytes_at(address) < size // 16) == (engine == "openvino")
     loaded.reset()
     torch.testing.assert_close(loaded.forward(x, position), LargeCache()(x, position))
+
+
+@installed("openvino")
+def test_an_engine_keeping_a_buffer_it_was_not_offered_is_refused_at_load(tmp_path, monkeypatch):
+    from aotstack.backends.openvino.run import OpenVinoRuntime
+
+    x = torch.randn(4, 8)
+    program = aotstack.export(Accumulator(), {"add": (x,), "read": (x,), "decay": (x,)})
+    path = tmp_path / "accumulator.pt2"
+    aotstack.lower(program, [aotstack.OpenVinoPartitioner()]).save(path)
+    # ``read`` updates nothing: its delegate is offered no buffer to keep.
+    monkeypatch.setattr(OpenVinoRuntime, "kept_state", lambda self, handle: frozenset({"total"}))
+    refused = r"delegate read\.0 \(openvino\) says it keeps buffers \['total'\] it was not offered"
+    with pytest.raises(aotstack.DelegateInitError, match=refused):
+        aotstack.load(path)

@@ -455,8 +455,7 @@ def load_method(
 ) -> Method:
     weights = state.method_weights(record.weights)
     # Each delegate is a reader of the file's blobs, named by its method and id.
-    readers = [(delegate_reader(name, d), d) for d in record.delegates]
-    opened = [(reader, d, loaded_delegate(state, name, d)) for reader, d in readers]
+    opened = [(delegate_reader(name, d), d, loaded_delegate(state, name, d)) for d in record.delegates]
     mutable = set(state.mutable)
     touched = plan_state(record, mutable).union(*(held_state(delegate, mutable) for delegate in record.delegates))
     state.handover.add_method(name, touched)

@@ -231,7 +231,7 @@ def read_model(part: Part, label: str) -> Any:
 def kept_buffers(model: Any, part: Part, keepable: Collection[str]) -> list[tuple[int, OwnedBuffer]]:
     """The buffers of ``part`` that become state variables of ``model``, each with the IR result that updates it.
 
-    A buffer is kept where loading offers it (nothing else reads it), its values are floating
+    A buffer is kept where loading offers it (nothing else in its method reads it), its values are floating
     (the CPU plugin refuses integer state under a bf16 precision hint), and the IR reads it as a
     parameter and updates it by a result of its own, which no output of the part shares.
     """
