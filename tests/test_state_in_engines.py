@@ -322,3 +322,26 @@ def test_an_engine_keeping_a_buffer_it_was_not_offered_is_refused_at_load(tmp_pa
     refused = r"delegate read\.0 \(openvino\) says it keeps buffers \['total'\] it was not offered"
     with pytest.raises(aotstack.DelegateInitError, match=refused):
         aotstack.load(path)
+
+
+@installed("openvino")
+def test_a_model_openvino_cannot_make_stateful_loads_with_its_buffers_bound(tmp_path, monkeypatch, caplog):
+    from aotstack.backends.openvino import run as ov_run
+
+    torch.manual_seed(0)
+    inputs = [torch.randn(4, 8) for _ in range(3)]
+    lowered = aotstack.lower(aotstack.export(MeanAndSteps(), {"forward": (inputs[0],)}), [ENGINES["openvino"]()])
+    path = tmp_path / "mean_and_steps.pt2"
+    lowered.save(path)
+
+    def refused(model, kept, label):
+        raise aotstack.DelegateInitError(f"{label}: OpenVINO could not keep its buffers as state: injected")
+
+    monkeypatch.setattr(ov_run, "made_stateful", refused)
+    with caplog.at_level("WARNING", logger="aotstack"):
+        loaded = aotstack.load(path)
+    assert "its buffers stay bound in place, not kept in OpenVINO" in caplog.text
+    assert not loaded._state.handover.keepers
+    eager = MeanAndSteps()
+    for x in inputs:
+        torch.testing.assert_close(loaded.forward(x), eager(x))

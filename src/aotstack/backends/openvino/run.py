@@ -34,6 +34,7 @@ method. Such a delegate has one request, since state is a request's; loading ser
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -48,6 +49,8 @@ from ...format.boundary import Boundary, BoundaryCheck
 from ...format.processed import OwnedBuffer
 from ...format.tensor_data import BytesLike, dtype_from_name
 from .packages import require_openvino
+
+logger = logging.getLogger("aotstack")
 
 # Named data of a delegate: the IR's XML, and its .bin, which holds the constants the frontend
 # made (shapes, scalars); the weights are named data of their own, ``weight:<fqn>``.
@@ -89,11 +92,7 @@ class OpenVinoRuntime(SessionRuntime):
         import numpy
 
         part = read_part(delegate)
-        model = read_model(part, label)
-        kept = kept_buffers(model, part, delegate.keepable)
-        if kept:
-            made_stateful(model, kept, label)
-        compiled = compiled_model(model, part.precision, label)
+        compiled, kept = compiled_keeping(part, delegate.keepable, label)
         kept_results = {result for result, _ in kept}
         returned = part.outputs[len(part.state):]
         handle = OpenVinoHandle(
@@ -226,6 +225,24 @@ def read_model(part: Part, label: str) -> Any:
         raise DelegateInitError(f"{label}: OpenVINO could not read the model: {error}") from error
     with_weights_as_constants(model, part.weights, label)
     return model
+
+
+def compiled_keeping(part: Part, keepable: Collection[str], label: str) -> tuple[Any, list[tuple[int, OwnedBuffer]]]:
+    """The part compiled with the buffers of ``keepable`` it can keep as state variables, and those buffers.
+
+    Where OpenVINO cannot make or compile the stateful model, the part is compiled as stored,
+    its buffers bound in place as before: keeping state is a speed-up, never a reason not to load.
+    """
+    model = read_model(part, label)
+    kept = kept_buffers(model, part, keepable)
+    if not kept:
+        return compiled_model(model, part.precision, label), []
+    try:
+        made_stateful(model, kept, label)
+        return compiled_model(model, part.precision, label), kept
+    except DelegateInitError as error:
+        logger.warning("%s: its buffers stay bound in place, not kept in OpenVINO: %s", label, error)
+        return compiled_model(read_model(part, label), part.precision, label), []
 
 
 def kept_buffers(model: Any, part: Part, keepable: Collection[str]) -> list[tuple[int, OwnedBuffer]]:
