@@ -10,6 +10,7 @@ eager's numbers.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,26 +121,35 @@ class RunningMean(torch.nn.Module):
         return self.mean * 2 + self.calls.sum()
 
 
-@pytest.mark.parametrize("engine", list(ENGINES))
-def test_a_buffer_not_updated_by_a_scatter_is_copied_back_and_stays_right(engine, tmp_path):
+INPUTS = [torch.randn(4, 8, generator=torch.Generator().manual_seed(seed)) for seed in range(3)]
+
+
+def one_delegate_file(module: type[torch.nn.Module], engine: str, path: Path) -> aotstack.Delegate:
+    """``module()`` lowered with ``engine`` then AOTInductor, saved at ``path``; its one delegate."""
     if not BUILT_IN[engine].installed():
         pytest.skip(f"{engine} is not installed")
-    torch.manual_seed(0)
-    inputs = [torch.randn(4, 8) for _ in range(3)]
-    program = aotstack.export(RunningMean(), {"forward": (inputs[0],)})
+    program = aotstack.export(module(), {"forward": (INPUTS[0],)})
     lowered = aotstack.lower(program, [ENGINES[engine](), aotstack.AotiCpuPartitioner()])
-    [delegate] = lowered.delegates("forward")
-    assert delegate.backend_id == engine and set(delegate.updated_buffers) == {"mean", "calls"}
-    assert not any(record["in_place"] for record in state_records(delegate).values())
-    path = tmp_path / "mean.pt2"
     lowered.save(path)
+    [delegate] = lowered.delegates("forward")
+    return delegate
 
-    loaded, eager = aotstack.load(path), RunningMean()
-    for x in [*inputs, *inputs]:
+
+def assert_follows_eager(loaded: aotstack.LoadedProgram, module: type[torch.nn.Module]) -> None:
+    """Six calls match a fresh ``module()``'s, and after ``reset()`` a call matches a fresh one's again."""
+    eager = module()
+    for x in [*INPUTS, *INPUTS]:
         torch.testing.assert_close(loaded.forward(x), eager(x))
     loaded.reset()
-    eager = RunningMean()
-    torch.testing.assert_close(loaded.forward(inputs[1]), eager(inputs[1]))
+    torch.testing.assert_close(loaded.forward(INPUTS[1]), module()(INPUTS[1]))
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_a_buffer_not_updated_by_a_scatter_is_copied_back_and_stays_right(engine, tmp_path):
+    delegate = one_delegate_file(RunningMean, engine, tmp_path / "mean.pt2")
+    assert delegate.backend_id == engine and set(delegate.updated_buffers) == {"mean", "calls"}
+    assert not any(record["in_place"] for record in state_records(delegate).values())
+    assert_follows_eager(aotstack.load(tmp_path / "mean.pt2"), RunningMean)
 
 
 def test_the_report_says_which_delegate_keeps_each_buffer(decoder_file):
@@ -166,23 +176,12 @@ class MeanAndSteps(torch.nn.Module):
 
 @pytest.mark.parametrize("engine", list(ENGINES))
 def test_kept_and_bound_buffers_of_one_delegate_each_stay_right(engine, tmp_path):
-    if not BUILT_IN[engine].installed():
-        pytest.skip(f"{engine} is not installed")
-    torch.manual_seed(0)
-    inputs = [torch.randn(4, 8) for _ in range(3)]
-    lowered = aotstack.lower(aotstack.export(MeanAndSteps(), {"forward": (inputs[0],)}), [ENGINES[engine]()])
-    [delegate] = lowered.delegates("forward")
+    delegate = one_delegate_file(MeanAndSteps, engine, tmp_path / "mean_and_steps.pt2")
     assert (delegate.backend_id, set(delegate.updated_buffers)) == (engine, {"mean", "steps"})
-    path = tmp_path / "mean_and_steps.pt2"
-    lowered.save(path)
-
-    loaded, eager = aotstack.load(path), MeanAndSteps()
+    loaded = aotstack.load(tmp_path / "mean_and_steps.pt2")
     kept = {buffer.fqn for keeper in loaded._state.handover.keepers.values() for buffer in keeper.handle.kept.values()}
     assert kept == ({"mean"} if engine == "openvino" else set())
-    for x in [*inputs, *inputs]:
-        torch.testing.assert_close(loaded.forward(x), eager(x))
-    loaded.reset()
-    torch.testing.assert_close(loaded.forward(inputs[2]), MeanAndSteps()(inputs[2]))
+    assert_follows_eager(loaded, MeanAndSteps)
 
 
 class Accumulator(torch.nn.Module):
@@ -328,11 +327,8 @@ def test_an_engine_keeping_a_buffer_it_was_not_offered_is_refused_at_load(tmp_pa
 def test_a_model_openvino_cannot_make_stateful_loads_with_its_buffers_bound(tmp_path, monkeypatch, caplog):
     from aotstack.backends.openvino import run as ov_run
 
-    torch.manual_seed(0)
-    inputs = [torch.randn(4, 8) for _ in range(3)]
-    lowered = aotstack.lower(aotstack.export(MeanAndSteps(), {"forward": (inputs[0],)}), [ENGINES["openvino"]()])
     path = tmp_path / "mean_and_steps.pt2"
-    lowered.save(path)
+    one_delegate_file(MeanAndSteps, "openvino", path)
 
     def refused(model, kept, label):
         raise aotstack.DelegateInitError(f"{label}: OpenVINO could not keep its buffers as state: injected")
@@ -342,6 +338,4 @@ def test_a_model_openvino_cannot_make_stateful_loads_with_its_buffers_bound(tmp_
         loaded = aotstack.load(path)
     assert "its buffers stay bound in place, not kept in OpenVINO" in caplog.text
     assert not loaded._state.handover.keepers
-    eager = MeanAndSteps()
-    for x in inputs:
-        torch.testing.assert_close(loaded.forward(x), eager(x))
+    assert_follows_eager(loaded, MeanAndSteps)
