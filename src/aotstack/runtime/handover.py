@@ -64,25 +64,24 @@ class Handover:
             if reader is not None:
                 loads.setdefault(reader, []).append(fqn)
         for holder, fqns in stores.items():
-            self.moved(holder, "store_state", fqns)
+            self.engine_moves(holder, "store_state", fqns)
+            for fqn in fqns:
+                del self.live[fqn]
         for reader, fqns in loads.items():
-            self.moved(reader, "load_state", fqns)
+            self.engine_moves(reader, "load_state", fqns)
+            self.live.update(dict.fromkeys(fqns, reader))
             self.release(fqns)
         self.last_method = method
 
-    def moved(self, reader: str, direction: str, fqns: list[str]) -> None:
+    def engine_moves(self, reader: str, hook: str, fqns: list[str]) -> None:
+        """Call the run side's ``hook`` (``store_state`` or ``load_state``) of delegate ``reader`` on ``fqns``."""
         keeper = self.keepers[reader]
         try:
-            getattr(keeper.runtime, direction)(keeper.handle, fqns)
+            getattr(keeper.runtime, hook)(keeper.handle, fqns)
         except Exception as exc:
-            # The state's place is unknown now: the next call of any method moves it again.
+            # Where the values are now is unknown: the next call of any method moves them again.
             self.last_method = None
-            raise RunError(f"delegate {reader}: {direction} of {', '.join(fqns)} failed: {exc}") from exc
-        for fqn in fqns:
-            if direction == "store_state":
-                self.live.pop(fqn, None)
-            else:
-                self.live[fqn] = reader
+            raise RunError(f"delegate {reader}: {hook} of {', '.join(fqns)} failed: {exc}") from exc
 
     def reset(self) -> None:
         """The shared memory now holds every buffer's value again (``reset()`` rewrote it)."""
