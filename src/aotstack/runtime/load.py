@@ -274,12 +274,13 @@ class ProgramState:
         # One lock guards the state: a call of a method that reads or updates a buffer in
         # ``mutable`` holds it while it runs, and so does reset(); other methods take none.
         self.lock = threading.Lock()
-        self.locked_methods = {
-            name for name, method in contents.manifest.methods.items() if reads_state(method, set(self.mutable))
-        }
+        # Per method, the buffers in ``mutable`` its plan or delegates read or update.
+        mutable = set(self.mutable)
+        self.touched = {name: touched_state(method, mutable) for name, method in contents.manifest.methods.items()}
+        self.locked_methods = {name for name, fqns in self.touched.items() if fqns}
         # The buffers each delegate (by reader name) alone reads and updates in its method, which
         # its engine may keep inside itself (``Handover`` hands them between methods).
-        self.keepable = keepable_buffers(contents.manifest.methods, set(self.mutable))
+        self.keepable = keepable_buffers(contents.manifest.methods, mutable)
         self.handover = Handover(self.release_state)
 
     def add_mutable(self, fqn: str, key: str, device: Device) -> None:
@@ -409,9 +410,9 @@ def read_blobs(delegate: DelegateRecord, released: Collection[str]) -> set[str]:
     return {key for name, key in delegate.named_data.items() if name not in owned and name not in released}
 
 
-def reads_state(method: MethodRecord, mutable: set[str]) -> bool:
-    """Whether ``method``'s plan or delegates read or update one of the ``mutable`` buffers."""
-    return bool(plan_state(method, mutable) or any(held_state(delegate, mutable) for delegate in method.delegates))
+def touched_state(method: MethodRecord, mutable: set[str]) -> set[str]:
+    """The ``mutable`` buffers ``method``'s plan or delegates read or update."""
+    return plan_state(method, mutable).union(*(held_state(delegate, mutable) for delegate in method.delegates))
 
 
 def plan_state(method: MethodRecord, mutable: set[str]) -> set[str]:
@@ -456,9 +457,7 @@ def load_method(
     weights = state.method_weights(record.weights)
     # Each delegate is a reader of the file's blobs, named by its method and id.
     opened = [(delegate_reader(name, d), d, loaded_delegate(state, name, d)) for d in record.delegates]
-    mutable = set(state.mutable)
-    touched = plan_state(record, mutable).union(*(held_state(delegate, mutable) for delegate in record.delegates))
-    state.handover.add_method(name, touched)
+    state.handover.add_method(name, state.touched[name])
     delegates = {d.id: delegate for _, d, delegate in opened}
     if wrap_delegate is not None:
         delegates = {delegate_id: wrap_delegate(delegate_id, loaded) for delegate_id, loaded in delegates.items()}
