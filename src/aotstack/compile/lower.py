@@ -414,13 +414,21 @@ def timed_twice(
 def timed_again(name: str, exported: ExportedProgram, plan: Plan, lowered: LoweredProgram) -> Measurement | None:
     """Method ``name`` of ``plan``'s lowering timed once more, as the first time; None where it fails now."""
     try:
-        delegates = lowered.delegate_table[name]
-        timing = measured_methods({name: lowered.methods[name]}, {name: delegates}, {name: exported})[name]
+        measurement, seconds = method_measurement(name, exported, plan, lowered)
     except Exception as error:  # noqa: BLE001 - the first timing stands
         logger.warning("auto: %s: %s could not be timed again: %s", name, plan_text(plan), error)
         return None
-    logger.info("auto: %s: %s takes %.3g ms a call, timed again", name, plan_text(plan), timing.seconds * 1e3)
-    return plan_measurement(plan, delegates, timing)
+    logger.info("auto: %s: %s takes %.3g ms a call, timed again", name, plan_text(plan), seconds * 1e3)
+    return measurement
+
+
+def method_measurement(
+    name: str, exported: ExportedProgram, plan: Plan, lowered: LoweredProgram
+) -> tuple[Measurement, float]:
+    """Method ``name`` of ``plan``'s lowering timed on ``exported``'s inputs; and its seconds a call."""
+    delegates = lowered.delegate_table[name]
+    timing = measured_methods({name: lowered.methods[name]}, {name: delegates}, {name: exported})[name]
+    return plan_measurement(plan, delegates, timing), timing.seconds
 
 
 def method_mix(listed: Mapping[Plan, Measurement], closing: str) -> Mix | None:
@@ -440,17 +448,14 @@ def mix_measurement(
     cached = cached_measurement(key, mix.labels)
     if isinstance(cached, tuple):
         return cached, None
-    exported = method.methods[name]
     try:
         lowered = lower_plan(method, {name: mix_partitioners(mix, auto.device)}, tuple(mix.labels))
-        delegates = lowered.delegate_table[name]
-        timing = measured_methods({name: lowered.methods[name]}, {name: delegates}, {name: exported})[name]
+        measurement, seconds = method_measurement(name, method.methods[name], tuple(mix.labels), lowered)
     except Exception as error:  # noqa: BLE001 - like any plan, a mix that fails is named, not raised
         failed = failed_candidate(mix.labels, error)
         logger.warning("auto: %s could not be lowered or run: %s", plan_text(mix.labels), failed.error)
         return (failed, {}, []), None
-    measurement = plan_measurement(mix.labels, delegates, timing)
-    logger.info("auto: %s: %s takes %.3g ms a call", name, plan_text(mix.labels), timing.seconds * 1e3)
+    logger.info("auto: %s: %s takes %.3g ms a call", name, plan_text(mix.labels), seconds * 1e3)
     store_measurement(key, measurement)
     return measurement, lowered
 
