@@ -72,7 +72,10 @@ DELEGATE = strict(
         "state": {
             "type": "array",
             "items": {"type": "string"},
-            "description": "the buffers it owns (a KV cache), kept with it on its device and updated in place",
+            "description": (
+                "the buffers it owns (a KV cache), kept with it on its device: updated in place, or inside the "
+                "engine where its run side keeps state (decided at load)"
+            ),
         },
     }
 )

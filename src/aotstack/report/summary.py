@@ -43,7 +43,8 @@ class DelegateSummary:
     run_seconds: float | None = None
     # Its quantized layers by kind and scheme, e.g. ``{"linear 8da4w, group 32": 28}``.
     quantized: dict[str, int] = field(default_factory=dict)
-    # The buffers it owns (a KV cache): they live with it, on its device, and it updates them in place.
+    # The buffers it owns (a KV cache): they live with it, on its device. Loading decides whether the engine keeps
+    # them inside itself (OpenVINO's state variables) or updates them in place; the file cannot say which.
     state: list[str] = field(default_factory=list)
 
     @property

@@ -192,10 +192,10 @@ def ops_text(delegate: DelegateSummary) -> str:
     """``12: linear ×4, gelu ×2, add ×6``: how many ops, then which, most first (or the kinds, where not counted).
 
     Quantized layers follow on their own lines: ``quantized: linear 8da4w, group 32 ×4``, then the
-    buffers it keeps: ``state (in place, cpu): key_cache_0, value_cache_0``.
+    buffers it updates and keeps on its device: ``state (cpu): key_cache_0, value_cache_0``.
     """
     quantized = "".join(f"\nquantized: {label} ×{count}" for label, count in delegate.quantized.items())
-    state = f"\nstate (in place, {delegate.device}): {', '.join(delegate.state)}" if delegate.state else ""
+    state = f"\nstate ({delegate.device}): {', '.join(delegate.state)}" if delegate.state else ""
     return plain_ops_text(delegate) + quantized + state
 
 

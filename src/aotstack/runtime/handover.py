@@ -43,6 +43,14 @@ class Handover:
     def kept(self) -> set[str]:
         return {fqn for places in self.places.values() for fqn, reader in places.items() if reader is not None}
 
+    def keepers_by_method(self) -> dict[str, dict[str, str]]:
+        """Per method, each buffer a delegate's engine keeps inside itself there -> that delegate (``method/id``)."""
+        kept = {
+            name: {fqn: reader for fqn, reader in places.items() if reader is not None}
+            for name, places in self.places.items()
+        }
+        return {name: where for name, where in kept.items() if where}
+
     def settled(self) -> None:
         """Drop what needs no handing over: methods and buffers no engine keeps."""
         kept = self.kept()

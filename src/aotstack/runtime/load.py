@@ -142,6 +142,17 @@ class LoadedProgram:
         """Each buffer the methods update (a KV cache) and where its one state lives: ``cpu``, ``cuda:0``."""
         return self._state.state_places()
 
+    @property
+    def kept_state(self) -> dict[str, dict[str, str]]:
+        """Per method, each buffer an engine keeps inside itself there, and the delegate that keeps it.
+
+        Example: ``{"decode": {"cache.key_0": "decode/decode.0"}}`` where OpenVINO holds the KV
+        cache as its own state. A buffer not named is updated in place in its one memory
+        (``state_devices``). The report lists which delegate owns each buffer; this says where
+        loading put it.
+        """
+        return self._state.handover.keepers_by_method()
+
     def reset(self) -> None:
         """Put every buffer the methods update (a KV cache, say) back to its value in the file.
 
