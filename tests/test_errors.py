@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import zipfile
 
 import pytest
@@ -22,7 +23,7 @@ def linear_path(lowered_package):
 
 def test_all_errors_share_one_base():
     for error in (aotstack.PackageError, aotstack.InputError, aotstack.LoweringError, aotstack.ExportError,
-                  aotstack.BackendNotFoundError, aotstack.MethodNotFoundError):
+                  aotstack.BackendNotFoundError, aotstack.MethodNotFoundError, aotstack.SaveError):
         assert issubclass(error, aotstack.AotstackError)
 
 
@@ -143,10 +144,20 @@ def test_a_failed_save_leaves_no_file_and_keeps_the_old_one(lowered_package, tmp
         raise OSError("disk full")
 
     monkeypatch.setattr(archive, "write_entry", fail)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(aotstack.SaveError, match=re.escape(f"cannot write {path}: disk full")):
         lowered.save(path)
     assert path.read_bytes() == b"previous contents"
     assert os.listdir(tmp_path) == ["model.pt2"]
+
+
+def test_saving_into_a_missing_folder_names_the_path_asked_for(lowered_package, tmp_path):
+    lowered, _ = lowered_package("linear")
+    path = tmp_path / "missing" / "model.pt2"
+    message = re.escape(f"cannot write {path}: No such file or directory")
+    with pytest.raises(aotstack.SaveError, match=message) as raised:
+        lowered.save(path)
+    assert isinstance(raised.value, OSError) and ".aotstack-" not in str(raised.value)
+    assert os.listdir(tmp_path) == []
 
 
 def test_the_manifest_records_versions_devices_specs_and_hashes(linear_path):

@@ -52,6 +52,7 @@ _EXPORTS = {
     "MethodNotFoundError": "errors",
     "MissingFallbackKernelsError": "errors",
     "PackageError": "errors",
+    "SaveError": "errors",
     "QuantizationError": "errors",
     "CustomOpError": "errors",
     "SignatureError": "errors",

@@ -115,6 +115,10 @@ class PackageError(AotstackError):
     """A file is not an aotstack package, is truncated, or holds a blob whose hash does not match."""
 
 
+class SaveError(AotstackError, OSError):
+    """A package could not be written where asked: its folder is missing or not writable, or the disk is full."""
+
+
 class CustomOpError(AotstackError):
     """A file calls custom ops this process cannot run: not registered here, or not allowed in the plan.
 

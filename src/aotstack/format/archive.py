@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..errors import PackageError
+from ..errors import AotstackError, PackageError, SaveError
 from .manifest import Manifest
 from .seal import Seal, TrustedKeys, key_id, public_keys, seal_from_bytes, seal_to_bytes, signed, verified_signer
 from .seal import private_key as seal_private_key
@@ -93,14 +93,21 @@ def write_archive(path: str | os.PathLike[str], entries: Iterable[tuple[str, Byt
     goes holds one entry in memory at once.
     """
     path = os.fspath(path)
-    fd, temporary = tempfile.mkstemp(prefix=".aotstack-", suffix=".pt2", dir=os.path.dirname(os.path.abspath(path)))
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, temporary = tempfile.mkstemp(prefix=".aotstack-", suffix=".pt2", dir=folder)
+    except OSError as exc:
+        raise SaveError(f"cannot write {path}: {exc.strerror or exc} (folder {folder})") from exc
     try:
         with os.fdopen(fd, "wb") as file, zipfile.ZipFile(file, "w", zipfile.ZIP_STORED, allowZip64=True) as archive:
             for name, data in entries:
                 write_entry(archive, file.tell(), ROOT + name, data)
         os.replace(temporary, path)
-    except BaseException:
+    except BaseException as exc:
         os.unlink(temporary)
+        if isinstance(exc, OSError) and not isinstance(exc, AotstackError):
+            # The temporary file's name means nothing to the caller: name the path they gave.
+            raise SaveError(f"cannot write {path}: {exc.strerror or exc}") from exc
         raise
 
 
