@@ -21,8 +21,9 @@ The algorithm, kept small so a report can explain it:
    boundaries for a difference the measurement cannot tell apart. Otherwise, among the plans
    within ``TIE`` of the fastest, one holding at least ``LIGHTER`` less memory once loaded and
    called (an engine that repacks weights keeps its own copy of them) wins over the fastest.
-   A plan that beat AOTInductor alone is timed again with it (``lower.timed_twice``), each
-   keeping its faster timing, and the choice is made again.
+   A plan that beat AOTInductor alone is timed again with it, alternately, ``CONFIRMING_ROUNDS``
+   times each (``lower.confirmed_selection``), each keeping its fastest timing, and the choice is
+   made again.
    Methods choose separately, so one file may run ``prefill`` in one engine and ``decode`` in
    another.
 
@@ -60,6 +61,9 @@ logger = logging.getLogger("aotstack")
 # level plan, and a level plan holding at least LIGHTER less memory than the fastest displaces it.
 TIE = 0.03
 LIGHTER = 0.10
+# Times the plan that beat AOTInductor alone and AOTInductor alone are timed again, alternately, before the choice is
+# made again: a stretch of load on a shared machine then slows a timing of each, not every timing of one.
+CONFIRMING_ROUNDS = 2
 # The measurements' cache; each entry keeps its plan's regions (``mixing.py``) and memory, which older entries lack.
 CACHE_KIND = "measurements-3"
 

@@ -32,6 +32,7 @@ from ..format.specs import CompileSpec, DelegationSpec, PreprocessResult, SpecKe
 from ..format.tensor_data import WEIGHT_PREFIX
 from ..report.model import Report, program_report
 from .auto import (
+    CONFIRMING_ROUNDS,
     SAME_AS_ALONE,
     Auto,
     Measurement,
@@ -334,7 +335,7 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowering) -> Lowe
         sources = {plan: (lowered_by_plan[plan], keys[name, plan]) for plan in listed[name] if plan in lowered_by_plan}
         if name in mixed_lowerings:
             sources[mixes[name][0]] = (mixed_lowerings[name], mix_keys[name])
-        selections[name] = timed_twice(name, program.methods[name], kept, listed[name], sources, threads)
+        selections[name] = confirmed_selection(name, program.methods[name], kept, listed[name], sources, threads)
     chosen = {name: list(listed[name])[kept.chosen] for name, kept in selections.items()}
     by_method = {name: lowered_by_plan[plan] for name, plan in chosen.items() if plan in lowered_by_plan}
     mixed = {name for name, (label, _) in mixes.items() if chosen[name] == label}
@@ -381,7 +382,7 @@ def plan_measurement(engines: Sequence[str], delegates: list[Delegate], timing: 
     return measured_candidate(tuple(engines), timing, by_id), timing.delegate_seconds, regions
 
 
-def timed_twice(
+def confirmed_selection(
     name: str,
     exported: ExportedProgram,
     kept: Selection,
@@ -390,25 +391,31 @@ def timed_twice(
     threads: int,
 ) -> Selection:
     """``kept`` made again after the plan it kept, where that beat AOTInductor alone, and AOTInductor alone are
-    timed once more, the winner first this time, each keeping its faster timing (in ``listed`` and the cache).
+    timed ``CONFIRMING_ROUNDS`` more times, alternately, each keeping its fastest timing (in ``listed`` and the
+    cache).
 
     A burst of load on a shared machine while one plan was timed (measured: AOTInductor alone at
-    1.5x its time) would otherwise choose a slower plan for good, as the choice is cached. Plans
-    measured by an earlier lowering (not in ``sources``) were confirmed then.
+    1.5x its time) would otherwise choose a slower plan for good, as the choice is cached. The
+    machine's speed also drifts over seconds; alternating the two, each is timed in the same
+    stretches as the other, so a slow stretch costs both alike, and a plan is judged by its
+    fastest timing, which such load can only lengthen. Plans measured by an earlier lowering (not
+    in ``sources``) were confirmed then.
     """
     contenders = [list(listed)[kept.chosen], list(listed)[0]]
     if kept.chosen == 0 or not all(plan in sources for plan in contenders):
         return kept
-    for plan in contenders:
-        lowered, key = sources[plan]
-        again = timed_again(name, exported, plan, lowered)
-        first = listed[plan][0].seconds
-        if again is not None and again[0].seconds is not None and (first is None or again[0].seconds < first):
-            listed[plan] = again
-            store_measurement(key, again)
+    for _ in range(CONFIRMING_ROUNDS):
+        for plan in contenders:
+            lowered, key = sources[plan]
+            again = timed_again(name, exported, plan, lowered)
+            first = listed[plan][0].seconds
+            if again is not None and again[0].seconds is not None and (first is None or again[0].seconds < first):
+                listed[plan] = again
+                store_measurement(key, again)
     confirmed = selection(name, [candidate for candidate, _, _ in listed.values()], threads)
     return replace(confirmed, reason=f"{confirmed.reason}; {plan_text(contenders[0])} and {plan_text(contenders[1])} "
-                                     "were timed twice, each keeping its faster timing")
+                                     f"were timed {CONFIRMING_ROUNDS} more times, alternately, each keeping its "
+                                     "fastest timing")
 
 
 def timed_again(name: str, exported: ExportedProgram, plan: Plan, lowered: LoweredProgram) -> Measurement | None:
