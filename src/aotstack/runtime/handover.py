@@ -41,7 +41,7 @@ class Handover:
             places.setdefault(fqn, None)
 
     def kept(self) -> set[str]:
-        return {fqn for places in self.places.values() for fqn, reader in places.items() if reader is not None}
+        return {fqn for where in self.keepers_by_method().values() for fqn in where}
 
     def keepers_by_method(self) -> dict[str, dict[str, str]]:
         """Per method, each buffer a delegate's engine keeps inside itself there -> that delegate (``method/id``)."""
