@@ -229,14 +229,17 @@ def test_a_buffer_another_method_reads_is_read_as_it_is_now(engine, dtype, tmp_p
     # them, and to ``read``, through the buffer's memory whenever the method called changes.
     keepers = ["add/add.0", "decay/decay.0"] if engine == "openvino" else []
     assert sorted(loaded._state.handover.keepers) == keepers
+    # Eager rounds the bf16 total after each op; OpenVINO on a CPU without bf16 arithmetic computes
+    # in fp32 and rounds once, a few units in the last place apart. A stale total is off by whole units.
+    close = {"atol": 0.05, "rtol": 0.02} if dtype == torch.bfloat16 else {}
     for step in range(3):
         y = torch.randn(4, 8, dtype=dtype)
-        torch.testing.assert_close(loaded.add(y), eager.add(y))
-        torch.testing.assert_close(loaded.add(y), eager.add(y))
-        torch.testing.assert_close(loaded.read(x), eager.read(x), msg=f"step {step}")
-        torch.testing.assert_close(loaded.decay(x), eager.decay(x), msg=f"step {step}")
+        torch.testing.assert_close(loaded.add(y), eager.add(y), **close)
+        torch.testing.assert_close(loaded.add(y), eager.add(y), **close)
+        torch.testing.assert_close(loaded.read(x), eager.read(x), **close, msg=lambda m, s=step: f"step {s}: {m}")
+        torch.testing.assert_close(loaded.decay(x), eager.decay(x), **close, msg=lambda m, s=step: f"step {s}: {m}")
     loaded.reset()
-    torch.testing.assert_close(loaded.read(x), Accumulator().to(dtype).read(x))
+    torch.testing.assert_close(loaded.read(x), Accumulator().to(dtype).read(x), **close)
 
 
 @installed("openvino")
