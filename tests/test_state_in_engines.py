@@ -10,6 +10,7 @@ eager's numbers.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -343,3 +344,23 @@ def test_a_model_openvino_cannot_make_stateful_loads_with_its_buffers_bound(tmp_
     assert "its buffers stay bound in place, not kept in OpenVINO" in caplog.text
     assert not loaded._state.handover.keepers
     assert_follows_eager(loaded, MeanAndSteps)
+
+
+@installed("openvino")
+def test_auto_times_a_kept_state_plan_the_way_a_decode_loop_runs_it(tmp_path, monkeypatch):
+    """After a reset, an engine keeping the state loads it again at its next call: a decode pays that once per
+    generation, so the timing auto compares plans by leaves it out."""
+    from aotstack.backends.openvino.run import OpenVinoRuntime
+    from aotstack.compile.measure import measured_methods
+
+    program = aotstack.export(RunningMean(), {"forward": (INPUTS[0],)})
+    lowered = aotstack.lower(program, [aotstack.OpenVinoPartitioner()])
+    loading = OpenVinoRuntime.load_state
+
+    def slow_load(self, handle, buffers):
+        time.sleep(0.25)
+        loading(self, handle, buffers)
+
+    monkeypatch.setattr(OpenVinoRuntime, "load_state", slow_load)
+    timing = measured_methods(lowered.methods, lowered.delegate_table, program.methods)["forward"]
+    assert timing.seconds < 0.1, "a reset's state load was timed as part of each call"

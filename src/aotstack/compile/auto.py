@@ -64,8 +64,9 @@ LIGHTER = 0.10
 # Times the plan that beat AOTInductor alone and AOTInductor alone are timed again, alternately, before the choice is
 # made again: a stretch of load on a shared machine then slows a timing of each, not every timing of one.
 CONFIRMING_ROUNDS = 2
-# The measurements' cache; each entry keeps its plan's regions (``mixing.py``) and memory, which older entries lack.
-CACHE_KIND = "measurements-3"
+# The measurements' cache; each entry keeps its plan's regions (``mixing.py``) and memory, which older entries lack,
+# and older entries timed a plan keeping state in its engine with a reload of that state in every call.
+CACHE_KIND = "measurements-4"
 
 Plan = tuple[str, ...]
 
