@@ -408,8 +408,8 @@ def confirmed_selection(
         for plan in contenders:
             lowered, key = sources[plan]
             again = timed_again(name, exported, plan, lowered)
-            first = listed[plan][0].seconds
-            if again is not None and again[0].seconds is not None and (first is None or again[0].seconds < first):
+            fastest = listed[plan][0].seconds
+            if again is not None and again[0].seconds is not None and (fastest is None or again[0].seconds < fastest):
                 listed[plan] = again
                 store_measurement(key, again)
     confirmed = selection(name, [candidate for candidate, _, _ in listed.values()], threads)
