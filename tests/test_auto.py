@@ -230,7 +230,9 @@ def test_every_installed_engine_proposes_a_plan_and_the_result_matches_eager(tmp
     timed = [c for c in chosen.candidates if c.seconds is not None]
     fastest = min(c.seconds for c in timed)
     kept = chosen.candidates[chosen.chosen]
-    assert kept.seconds == fastest or (chosen.chosen == 0 and kept.seconds <= fastest * (1 + auto_module.TIE))
+    # The fastest, or one level with it: AOTInductor alone on a tie, or a plan holding much less memory.
+    assert kept.seconds <= fastest * (1 + auto_module.TIE)
+    assert chosen.chosen == auto_module.selection("forward", chosen.candidates, chosen.threads).chosen
     lowered.save(tmp_path / "default.pt2")
     torch.testing.assert_close(aotstack.load(tmp_path / "default.pt2").forward(*inputs), model(*inputs).detach())
 
