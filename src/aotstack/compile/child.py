@@ -17,7 +17,9 @@ to a file this process reads, so the error can say where it died.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
+import gc
 import logging
 import multiprocessing
 import os
@@ -27,7 +29,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import IO, Any
@@ -75,7 +77,8 @@ def can_fork() -> bool:
 
 def engines_lost_in_fork() -> list[str]:
     """The engines that ran in this process and whose threads a forked child would wait on forever
-    (``Engine.lost_in_fork``). A child that never calls such an engine is unaffected. ONNX Runtime's
+    (``Engine.lost_in_fork``). A child that never calls such an engine is unaffected: it frees none of
+    its objects either (``collected_only_here``). ONNX Runtime's
     sessions and ExecuTorch's pool survive fork, and OpenMP's pool is paused before it."""
     try:
         with open("/proc/self/maps") as maps:
@@ -107,13 +110,32 @@ def forked(target: Callable[..., Any], args: tuple[Any, ...], name: str) -> Chil
         target=child_main, args=(target, args, sending, crash_log, torch.get_num_threads()), name=name, daemon=True
     )
     pause_openmp()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), collected_only_here():
         # Python 3.12+ warns that forking a threaded process may deadlock; the child takes no
         # lock another thread could hold: it runs the engine, sends its result and exits.
         warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning)
         process.start()
     sending.close()
     return Child(process, receiving, crash_log)
+
+
+@contextlib.contextmanager
+def collected_only_here() -> Iterator[None]:
+    """Fork inside this, and the child's garbage collector never frees an object this process made.
+
+    This process may hold garbage not yet collected that owns an engine's session (a file the user
+    loaded and let go of). Freeing that in a child runs the engine's teardown there, which can wait
+    forever on threads fork did not copy: OpenVINO's executor does, and hung a benchmark's compile
+    worker. Frozen objects (``gc.freeze``) are out of every collection's reach, so such garbage is
+    freed here, by the next collection after the fork. Freezing and thawing cost the same whatever
+    the heap's size. Objects a caller had frozen itself are thawed too: left frozen, every object made
+    since would never be collected in this process.
+    """
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def child_main(
