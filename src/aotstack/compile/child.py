@@ -78,8 +78,8 @@ def can_fork() -> bool:
 def engines_lost_in_fork() -> list[str]:
     """The engines that ran in this process and whose threads a forked child would wait on forever
     (``Engine.lost_in_fork``). A child that never calls such an engine is unaffected: it frees none of
-    its objects either (``collected_only_here``). ONNX Runtime's
-    sessions and ExecuTorch's pool survive fork, and OpenMP's pool is paused before it."""
+    its objects either (``collected_only_here``). ONNX Runtime's sessions and ExecuTorch's pool survive
+    fork, and OpenMP's pool is paused before it."""
     try:
         with open("/proc/self/maps") as maps:
             names = {line.split()[-1].rsplit("/", 1)[-1] for line in maps if "/" in line}
