@@ -116,7 +116,8 @@ class ReluPartitioner(aotstack.SupportedOpsPartitioner):
         return op is torch.ops.aten.relu.default
 
 
-# One partitioner per crashing engine, by backend id; auto builds them with no arguments.
+# One partitioner per test engine (the crashing ones, and one that collects garbage), by backend id; auto builds
+# them with no arguments.
 PARTITIONERS = {
     cls.backend_id: type(f"{cls.__name__}Partitioner", (ReluPartitioner,), {"backend_id": cls.backend_id})
     for cls in (FpeCompiling, SegvCompiling, AbortCompiling, ExitCompiling, SegvLoading, FpeRunning,
