@@ -21,9 +21,9 @@ The algorithm, kept small so a report can explain it:
    boundaries for a difference the measurement cannot tell apart. Otherwise, among the plans
    within ``TIE`` of the fastest, one holding at least ``LIGHTER`` less memory once loaded and
    called (an engine that repacks weights keeps its own copy of them) wins over the fastest.
-   A plan that beat AOTInductor alone is timed again with it, alternately, ``CONFIRMING_ROUNDS``
-   times each (``lower.confirmed_selection``), each keeping its fastest timing, and the choice is
-   made again.
+   The kept plan, AOTInductor alone where the kept plan beat it, and every other plan within
+   ``CONTENDING`` of the fastest are timed again, alternately, ``CONFIRMING_ROUNDS`` times each
+   (``lower.confirmed_selection``), each keeping its fastest timing, and the choice is made again.
    Methods choose separately, so one file may run ``prefill`` in one engine and ``decode`` in
    another.
 
@@ -61,12 +61,17 @@ logger = logging.getLogger("aotstack")
 # level plan, and a level plan holding at least LIGHTER less memory than the fastest displaces it.
 TIE = 0.03
 LIGHTER = 0.10
-# Times the plan that beat AOTInductor alone and AOTInductor alone are timed again, alternately, before the choice is
-# made again: a stretch of load on a shared machine then slows a timing of each, not every timing of one.
+# Times the contending plans (``contenders``) are timed again, alternately, before the choice is made again: a stretch
+# of load on a shared machine then slows a timing of each, not every timing of one.
 CONFIRMING_ROUNDS = 2
+# A plan whose first timing is within this much of the fastest contends: load while it was timed once would otherwise
+# rule it out for good (measured: a whole-model OpenVINO plan of a BERT encoder at 1.31x its time, one of four plans
+# its timings since showed within 6% of each other).
+CONTENDING = 0.35
 # The measurements' cache; each entry keeps its plan's regions (``mixing.py``) and memory, which older entries lack,
-# and older entries timed a plan keeping state in its engine with a reload of that state in every call.
-CACHE_KIND = "measurements-4"
+# older entries timed a plan keeping state in its engine with a reload of that state in every call, and older entries
+# of plans close to the fastest were timed once only.
+CACHE_KIND = "measurements-5"
 
 Plan = tuple[str, ...]
 
@@ -277,6 +282,25 @@ def selection(method: str, candidates: list[Candidate], threads: int) -> Selecti
     if failed:
         reason += "; " + ", ".join(plan_text(c.engines) for c in failed) + " could not be lowered or run"
     return Selection(candidates, fastest, threads, reason)
+
+
+def contenders(kept: Selection) -> list[int]:
+    """The plans of ``kept`` timed again before its choice is made again, the kept plan first; none where no other
+    plan contends with it.
+
+    AOTInductor alone contends with any plan that beat it (a burst of load while it was timed would make every
+    boundary look worth paying for); any other plan contends where its timing is within ``CONTENDING`` of the
+    fastest.
+    """
+    timed = sorted(
+        ((c.seconds, index) for index, c in enumerate(kept.candidates) if c.seconds is not None), key=lambda t: t[0]
+    )
+    if not timed:
+        return []
+    close = timed[0][0] * (1 + CONTENDING)
+    near = [index for seconds, index in timed if seconds <= close and index not in (0, kept.chosen)]
+    others = ([0] if kept.chosen != 0 else []) + near
+    return [kept.chosen, *others] if others else []
 
 
 def lightest(level: list[tuple[int, Candidate]], fastest: Candidate) -> tuple[int, Candidate] | None:

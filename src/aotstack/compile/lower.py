@@ -40,6 +40,7 @@ from .auto import (
     auto_option,
     cached_measurement,
     candidate_plans,
+    contenders,
     failed_candidate,
     measured_candidate,
     measurement_key,
@@ -390,22 +391,23 @@ def confirmed_selection(
     sources: Mapping[Plan, tuple[LoweredProgram, str]],
     threads: int,
 ) -> Selection:
-    """``kept`` made again after the plan it kept, where that beat AOTInductor alone, and AOTInductor alone are
-    timed ``CONFIRMING_ROUNDS`` more times, alternately, each keeping its fastest timing (in ``listed`` and the
-    cache).
+    """``kept`` made again after its contending plans (``auto.contenders``: the kept plan, AOTInductor alone where
+    the kept plan beat it, the plans close to the fastest) are timed ``CONFIRMING_ROUNDS`` more times, alternately,
+    each keeping its fastest timing (in ``listed`` and the cache).
 
     A burst of load on a shared machine while one plan was timed (measured: AOTInductor alone at
-    1.5x its time) would otherwise choose a slower plan for good, as the choice is cached. The
-    machine's speed also drifts over seconds; alternating the two, each is timed in the same
-    stretches as the other, so a slow stretch costs both alike, and a plan is judged by its
+    1.5x its time, OpenVINO alone at 1.3x) would otherwise rule it out for good, as the choice is
+    cached. The machine's speed also drifts over seconds; alternating them, each is timed in the
+    same stretches as the others, so a slow stretch costs them alike, and a plan is judged by its
     fastest timing, which such load can only lengthen. Plans measured by an earlier lowering (not
     in ``sources``) were confirmed then.
     """
-    contenders = [list(listed)[kept.chosen], list(listed)[0]]
-    if kept.chosen == 0 or not all(plan in sources for plan in contenders):
+    plans = list(listed)
+    timed_now = [plans[index] for index in contenders(kept) if plans[index] in sources]
+    if len(timed_now) < 2:
         return kept
     for _ in range(CONFIRMING_ROUNDS):
-        for plan in contenders:
+        for plan in timed_now:
             lowered, key = sources[plan]
             again = timed_again(name, exported, plan, lowered)
             fastest = listed[plan][0].seconds
@@ -413,9 +415,9 @@ def confirmed_selection(
                 listed[plan] = again
                 store_measurement(key, again)
     confirmed = selection(name, [candidate for candidate, _, _ in listed.values()], threads)
-    return replace(confirmed, reason=f"{confirmed.reason}; {plan_text(contenders[0])} and {plan_text(contenders[1])} "
-                                     f"were timed {CONFIRMING_ROUNDS} more times, alternately, each keeping its "
-                                     "fastest timing")
+    names = [plan_text(plan) for plan in timed_now]
+    return replace(confirmed, reason=f"{confirmed.reason}; {', '.join(names[:-1])} and {names[-1]} were timed "
+                                     f"{CONFIRMING_ROUNDS} more times, alternately, each keeping its fastest timing")
 
 
 def timed_again(name: str, exported: ExportedProgram, plan: Plan, lowered: LoweredProgram) -> Measurement | None:
