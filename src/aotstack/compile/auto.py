@@ -65,8 +65,7 @@ LIGHTER = 0.10
 # of load on a shared machine then slows a timing of each, not every timing of one.
 CONFIRMING_ROUNDS = 2
 # A plan whose first timing is within this much of the fastest contends: load while it was timed once would otherwise
-# rule it out for good (measured: a whole-model OpenVINO plan of a BERT encoder at 1.31x its time, one of four plans
-# its timings since showed within 6% of each other).
+# rule it out for good (measured: OpenVINO's plan for a BERT encoder at 1.31x the time it took when timed again).
 CONTENDING = 0.35
 # The measurements' cache; each entry keeps its plan's regions (``mixing.py``) and memory, which older entries lack,
 # older entries timed a plan keeping state in its engine with a reload of that state in every call, and older entries
