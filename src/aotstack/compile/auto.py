@@ -23,7 +23,7 @@ The algorithm, kept small so a report can explain it:
    called (an engine that repacks weights keeps its own copy of them) wins over the fastest.
    The kept plan, AOTInductor alone where the kept plan beat it, and every other plan within
    ``CONTENDING`` of the fastest are timed again, alternately, ``CONFIRMING_ROUNDS`` times each
-   (``lower.confirmed_selection``), each keeping its fastest timing, and the choice is made again.
+   (``lower.confirmed_selection``), each keeping its median timing, and the choice is made again.
    Methods choose separately, so one file may run ``prefill`` in one engine and ``decode`` in
    another.
 

@@ -393,31 +393,40 @@ def confirmed_selection(
 ) -> Selection:
     """``kept`` made again after its contending plans (``auto.contenders``: the kept plan, AOTInductor alone where
     the kept plan beat it, the plans close to the fastest) are timed ``CONFIRMING_ROUNDS`` more times, alternately,
-    each keeping its fastest timing (in ``listed`` and the cache).
+    each keeping its median timing (in ``listed`` and the cache).
 
-    A burst of load on a shared machine while one plan was timed (measured: AOTInductor alone at
-    1.5x its time, OpenVINO alone at 1.3x) would otherwise rule it out for good, as the choice is
-    cached. The machine's speed also drifts over seconds; alternating them, each is timed in the
-    same stretches as the others, so a slow stretch costs them alike, and a plan is judged by its
-    fastest timing, which such load can only lengthen. Plans measured by an earlier lowering (not
-    in ``sources``) were confirmed then.
+    A shared machine's speed drifts both ways over seconds: a burst of load slowed one timing
+    (AOTInductor alone at 1.5x its time, OpenVINO alone at 1.3x), and a quiet stretch sped one up
+    (a decode, which reads every weight, at 0.8x its time while its neighbours left the memory
+    bus idle). The choice is cached, so one timing either way would decide it for good.
+    Alternating the plans, each is timed in the same stretches as the others, and a plan is judged
+    by the middle of its timings. Plans measured by an earlier lowering (not in ``sources``) were
+    confirmed then.
     """
     plans = list(listed)
     timed_now = [plans[index] for index in contenders(kept) if plans[index] in sources]
     if len(timed_now) < 2:
         return kept
+    timings = {plan: [listed[plan]] for plan in timed_now}
     for _ in range(CONFIRMING_ROUNDS):
         for plan in timed_now:
-            lowered, key = sources[plan]
-            again = timed_again(name, exported, plan, lowered)
-            fastest = listed[plan][0].seconds
-            if again is not None and again[0].seconds is not None and (fastest is None or again[0].seconds < fastest):
-                listed[plan] = again
-                store_measurement(key, again)
+            again = timed_again(name, exported, plan, sources[plan][0])
+            if again is not None and again[0].seconds is not None:
+                timings[plan].append(again)
+    for plan, measured in timings.items():
+        listed[plan] = median_measurement(measured)
+        store_measurement(sources[plan][1], listed[plan])
     confirmed = selection(name, [candidate for candidate, _, _ in listed.values()], threads)
     names = [plan_text(plan) for plan in timed_now]
     return replace(confirmed, reason=f"{confirmed.reason}; {', '.join(names[:-1])} and {names[-1]} were timed "
-                                     f"{CONFIRMING_ROUNDS} more times, alternately, each keeping its fastest timing")
+                                     f"{CONFIRMING_ROUNDS} more times, alternately, each keeping its median timing")
+
+
+def median_measurement(measurements: Sequence[Measurement]) -> Measurement:
+    """The measurement of ``measurements`` (the first of them timed) whose time is the median, the faster of the two
+    middle ones where their number is even."""
+    timed = sorted((m for m in measurements if m[0].seconds is not None), key=lambda m: m[0].seconds or 0.0)
+    return timed[(len(timed) - 1) // 2] if timed else measurements[0]
 
 
 def timed_again(name: str, exported: ExportedProgram, plan: Plan, lowered: LoweredProgram) -> Measurement | None:
