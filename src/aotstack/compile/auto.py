@@ -62,7 +62,7 @@ logger = logging.getLogger("aotstack")
 TIE = 0.03
 LIGHTER = 0.10
 # Times the contending plans (``contenders``) are timed again, alternately, before the choice is made again: a stretch
-# of load on a shared machine then slows a timing of each, not every timing of one.
+# of load (or of quiet) on a shared machine then changes a timing of each, not every timing of one.
 CONFIRMING_ROUNDS = 2
 # A plan whose first timing is within this much of the fastest contends: load while it was timed once would otherwise
 # rule it out for good (measured: OpenVINO's plan for a BERT encoder at 1.31x the time it took when timed again).
@@ -291,9 +291,7 @@ def contenders(kept: Selection) -> list[int]:
     boundary look worth paying for); any other plan contends where its timing is within ``CONTENDING`` of the
     fastest.
     """
-    timed = sorted(
-        ((c.seconds, index) for index, c in enumerate(kept.candidates) if c.seconds is not None), key=lambda t: t[0]
-    )
+    timed = sorted((c.seconds, index) for index, c in enumerate(kept.candidates) if c.seconds is not None)
     if not timed:
         return []
     close = timed[0][0] * (1 + CONTENDING)

@@ -423,10 +423,10 @@ def confirmed_selection(
 
 
 def median_measurement(measurements: Sequence[Measurement]) -> Measurement:
-    """The measurement of ``measurements`` (the first of them timed) whose time is the median, the faster of the two
-    middle ones where their number is even."""
-    timed = sorted((m for m in measurements if m[0].seconds is not None), key=lambda m: m[0].seconds or 0.0)
-    return timed[(len(timed) - 1) // 2] if timed else measurements[0]
+    """The one of ``measurements`` (timings of one plan) whose time is the median, the faster of the two middle ones
+    where their number is even."""
+    ordered = sorted(measurements, key=lambda m: m[0].seconds or 0.0)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def timed_again(name: str, exported: ExportedProgram, plan: Plan, lowered: LoweredProgram) -> Measurement | None:
