@@ -10,8 +10,8 @@ from torch.fx import Graph, GraphModule
 
 import aotstack
 from aotstack.backends.aoti.cuda import conv1d_as_conv2d
-from aotstack.backends.aoti.int4_weights import with_packed_int4_weights
 from aotstack.backends.aoti.metal import LinearAsMatmulPass
+from aotstack.backends.aoti.packed_weights import with_packed_weights
 from aotstack.backends.aoti.quantized import DequantizedLinearAsReductionPass, IntMmRowMajorPass
 
 aten = torch.ops.aten
@@ -245,58 +245,81 @@ def stored_integers(program) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
             if not value.dtype.is_floating_point and value.shape[-1] > 4}
 
 
-@pytest.mark.parametrize(("linear", "group_size"), [("8da4w", 32), ("4w", 32), ("8da4w", 0)],
-                         ids=["8da4w-g32", "4w-g32", "8da4w-channel"])
-def test_int4_weights_are_stored_two_a_byte_and_keep_the_numbers(linear, group_size):
-    model = aotstack.quantize(EmbeddingThenLinears().eval(), linear=linear, embedding="4w", group_size=group_size)
+def stored_as(program, fqns) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    weights = {**program.state_dict, **program.constants}
+    return {fqn: (weights[fqn].dtype, tuple(weights[fqn].shape)) for fqn in fqns}
+
+
+F32, U8 = torch.float32, torch.uint8
+
+
+@pytest.mark.parametrize(
+    ("width", "linear", "embedding", "group_size", "words"),
+    [
+        # 8 int4 slots of 256 // 8 columns each hold whole groups of 32; the 32-wide linear is one group.
+        (256, "8da4w", "4w", 32, {"embed": (F32, (100, 32)), "first": (F32, (32, 32)), "second": (F32, (16, 4))}),
+        # 8 slots of 64 columns would split groups of 32, two do not: int4 two a byte.
+        (64, "8da4w", "4w", 32, {"embed": (U8, (100, 32)), "first": (U8, (32, 32)), "second": (F32, (16, 4))}),
+        (64, "4w", "4w", 0, {"embed": (F32, (100, 8)), "first": (F32, (32, 8)), "second": (F32, (16, 4))}),
+        (128, "8da8w", "8w", 32, {"embed": (F32, (100, 32)), "first": (F32, (32, 32)), "second": (F32, (16, 8))}),
+    ],
+    ids=["int4-g32-words", "int4-g32-bytes", "int4-channel", "int8-g32"],
+)
+def test_weights_are_packed_into_the_widest_words_whose_slots_hold_whole_groups(
+        width, linear, embedding, group_size, words):
+    model = aotstack.quantize(EmbeddingThenLinears(width).eval(), linear=linear, embedding=embedding,
+                              group_size=group_size)
     ids = torch.tensor([[3, 97]])
     exported = aotstack.export(model, {"forward": (ids,)}).methods["forward"]
     before = stored_integers(exported)
+    fqns = {name: next(fqn for fqn in before if fqn.startswith(name)) for name in words}
     with torch.no_grad():
         expected = exported.module()(ids)
 
-    packed = with_packed_int4_weights(exported)
+    packed = with_packed_weights(exported)
 
     assert stored_integers(exported) == before, "the program given is not changed"
-    assert sorted(before.values()) == [(torch.int8, (16, 32)), (torch.int8, (32, 64)), (torch.int8, (100, 64))]
-    assert sorted(stored_integers(packed).values()) == [
-        (torch.uint8, (16, 16)), (torch.uint8, (32, 32)), (torch.uint8, (100, 32))]
+    assert all(dtype is torch.int8 for dtype, _ in before.values())
+    assert stored_as(packed, fqns.values()) == {fqns[name]: stored for name, stored in words.items()}
     ops = targets(packed.graph_module)
-    # Each linear reads the join of its two halves; each embedding joins the rows it gathered from each.
-    assert ops.count(aten.cat.default) == 4 and ops.count(aten.embedding.default) == 4
+    # Each linear reads the join of its slots; each of the two embeddings joins the rows it gathered from each.
+    slots = width // words["embed"][1][1]
+    assert ops.count(aten.cat.default) == 4 and ops.count(aten.embedding.default) == 2 * slots
     with torch.no_grad():
         for got, want in zip(packed.module()(ids), expected, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_a_packed_linear_of_one_row_reduces_each_half_where_it_lies():
+def test_a_packed_linear_of_one_row_reduces_each_slot_where_it_lies():
     model = aotstack.quantize(LinearsOfBothKinds().eval(), linear="8da4w", group_size=32)
     x = torch.randn(1, 1, 64)
     exported = aotstack.export(model, {"forward": (x,)}).methods["forward"]
     with torch.no_grad():
         expected = exported.module()(x)
-    packed = with_packed_int4_weights(exported)
+    packed = with_packed_weights(exported)
 
     assert DequantizedLinearAsReductionPass()(packed.graph_module) is True
 
     ops = targets(packed.graph_module)
-    # Two products per linear, one per half of its input, and no join of the halves left to compile.
-    assert ops.count(aten.sum.dim_IntList) == 4 and aten.cat.default not in ops
-    halves = [n.args[0].args[0] for n in packed.graph_module.graph.nodes if n.target is aten.sum.dim_IntList]
-    assert [tuple(n.meta["val"].shape[-1:]) for n in halves] == [(32,), (32,), (16,), (16,)]
+    # One product per slot of each linear's input (two bytes' halves for ``first``, eight words' slots for
+    # ``second``), and no join of the slots left to compile.
+    assert ops.count(aten.sum.dim_IntList) == 10 and aten.cat.default not in ops
+    slots = [n.args[0].args[0] for n in packed.graph_module.graph.nodes if n.target is aten.sum.dim_IntList]
+    assert sorted(n.meta["val"].shape[-1] for n in slots) == [4] * 8 + [32, 32]
     with torch.no_grad():
         torch.testing.assert_close(packed.module()(x), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(("width", "linear", "group_size"), [(96, "8da4w", 32), (64, "8w", 32)],
-                         ids=["halves of partial groups", "8-bit values"])
-def test_weights_that_cannot_be_split_into_whole_groups_of_4_bits_stay_as_they_are(width, linear, group_size):
+                         ids=["int4 in partial groups", "int8 in partial groups"])
+def test_weights_whose_slots_would_split_groups_stay_as_they_are(width, linear, group_size):
     model = aotstack.quantize(EmbeddingThenLinears(width).eval(), linear=linear, embedding="8w", group_size=group_size)
     exported = aotstack.export(model, {"forward": (torch.tensor([[3]]),)}).methods["forward"]
 
-    packed = with_packed_int4_weights(exported)
+    packed = with_packed_weights(exported)
 
     unpacked = {fqn: shape for fqn, shape in stored_integers(packed).items() if not fqn.startswith("second")}
+    assert set(unpacked) == {fqn for fqn in stored_integers(exported) if not fqn.startswith("second")}
     assert all(dtype is torch.int8 for dtype, _ in unpacked.values()), unpacked
 
 

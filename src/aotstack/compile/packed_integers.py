@@ -46,17 +46,36 @@ def packed_int4(values: torch.Tensor) -> torch.Tensor:
     return packed_along_rows(nibbles, 4).reshape(-1)
 
 
-def packed_int4_halves(values: torch.Tensor) -> torch.Tensor:
-    """Signed 4-bit ``[rows, n]`` ``values``, n even, as ``[rows, n // 2]`` uint8: each row's halves side by side.
+# The words a row's values are packed into for AOTInductor's decode loop, widest first: 32 bits
+# typed float32 (read as floats, a full vector a load; ``backends/aoti/packed_weights.py``), and bytes.
+WORDS = (torch.float32, torch.uint8)
 
-    Byte ``j`` holds ``values[:, j] + 8`` in its low nibble and ``values[:, j + n // 2] + 8`` in its
-    high one, so a kernel reads both halves of a row in one contiguous pass (AOTInductor's fused
-    decode loop; see ``backends/aoti/int4_weights.py``).
+
+def slots_in(word: torch.dtype, bits: int) -> int:
+    """How many ``bits``-bit values a ``word`` holds: 8 int4 values in a 32-bit word."""
+    return word.itemsize * 8 // bits
+
+
+def packed_words(values: torch.Tensor, bits: int, word: torch.dtype) -> torch.Tensor:
+    """Signed ``bits``-bit ``[rows, n]`` ``values`` as ``[rows, n // slots]`` words of ``slots`` values each.
+
+    Slot ``i`` of word ``j`` (bits ``i * bits`` on, lowest first) holds ``values[:, i * n // slots + j]``
+    offset by ``2 ** (bits - 1)``, so unsigned: each slot holds a contiguous run of the row's
+    columns, and a kernel reads every run of a row in one contiguous pass (AOTInductor's fused
+    decode loop; see ``backends/aoti/packed_weights.py``). A 32-bit word is typed float32; its bits
+    are the integer's.
 
     Example::
 
-        packed_int4_halves(torch.tensor([[1, -1]], dtype=torch.int8))  # tensor([[0x79]], dtype=torch.uint8)
+        packed_words(torch.tensor([[1, -1]], dtype=torch.int8), 4, torch.uint8)  # tensor([[0x79]], dtype=torch.uint8)
     """
-    half = values.shape[-1] // 2
-    offset = values.to(torch.int16) + 8
-    return (offset[:, :half] | (offset[:, half:] << 4)).to(torch.uint8).contiguous()
+    slots = slots_in(word, bits)
+    rows, columns = values.shape
+    runs = (values.to(torch.int64) + (1 << (bits - 1))).reshape(rows, slots, columns // slots)
+    shifts = torch.arange(slots, dtype=torch.int64).mul(bits).reshape(1, slots, 1)
+    packed = (runs << shifts).sum(1)
+    if word is torch.uint8:
+        return packed.to(torch.uint8).contiguous()
+    # Two's complement of the top bit, so the int32 cast keeps every bit.
+    signed = torch.where(packed >= 1 << 31, packed - (1 << 32), packed)
+    return signed.to(torch.int32).view(word).contiguous()

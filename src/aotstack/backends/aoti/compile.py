@@ -117,10 +117,11 @@ def compile_partition(
 
 
 # What a table passes through between its stored form and the gather: elementwise ops, a slice of its
-# columns, its dequantization (``int4_weights.py`` unpacks packed tables so), reading each element once.
+# columns, a view of its words' bits, its dequantization (``packed_weights.py`` unpacks packed tables so),
+# reading each element once.
 ELEMENTWISE_TO_GATHER = frozenset({
     "prims::convert_element_type", "aten::bitwise_and", "aten::bitwise_right_shift", "aten::sub", "aten::mul",
-    "aten::add", "aten::slice", "torchao::dequantize_affine",
+    "aten::add", "aten::slice", "aten::view", "torchao::dequantize_affine",
 })
 
 

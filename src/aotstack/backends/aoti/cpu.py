@@ -6,7 +6,7 @@ from typing import ClassVar
 
 from .backend import AotiBackend
 from .compile import ProgramPass
-from .int4_weights import with_packed_int4_weights
+from .packed_weights import with_packed_weights
 from .partitioner import AotiPartitioner
 from .passes import GraphPass
 from .quantized import DequantizedLinearAsReductionPass, IntMmRowMajorPass
@@ -15,11 +15,12 @@ from .quantized import DequantizedLinearAsReductionPass, IntMmRowMajorPass
 class AotiCpuBackend(AotiBackend):
     backend_id = "aoti_cpu"
     device_name = "cpu"
-    # 2: int4 weights stored two a byte (int4_weights.py); 3: embedding tables named for release ("gathered").
-    compile_revision = 3
+    # 2: int4 weights stored two a byte; 3: embedding tables named for release ("gathered"); 4: int4 and
+    # int8 weights packed into float32-typed words (packed_weights.py).
+    compile_revision = 4
 
     def program_passes(self) -> list[ProgramPass]:
-        return [with_packed_int4_weights]
+        return [with_packed_weights]
 
     def custom_passes(self) -> list[GraphPass]:
         return [DequantizedLinearAsReductionPass(), IntMmRowMajorPass()]

@@ -120,7 +120,7 @@ def column_pieces(weight: Node) -> list[tuple[Node, tuple[int, int] | None]]:
     """The pieces a weight is joined from along its input dimension, each with its columns; else the weight, whole.
 
     A product over such a weight is a sum of one product per piece, each reading its piece in
-    place (packed int4 weights are so joined, ``int4_weights.py``), where one product over the
+    place (packed weights are so joined, ``packed_weights.py``), where one product over the
     join would read every piece, masked, at every column.
     """
     if weight.op != "call_function" or weight.target is not aten.cat.default:
@@ -172,7 +172,11 @@ def few_rows(product: Product) -> bool:
 
 
 def is_dequantized(weight: Any) -> bool:
-    """Whether ``weight`` is computed (not a weight itself) from a tensor of quantized integers."""
+    """Whether ``weight`` is computed (not a weight itself) from a tensor of quantized integers.
+
+    Such a tensor is stored as integers, or as words whose bits are read as integers
+    (``packed_weights.py``).
+    """
     if not isinstance(weight, Node) or weight.op != "call_function":
         return False
     seen: set[Node] = set()
@@ -183,9 +187,20 @@ def is_dequantized(weight: Any) -> bool:
             continue
         seen.add(node)
         value = node.meta.get("val")
+        if is_stored_words(node):
+            return True
         if node.op in ("placeholder", "get_attr"):
             if isinstance(value, torch.Tensor) and value.dtype in WEIGHT_INTEGERS:
                 return True
             continue
         pending.extend(arg for arg in node.all_input_nodes)
     return False
+
+
+def is_stored_words(node: Node) -> bool:
+    """Whether ``node`` reads a stored tensor's bits as integers."""
+    if node.op != "call_function" or node.target is not aten.view.dtype:
+        return False
+    stored, value = node.args[0], node.meta.get("val")
+    return (isinstance(stored, Node) and stored.op in ("placeholder", "get_attr")
+            and isinstance(value, torch.Tensor) and not value.dtype.is_floating_point)
