@@ -6,7 +6,7 @@ import operator
 
 import pytest
 import torch
-from torch.fx import Graph, GraphModule
+from torch.fx import Graph, GraphModule, Node
 
 import aotstack
 from aotstack.backends.aoti.cuda import conv1d_as_conv2d
@@ -178,12 +178,19 @@ def test_dequantized_linear_of_one_row_becomes_a_reduction_that_keeps_the_number
     assert DequantizedLinearAsReductionPass()(exported.graph_module) is True
 
     ops = targets(exported.graph_module)
-    assert aten.linear.default not in ops
-    assert ops.count(aten.sum.dim_IntList) == 2 and ops.count(aten.add.Tensor) == 1
+    assert aten.linear.default not in ops and ops.count(aten.add.Tensor) == 1
     # The activation (quantized per token, for 8da4w) is made once, not inside the reduction.
     assert ops.count(torch.ops.prims.inductor_force_stride_order.default) == 2
+    # Per linear: its product over the weights, dequantized without their zero points, less what the
+    # zero points add (the activation's sums per group of 32 against them): 3 sums, 1 difference.
     reduced = [n for n in exported.graph_module.graph.nodes if n.target is aten.sum.dim_IntList]
-    assert [tuple(n.meta["val"].shape) for n in reduced] == [(1, 1, 32), (1, 1, 16)]
+    products = [n for n in reduced if n.args[0].target is aten.mul.Tensor and isinstance(n.args[0].args[1], Node)
+                and n.args[0].args[1].target is torch.ops.torchao.dequantize_affine.default]
+    assert [tuple(n.meta["val"].shape) for n in products] == [(1, 1, 32), (1, 1, 16)]
+    assert all(n.args[0].args[1].args[3] is None for n in products)
+    assert sorted(tuple(n.meta["val"].shape) for n in reduced if n not in products) == [
+        (1, 1, 1), (1, 1, 2), (1, 1, 16), (1, 1, 32)]
+    assert ops.count(aten.sub.Tensor) == 2
     with torch.no_grad():
         torch.testing.assert_close(exported.module()(x), expected, rtol=1e-5, atol=1e-5)
 
@@ -221,6 +228,36 @@ def test_dequantized_linear_pass_takes_a_product_over_a_cast_of_int8_weights():
     assert aten.mm.default not in ops and ops.count(aten.sum.dim_IntList) == 2
     with torch.no_grad():
         torch.testing.assert_close(exported.module()(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", ["Int8WeightOnlyConfig", "Int8DynamicActivationInt8WeightConfig"])
+def test_int8_weights_a_product_reads_transposed_are_packed_and_one_row_reduces_each_slot(config):
+    """A cast of them to float for ``mm``, or ``_int_mm``'s operand: words of four, then one product per slot."""
+    import torchao.quantization
+
+    model = LinearsOfBothKinds().eval()
+    torchao.quantization.quantize_(model, getattr(torchao.quantization, config)())
+    x = torch.randn(1, 1, 64)
+    exported = aotstack.export(model, {"forward": (x,)}).methods["forward"]
+    integers = stored_integers(exported)
+    with torch.no_grad():
+        expected = exported.module()(x)
+
+    packed = with_packed_weights(exported)
+
+    assert sorted(shape for _, shape in integers.values()) == [(16, 32), (32, 64)]
+    assert stored_as(packed, integers) == {fqn: (F32, (rows, columns // 4)) for fqn, (_, (rows, columns))
+                                           in integers.items()}
+    with torch.no_grad():
+        torch.testing.assert_close(packed.module()(x), expected, rtol=0, atol=0)
+    assert DequantizedLinearAsReductionPass()(packed.graph_module) is True
+    ops = targets(packed.graph_module)
+    assert not {aten.mm.default, aten._int_mm.default, aten.cat.default} & set(ops)
+    assert ops.count(aten.sum.dim_IntList) == 8
+    # ``_int_mm``'s slots are read as the int32 values they hold, not narrowed to int8 (a slow conversion).
+    assert not [n for n in packed.graph_module.graph.nodes if n.kwargs.get("dtype") is torch.int8]
+    with torch.no_grad():
+        torch.testing.assert_close(packed.module()(x), expected, rtol=1e-5, atol=1e-5)
 
 
 class EmbeddingThenLinears(torch.nn.Module):
@@ -300,12 +337,13 @@ def test_a_packed_linear_of_one_row_reduces_each_slot_where_it_lies():
 
     assert DequantizedLinearAsReductionPass()(packed.graph_module) is True
 
-    ops = targets(packed.graph_module)
     # One product per slot of each linear's input (two bytes' halves for ``first``, eight words' slots for
     # ``second``), and no join of the slots left to compile.
-    assert ops.count(aten.sum.dim_IntList) == 10 and aten.cat.default not in ops
-    slots = [n.args[0].args[0] for n in packed.graph_module.graph.nodes if n.target is aten.sum.dim_IntList]
-    assert sorted(n.meta["val"].shape[-1] for n in slots) == [4] * 8 + [32, 32]
+    assert aten.cat.default not in targets(packed.graph_module)
+    products = [n for n in packed.graph_module.graph.nodes if n.target is aten.sum.dim_IntList
+                and n.args[0].target is aten.mul.Tensor and isinstance(n.args[0].args[1], Node)
+                and n.args[0].args[1].target is torch.ops.torchao.dequantize_affine.default]
+    assert sorted(n.args[0].args[0].meta["val"].shape[-1] for n in products) == [4] * 8 + [32, 32]
     with torch.no_grad():
         torch.testing.assert_close(packed.module()(x), expected, rtol=1e-5, atol=1e-5)
 

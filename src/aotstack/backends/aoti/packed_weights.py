@@ -18,6 +18,11 @@ int8 words, 0.29-0.37 ms in int4 words (1.45 ms two int4 a byte).
 
 Each slot must hold whole groups. Where 32-bit words cannot (a row of 768 in groups of 128), int4
 values go two a byte, the same layout in 8-bit words, which still halves the bytes.
+
+torchao's int8 configs that skip ``dequantize_affine`` are packed too: ``Int8WeightOnlyConfig``
+casts the transposed int8 weight to float for a matrix product, and
+``Int8DynamicActivationInt8WeightConfig`` hands it to ``_int_mm``; each then reads the transpose
+of the slots joined, which the few-rows reduction splits as it splits a dequantization.
 """
 
 from __future__ import annotations
@@ -42,9 +47,13 @@ prims = torch.ops.prims
 
 @dataclass(frozen=True)
 class PackableWeight:
-    """A ``dequantize_affine`` of a stored int8 ``[n, k]``: a linear's weight, an embedding's table, and its words."""
+    """A stored int8 ``[n, k]`` (a linear's weight, an embedding's table) as its one reader reads it, and its words.
 
-    dequantize: Node
+    ``reader`` is torchao's ``dequantize_affine`` of the stored values, or their transpose, which
+    a product reads (``packable_transpose``).
+    """
+
+    reader: Node
     stored: Node
     fqn: str
     group: int
@@ -76,7 +85,10 @@ def with_packed_weights(exported_program: ExportedProgram) -> ExportedProgram:
         if weight.fqn not in packed:
             packed[weight.fqn] = packed_words(weights[weight.fqn], weight.bits, weight.word)
             weight.stored.meta["val"] = fake_like(weight.stored, packed[weight.fqn])
-        unpack(graph, weight)
+        if is_dequantize(weight.reader):
+            unpack(graph, weight)
+        else:
+            unpack_transpose(graph, weight)
     module = GraphModule(exported_program.graph_module, graph)
     state_dict = {fqn: stored_as(value, packed.get(fqn)) for fqn, value in exported_program.state_dict.items()}
     constants = {fqn: stored_as(value, packed.get(fqn)) for fqn, value in exported_program.constants.items()}
@@ -86,14 +98,15 @@ def with_packed_weights(exported_program: ExportedProgram) -> ExportedProgram:
 
 
 def packable_weights(graph: Graph, fqns: dict[Node, str], weights: dict[str, torch.Tensor]) -> list[PackableWeight]:
-    """Every dequantization of a stored int8 weight that can be packed, where all of it can be.
+    """Every read of a stored int8 weight that can be packed, where all of it can be.
 
     A weight that any other node reads (another op, a dequantization that cannot be split) stays
     as it is.
     """
-    found = [weight for node in graph.nodes if (weight := packable_weight(node, fqns, weights)) is not None]
-    packable = {weight.dequantize for weight in found}
-    return [weight for weight in found if all(user in packable for user in weight.stored.users)]
+    found = [weight for node in graph.nodes
+             if (weight := packable_weight(node, fqns, weights) or packable_transpose(node, fqns, weights)) is not None]
+    readers = {weight.reader for weight in found}
+    return [weight for weight in found if all(user in readers for user in weight.stored.users)]
 
 
 def packable_weight(node: Node, fqns: dict[Node, str], weights: dict[str, torch.Tensor]) -> PackableWeight | None:
@@ -116,6 +129,40 @@ def packable_weight(node: Node, fqns: dict[Node, str], weights: dict[str, torch.
     if not fit_signed(value, bits):
         return None
     return PackableWeight(node, stored, fqns[stored], group, bits, word)
+
+
+def packable_transpose(node: Node, fqns: dict[Node, str], weights: dict[str, torch.Tensor]) -> PackableWeight | None:
+    """``t(stored)`` of int8 values, read as ``mm``'s second operand cast to float or as ``_int_mm``'s.
+
+    ``Int8WeightOnlyConfig`` computes ``mm(x, t(stored).to(float))``, ``Int8DynamicActivationInt8WeightConfig``
+    ``_int_mm(x, t(stored))``; both scale the product after.
+    """
+    if node.op != "call_function" or node.target is not aten.t.default:
+        return None
+    stored = node.args[0]
+    value = weights.get(fqns[stored]) if stored in fqns else None
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.int8 or value.dim() != 2:
+        return None
+    word = word_for(value.shape[1], value.shape[1], 8)
+    readers = [user for user in node.users if not is_metadata_check(user)]
+    if word is None or not readers or not all(reads_transposed(user, node) for user in readers):
+        return None
+    return PackableWeight(node, stored, fqns[stored], value.shape[1], 8, word)
+
+
+def reads_transposed(user: Node, transposed: Node) -> bool:
+    """Whether ``user`` is ``_int_mm(x, transposed)``, or a cast of ``transposed`` to float that only ``mm`` reads."""
+    if user.target is aten._int_mm.default:
+        return user.args[1] is transposed and user.args[0] is not transposed
+    if user.target is not aten._to_copy.default or set(user.kwargs) != {"dtype"}:
+        return False
+    dtype = user.kwargs["dtype"]
+    return (isinstance(dtype, torch.dtype) and dtype.is_floating_point and bool(user.users)
+            and all(reader.target is aten.mm.default and reader.args[1] is user for reader in user.users))
+
+
+def is_metadata_check(node: Node) -> bool:
+    return node.op == "call_function" and node.target is aten._assert_tensor_metadata.default
 
 
 def word_for(columns: int, group: int, bits: int) -> torch.dtype | None:
@@ -148,21 +195,15 @@ def reads_as_weight(user: Node, weight: Node) -> bool:
 
 def unpack(graph: Graph, weight: PackableWeight) -> None:
     """Put a join of the dequantized slots, read from the packed words, in place of ``weight``'s dequantization."""
-    node = weight.dequantize
-    stored, _, scale, zero_point, *rest = node.args
+    node = weight.reader
+    _, _, scale, zero_point, *rest = node.args
     columns = node.meta["val"].shape[-1]
     groups = columns // weight.group
-    mask, offset = (1 << weight.bits) - 1, 1 << (weight.bits - 1)
     with graph.inserting_before(node):
         slots = []
         for index in range(weight.slots):
-            # Each slot reads the words itself: words all slots read would be written out whole.
-            words = integer_words(graph, stored, weight.word)
-            shifted = words if index == 0 else inserted_call(
-                graph, aten.bitwise_right_shift.Tensor_Scalar, (words, weight.bits * index))
-            value = inserted_call(graph, aten.bitwise_and.Scalar, (shifted, mask))
             # Dequantized from int32, as torchao's op computes anyway: no round trip through int8.
-            slot = inserted_call(graph, aten.sub.Tensor, (value, offset))
+            slot = slot_values(graph, weight, index)
             operands = [slot_of(graph, operand, index, weight.slots, groups) for operand in (scale, zero_point)]
             block = [1, min(weight.group, columns // weight.slots)]
             arguments = (slot, block, *operands, torch.int32, *rest[1:])
@@ -175,6 +216,39 @@ def unpack(graph: Graph, weight: PackableWeight) -> None:
     graph.erase_node(node)
     if not joined.users:
         graph.erase_node(joined)
+
+
+def unpack_transpose(graph: Graph, weight: PackableWeight) -> None:
+    """Give each reader of ``t(stored)`` the transpose of a join of the slots, cast as it reads them."""
+    transposed = weight.reader
+    for user in list(transposed.users):
+        if is_metadata_check(user):
+            graph.erase_node(user)
+            continue
+        cast = user.target is aten._to_copy.default
+        dtype = user.kwargs["dtype"] if cast else torch.int8
+        with graph.inserting_before(user):
+            slots = [inserted_call(graph, aten._to_copy.default, (slot_values(graph, weight, index),), {"dtype": dtype})
+                     for index in range(weight.slots)]
+            joined = inserted_call(graph, aten.cat.default, (slots, 1))
+            result = inserted_call(graph, aten.t.default, (joined,))
+        if cast:
+            result.meta.update({key: value for key, value in user.meta.items() if key != "val"})
+            user.replace_all_uses_with(result)
+            graph.erase_node(user)
+        else:
+            user.replace_input_with(transposed, result)
+    graph.erase_node(transposed)
+
+
+def slot_values(graph: Graph, weight: PackableWeight, index: int) -> Node:
+    """Slot ``index`` of the stored words: int32 values as they were before packing."""
+    # Each slot reads the words itself: words all slots read would be written out whole.
+    words = integer_words(graph, weight.stored, weight.word)
+    shifted = words if index == 0 else inserted_call(
+        graph, aten.bitwise_right_shift.Tensor_Scalar, (words, weight.bits * index))
+    value = inserted_call(graph, aten.bitwise_and.Scalar, (shifted, (1 << weight.bits) - 1))
+    return inserted_call(graph, aten.sub.Tensor, (value, 1 << (weight.bits - 1)))
 
 
 def integer_words(graph: Graph, stored: Node, word: torch.dtype) -> Node:
