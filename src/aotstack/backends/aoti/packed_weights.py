@@ -98,15 +98,19 @@ def with_packed_weights(exported_program: ExportedProgram) -> ExportedProgram:
 
 
 def packable_weights(graph: Graph, fqns: dict[Node, str], weights: dict[str, torch.Tensor]) -> list[PackableWeight]:
-    """Every read of a stored int8 weight that can be packed, where all of it can be.
+    """Every read of a stored int8 weight that can be packed, where all of it can be, in one layout.
 
-    A weight that any other node reads (another op, a dequantization that cannot be split) stays
-    as it is.
+    A weight that any other node reads (another op, a dequantization that cannot be split), or
+    that two readers would pack differently, stays as it is.
     """
     found = [weight for node in graph.nodes
              if (weight := packable_weight(node, fqns, weights) or packable_transpose(node, fqns, weights)) is not None]
     readers = {weight.reader for weight in found}
-    return [weight for weight in found if all(user in readers for user in weight.stored.users)]
+    layouts: dict[Node, set[tuple[int, torch.dtype]]] = {}
+    for weight in found:
+        layouts.setdefault(weight.stored, set()).add((weight.bits, weight.word))
+    return [weight for weight in found
+            if all(user in readers for user in weight.stored.users) and len(layouts[weight.stored]) == 1]
 
 
 def packable_weight(node: Node, fqns: dict[Node, str], weights: dict[str, torch.Tensor]) -> PackableWeight | None:
