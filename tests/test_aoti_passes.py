@@ -361,6 +361,37 @@ def test_weights_whose_slots_would_split_groups_stay_as_they_are(width, linear, 
     assert all(dtype is torch.int8 for dtype, _ in unpacked.values()), unpacked
 
 
+class OneWeightReadTwoWays(torch.nn.Module):
+    """int8 values read as int4 in groups of 32 by one product, and cast whole by another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        self.register_buffer("values", torch.randint(-8, 8, (16, 64), dtype=torch.int8, generator=generator))
+        self.register_buffer("scales", torch.rand(16, 2, generator=generator))
+        self.register_buffer("zeros", torch.zeros(16, 2, dtype=torch.int8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torchao.quantization  # noqa: F401  (registers torchao's ops)
+
+        weight = torch.ops.torchao.dequantize_affine(self.values, [1, 32], self.scales, self.zeros, torch.int8, -8, 7)
+        return torch.nn.functional.linear(x, weight) + torch.mm(x, self.values.t().to(torch.float32))
+
+
+def test_a_weight_two_readers_would_pack_differently_stays_as_it_is():
+    x = torch.randn(1, 64)
+    exported = aotstack.export(OneWeightReadTwoWays().eval(), {"forward": (x,)}).methods["forward"]
+    with torch.no_grad():
+        expected = exported.module()(x)
+
+    packed = with_packed_weights(exported)
+
+    # As int4 in groups of 32 it would go two a byte; as int8 cast whole, four a word.
+    assert stored_integers(packed) == {"values": (torch.int8, (16, 64))}
+    with torch.no_grad():
+        torch.testing.assert_close(packed.module()(x), expected, rtol=0, atol=0)
+
+
 def test_int_mm_pass_hands_the_product_a_row_major_activation():
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
