@@ -295,12 +295,17 @@ F32, U8 = torch.float32, torch.uint8
     [
         # 8 int4 slots of 256 // 8 columns each hold whole groups of 32; the 32-wide linear is one group.
         (256, "8da4w", "4w", 32, {"embed": (F32, (100, 32)), "first": (F32, (32, 32)), "second": (F32, (16, 4))}),
-        # 8 slots of 64 columns would split groups of 32, two do not: int4 two a byte.
+        # 8 slots of 128 // 8 columns split groups of 32 in halves: groups of 16, each with its scale.
+        (128, "8da4w", "4w", 32, {"embed": (F32, (100, 16)), "first": (F32, (32, 16)), "second": (F32, (16, 4))}),
+        # 8 slots of 64 // 8 columns would split groups of 32 finer than 16 columns, two do not: int4 two a byte.
         (64, "8da4w", "4w", 32, {"embed": (U8, (100, 32)), "first": (U8, (32, 32)), "second": (F32, (16, 4))}),
+        # Two a byte, in groups of 16 (two slots of 48 columns).
+        (96, "8da4w", "4w", 32, {"embed": (U8, (100, 48)), "first": (U8, (32, 48)), "second": (F32, (16, 4))}),
         (64, "4w", "4w", 0, {"embed": (F32, (100, 8)), "first": (F32, (32, 8)), "second": (F32, (16, 4))}),
         (128, "8da8w", "8w", 32, {"embed": (F32, (100, 32)), "first": (F32, (32, 32)), "second": (F32, (16, 8))}),
     ],
-    ids=["int4-g32-words", "int4-g32-bytes", "int4-channel", "int8-g32"],
+    ids=["int4-g32-words", "int4-g32-words-finer", "int4-g32-bytes", "int4-g32-bytes-finer", "int4-channel",
+         "int8-g32"],
 )
 def test_weights_are_packed_into_the_widest_words_whose_slots_hold_whole_groups(
         width, linear, embedding, group_size, words):
@@ -348,9 +353,8 @@ def test_a_packed_linear_of_one_row_reduces_each_slot_where_it_lies():
         torch.testing.assert_close(packed.module()(x), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize(("width", "linear", "group_size"), [(96, "8da4w", 32), (64, "8w", 32)],
-                         ids=["int4 in partial groups", "int8 in partial groups"])
-def test_weights_whose_slots_would_split_groups_stay_as_they_are(width, linear, group_size):
+@pytest.mark.parametrize(("width", "linear", "group_size"), [(96, "8w", 32)], ids=["int8, 24 columns a slot"])
+def test_weights_whose_slots_would_split_groups_finer_than_16_columns_stay_as_they_are(width, linear, group_size):
     model = aotstack.quantize(EmbeddingThenLinears(width).eval(), linear=linear, embedding="8w", group_size=group_size)
     exported = aotstack.export(model, {"forward": (torch.tensor([[3]]),)}).methods["forward"]
 
@@ -359,6 +363,86 @@ def test_weights_whose_slots_would_split_groups_stay_as_they_are(width, linear, 
     unpacked = {fqn: shape for fqn, shape in stored_integers(packed).items() if not fqn.startswith("second")}
     assert set(unpacked) == {fqn for fqn in stored_integers(exported) if not fqn.startswith("second")}
     assert all(dtype is torch.int8 for dtype, _ in unpacked.values()), unpacked
+
+
+def test_slots_that_split_groups_read_scales_stored_for_each_part_and_no_zero_points_of_zeros():
+    model = aotstack.quantize(EmbeddingThenLinears(128).eval(), linear="8da4w", embedding="4w", group_size=32)
+    ids = torch.tensor([[3, 97]])
+    exported = aotstack.export(model, {"forward": (ids,)}).methods["forward"]
+    with torch.no_grad():
+        expected = exported.module()(ids)
+    weights = {**exported.state_dict, **exported.constants}
+    scales = {fqn: value for fqn, value in weights.items() if value.dtype.is_floating_point and value.shape[-1] == 4}
+    zero_points = {fqn for fqn, value in weights.items() if value.dtype is torch.int8 and value.shape[-1] == 4}
+    assert len(scales) == 2 and len(zero_points) == 2 and not any(weights[fqn].any() for fqn in zero_points)
+
+    packed = with_packed_weights(exported)
+
+    # The embedding's and the first linear's 128 columns are 8 slots of 16: each scale of 32 stored twice.
+    packed_weights = {**packed.state_dict, **packed.constants}
+    for fqn, scale in scales.items():
+        assert torch.equal(packed_weights[fqn], scale.repeat_interleave(2, dim=1)), fqn
+    # Symmetric quantization's zero points, all zero, are not read: the slots' offset is subtracted alone.
+    placeholders = {spec.target: spec.arg.name for spec in packed.graph_signature.input_specs if spec.target}
+    nodes = {node.name: node for node in packed.graph.nodes}
+    assert all(not nodes[placeholders[fqn]].users for fqn in zero_points)
+    with torch.no_grad():
+        for got, want in zip(packed.module()(ids), expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert DequantizedLinearAsReductionPass()(packed.graph_module) is True
+    with torch.no_grad():
+        for got, want in zip(packed.module()(ids), expected, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+class AsymmetricInt4Linear(torch.nn.Module):
+    """torchao's ``dequantize_affine`` by hand: int4 in groups of 32 with zero points of every value, and a bias."""
+
+    def __init__(self, columns: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(0)
+        groups = columns // 32
+        self.register_buffer("values", torch.randint(-8, 8, (24, columns), dtype=torch.int8, generator=generator))
+        self.register_buffer("scales", torch.rand(24, groups, generator=generator) / 8)
+        self.register_buffer("zeros", torch.randint(-8, 8, (24, groups), generator=generator).to(dtype))
+        self.bias = torch.nn.Parameter(torch.randn(24, generator=generator))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torchao.quantization  # noqa: F401  (registers torchao's ops)
+
+        weight = torch.ops.torchao.dequantize_affine(self.values, [1, 32], self.scales, self.zeros, torch.int8, -8, 7)
+        return torch.nn.functional.linear(x, weight, self.bias)
+
+
+@pytest.mark.parametrize(("columns", "dtype", "word", "zeros_stored"), [
+    (256, torch.int8, torch.float32, (24, 8)),  # 8 slots of 32 columns: whole groups
+    (384, torch.int32, torch.float32, (24, 24)),  # 8 slots of 48: groups of 16, each zero point stored twice
+    (96, torch.int8, torch.uint8, (24, 6)),  # 2 slots of 48, two a byte, groups of 16
+], ids=["words", "words-finer", "bytes-finer"])
+def test_zero_points_and_the_packing_offset_leave_the_loop_of_a_packed_linear_and_keep_its_numbers(
+        columns, dtype, word, zeros_stored):
+    model = AsymmetricInt4Linear(columns, dtype).eval()
+    x = torch.randn(1, 1, columns)
+    exported = aotstack.export(model, {"forward": (x,)}).methods["forward"]
+    with torch.no_grad():
+        expected = exported.module()(x)
+
+    packed = with_packed_weights(exported)
+
+    assert packed.state_dict.get("values", packed.constants.get("values")).dtype is word
+    weights = {**packed.state_dict, **packed.constants}
+    assert weights["zeros"].dtype is dtype and tuple(weights["zeros"].shape) == zeros_stored
+    with torch.no_grad():
+        torch.testing.assert_close(packed.module()(x), expected, rtol=0, atol=0)
+    assert DequantizedLinearAsReductionPass()(packed.graph_module) is True
+    # The slots' loops read no zero point: one product of group sums and zero points corrects their sum.
+    dequantized = [n for n in packed.graph.nodes if n.target is torch.ops.torchao.dequantize_affine.default]
+    assert dequantized and all(n.args[3] is None for n in dequantized)
+    corrections = [n for n in packed.graph.nodes if n.target is aten.sub.Tensor
+                   and n.args[1].target is aten.sum.dim_IntList]
+    assert len(corrections) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(packed.module()(x), expected, rtol=1e-5, atol=1e-5)
 
 
 class OneWeightReadTwoWays(torch.nn.Module):

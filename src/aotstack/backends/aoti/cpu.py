@@ -17,7 +17,7 @@ class AotiCpuBackend(AotiBackend):
     device_name = "cpu"
     # 2: int4 weights stored two a byte; 3: embedding tables named for release ("gathered"); 4: int4 and
     # int8 weights packed into float32-typed words (packed_weights.py).
-    compile_revision = 4
+    compile_revision = 5
 
     def program_passes(self) -> list[ProgramPass]:
         return [with_packed_weights]

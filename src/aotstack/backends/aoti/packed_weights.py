@@ -27,6 +27,7 @@ of the slots joined, which the few-rows reduction splits as it splits a dequanti
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,11 @@ from .passes import inserted_call
 aten = torch.ops.aten
 prims = torch.ops.prims
 
+# The fewest columns a scale is stored for where slots split torchao's groups: a multiple of a
+# vector's 8 float lanes (AVX2), so that each vector of a slot reads one scale rather than
+# gathers several; and float32 scales of 16 int4 values add at most half their bytes again.
+FINEST_GROUP = 16
+
 
 @dataclass(frozen=True)
 class PackableWeight:
@@ -56,10 +62,17 @@ class PackableWeight:
     reader: Node
     stored: Node
     fqn: str
+    # Columns a scale covers once packed: torchao's group, or a part of it (``regrouped``).
     group: int
     # Bits a value takes (4 or 8), and the word the values are packed in (``packed_integers.WORDS``).
     bits: int
     word: torch.dtype
+    # The stored scale and zero point, each repeated ``repeats`` times along its row, where a slot
+    # ends inside torchao's group: each slot then holds whole groups of the finer width.
+    regrouped: tuple[Node, ...] = ()
+    repeats: int = 1
+    # The stored zero points are all zero (symmetric quantization): read as none, not loaded each call.
+    zero_free: bool = False
 
     @property
     def slots(self) -> int:
@@ -85,6 +98,10 @@ def with_packed_weights(exported_program: ExportedProgram) -> ExportedProgram:
         if weight.fqn not in packed:
             packed[weight.fqn] = packed_words(weights[weight.fqn], weight.bits, weight.word)
             weight.stored.meta["val"] = fake_like(weight.stored, packed[weight.fqn])
+        for operand in weight.regrouped:
+            fqn = copied_fqns[operand]
+            packed[fqn] = weights[fqn].repeat_interleave(weight.repeats, dim=1).contiguous()
+            operand.meta["val"] = fake_like(operand, packed[fqn])
         if is_dequantize(weight.reader):
             unpack(graph, weight)
         else:
@@ -106,9 +123,9 @@ def packable_weights(graph: Graph, fqns: dict[Node, str], weights: dict[str, tor
     found = [weight for node in graph.nodes
              if (weight := packable_weight(node, fqns, weights) or packable_transpose(node, fqns, weights)) is not None]
     readers = {weight.reader for weight in found}
-    layouts: dict[Node, set[tuple[int, torch.dtype]]] = {}
+    layouts: dict[Node, set[tuple[int, torch.dtype, int]]] = {}
     for weight in found:
-        layouts.setdefault(weight.stored, set()).add((weight.bits, weight.word))
+        layouts.setdefault(weight.stored, set()).add((weight.bits, weight.word, weight.group))
     return [weight for weight in found
             if all(user in readers for user in weight.stored.users) and len(layouts[weight.stored]) == 1]
 
@@ -125,14 +142,23 @@ def packable_weight(node: Node, fqns: dict[Node, str], weights: dict[str, torch.
         return None
     rows, columns = value.shape
     group = int(block_size[-1]) if len(block_size) == 2 and int(block_size[0]) == 1 else 0
-    word = word_for(columns, group, bits)
-    if word is None or not all(per_group(operand, rows, columns // group) for operand in (scale, zero_point)):
+    if not group or not all(per_group(operand, rows, columns // group) for operand in (scale, zero_point)):
+        return None
+    zeros = weights.get(fqns[zero_point]) if zero_point in fqns else None
+    zero_free = isinstance(zeros, torch.Tensor) and not bool(zeros.any())
+    owned = tuple(operand for operand in (scale, None if zero_free else zero_point) if operand is not None)
+    regroupable = all(operand in fqns and isinstance(weights.get(fqns[operand]), torch.Tensor)
+                      and all(dequantizes_alike(user, node) for user in operand.users) for operand in owned)
+    layout = layout_for(columns, group, bits, regroupable)
+    if layout is None:
         return None
     if not all(reads_as_weight(user, node) for user in node.users) or not node.users:
         return None
     if not fit_signed(value, bits):
         return None
-    return PackableWeight(node, stored, fqns[stored], group, bits, word)
+    word, finer = layout
+    return PackableWeight(node, stored, fqns[stored], finer, bits, word,
+                          owned if finer != group else (), group // finer, zero_free)
 
 
 def packable_transpose(node: Node, fqns: dict[Node, str], weights: dict[str, torch.Tensor]) -> PackableWeight | None:
@@ -147,11 +173,16 @@ def packable_transpose(node: Node, fqns: dict[Node, str], weights: dict[str, tor
     value = weights.get(fqns[stored]) if stored in fqns else None
     if not isinstance(value, torch.Tensor) or value.dtype != torch.int8 or value.dim() != 2:
         return None
-    word = word_for(value.shape[1], value.shape[1], 8)
+    layout = layout_for(value.shape[1], value.shape[1], 8, regroupable=False)
     readers = [user for user in node.users if not is_metadata_check(user)]
-    if word is None or not readers or not all(reads_transposed(user, node) for user in readers):
+    if layout is None or not readers or not all(reads_transposed(user, node) for user in readers):
         return None
-    return PackableWeight(node, stored, fqns[stored], value.shape[1], 8, word)
+    return PackableWeight(node, stored, fqns[stored], value.shape[1], 8, layout[0])
+
+
+def dequantizes_alike(user: Node, node: Node) -> bool:
+    """Whether ``user`` dequantizes as ``node`` does (one weight read twice), so is packed alike."""
+    return is_dequantize(user) and user.args[:7] == node.args[:7]
 
 
 def reads_transposed(user: Node, transposed: Node) -> bool:
@@ -169,14 +200,23 @@ def is_metadata_check(node: Node) -> bool:
     return node.op == "call_function" and node.target is aten._assert_tensor_metadata.default
 
 
-def word_for(columns: int, group: int, bits: int) -> torch.dtype | None:
-    """The widest word whose slots each hold whole groups of a row of ``columns``, so keep their own scales."""
+def layout_for(columns: int, group: int, bits: int, regroupable: bool) -> tuple[torch.dtype, int] | None:
+    """The widest word whose slots each hold whole groups of a row of ``columns``, and the groups' width.
+
+    A slot that would end inside a group (a row of 1408 in groups of 32, 176 columns a slot)
+    holds whole groups of a finer width where the scales can be stored so (``regroupable``) and
+    a vector of float lanes still reads one scale (16 columns here, each scale stored twice).
+    """
     for word in WORDS:
         slots = slots_in(word, bits)
-        if slots < 2 or columns % slots or not group:
+        if slots < 2 or columns % slots:
             continue
-        if group == columns or (columns // slots) % group == 0:
-            return word
+        run = columns // slots
+        if group == columns or run % group == 0:
+            return word, group
+        finer = math.gcd(run, group)
+        if regroupable and finer % FINEST_GROUP == 0:
+            return word, finer
     return None
 
 
@@ -200,17 +240,25 @@ def reads_as_weight(user: Node, weight: Node) -> bool:
 def unpack(graph: Graph, weight: PackableWeight) -> None:
     """Put a join of the dequantized slots, read from the packed words, in place of ``weight``'s dequantization."""
     node = weight.reader
-    _, _, scale, zero_point, *rest = node.args
+    _, _, scale, zero_point, _, quant_min, quant_max, *rest = node.args
+    zero_point = None if weight.zero_free else zero_point
     columns = node.meta["val"].shape[-1]
     groups = columns // weight.group
+    offset = 1 << (weight.bits - 1)
+    unsigned = takes_offset(zero_point)
+    if unsigned:
+        quant_min, quant_max = quant_min + offset, quant_max + offset
     with graph.inserting_before(node):
+        if unsigned:
+            zero_point = offset_zero_point(graph, zero_point, scale, offset)
         slots = []
         for index in range(weight.slots):
             # Dequantized from int32, as torchao's op computes anyway: no round trip through int8.
-            slot = slot_values(graph, weight, index)
-            operands = [slot_of(graph, operand, index, weight.slots, groups) for operand in (scale, zero_point)]
+            slot = slot_values(graph, weight, index, signed=not unsigned)
+            slot_scale, slot_zero_point = (slot_of(graph, operand, index, weight.slots, groups)
+                                           for operand in (scale, zero_point))
             block = [1, min(weight.group, columns // weight.slots)]
-            arguments = (slot, block, *operands, torch.int32, *rest[1:])
+            arguments = (slot, block, slot_scale, slot_zero_point, torch.int32, quant_min, quant_max, *rest)
             slots.append(inserted_call(graph, node.target, arguments, dict(node.kwargs)))
         joined = inserted_call(graph, aten.cat.default, (slots, 1))
     joined.meta.update({key: value for key, value in node.meta.items() if key != "val"})
@@ -245,14 +293,35 @@ def unpack_transpose(graph: Graph, weight: PackableWeight) -> None:
     graph.erase_node(transposed)
 
 
-def slot_values(graph: Graph, weight: PackableWeight, index: int) -> Node:
-    """Slot ``index`` of the stored words: int32 values as they were before packing."""
+def slot_values(graph: Graph, weight: PackableWeight, index: int, signed: bool = True) -> Node:
+    """Slot ``index`` of the stored words as int32: the values as they were before packing, else offset unsigned."""
     # Each slot reads the words itself: words all slots read would be written out whole.
     words = integer_words(graph, weight.stored, weight.word)
     shifted = words if index == 0 else inserted_call(
         graph, aten.bitwise_right_shift.Tensor_Scalar, (words, weight.bits * index))
     value = inserted_call(graph, aten.bitwise_and.Scalar, (shifted, (1 << weight.bits) - 1))
-    return inserted_call(graph, aten.sub.Tensor, (value, 1 << (weight.bits - 1)))
+    return inserted_call(graph, aten.sub.Tensor, (value, 1 << (weight.bits - 1))) if signed else value
+
+
+def takes_offset(zero_point: Any) -> bool:
+    """Whether a dequantization's zero point can absorb the packing's offset exactly: absent, or integers.
+
+    ``(u - o) - z == u - (z + o)`` for the slot's unsigned values ``u``, so the offset costs no
+    operation per value; the few-rows reduction then takes ``z + o`` out of its loop with any
+    zero point (``quantized.without_zero_point``): one operation of seven a value fewer.
+    """
+    if zero_point is None:
+        return True
+    value = zero_point.meta.get("val") if isinstance(zero_point, Node) else None
+    return isinstance(value, torch.Tensor) and not value.dtype.is_floating_point and not value.dtype.is_complex
+
+
+def offset_zero_point(graph: Graph, zero_point: Node | None, scale: Node, offset: int) -> Node:
+    """``zero_point + offset`` in int32, where int8 could overflow; ``offset`` for each scale if there is none."""
+    if zero_point is None:
+        return inserted_call(graph, aten.full_like.default, (scale, offset), {"dtype": torch.int32})
+    widened = inserted_call(graph, prims.convert_element_type.default, (zero_point, torch.int32))
+    return inserted_call(graph, aten.add.Tensor, (widened, offset))
 
 
 def integer_words(graph: Graph, stored: Node, word: torch.dtype) -> Node:
