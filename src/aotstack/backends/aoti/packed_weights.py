@@ -310,6 +310,15 @@ def slot_values(graph: Graph, weight: PackableWeight, index: int, signed: bool =
     return inserted_call(graph, aten.sub.Tensor, (value, 1 << (weight.bits - 1))) if signed else value
 
 
+def is_int8_slot(node: Any) -> bool:
+    """Whether ``node`` is what ``slot_values`` computes for a signed int8 slot: ``(words & 255) - 128``."""
+    if not isinstance(node, Node) or node.op != "call_function" or node.target is not aten.sub.Tensor:
+        return False
+    masked, offset = node.args[:2]
+    return (offset == 128 and isinstance(masked, Node) and masked.target is aten.bitwise_and.Scalar
+            and masked.args[1] == 255)
+
+
 def takes_offset(zero_point: Any) -> bool:
     """Whether a dequantization's zero point can absorb the packing's offset exactly: absent, or integers.
 

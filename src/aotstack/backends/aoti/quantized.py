@@ -32,6 +32,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from ...compile.quantize import is_dequantize
+from .packed_weights import is_int8_slot
 from .passes import inserted_call, replace_node
 
 aten = torch.ops.aten
@@ -244,15 +245,6 @@ def widened(piece: Node) -> Node:
         return piece
     source = piece.args[0]
     return source if piece.kwargs.get("dtype") is torch.int8 and is_int8_slot(source) else piece
-
-
-def is_int8_slot(node: Any) -> bool:
-    """Whether ``node`` is ``(words & 255) - 128``, an int8 value in a slot of packed words: in int8's range."""
-    if not isinstance(node, Node) or node.op != "call_function" or node.target is not aten.sub.Tensor:
-        return False
-    masked, offset = node.args[:2]
-    return (offset == 128 and isinstance(masked, Node) and masked.target is aten.bitwise_and.Scalar
-            and masked.args[1] == 255)
 
 
 def transposed(graph: Graph, weight: Node) -> Node:
