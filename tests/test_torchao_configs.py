@@ -444,8 +444,11 @@ def test_one_token_through_aotinductor_reads_each_kind_of_intx_weight_right(tmp_
 
     assert {delegate.backend_id for delegate in lowered.delegates("forward")} == {"aoti_cpu"}
     torch.testing.assert_close(output, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
-    # The int4 table and ``up``'s weight are read from bytes of two values each (``int4_weights.py``).
+    # The int4 table and ``up``'s weight are read from words of eight values each, their scales stored per 16
+    # columns, as each slot of DIM // 8 holds half a group of 32 (``packed_weights.py``).
     (delegate,) = lowered.delegates("forward")
-    stored = json.loads(bytes(delegate.processed_bytes))["weights"].values()
-    assert sorted(entry["shape"] for entry in stored if entry["dtype"] == "uint8") == [[HIDDEN, DIM // 2],
-                                                                                       [VOCAB, DIM // 2]]
+    entries = json.loads(bytes(delegate.processed_bytes))["weights"].values()
+    stored = [(entry["dtype"], entry["shape"]) for entry in entries]
+    assert not [shape for dtype, shape in stored if dtype == "uint8"], stored
+    assert all(entry in stored for entry in [("float32", [HIDDEN, DIM // 8]), ("float32", [VOCAB, DIM // 8]),
+                                             ("float32", [HIDDEN, DIM // 16]), ("float32", [VOCAB, DIM // 16])])
