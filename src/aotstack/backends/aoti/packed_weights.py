@@ -105,7 +105,8 @@ def with_packed_weights(exported_program: ExportedProgram) -> ExportedProgram:
         if weight.fqn not in packed:
             packed[weight.fqn] = packed_words(weights[weight.fqn], weight.bits, weight.word)
             weight.stored.meta["val"] = fake_like(weight.stored, packed[weight.fqn])
-        for operand in weight.regrouped:
+        # A scale that two alike readers share (one table read twice) is repeated once.
+        for operand in (operand for operand in weight.regrouped if copied_fqns[operand] not in packed):
             fqn = copied_fqns[operand]
             packed[fqn] = weights[fqn].repeat_interleave(weight.repeats, dim=1).contiguous()
             operand.meta["val"] = fake_like(operand, packed[fqn])
