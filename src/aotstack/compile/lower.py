@@ -65,6 +65,7 @@ from .partitioner import DELEGATION_TAG, Partitioner, PartitionResult, get_non_l
 from .program_parts import (
     called_ops,
     constant_placeholders,
+    drop_metadata_checks,
     is_size_computation,
     mark_state_of_other_methods,
     program_fingerprint,
@@ -768,6 +769,7 @@ class MethodLowering:
     ) -> MethodLowering:
         """The method's lowering, on a copy; ``program_state``: the buffers any method of the program updates."""
         working = copied_program(exported)
+        drop_metadata_checks(working.graph_module)
         mark_state_of_other_methods(working, program_state)
         read_before = {node.name for node in constant_placeholders(working) if node.users}
         first_id = sum(1 for node in working.graph.nodes if is_delegate_call(node))
