@@ -79,3 +79,48 @@ def test_lowering_a_lowered_program_again_names_the_delegate_it_cannot_place(low
     sigmoid_only = aotstack.AotiCpuPartitioner(exclude_ops=["aten.linear", "aten.mul", "aten.add", "aten.sum"])
     with pytest.raises(aotstack.LoweringError, match="delegate node 'call_delegate_default' calls 'forward.0'"):
         aotstack.lower(again, [sigmoid_only])
+
+
+class Sandwich(torch.nn.Module):
+    """Two products another engine runs, and between them an elementwise op on ``rows`` rows of 512."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Parameter(torch.randn(512, 512))
+        self.second = torch.nn.Parameter(torch.randn(512, 512))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(torch.relu(x) @ self.first) @ self.second
+
+
+def sandwich(rows: int) -> torch.export.ExportedProgram:
+    return aotstack.export(Sandwich(), {"forward": (torch.randn(rows, 512),)}).methods["forward"]
+
+
+def claimed_relus(program: torch.export.ExportedProgram) -> list[str]:
+    return [n.name for n in program.graph.nodes if n.target is torch.ops.aten.relu.default and DELEGATION_TAG in n.meta]
+
+
+def test_an_engine_leaves_a_light_part_between_others_ops_to_the_next_engine():
+    """The inner relu of 512 values sits between two products the engine refuses: two boundaries for almost no work.
+    The outer one reads the method's input, the edge of the graph, and stays claimed; so does the inner one where it
+    does enough work (1024 rows), or where ``min_island_work=0`` asks for every part."""
+    program = sandwich(1)
+    result = aotstack.OrtPartitioner(ops=["aten.relu"]).partition(program)
+    assert claimed_relus(program) == ["relu"]
+    (inner,) = [n.name for n in program.graph.nodes if n.target is torch.ops.aten.relu.default and n.name != "relu"]
+    assert result.refusals[inner].kind == "min_block_size"
+    assert "min_island_work" in result.refusals[inner].detail
+
+    program = sandwich(1)
+    aotstack.OrtPartitioner(ops=["aten.relu"], min_island_work=0).partition(program)
+    assert len(claimed_relus(program)) == 2
+
+    program = sandwich(1024)
+    aotstack.OrtPartitioner(ops=["aten.relu"]).partition(program)
+    assert len(claimed_relus(program)) == 2
+
+
+def test_min_island_work_must_be_a_count():
+    with pytest.raises(ValueError, match="min_island_work must be an int >= 0, got -1"):
+        aotstack.OrtPartitioner(min_island_work=-1)

@@ -58,7 +58,7 @@ from .devices import propagate_device_pass
 from .export import Program
 from .jobs import CompileJob, CompileOutcome
 from .measure import MethodTiming, measured_methods
-from .mixing import MeasuredPlan, Mix, delegate_regions, mixed_cover, node_work
+from .mixing import MeasuredPlan, Mix, delegate_regions, mixed_cover
 from .package import save, unsaved_manifest
 from .parallel import Batch, CompilePool, default_workers, quiet_torch_warnings
 from .partitioner import DELEGATION_TAG, Partitioner, PartitionResult, get_non_lowered_nodes
@@ -81,6 +81,7 @@ from .splice import (
     splice_delegate_call,
 )
 from .subprogram import PartitionProgram, partition_program
+from .work import node_work
 
 
 @dataclass(frozen=True)

@@ -18,11 +18,9 @@ import json
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 
-from ..format.op_names import packet_name
 from ..format.placement import Reason
 from ..format.records import Delegate
 from .partitioner import DELEGATION_TAG, Partitioner, PartitionResult
@@ -31,8 +29,6 @@ from .partitioner import DELEGATION_TAG, Partitioner, PartitionResult
 # shares a delegate's time by a count of arithmetic, which a memory-bound op does not follow.
 MARGIN = 0.10
 
-# Ops whose work grows with their reduction dimension (the last of the first input, or a weight's).
-MATMULS = ("aten.linear", "aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.baddbmm")
 
 
 @dataclass(frozen=True)
@@ -184,28 +180,3 @@ class RegionPartitioner(Partitioner):
                     self.backend_id, "excluded", "auto mixed engines per region: another engine measured faster here"
                 )
         return PartitionResult(result.tagged_exported_program, kept, refusals)
-
-
-def node_work(node: Node) -> float:
-    """A rough count of ``node``'s arithmetic, from its output's size: what a region's time is shared by."""
-    value = node.meta.get("val")
-    outputs = value if isinstance(value, (list, tuple)) else [value]
-    size = float(sum(v.numel() for v in outputs if isinstance(v, torch.Tensor) and not has_symbols(v)))
-    name = packet_name(node.target) if isinstance(node.target, torch._ops.OperatorBase) else ""
-    if name in MATMULS and node.args and isinstance(node.args[0], Node):
-        first = node.args[0].meta.get("val")
-        if isinstance(first, torch.Tensor) and first.dim() and isinstance(first.shape[-1], int):
-            return max(size, 1.0) * first.shape[-1]
-    if name.startswith("aten.conv") and len(node.args) > 1 and isinstance(node.args[1], Node):
-        weight = node.args[1].meta.get("val")
-        if isinstance(weight, torch.Tensor) and not has_symbols(weight) and weight.shape[0]:
-            return max(size, 1.0) * (weight.numel() // weight.shape[0])
-    if "scaled_dot_product" in name and len(node.args) > 1 and isinstance(node.args[1], Node):
-        key = node.args[1].meta.get("val")
-        if isinstance(key, torch.Tensor) and key.dim() > 1 and isinstance(key.shape[-2], int):
-            return max(size, 1.0) * key.shape[-2] * 2
-    return max(size, 1.0)
-
-
-def has_symbols(tensor: torch.Tensor) -> bool:
-    return not all(isinstance(size, int) for size in tensor.shape)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import operator
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -31,12 +31,23 @@ from .program_parts import (
     subgraph_modules,
     subgraph_nodes,
 )
+from .work import known_work
 
 DELEGATION_TAG = "delegation_tag"
 
 # Higher-order ops whose operands include subgraphs (get_attr nodes): the subgraphs go
 # wherever the op goes.
 CONTROL_FLOW_OPS = ("cond", "while_loop", "scan", "map_impl")
+
+# A part between ops another engine (or plain ATen) runs, doing less arithmetic than this (``work.node_work``,
+# multiply-adds roughly), costs more at its two boundaries than its engine saves: a delegate called and returned
+# from took 30-80 µs on this project's CPUs at 1 thread, a 512x512 linear at one row about 30. Left to the next
+# engine, it joins that engine's neighbouring parts (a small Llama, XNNPACK taking the norms between AOTInductor's
+# int4 linears: 35 delegates, 1.2x float32's time).
+MIN_ISLAND_WORK = 1 << 18
+# ... and less than this share of the method's work: the whole of a small model is light, and there the parts an
+# engine order makes are the user's to ask for.
+ISLAND_SHARE = 0.01
 
 # Ops that only reinterpret memory; they do not count towards ``min_block_size``.
 _NON_COMPUTE_OPS = frozenset({"aten._unsafe_view.default"})
@@ -67,17 +78,29 @@ class SupportedOpsPartitioner(Partitioner):
     ``op_refusal``); everything else is shared:
     nothing lowered earlier is offered again, control-flow ops go with their subgraphs
     (when the backend lists them in ``control_flow``), parts with fewer than
-    ``min_block_size`` compute nodes are left to the next partitioner or to plain ATen, and
-    the weights and mutated buffers a part reads take its tag.
+    ``min_block_size`` compute nodes are left to the next partitioner or to plain ATen, as are
+    parts between ops left to others that do less than ``min_island_work`` and ``ISLAND_SHARE`` of
+    the method (``island_work``; 0, the default, claims them all; the engines that open a session
+    per delegate ask for ``MIN_ISLAND_WORK``), and the weights and mutated buffers a part reads
+    take its tag.
     """
 
     backend_id: ClassVar[str]
     control_flow: frozenset[str] = frozenset()
 
-    def __init__(self, *, min_block_size: int = 1, compile_specs: Iterable[CompileSpec] = ()) -> None:
+    def __init__(
+        self,
+        *,
+        min_block_size: int = 1,
+        min_island_work: int = 0,
+        compile_specs: Iterable[CompileSpec] = (),
+    ) -> None:
         if isinstance(min_block_size, bool) or not isinstance(min_block_size, int) or min_block_size < 1:
             raise ValueError(f"min_block_size must be an int >= 1, got {min_block_size!r}")
+        if isinstance(min_island_work, bool) or not isinstance(min_island_work, int) or min_island_work < 0:
+            raise ValueError(f"min_island_work must be an int >= 0, got {min_island_work!r}")
         self.min_block_size = min_block_size
+        self.min_island_work = min_island_work
         self.compile_specs = list(compile_specs)
 
     @abstractmethod
@@ -129,12 +152,22 @@ class SupportedOpsPartitioner(Partitioner):
     def part_refusal(self, partition: Partition, exported_program: ExportedProgram) -> Reason | None:
         """Why a proposed part is left unclaimed as a whole; None where it is claimed.
 
-        Here: it has fewer than ``min_block_size`` compute ops. A subclass may leave more.
+        Here: it has fewer than ``min_block_size`` compute ops, or it is an island doing less than
+        ``min_island_work`` and ``ISLAND_SHARE`` of the method (``island_work``). A subclass may leave more.
         """
         count = compute_node_count(partition.nodes)
-        if count >= self.min_block_size:
+        if count < self.min_block_size:
+            detail = f"its part has {plural(count, 'compute op')}, fewer than min_block_size={self.min_block_size}"
+            return self.refusal("min_block_size", detail)
+        work = island_work(partition.nodes) if self.min_island_work else None
+        if work is None or work >= self.min_island_work:
             return None
-        detail = f"its part has {plural(count, 'compute op')}, fewer than min_block_size={self.min_block_size}"
+        method_work = known_work(node for node in exported_program.graph.nodes if is_compute_node(node))
+        if method_work is None or work >= ISLAND_SHARE * method_work:
+            return None
+        detail = (f"its part, between ops left to others, does about {work:,.0f} multiply-adds, fewer than "
+                  f"min_island_work={self.min_island_work:,} and {ISLAND_SHARE:.0%} of the method's: its boundaries "
+                  "would cost more than it saves")
         return self.refusal("min_block_size", detail)
 
     def supports_node(self, node: Node, owner: GraphModule) -> bool:
@@ -213,6 +246,21 @@ class NodeSupport(OperatorSupportBase):
 
 def plural(count: int, noun: str) -> str:
     return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
+def island_work(nodes: Collection[Node]) -> float | None:
+    """The work of a part that both reads and feeds ops outside it; None for a part at the graph's edge, or of
+    symbolic sizes.
+
+    Such a part costs two boundaries at least; one that reads only the method's inputs and weights, or
+    feeds only its outputs, would cost one wherever it ran.
+    """
+    def computed_outside(node: Node) -> bool:
+        return node not in nodes and node.op == "call_function" and not is_size_computation(node)
+
+    reads = any(computed_outside(source) for node in nodes for source in node.all_input_nodes)
+    feeds = any(computed_outside(user) for node in nodes for user in node.users)
+    return known_work(node for node in nodes if is_compute_node(node)) if reads and feeds else None
 
 
 def compute_node_count(nodes: Iterable[Node]) -> int:

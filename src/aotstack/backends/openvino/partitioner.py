@@ -7,7 +7,7 @@ from collections.abc import Iterable
 import torch
 from torch.fx import GraphModule, Node
 
-from ...compile.partitioner import CONTROL_FLOW_OPS, SupportedOpsPartitioner
+from ...compile.partitioner import CONTROL_FLOW_OPS, MIN_ISLAND_WORK, SupportedOpsPartitioner
 from ...errors import LoweringError
 from ...format.op_names import OpName, matches_any, normalized_op_name
 from ...format.placement import Reason
@@ -30,7 +30,8 @@ class OpenVinoPartitioner(SupportedOpsPartitioner):
     It declines a node that reads or makes a tensor the CPU plugin would not compute as torch
     does (float64, complex, float8), and one whose ops OpenVINO's decomposition turns into ops it
     cannot convert. ``ops`` narrows the claim to a set, named like ``"aten.linear"`` or given as
-    op objects.
+    op objects. A part lighter than ``min_island_work`` between ops left to others is left too
+    (``SupportedOpsPartitioner``).
 
     Example::
 
@@ -45,8 +46,9 @@ class OpenVinoPartitioner(SupportedOpsPartitioner):
         compile_specs: Iterable[CompileSpec] = (),
         *,
         min_block_size: int = 1,
+        min_island_work: int = MIN_ISLAND_WORK,
     ) -> None:
-        super().__init__(min_block_size=min_block_size, compile_specs=compile_specs)
+        super().__init__(min_block_size=min_block_size, min_island_work=min_island_work, compile_specs=compile_specs)
         require_openvino("OpenVinoPartitioner needs openvino", LoweringError)
         self.ops = None if ops is None else frozenset(normalized_op_name(op, "ops") for op in ops)
         self.control_flow = frozenset(

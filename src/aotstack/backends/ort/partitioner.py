@@ -12,7 +12,7 @@ from torch.export import ExportedProgram
 from torch.fx import Graph, GraphModule, Node
 from torch.utils._pytree import tree_leaves
 
-from ...compile.partitioner import CONTROL_FLOW_OPS, PartitionResult, SupportedOpsPartitioner
+from ...compile.partitioner import CONTROL_FLOW_OPS, MIN_ISLAND_WORK, PartitionResult, SupportedOpsPartitioner
 from ...compile.program_parts import constant_placeholders
 from ...errors import LoweringError
 from ...format.op_names import OpName, matches_any, normalized_op_name
@@ -41,7 +41,8 @@ class OrtPartitioner(SupportedOpsPartitioner):
     """Claims, for ONNX Runtime, every op the ONNX exporter can translate.
 
     ``ops`` narrows that to a set, named like ``"aten.linear"`` or given as op objects;
-    ``providers`` picks ONNX Runtime's execution providers in priority order.
+    ``providers`` picks ONNX Runtime's execution providers in priority order. A part lighter than
+    ``min_island_work`` between ops left to others is left too (``SupportedOpsPartitioner``).
 
     torchao-quantized linears and embeddings (``aotstack.quantize``) are claimed whole, with
     their quantize and dequantize ops, and run on ONNX Runtime's packed-weight kernels
@@ -68,6 +69,7 @@ class OrtPartitioner(SupportedOpsPartitioner):
         compile_specs: Iterable[CompileSpec] = (),
         *,
         min_block_size: int = 1,
+        min_island_work: int = MIN_ISLAND_WORK,
         quantized_activations: bool = False,
     ) -> None:
         specs = list(compile_specs)
@@ -75,7 +77,7 @@ class OrtPartitioner(SupportedOpsPartitioner):
             specs.append(CompileSpec(SpecKey.PROVIDERS, ",".join(providers).encode()))
         if quantized_activations:
             specs.append(CompileSpec(QUANTIZED_ACTIVATIONS, b"on"))
-        super().__init__(min_block_size=min_block_size, compile_specs=specs)
+        super().__init__(min_block_size=min_block_size, min_island_work=min_island_work, compile_specs=specs)
         require_packages(("onnx", "onnxscript"), "OrtPartitioner needs {missing}", LoweringError)
         self.ops = None if ops is None else frozenset(normalized_op_name(op, "ops") for op in ops)
         self.quantized_activations = quantized_activations_spec(self.compile_specs)

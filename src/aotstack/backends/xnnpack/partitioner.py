@@ -9,7 +9,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
-from ...compile.partitioner import PartitionResult, SupportedOpsPartitioner
+from ...compile.partitioner import MIN_ISLAND_WORK, PartitionResult, SupportedOpsPartitioner
 from ...errors import LoweringError
 from ...format.placement import Reason
 from ...format.specs import CompileSpec
@@ -30,7 +30,9 @@ class XnnpackPartitioner(SupportedOpsPartitioner):
     are claimed too where ExecuTorch's runtime has kernels for them: ExecuTorch runs them in the
     same program, so a decoder is one XNNPACK part per layer, not one per gap (an RMS norm's
     ``mean``). What reads a KV cache stays with the next engine, which updates it in place.
-    ``portable_kernels=False`` claims XNNPACK's ops alone.
+    ``portable_kernels=False`` claims XNNPACK's ops alone. A part lighter than ``min_island_work``
+    between ops left to others (the norms between int4 weight-only linears XNNPACK refuses) is
+    left too (``SupportedOpsPartitioner``).
 
     Example::
 
@@ -40,9 +42,14 @@ class XnnpackPartitioner(SupportedOpsPartitioner):
     backend_id = XnnpackBackend.backend_id
 
     def __init__(
-        self, compile_specs: Iterable[CompileSpec] = (), *, min_block_size: int = 1, portable_kernels: bool = True
+        self,
+        compile_specs: Iterable[CompileSpec] = (),
+        *,
+        min_block_size: int = 1,
+        min_island_work: int = MIN_ISLAND_WORK,
+        portable_kernels: bool = True,
     ) -> None:
-        super().__init__(min_block_size=min_block_size, compile_specs=compile_specs)
+        super().__init__(min_block_size=min_block_size, min_island_work=min_island_work, compile_specs=compile_specs)
         require_executorch("XnnpackPartitioner needs executorch", LoweringError)
         self.portable_kernels = portable_kernels
         self.answer: XnnpackAnswer | None = None
