@@ -101,16 +101,18 @@ def claimed_relus(program: torch.export.ExportedProgram) -> list[str]:
     return [n.name for n in program.graph.nodes if n.target is torch.ops.aten.relu.default and DELEGATION_TAG in n.meta]
 
 
-def test_an_engine_leaves_a_light_part_between_others_ops_to_the_next_engine():
-    """The inner relu of 512 values sits between two products the engine refuses: two boundaries for almost no work.
-    The outer one reads the method's input, the edge of the graph, and stays claimed; so does the inner one where it
-    does enough work (1024 rows), or where ``min_island_work=0`` asks for every part."""
+def test_an_engine_leaves_a_light_part_beside_others_ops_to_the_next_engine():
+    """Each relu of 512 values reads or feeds a product the engine refuses: a boundary or two for almost no work, so
+    both are left. They stay claimed where they do enough work (1024 rows), where ``min_island_work=0`` asks for
+    every part, or where a relu is the whole method, with nothing beside it to join."""
     program = sandwich(1)
     result = aotstack.OrtPartitioner(ops=["aten.relu"]).partition(program)
-    assert claimed_relus(program) == ["relu"]
-    (inner,) = [n.name for n in program.graph.nodes if n.target is torch.ops.aten.relu.default and n.name != "relu"]
-    assert result.refusals[inner].kind == "min_block_size"
-    assert "min_island_work" in result.refusals[inner].detail
+    assert claimed_relus(program) == []
+    relus = [n.name for n in program.graph.nodes if n.target is torch.ops.aten.relu.default]
+    assert len(relus) == 2
+    for relu in relus:
+        assert result.refusals[relu].kind == "min_block_size"
+        assert "min_island_work" in result.refusals[relu].detail
 
     program = sandwich(1)
     aotstack.OrtPartitioner(ops=["aten.relu"], min_island_work=0).partition(program)
@@ -119,6 +121,10 @@ def test_an_engine_leaves_a_light_part_between_others_ops_to_the_next_engine():
     program = sandwich(1024)
     aotstack.OrtPartitioner(ops=["aten.relu"]).partition(program)
     assert len(claimed_relus(program)) == 2
+
+    program = aotstack.export(torch.nn.ReLU(), {"forward": (torch.randn(1, 4),)}).methods["forward"]
+    aotstack.OrtPartitioner().partition(program)
+    assert claimed_relus(program) == ["relu"]
 
 
 def test_min_island_work_must_be_a_count():

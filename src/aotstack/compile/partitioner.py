@@ -39,10 +39,10 @@ DELEGATION_TAG = "delegation_tag"
 # wherever the op goes.
 CONTROL_FLOW_OPS = ("cond", "while_loop", "scan", "map_impl")
 
-# A part between ops another engine (or plain ATen) runs, doing less arithmetic than this (``work.node_work``,
+# A part beside ops another engine (or plain ATen) runs, doing less arithmetic than this (``work.node_work``,
 # multiply-adds roughly), costs more at its two boundaries than its engine saves: a delegate called and returned
 # from took 30-80 µs on this project's CPUs at 1 thread, a 512x512 linear at one row about 30. Left to the next
-# engine, it joins that engine's neighbouring parts (a small Llama, XNNPACK taking the norms between AOTInductor's
+# engine, it joins that engine's parts beside it (a small Llama, XNNPACK taking the norms between AOTInductor's
 # int4 linears: 35 delegates, 1.2x float32's time).
 MIN_ISLAND_WORK = 1 << 18
 # ... and less than this share of the method's work: the whole of a small model is light, and there the parts an
@@ -79,7 +79,7 @@ class SupportedOpsPartitioner(Partitioner):
     nothing lowered earlier is offered again, control-flow ops go with their subgraphs
     (when the backend lists them in ``control_flow``), parts with fewer than
     ``min_block_size`` compute nodes are left to the next partitioner or to plain ATen, as are
-    parts between ops left to others that do less than ``min_island_work`` and ``ISLAND_SHARE`` of
+    parts beside ops left to others that do less than ``min_island_work`` and ``ISLAND_SHARE`` of
     the method (``island_work``; 0, the default, claims them all; the engines that open a session
     per delegate ask for ``MIN_ISLAND_WORK``), and the weights and mutated buffers a part reads
     take its tag.
@@ -165,7 +165,7 @@ class SupportedOpsPartitioner(Partitioner):
         method_work = known_work(node for node in exported_program.graph.nodes if is_compute_node(node))
         if method_work is None or work >= ISLAND_SHARE * method_work:
             return None
-        detail = (f"its part, between ops left to others, does about {work:,.0f} multiply-adds, fewer than "
+        detail = (f"its part, beside ops left to others, does about {work:,.0f} multiply-adds, fewer than "
                   f"min_island_work={self.min_island_work:,} and {ISLAND_SHARE:.0%} of the method's: its boundaries "
                   "would cost more than it saves")
         return self.refusal("min_block_size", detail)
@@ -249,18 +249,18 @@ def plural(count: int, noun: str) -> str:
 
 
 def island_work(nodes: Collection[Node]) -> float | None:
-    """The work of a part that both reads and feeds ops outside it; None for a part at the graph's edge, or of
-    symbolic sizes.
+    """The work of a part that reads or feeds ops outside it; None for one of symbolic sizes, or that only reads the
+    method's inputs and weights and only feeds its outputs (nothing beside it to join).
 
-    Such a part costs two boundaries at least; one that reads only the method's inputs and weights, or
-    feeds only its outputs, would cost one wherever it ran.
+    Such a part left to the engine beside it saves a boundary or two: a value that would have
+    crossed into the part and out again stays in that engine.
     """
     def computed_outside(node: Node) -> bool:
         return node not in nodes and node.op == "call_function" and not is_size_computation(node)
 
     reads = any(computed_outside(source) for node in nodes for source in node.all_input_nodes)
     feeds = any(computed_outside(user) for node in nodes for user in node.users)
-    return known_work(node for node in nodes if is_compute_node(node)) if reads and feeds else None
+    return known_work(node for node in nodes if is_compute_node(node)) if reads or feeds else None
 
 
 def compute_node_count(nodes: Iterable[Node]) -> int:

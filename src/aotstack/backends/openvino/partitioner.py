@@ -30,7 +30,7 @@ class OpenVinoPartitioner(SupportedOpsPartitioner):
     It declines a node that reads or makes a tensor the CPU plugin would not compute as torch
     does (float64, complex, float8), and one whose ops OpenVINO's decomposition turns into ops it
     cannot convert. ``ops`` narrows the claim to a set, named like ``"aten.linear"`` or given as
-    op objects. A part lighter than ``min_island_work`` between ops left to others is left too
+    op objects. A part lighter than ``min_island_work`` beside ops left to others is left too
     (``SupportedOpsPartitioner``).
 
     Example::

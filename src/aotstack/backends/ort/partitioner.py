@@ -42,7 +42,7 @@ class OrtPartitioner(SupportedOpsPartitioner):
 
     ``ops`` narrows that to a set, named like ``"aten.linear"`` or given as op objects;
     ``providers`` picks ONNX Runtime's execution providers in priority order. A part lighter than
-    ``min_island_work`` between ops left to others is left too (``SupportedOpsPartitioner``).
+    ``min_island_work`` beside ops left to others is left too (``SupportedOpsPartitioner``).
 
     torchao-quantized linears and embeddings (``aotstack.quantize``) are claimed whole, with
     their quantize and dequantize ops, and run on ONNX Runtime's packed-weight kernels

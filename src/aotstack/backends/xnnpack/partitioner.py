@@ -31,7 +31,7 @@ class XnnpackPartitioner(SupportedOpsPartitioner):
     same program, so a decoder is one XNNPACK part per layer, not one per gap (an RMS norm's
     ``mean``). What reads a KV cache stays with the next engine, which updates it in place.
     ``portable_kernels=False`` claims XNNPACK's ops alone. A part lighter than ``min_island_work``
-    between ops left to others (the norms between int4 weight-only linears XNNPACK refuses) is
+    beside ops left to others (the norms between int4 weight-only linears XNNPACK refuses) is
     left too (``SupportedOpsPartitioner``).
 
     Example::
