@@ -30,7 +30,6 @@ from .partitioner import DELEGATION_TAG, Partitioner, PartitionResult
 MARGIN = 0.10
 
 
-
 @dataclass(frozen=True)
 class Region:
     """One delegate of a measured plan: its engine, its nodes with their work, its seconds a call."""

@@ -40,7 +40,7 @@ DELEGATION_TAG = "delegation_tag"
 CONTROL_FLOW_OPS = ("cond", "while_loop", "scan", "map_impl")
 
 # A part beside ops another engine (or plain ATen) runs, doing less arithmetic than this (``work.node_work``,
-# multiply-adds roughly), costs more at its two boundaries than its engine saves: a delegate called and returned
+# multiply-adds roughly), costs more at its boundaries than its engine saves: a delegate called and returned
 # from took 30-80 µs on this project's CPUs at 1 thread, a 512x512 linear at one row about 30. Left to the next
 # engine, it joins that engine's parts beside it (a small Llama, XNNPACK taking the norms between AOTInductor's
 # int4 linears: 35 delegates, 1.2x float32's time).
@@ -162,7 +162,8 @@ class SupportedOpsPartitioner(Partitioner):
         work = island_work(partition.nodes) if self.min_island_work else None
         if work is None or work >= self.min_island_work:
             return None
-        method_work = known_work(node for node in exported_program.graph.nodes if is_compute_node(node))
+        method_work = known_work(node for node in exported_program.graph.nodes
+                                 if node.op == "call_function" and is_compute_node(node))
         if method_work is None or work >= ISLAND_SHARE * method_work:
             return None
         detail = (f"its part, beside ops left to others, does about {work:,.0f} multiply-adds, fewer than "
