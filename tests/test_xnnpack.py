@@ -213,8 +213,8 @@ def test_the_partitioner_says_why_it_leaves_each_op():
     reasons = {ops[name]: f"{reason.kind}: {reason.detail}" for name, reason in result.refusals.items()}
 
     assert reasons["aten.linear.default"].startswith(
-        "unsupported: ExecuTorch's XNNPACK delegate computes a weight-only quantized linear wrongly "
-        "(linear 8w, group 32)"
+        "unsupported: XNNPACK's quantized kernels take only 8da4w and per-channel 8da8w linears and compute this "
+        "one (linear 8w, group 32) wrongly"
     )
     assert reasons["torchao.dequantize_affine.default"].startswith(
         "unsupported: ExecuTorch's XnnpackPartitioner takes it only with the quantized op it feeds"
@@ -223,6 +223,50 @@ def test_the_partitioner_says_why_it_leaves_each_op():
     assert "aten.median.default" in reasons
     assert "aten.relu.default" not in reasons, "an op XNNPACK takes is claimed"
     assert all(reason.engine == "xnnpack" for reason in result.refusals.values())
+
+
+def torchao_linear_configs() -> dict[str, tuple[object, str | None]]:
+    """torchao configs a user may apply: (config, what XNNPACK's refusal of the linear says; None: it takes it)."""
+    from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig
+    from torchao.quantization.granularity import PerAxis, PerGroup
+    from torchao.quantization.quant_primitives import MappingType
+
+    asymmetric = MappingType.ASYMMETRIC
+    return {
+        "2w-g32": (IntxWeightOnlyConfig(weight_dtype=torch.int2, granularity=PerGroup(32)), "(linear 2w, group 32)"),
+        "6w-channel": (IntxWeightOnlyConfig(weight_dtype=torch.int6, granularity=PerAxis(0)),
+                       "(linear 6w, per channel)"),
+        "8da8w-channel-asymmetric": (
+            Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int8, weight_granularity=PerAxis(0),
+                                                  weight_mapping_type=asymmetric),
+            "would drop this layer's zero points (linear 8da8w, per channel, asymmetric)"),
+        "8da4w-g32-asymmetric": (
+            Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32),
+                                                  weight_mapping_type=asymmetric),
+            "would drop this layer's zero points (linear 8da4w, group 32, asymmetric)"),
+        "8da4w-g32": (Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32)),
+                      None),
+    }
+
+
+@pytest.mark.parametrize("name", ["2w-g32", "6w-channel", "8da8w-channel-asymmetric", "8da4w-g32-asymmetric",
+                                  "8da4w-g32"])
+def test_xnnpack_takes_only_the_quantized_linears_its_kernels_compute_right(name):
+    """ExecuTorch's partitioner claims these linears too; XNNPACK computed the refused ones 7% to 1e7x off."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import quantize_
+
+    config, refusal = torchao_linear_configs()[name]
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64)).eval()
+    quantize_(model, config)
+    exported = aotstack.export(model, {"forward": (torch.randn(4, 64),)}).methods["forward"]
+    result = aotstack.XnnpackPartitioner().partition(exported)
+    linear = next(node.name for node in exported.graph.nodes if node.target is torch.ops.aten.linear.default)
+    if refusal is None:
+        assert linear not in result.refusals and result.partition_tags
+    else:
+        assert result.refusals[linear].kind == "unsupported"
+        assert refusal in result.refusals[linear].detail
 
 
 class Gapped(torch.nn.Module):

@@ -12,7 +12,7 @@ quantized kernels.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,6 +207,14 @@ def dequantized_weight(value: Any) -> tuple[int, int] | None:
     bits = int(quant_max - quant_min + 1).bit_length() - 1
     group = int(block_size[-1])
     return bits, 0 if group == stored.shape[-1] else group
+
+
+def zero_free(zero_point: Any, fqns: Mapping[torch.fx.Node, str], weights: Mapping[str, torch.Tensor]) -> bool:
+    """Whether a dequantization's zero point is absent or a stored tensor of zeros (symmetric quantization)."""
+    if zero_point is None:
+        return True
+    value = weights.get(fqns[zero_point]) if zero_point in fqns else None
+    return isinstance(value, torch.Tensor) and not bool(value.any())
 
 
 def is_dequantize(value: Any) -> bool:

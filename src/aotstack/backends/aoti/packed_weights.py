@@ -46,7 +46,7 @@ from torch.fx import Graph, GraphModule, Node
 from ...compile.constants import renamed_output_specs
 from ...compile.packed_integers import WORDS, fit_signed, packed_words, signed_range, slots_in
 from ...compile.program_parts import constant_placeholders, program_weights
-from ...compile.quantize import is_dequantize
+from ...compile.quantize import is_dequantize, zero_free
 from .passes import inserted_call
 
 aten = torch.ops.aten
@@ -152,9 +152,8 @@ def packable_weight(node: Node, fqns: dict[Node, str], weights: dict[str, torch.
     group = int(block_size[-1]) if len(block_size) == 2 and int(block_size[0]) == 1 else 0
     if not group or not all(per_group(operand, rows, columns // group) for operand in (scale, zero_point)):
         return None
-    zeros = weights.get(fqns[zero_point]) if zero_point in fqns else None
-    zero_free = isinstance(zeros, torch.Tensor) and not bool(zeros.any())
-    owned = tuple(operand for operand in (scale, None if zero_free else zero_point) if operand is not None)
+    symmetric = zero_free(zero_point, fqns, weights)
+    owned = tuple(operand for operand in (scale, None if symmetric else zero_point) if operand is not None)
     regroupable = all(operand in fqns and isinstance(weights.get(fqns[operand]), torch.Tensor)
                       and all(dequantizes_alike(user, node) for user in operand.users) for operand in owned)
     layout = layout_for(columns, group, bits, regroupable)
@@ -166,7 +165,7 @@ def packable_weight(node: Node, fqns: dict[Node, str], weights: dict[str, torch.
         return None
     word, finer = layout
     return PackableWeight(node, stored, fqns[stored], finer, bits, word,
-                          owned if finer != group else (), group // finer, zero_free)
+                          owned if finer != group else (), group // finer, symmetric)
 
 
 def packable_transpose(node: Node, fqns: dict[Node, str], weights: dict[str, torch.Tensor]) -> PackableWeight | None:

@@ -44,8 +44,9 @@ from ...compile.program_parts import (
     contiguous_attention_outputs,
     is_size_computation,
     mutated_buffer_names,
+    program_weights,
 )
-from ...compile.quantize import quantized_layer_label
+from ...compile.quantize import is_dequantize, quantized_layer_label, zero_free
 from ...compile.subprogram import partition_program
 from ...errors import LoweringError
 from .run import runtime_module
@@ -87,12 +88,13 @@ def xnnpack_answer(exported_program: ExportedProgram, *, portable: bool = True) 
     edge, declined = tagged_edge_program(question_program(exported_program))
     made_from = edge_nodes_by_origin(edge, {node.name for node in exported_program.graph.nodes})
     claimed, vanished, reasons = set(), [], {}
+    fqns, weights = constant_placeholders(exported_program), program_weights(exported_program)
     for node in exported_program.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
         edge_nodes = made_from.get(node.name, [])
         left = [edge_node for edge_node in edge_nodes if DELEGATION_TAG not in edge_node.meta]
-        wrong = miscomputed_layer(node)
+        wrong = miscomputed_layer(node, fqns, weights)
         if wrong is not None and edge_nodes and not left:
             reasons[node.name] = wrong
         elif edge_nodes and not left:
@@ -101,7 +103,7 @@ def xnnpack_answer(exported_program: ExportedProgram, *, portable: bool = True) 
             vanished.append(node)
         else:
             reasons[node.name] = decline_reason(node, left[0], declined)
-    constants = {node.name for node in constant_placeholders(exported_program)}
+    constants = {node.name for node in fqns}
     # XNNPACK folds a quantized linear's quantize ops into its kernel, so they vanish from the
     # edge program: they rejoin their linear first, then a layer claimed only in part is left whole.
     with_vanished_ops(vanished, claimed, constants, reasons)
@@ -239,28 +241,38 @@ def neighbours(node: Node) -> list[Node]:
     return [*node.all_input_nodes, *readers(node)]
 
 
-# Quantized linears ExecuTorch 1.5.1's XnnpackPartitioner takes but its XNNPACK delegate does not
-# run right, by ``quantized_layer_label``'s name for them, measured with ExecuTorch alone
-# (``to_edge_transform_and_lower`` on torchao 0.18's configs, a 64->128->64 MLP): a weight-only
-# int8 or int4 linear (``IntxWeightOnlyConfig``) computes garbage (errors of 1e3 to 1e6 on
-# outputs below 1), and ``8da8w`` with groups fails to lower ("Only 4b group quantization is
-# supported"). They are left to the next engine.
-MISCOMPUTED = {
-    "linear 8w": "ExecuTorch's XNNPACK delegate computes a weight-only quantized linear wrongly",
-    "linear 4w": "ExecuTorch's XNNPACK delegate computes a weight-only quantized linear wrongly",
-    "linear 8da8w, group": "ExecuTorch's XNNPACK delegate groups only 4-bit weights, not int8 ones",
-}
+# The quantized linears XNNPACK's kernels compute as torchao does, by ``quantized_layer_label``'s name
+# for them: int8 activations quantized per row as the model runs, over 4-bit weights per channel or
+# in groups, or 8-bit weights per channel (XNNPACK's qd8-f32-qc4w, -qb4w and -qc8w), all symmetric.
+# ExecuTorch 1.5.1's XnnpackPartitioner claims more, measured with ExecuTorch alone and through
+# aotstack (torchao 0.18's configs on a small MLP), and XNNPACK gets each of them wrong:
+# - weight-only linears of any width (``IntxWeightOnlyConfig``: int2 to int8) compute garbage, errors
+#   of 1e3 to 1e7 on outputs below 1;
+# - 8-bit weights in groups fail to lower ("Only 4b group quantization is supported");
+# - asymmetric weights (``weight_mapping_type=ASYMMETRIC``) lose their zero points: errors of 7% (8-bit)
+#   and 38% (4-bit in groups) of the output's range.
+# Everything else is left to the next engine.
+XNNPACK_LINEARS = ("linear 8da4w, ", "linear 8da8w, per channel")
 
 
-def miscomputed_layer(node: Node) -> str | None:
-    """Why XNNPACK must not take ``node``, a quantized linear ExecuTorch claims but XNNPACK gets wrong; else None."""
+def miscomputed_layer(node: Node, fqns: dict[Node, str], weights: dict[str, torch.Tensor]) -> str | None:
+    """Why XNNPACK must not take ``node``, a quantized linear outside its kernels' reach; else None."""
     label = quantized_layer_label(node)
-    if label is None:
+    if label is None or not label.startswith("linear"):
         return None
-    for prefix, reason in MISCOMPUTED.items():
-        if label.startswith(prefix):
-            return f"{reason} ({label}), though ExecuTorch's partitioner claims it"
+    if not label.startswith(XNNPACK_LINEARS):
+        return (f"XNNPACK's quantized kernels take only 8da4w and per-channel 8da8w linears and compute this one "
+                f"({label}) wrongly, though ExecuTorch's partitioner claims it")
+    dequantize = node.args[1]
+    if is_dequantize(dequantize) and not zero_free(dequantize_zero_point(dequantize), fqns, weights):
+        return (f"XNNPACK's quantized kernels take only symmetric weights and would drop this layer's zero points "
+                f"({label}, asymmetric), though ExecuTorch's partitioner claims it")
     return None
+
+
+def dequantize_zero_point(dequantize: Node) -> Any:
+    """The zero point operand of torchao's ``dequantize_affine(input, block_size, scale, zero_point, ...)``."""
+    return dequantize.args[3] if len(dequantize.args) > 3 else dequantize.kwargs.get("zero_point")
 
 
 def with_whole_quantized_layers(exported_program: ExportedProgram, claimed: set[str], reasons: dict[str, str]) -> None:
