@@ -22,6 +22,7 @@ from aotstack.engine.registry import BUILT_IN
 pytestmark = pytest.mark.skipif(executorch_problem() is not None, reason=str(executorch_problem()))
 
 from aotstack.backends.xnnpack import run as xnn_run  # noqa: E402
+from aotstack.compile.program_parts import node_tensors  # noqa: E402
 from aotstack.format.archive import read_manifest  # noqa: E402
 from aotstack.format.tensor_data import content_key, tensor_bytes  # noqa: E402
 from tests import models  # noqa: E402
@@ -267,6 +268,25 @@ def test_xnnpack_takes_only_the_quantized_linears_its_kernels_compute_right(name
     else:
         assert result.refusals[linear].kind == "unsupported"
         assert refusal in result.refusals[linear].detail
+
+
+def test_xnnpack_leaves_tensors_of_dtypes_executorch_lacks():
+    """A float8 weight's transpose and cast passed ExecuTorch's partitioner, then failed its dtype checks when
+    lowered; they are left to the next engine."""
+    pytest.importorskip("torchao")
+    from torchao.quantization import Float8WeightOnlyConfig, quantize_
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()).eval()
+    quantize_(model, Float8WeightOnlyConfig())
+    exported = aotstack.export(model, {"forward": (torch.randn(4, 64),)}).methods["forward"]
+    result = aotstack.XnnpackPartitioner(min_island_work=0).partition(exported)
+    float8 = [node for node in exported.graph.nodes if node.op == "call_function"
+              and torch.float8_e4m3fn in {value.dtype for value in node_tensors(node)}]
+    assert float8
+    for node in float8:
+        assert "delegation_tag" not in node.meta, node.format_node()
+        assert "float8_e4m3fn tensor, which ExecuTorch has no ops for" in result.refusals[node.name].detail
+    assert result.partition_tags, "the float ops around it are still XNNPACK's"
 
 
 class Gapped(torch.nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +66,12 @@ def is_size_computation(node: Node) -> bool:
     return node.op == "call_function" and isinstance(
         node.meta.get("val"), (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
     )
+
+
+def node_tensors(node: Node) -> Iterator[torch.Tensor]:
+    """The example tensors ``node`` reads and produces."""
+    values = [node.meta.get("val")] + [arg.meta.get("val") for arg in node.all_input_nodes]
+    return (leaf for leaf in pytree.tree_leaves(values) if isinstance(leaf, torch.Tensor))
 
 
 def constant_placeholders(exported_program: ExportedProgram) -> dict[Node, str]:

@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.fx import Node
-from torch.utils import _pytree as pytree
 
+from ...compile.program_parts import node_tensors
 from .run import ELEMENT_TYPES
 
 # The CPU plugin computes these in a narrower type; results would not be torch's.
@@ -228,12 +228,6 @@ def dtype_refusal(dtype: torch.dtype) -> str | None:
     if dtype not in ELEMENT_TYPES:
         return f"OpenVINO's CPU plugin does not compute in {dtype}"
     return None
-
-
-def node_tensors(node: Node) -> Iterator[torch.Tensor]:
-    """The example tensors ``node`` reads and produces."""
-    values = [node.meta.get("val")] + [arg.meta.get("val") for arg in node.all_input_nodes]
-    return (leaf for leaf in pytree.tree_leaves(values) if isinstance(leaf, torch.Tensor))
 
 
 def node_dtype_refusal(node: Node) -> str | None:

@@ -10,12 +10,20 @@ from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
 
 from ...compile.partitioner import MIN_ISLAND_WORK, PartitionResult, SupportedOpsPartitioner
+from ...compile.program_parts import node_tensors
 from ...errors import LoweringError
 from ...format.placement import Reason
 from ...format.specs import CompileSpec
 from .backend import XnnpackBackend
 from .claims import XnnpackAnswer, xnnpack_answer
 from .packages import require_executorch
+
+# The dtypes ExecuTorch's edge dialect has ops for (its ``edge.yaml``): a part touching another (a float8
+# weight's transpose and cast) passes ExecuTorch's partitioner, then fails its dtype checks when lowered.
+EXECUTORCH_DTYPES = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.uint16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+})
 
 
 class XnnpackPartitioner(SupportedOpsPartitioner):
@@ -66,6 +74,9 @@ class XnnpackPartitioner(SupportedOpsPartitioner):
         refused = super().node_refusal(node, owner)
         if refused is not None or node.target is operator.getitem:
             return refused
+        dtype = next((tensor.dtype for tensor in node_tensors(node) if tensor.dtype not in EXECUTORCH_DTYPES), None)
+        if dtype is not None:
+            return self.refusal("unsupported", f"it reads or makes a {dtype} tensor, which ExecuTorch has no ops for")
         if self.answer is None:
             return self.refusal("not_claimed", "ExecuTorch is asked when a whole program is partitioned")
         detail = self.answer.refusal(node)
