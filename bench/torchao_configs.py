@@ -48,21 +48,25 @@ def int8_rows() -> Any:
     return IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=PerAxis(0))
 
 
-def int4_groups() -> Any:
+def int4_groups(asymmetric: bool = False) -> Any:
     from torchao.quantization import IntxWeightOnlyConfig
     from torchao.quantization.granularity import PerGroup
+    from torchao.quantization.quant_primitives import MappingType
 
-    return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32))
+    mapping = MappingType.ASYMMETRIC if asymmetric else MappingType.SYMMETRIC
+    return IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32), mapping_type=mapping)
 
 
-def dynamic_intx(bits: int, group: int) -> Callable[[], Any]:
+def dynamic_intx(bits: int, group: int, asymmetric: bool = False) -> Callable[[], Any]:
     def config() -> Any:
         from torchao.quantization import Int8DynamicActivationIntxWeightConfig
         from torchao.quantization.granularity import PerAxis, PerGroup
+        from torchao.quantization.quant_primitives import MappingType
 
         return Int8DynamicActivationIntxWeightConfig(
             weight_dtype=torch.int8 if bits == 8 else torch.int4,
             weight_granularity=PerAxis(0) if group == 0 else PerGroup(group),
+            weight_mapping_type=MappingType.ASYMMETRIC if asymmetric else MappingType.SYMMETRIC,
         )
 
     return config
@@ -87,6 +91,9 @@ CONFIGS: dict[str, tuple[Callable[[], Any], Callable[[], Any], bool]] = {
     "8da8w-g32": (dynamic_intx(8, 32), int8_rows, False),
     "8da4w-channel": (dynamic_intx(4, 0), int4_groups, True),
     "8da4w-g32": (dynamic_intx(4, 32), int4_groups, True),
+    # Zero points other than 0 (torchao's ``mapping_type=MappingType.ASYMMETRIC``).
+    "intx-int4-g32-asymmetric": (lambda: int4_groups(asymmetric=True), lambda: int4_groups(asymmetric=True), True),
+    "8da4w-g32-asymmetric": (dynamic_intx(4, 32, asymmetric=True), lambda: int4_groups(asymmetric=True), True),
 }
 
 ORDERS: dict[str, Callable[[], Any]] = {
