@@ -431,7 +431,10 @@ def test_zero_points_and_the_packing_offset_leave_the_loop_of_a_packed_linear_an
 
     assert packed.state_dict.get("values", packed.constants.get("values")).dtype is word
     weights = {**packed.state_dict, **packed.constants}
-    assert weights["zeros"].dtype is dtype and tuple(weights["zeros"].shape) == zeros_stored
+    # Stored as the product reads them: float32, the packing's offset of 8 added, repeated per finer group.
+    repeats = zeros_stored[1] // model.zeros.shape[1]
+    offset_zeros = model.zeros.to(torch.float32).repeat_interleave(repeats, dim=1) + 8
+    assert weights["zeros"].dtype is torch.float32 and torch.equal(weights["zeros"], offset_zeros)
     with torch.no_grad():
         torch.testing.assert_close(packed.module()(x), expected, rtol=0, atol=0)
     assert DequantizedLinearAsReductionPass()(packed.graph_module) is True
