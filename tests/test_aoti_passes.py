@@ -398,14 +398,14 @@ def test_slots_that_split_groups_read_scales_stored_for_each_part_and_no_zero_po
 class AsymmetricInt4Linear(torch.nn.Module):
     """torchao's ``dequantize_affine`` by hand: int4 in groups of 32 with zero points of every value, and a bias."""
 
-    def __init__(self, columns: int, dtype: torch.dtype) -> None:
+    def __init__(self, columns: int, dtype: torch.dtype, rows: int = 24) -> None:
         super().__init__()
         generator = torch.Generator().manual_seed(0)
         groups = columns // 32
-        self.register_buffer("values", torch.randint(-8, 8, (24, columns), dtype=torch.int8, generator=generator))
-        self.register_buffer("scales", torch.rand(24, groups, generator=generator) / 8)
-        self.register_buffer("zeros", torch.randint(-8, 8, (24, groups), generator=generator).to(dtype))
-        self.bias = torch.nn.Parameter(torch.randn(24, generator=generator))
+        self.register_buffer("values", torch.randint(-8, 8, (rows, columns), dtype=torch.int8, generator=generator))
+        self.register_buffer("scales", torch.rand(rows, groups, generator=generator) / 8)
+        self.register_buffer("zeros", torch.randint(-8, 8, (rows, groups), generator=generator).to(dtype))
+        self.bias = torch.nn.Parameter(torch.randn(rows, generator=generator))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import torchao.quantization  # noqa: F401  (registers torchao's ops)
@@ -444,6 +444,23 @@ def test_zero_points_and_the_packing_offset_leave_the_loop_of_a_packed_linear_an
     corrections = [n for n in packed.graph.nodes if n.target is aten.sub.Tensor
                    and n.args[1].target is aten.sum.dim_IntList]
     assert len(corrections) == 1
+    with torch.no_grad():
+        torch.testing.assert_close(packed.module()(x), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_quantized_linear_reading_another_reads_its_rewrite():
+    """Two quantized linears back to back (a low-rank pair, an MLP without activation): the second's product read the
+    first's erased node, and the partition failed to compile (``KeyError: linear``)."""
+    model = torch.nn.Sequential(AsymmetricInt4Linear(256, torch.int8, rows=64), AsymmetricInt4Linear(64, torch.int8))
+    x = torch.randn(1, 1, 256)
+    exported = aotstack.export(model, {"forward": (x,)}).methods["forward"]
+    with torch.no_grad():
+        expected = exported.module()(x)
+
+    packed = with_packed_weights(exported)
+    assert DequantizedLinearAsReductionPass()(packed.graph_module) is True
+    packed.graph.lint()
+    assert not [n for n in packed.graph.nodes if n.target is aten.linear.default]
     with torch.no_grad():
         torch.testing.assert_close(packed.module()(x), expected, rtol=1e-5, atol=1e-5)
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch.export import ExportedProgram
-from torch.export.graph_signature import ExportGraphSignature, OutputSpec, TensorArgument
+from torch.export.graph_signature import ExportGraphSignature, OutputKind, OutputSpec, TensorArgument
 from torch.fx import Graph, Node
 
 from .program_parts import constant_placeholders
@@ -39,6 +41,23 @@ def without_unused_constants(exported: ExportedProgram, read_before: set[str]) -
         example_inputs=exported.example_inputs,
         constants={k: v for k, v in exported.constants.items() if k in kept_targets},
     )
+
+
+def renamed_signature(signature: ExportGraphSignature, graph: Graph) -> ExportGraphSignature:
+    """``signature`` naming ``graph``'s nodes, a copy of its program's graph: placeholders in order, then outputs.
+
+    A copy may rename a placeholder (``input``, a builtin's name, becomes ``input_1``), and a rewrite
+    may put another node in an output's place.
+    """
+    placeholders = list(graph.find_nodes(op="placeholder"))
+    renamed = {spec.arg.name: node.name for spec, node in zip(signature.input_specs, placeholders, strict=True)
+               if hasattr(spec.arg, "name")}
+    inputs = [dataclasses.replace(spec, arg=dataclasses.replace(spec.arg, name=renamed[spec.arg.name]))
+              if hasattr(spec.arg, "name") else spec for spec in signature.input_specs]
+    outputs = [dataclasses.replace(spec, target=renamed[spec.target])
+               if spec.kind is OutputKind.USER_INPUT_MUTATION and spec.target in renamed else spec
+               for spec in renamed_output_specs(signature, graph)]
+    return ExportGraphSignature(input_specs=inputs, output_specs=outputs)
 
 
 def renamed_output_specs(signature: ExportGraphSignature, graph: Graph) -> list[OutputSpec]:

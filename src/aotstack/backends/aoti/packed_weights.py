@@ -42,10 +42,9 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
-from torch.export.graph_signature import ExportGraphSignature
 from torch.fx import Graph, GraphModule, Node
 
-from ...compile.constants import renamed_output_specs
+from ...compile.constants import renamed_signature
 from ...compile.packed_integers import WORDS, fit_signed, packed_words, signed_range, slots_in
 from ...compile.program_parts import constant_placeholders, program_weights
 from ...compile.quantize import is_dequantize, zero_free
@@ -128,8 +127,7 @@ def with_packed_weights(exported_program: ExportedProgram) -> ExportedProgram:
     module = GraphModule(exported_program.graph_module, graph)
     state_dict = {fqn: stored_as(value, packed.get(fqn)) for fqn, value in exported_program.state_dict.items()}
     constants = {fqn: stored_as(value, packed.get(fqn)) for fqn, value in exported_program.constants.items()}
-    signature = ExportGraphSignature(input_specs=exported_program.graph_signature.input_specs,
-                                     output_specs=renamed_output_specs(exported_program.graph_signature, graph))
+    signature = renamed_signature(exported_program.graph_signature, graph)
     return exported_program._update(module, signature, state_dict=state_dict, constants=constants)
 
 

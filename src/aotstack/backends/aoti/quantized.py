@@ -70,8 +70,12 @@ class DequantizedLinearAsReductionPass:
 
     def __call__(self, graph_module: GraphModule) -> bool:
         graph = graph_module.graph
-        found = [(node, product) for node in graph.nodes if (product := dequantized_product(node)) is not None]
-        for node, product in found:
+        found = [node for node in graph.nodes if dequantized_product(node) is not None]
+        for node in found:
+            # Read now, not when found: a product over another's result reads the rewrite that replaced it.
+            product = dequantized_product(node)
+            if product is None:
+                continue
             with graph.inserting_before(node):
                 stride = list(product.input.meta["val"].stride())
                 source = product.input

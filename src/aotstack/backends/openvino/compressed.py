@@ -28,6 +28,7 @@ from torch.export import ExportedProgram
 from torch.fx import Graph, GraphModule, Node
 from torch.utils import _pytree as pytree
 
+from ...compile.constants import renamed_signature
 from ...compile.int8_tensor import (
     RESHAPES,
     Int8Linear,
@@ -55,7 +56,7 @@ def with_compressed_int8_linears(exported_program: ExportedProgram) -> ExportedP
     for embedding in quantized_embeddings(graph):
         gather_then_dequantize(graph, embedding)
     module = GraphModule(exported_program.graph_module, graph)
-    return exported_program._update(module, exported_program.graph_signature)
+    return exported_program._update(module, renamed_signature(exported_program.graph_signature, graph))
 
 
 def quantized_embeddings(graph: Graph) -> list[Node]:
