@@ -105,7 +105,7 @@ def with_packed_weights(exported_program: ExportedProgram) -> ExportedProgram:
     if not found:
         return exported_program
     packed: dict[str, torch.Tensor] = {}
-    offset: dict[str, str] = {}
+    offset_fqns: set[str] = set()
     for weight in found:
         if weight.fqn not in packed:
             packed[weight.fqn] = packed_words(weights[weight.fqn], weight.bits, weight.word)
@@ -116,8 +116,9 @@ def with_packed_weights(exported_program: ExportedProgram) -> ExportedProgram:
             packed[fqn] = weights[fqn].repeat_interleave(weight.repeats, dim=1).contiguous()
             operand.meta["val"] = fake_like(operand, packed[fqn])
         zero_point = weight.reader.args[3] if weight.offset_zero_points else None
-        if zero_point is not None and copied_fqns[zero_point] not in offset:
-            fqn = offset[copied_fqns[zero_point]] = copied_fqns[zero_point]
+        if zero_point is not None and copied_fqns[zero_point] not in offset_fqns:
+            fqn = copied_fqns[zero_point]
+            offset_fqns.add(fqn)
             packed[fqn] = packed.get(fqn, weights[fqn]).to(torch.float32) + (1 << (weight.bits - 1))
             zero_point.meta["val"] = fake_like(zero_point, packed[fqn])
         if is_dequantize(weight.reader):
