@@ -46,7 +46,7 @@ from ...compile.program_parts import (
     mutated_buffer_names,
     program_weights,
 )
-from ...compile.quantize import is_dequantize, quantized_layer_label, zero_free
+from ...compile.quantize import dequantized_weight, is_dequantize, quantized_layer_label, zero_free
 from ...compile.subprogram import partition_program
 from ...errors import LoweringError
 from .run import runtime_module
@@ -251,8 +251,12 @@ def neighbours(node: Node) -> list[Node]:
 # - 8-bit weights in groups fail to lower ("Only 4b group quantization is supported");
 # - asymmetric weights (``weight_mapping_type=ASYMMETRIC``) lose their zero points: errors of 7% (8-bit)
 #   and 38% (4-bit in groups) of the output's range.
+# - 4-bit weights in groups of other than a multiple of 32 inputs fail to lower ("Delegation to XNNPACK
+#   requires group_size to be a multiple of 32"); torchao quantizes groups of 16 or 8 when asked.
 # Everything else is left to the next engine.
 XNNPACK_LINEARS = ("linear 8da4w, ", "linear 8da8w, per channel")
+# The group sizes XNNPACK's blockwise kernel (qb4w) takes are multiples of this many inputs.
+XNNPACK_GROUP_MULTIPLE = 32
 
 
 def miscomputed_layer(node: Node, fqns: dict[Node, str], weights: dict[str, torch.Tensor]) -> str | None:
@@ -264,6 +268,10 @@ def miscomputed_layer(node: Node, fqns: dict[Node, str], weights: dict[str, torc
         return (f"XNNPACK's quantized kernels take only 8da4w and per-channel 8da8w linears and compute this one "
                 f"({label}) wrongly, though ExecuTorch's partitioner claims it")
     dequantize = node.args[1]
+    bits_and_group = dequantized_weight(dequantize)
+    if bits_and_group is not None and bits_and_group[1] % XNNPACK_GROUP_MULTIPLE:
+        return (f"XNNPACK's grouped kernels take groups of a multiple of {XNNPACK_GROUP_MULTIPLE} inputs, and "
+                f"ExecuTorch fails to lower this layer ({label}), though its partitioner claims it")
     if is_dequantize(dequantize) and not zero_free(dequantize_zero_point(dequantize), fqns, weights):
         return (f"XNNPACK's quantized kernels take only symmetric weights and would drop this layer's zero points "
                 f"({label}, asymmetric), though ExecuTorch's partitioner claims it")
