@@ -252,6 +252,22 @@ def test_a_group_without_a_power_of_two_block_is_refused():
     assert "group of 8" in refused["dequantize_affine"].detail
 
 
+def test_an_embedding_too_narrow_for_a_block_is_left_to_the_next_engine(tmp_path):
+    """T5's relative position bias is a table of 4 heads: quantized per row, one scale per 4 values, which no
+    ``GatherBlockQuantized`` block holds. It failed the whole partition's compile; now ONNX Runtime leaves it."""
+    model = torch.nn.Embedding(32, 4).eval()
+    model = aotstack.quantize(model, embedding="8w", group_size=4)
+    ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(0))
+    refused = refusals(model, ids)
+    assert "embedding 'embedding' (8w, per channel)" in refused["embedding"].detail
+    assert "no such block divides the group of 4" in refused["embedding"].detail
+    lowered = aotstack.lower(aotstack.export(model, {"forward": (ids,)}), [aotstack.OrtPartitioner()])
+    lowered.save(tmp_path / "narrow.pt2")
+    # Left with no engine after ONNX Runtime, it runs as torchao's op, which the load allows by name.
+    loaded = aotstack.load(tmp_path / "narrow.pt2", allow_ops=["torchao.dequantize_affine"])
+    torch.testing.assert_close(loaded.forward(ids), model(ids))
+
+
 class DequantizedElsewhere(torch.nn.Module):
     """torchao's ops by hand: a dequantized weight that also feeds a matmul, and one that feeds only a sum."""
 

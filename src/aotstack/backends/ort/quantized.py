@@ -205,8 +205,10 @@ def layer_or_refusal(
     if isinstance(weight, str):
         return with_layer(node, weight)
     if node.target is torch.ops.aten.embedding.default:
-        return QuantizedLayer(node, weight, Kernel("GatherBlockQuantized", weight.bits, ort_block_size(weight.group)),
-                              node.args[1])
+        kernel = embedding_kernel(weight)
+        if isinstance(kernel, str):
+            return with_layer(node, kernel, weight)
+        return QuantizedLayer(node, weight, kernel, node.args[1])
     activations = node.args[0]
     round_trip = activation_round_trip(activations)
     if isinstance(round_trip, str):
@@ -287,6 +289,22 @@ def with_layer(node: Node, reason: str, weight: QuantizedWeight | None = None,
     return f"{kind} {node.name!r}{scheme}: {reason}"
 
 
+def embedding_kernel(weight: QuantizedWeight) -> Kernel | str:
+    """``GatherBlockQuantized`` over the stored rows, or why its blocks cannot hold ``weight``'s groups.
+
+    A small table (T5's relative position bias: 4 heads, one scale per row of 4) has no block it takes.
+    """
+    block = ort_block_size(weight.group)
+    if block is None:
+        return block_refusal(weight)
+    return Kernel("GatherBlockQuantized", weight.bits, block)
+
+
+def block_refusal(weight: QuantizedWeight) -> str:
+    return (f"{weight.describe()}: ONNX Runtime's quantized kernels take blocks of a power of two of at least "
+            f"{MIN_BLOCK}, and no such block divides the group of {weight.group}")
+
+
 def linear_kernel(
     weight: QuantizedWeight, round_trip: ActivationRoundTrip | None, row_count: int | None, quantized_activations: bool
 ) -> Kernel | str:
@@ -302,8 +320,7 @@ def linear_kernel(
     """
     block = ort_block_size(weight.group)
     if block is None:
-        return (f"{weight.describe()}: ONNX Runtime's quantized kernels take blocks of a power of two of at "
-                f"least {MIN_BLOCK}, and no such block divides the group of {weight.group}")
+        return block_refusal(weight)
     dynamic = round_trip is not None
     if weight.bits == 4:
         level = INT8_ACTIVATIONS if dynamic or quantized_activations else FLOAT_ACTIVATIONS
