@@ -246,25 +246,29 @@ def torchao_linear_configs() -> dict[str, tuple[object, str | None]]:
                                                   weight_mapping_type=asymmetric),
             "would drop this layer's zero points (linear 8da4w, group 32, asymmetric)"),
         "8da4w-g16": (Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(16)),
-                      "groups of a multiple of 32 inputs, and ExecuTorch fails to lower this layer (linear 8da4w, "
-                      "group 16)"),
+                      "blocks of a multiple of 32 inputs, and this layer's are of 16 (linear 8da4w, group 16)"),
+        "8da4w-channel-48": (
+            Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerAxis(0)),
+            "blocks of a multiple of 32 inputs, and this layer's are of 48 (linear 8da4w, per channel)"),
         "8da4w-g32": (Int8DynamicActivationIntxWeightConfig(weight_dtype=torch.int4, weight_granularity=PerGroup(32)),
                       None),
     }
 
 
 @pytest.mark.parametrize("name", ["2w-g32", "6w-channel", "8da8w-channel-asymmetric", "8da4w-g32-asymmetric",
-                                  "8da4w-g16", "8da4w-g32"])
+                                  "8da4w-g16", "8da4w-channel-48", "8da4w-g32"])
 def test_xnnpack_takes_only_the_quantized_linears_its_kernels_compute_right(name):
     """ExecuTorch's partitioner claims these linears too; XNNPACK computed the refused ones 7% to 1e7x off, or
-    (groups of 16) failed to lower them."""
+    (4-bit blocks of other than a multiple of 32 inputs) ExecuTorch failed to lower them."""
     pytest.importorskip("torchao")
     from torchao.quantization import quantize_
 
     config, refusal = torchao_linear_configs()[name]
-    model = torch.nn.Sequential(torch.nn.Linear(64, 64)).eval()
+    # A 4-bit weight per channel is one block a row to XNNPACK: 48 inputs is no multiple of 32.
+    inputs = 48 if name == "8da4w-channel-48" else 64
+    model = torch.nn.Sequential(torch.nn.Linear(inputs, 64)).eval()
     quantize_(model, config)
-    exported = aotstack.export(model, {"forward": (torch.randn(4, 64),)}).methods["forward"]
+    exported = aotstack.export(model, {"forward": (torch.randn(4, inputs),)}).methods["forward"]
     result = aotstack.XnnpackPartitioner().partition(exported)
     linear = next(node.name for node in exported.graph.nodes if node.target is torch.ops.aten.linear.default)
     if refusal is None:

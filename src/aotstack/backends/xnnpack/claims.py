@@ -251,11 +251,11 @@ def neighbours(node: Node) -> list[Node]:
 # - 8-bit weights in groups fail to lower ("Only 4b group quantization is supported");
 # - asymmetric weights (``weight_mapping_type=ASYMMETRIC``) lose their zero points: errors of 7% (8-bit)
 #   and 38% (4-bit in groups) of the output's range.
-# - 4-bit weights in groups of other than a multiple of 32 inputs fail to lower ("Delegation to XNNPACK
-#   requires group_size to be a multiple of 32"); torchao quantizes groups of 16 or 8 when asked.
+# - 4-bit weights in groups of other than a multiple of 32 inputs, or per channel over such a number of
+#   inputs, fail to lower ("Delegation to XNNPACK requires group_size to be a multiple of 32").
 # Everything else is left to the next engine.
 XNNPACK_LINEARS = ("linear 8da4w, ", "linear 8da8w, per channel")
-# The group sizes XNNPACK's blockwise kernel (qb4w) takes are multiples of this many inputs.
+# The blocks XNNPACK's 4-bit kernels take (a group, or a row per channel) are multiples of this many inputs.
 XNNPACK_GROUP_MULTIPLE = 32
 
 
@@ -268,14 +268,26 @@ def miscomputed_layer(node: Node, fqns: dict[Node, str], weights: dict[str, torc
         return (f"XNNPACK's quantized kernels take only 8da4w and per-channel 8da8w linears and compute this one "
                 f"({label}) wrongly, though ExecuTorch's partitioner claims it")
     dequantize = node.args[1]
-    bits_and_group = dequantized_weight(dequantize)
-    if bits_and_group is not None and bits_and_group[1] % XNNPACK_GROUP_MULTIPLE:
-        return (f"XNNPACK's grouped kernels take groups of a multiple of {XNNPACK_GROUP_MULTIPLE} inputs, and "
-                f"ExecuTorch fails to lower this layer ({label}), though its partitioner claims it")
+    block = four_bit_block(dequantize)
+    if block is not None and block % XNNPACK_GROUP_MULTIPLE:
+        return (f"XNNPACK's 4-bit kernels take blocks of a multiple of {XNNPACK_GROUP_MULTIPLE} inputs, and this "
+                f"layer's are of {block} ({label}): ExecuTorch fails to lower it, though its partitioner claims it")
     if is_dequantize(dequantize) and not zero_free(dequantize_zero_point(dequantize), fqns, weights):
         return (f"XNNPACK's quantized kernels take only symmetric weights and would drop this layer's zero points "
                 f"({label}, asymmetric), though ExecuTorch's partitioner claims it")
     return None
+
+
+def four_bit_block(dequantize: Node) -> int | None:
+    """How many inputs share a scale in a 4-bit weight (all of them per channel), or None for other weights.
+
+    ExecuTorch hands XNNPACK every 4-bit weight as blockwise, per channel too, so the block is what
+    its kernels check.
+    """
+    bits_and_group = dequantized_weight(dequantize)
+    if bits_and_group is None or bits_and_group[0] != 4:
+        return None
+    return int(dequantize.args[1][-1])
 
 
 def dequantize_zero_point(dequantize: Node) -> Any:
