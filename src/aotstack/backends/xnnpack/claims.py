@@ -256,7 +256,7 @@ def neighbours(node: Node) -> list[Node]:
 # Everything else is left to the next engine.
 XNNPACK_LINEARS = ("linear 8da4w, ", "linear 8da8w, per channel")
 # The blocks XNNPACK's 4-bit kernels take (a group, or a row per channel) are multiples of this many inputs.
-XNNPACK_GROUP_MULTIPLE = 32
+XNNPACK_BLOCK_MULTIPLE = 32
 
 
 def miscomputed_layer(node: Node, fqns: dict[Node, str], weights: dict[str, torch.Tensor]) -> str | None:
@@ -269,8 +269,8 @@ def miscomputed_layer(node: Node, fqns: dict[Node, str], weights: dict[str, torc
                 f"({label}) wrongly, though ExecuTorch's partitioner claims it")
     dequantize = node.args[1]
     block = four_bit_block(dequantize)
-    if block is not None and block % XNNPACK_GROUP_MULTIPLE:
-        return (f"XNNPACK's 4-bit kernels take blocks of a multiple of {XNNPACK_GROUP_MULTIPLE} inputs, and this "
+    if block is not None and block % XNNPACK_BLOCK_MULTIPLE:
+        return (f"XNNPACK's 4-bit kernels take blocks of a multiple of {XNNPACK_BLOCK_MULTIPLE} inputs, and this "
                 f"layer's are of {block} ({label}): ExecuTorch fails to lower it, though its partitioner claims it")
     if is_dequantize(dequantize) and not zero_free(dequantize_zero_point(dequantize), fqns, weights):
         return (f"XNNPACK's quantized kernels take only symmetric weights and would drop this layer's zero points "
