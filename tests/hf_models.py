@@ -186,6 +186,31 @@ def vit() -> torch.nn.Module:
     return Outputs(ViTForImageClassification(config), ("logits",))
 
 
+def efficientnet() -> torch.nn.Module:
+    from transformers import EfficientNetConfig, EfficientNetForImageClassification
+
+    # hidden_dim is the head's pooling window too (1280 in B0, over a 7x7 map), wider than its input.
+    config = EfficientNetConfig(image_size=32, width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320,
+                                num_labels=5)
+    return Outputs(redrawn(EfficientNetForImageClassification(config)), ("logits",))
+
+
+def beit() -> torch.nn.Module:
+    from transformers import BeitConfig, BeitForImageClassification
+
+    config = BeitConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, use_relative_position_bias=True, num_labels=5)
+    return Outputs(BeitForImageClassification(config), ("logits",))
+
+
+def redrawn(model: torch.nn.Module) -> torch.nn.Module:
+    """Every parameter drawn anew: a head whose initial features are all zero would hide any error."""
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.2)
+    return model
+
+
 def wav2vec2() -> torch.nn.Module:
     from transformers import Wav2Vec2Config, Wav2Vec2Model
 
@@ -220,7 +245,9 @@ CORPUS = {
         Architecture("bart", "encoder-decoder", seeded(bart), seq2seq_inputs),
         Architecture("resnet", "convolutional vision", seeded(resnet), image_inputs),
         Architecture("convnext", "convolutional vision", seeded(convnext), image_inputs),
+        Architecture("efficientnet", "convolutional vision", seeded(efficientnet), image_inputs),
         Architecture("vit", "transformer vision", seeded(vit), image_inputs),
+        Architecture("beit", "transformer vision", seeded(beit), image_inputs),
         Architecture("wav2vec2", "speech encoder", seeded(wav2vec2), audio_inputs),
         Architecture("whisper", "speech encoder", seeded(whisper), mel_inputs),
     )

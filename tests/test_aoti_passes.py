@@ -516,3 +516,38 @@ def test_int_mm_pass_hands_the_product_a_row_major_activation():
         assert operand.args[1] == [operand.meta["val"].shape[-1], 1]
     with torch.no_grad():
         torch.testing.assert_close(exported.module()(x), expected)
+
+
+class NumbersWrittenIntoATensor(torch.nn.Module):
+    """BEiT's relative position index: Python numbers written into a tensor, which export lifts as 0-d constants."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.register_buffer("steps", torch.tensor(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        index = torch.zeros(5, 5, dtype=torch.long)
+        index[1:, 1:] = x.shape[1]
+        index[0, 0:] = 7
+        index[0, 0] = 9
+        self.steps.add_(1)
+        return (x + index) * self.scale + self.steps
+
+
+def test_single_value_weights_are_read_as_full_and_leave_the_inputs_but_an_updated_one():
+    from aotstack.backends.aoti.scalar_weights import with_scalar_weights_inlined
+
+    x = torch.randn(5, 5)
+    exported = aotstack.export(NumbersWrittenIntoATensor(), {"forward": (x,)}).methods["forward"]
+    before = [spec.target for spec in exported.graph_signature.input_specs]
+
+    inlined = with_scalar_weights_inlined(exported)
+
+    assert [spec.target for spec in exported.graph_signature.input_specs] == before, "the program given is unchanged"
+    kept = [spec.target for spec in inlined.graph_signature.input_specs if spec.target is not None]
+    assert kept == ["steps"], "the updated buffer stays an input; the constants and the scale are written as values"
+    assert set(inlined.constants) == set() and "scale" not in inlined.state_dict
+    fills = [node.args[1] for node in inlined.graph.nodes if node.target is aten.full.default and node.args[0] == []]
+    assert sorted(fills) == [0.5, 5, 7, 9]  # the scale, the width of x, then 7 and 9
+    torch.testing.assert_close(inlined.module()(x), NumbersWrittenIntoATensor()(x))

@@ -35,6 +35,7 @@ from .kernels import kernel_allowed, parse_kernel_list
 from .passes import GraphPass, ReplaceViewCopyWithViewPass
 from .probe import needed_fallback_kernels
 from .run import EXTERN_NODES_NAME, LIBRARY_NAME, PROCESSED_VERSION, device_available, proxy_calls, target_device
+from .scalar_weights import with_scalar_weights_inlined
 
 
 class AotiBackend(Backend):
@@ -124,7 +125,7 @@ class AotiBackend(Backend):
             attention_kernels=self.attention_kernels(),
             options=options,
             revision=self.compile_revision,
-            program_passes=self.program_passes(),
+            program_passes=[with_scalar_weights_inlined, *self.program_passes()],
         )
 
     def needed_fallback_kernels(self, node: Node, compile_specs: list[CompileSpec]) -> frozenset[str]:
