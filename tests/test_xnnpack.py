@@ -329,6 +329,34 @@ def test_ops_between_xnnpacks_parts_run_on_executorchs_portable_kernels_in_its_p
     assert all("does not delegate it" in detail for detail in left)
 
 
+class TanhGeluBetweenLinears(torch.nn.Module):
+    """Gemma's MLP: ``gelu(approximate="tanh")``, which XNNPACK computes as the exact GELU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = torch.nn.Linear(32, 64)
+        self.down = torch.nn.Linear(64, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(x), approximate="tanh"))
+
+
+def test_a_tanh_gelu_is_left_out_of_xnnpack_and_out_of_its_portable_ops(tmp_path):
+    x = torch.randn(4, 32) * 3
+    model = TanhGeluBetweenLinears().eval()
+    program = aotstack.export(model, {"forward": (x,)})
+    result = aotstack.XnnpackPartitioner().partition(program.methods["forward"])
+    gelu = next(node.name for node in program.methods["forward"].graph.nodes if "gelu" in str(node.target))
+
+    assert "ExecuTorch hands it this tanh approximation without its approximate argument" in (
+        result.refusals[gelu].detail)
+    assert len(result.partition_tags) == 2, "the GELU splits the linears' parts rather than running inside one"
+    lowered = aotstack.lower(program, [aotstack.XnnpackPartitioner()])
+    lowered.save(tmp_path / "gelu.pt2")
+    with torch.no_grad():
+        torch.testing.assert_close(aotstack.load(tmp_path / "gelu.pt2").forward(x), model(x), rtol=1e-5, atol=1e-5)
+
+
 def test_min_block_size_leaves_small_parts(lowered_with):
     lowered, _ = lowered_with(
         "stacked", "xnnpack-min3",
