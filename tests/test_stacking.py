@@ -250,6 +250,32 @@ def test_ort_claims_only_ops_the_exporter_translates():
     assert len(result.partition_tags) == 2
 
 
+class ListArguments(torch.nn.Module):
+    """Ops whose arguments are lists or keywords: EfficientNet's "same" convolution, a CNN head's pooling,
+    BEiT's ``meshgrid`` of relative positions."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding="same")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pooled = torch.nn.functional.adaptive_avg_pool2d(self.conv(x), (1, 1)).flatten(1)
+        rows, columns = torch.meshgrid(torch.arange(4), torch.arange(8), indexing="ij")
+        return pooled * (rows - columns).sum()
+
+
+def test_ort_claims_ops_whose_decomposition_reads_list_and_keyword_arguments(tmp_path):
+    x, model = torch.randn(2, 3, 8, 8), ListArguments()
+    program = aotstack.export(model, {"forward": (x,)})
+    result = aotstack.OrtPartitioner().partition(program.methods["forward"])
+
+    assert not result.refusals, {name: reason.detail for name, reason in result.refusals.items()}
+    lowered = aotstack.lower(program, [aotstack.OrtPartitioner()])
+    assert [delegate.backend_id for delegate in lowered.delegates("forward")] == ["onnxruntime"]
+    lowered.save(tmp_path / "lists.pt2")
+    torch.testing.assert_close(aotstack.load(tmp_path / "lists.pt2").forward(x), model(x))
+
+
 def test_ort_ops_narrows_what_it_claims():
     program = exported("stacked")
     aotstack.OrtPartitioner(ops=["aten.linear", torch.ops.aten.tanh.default]).partition(program)

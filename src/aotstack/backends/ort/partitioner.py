@@ -141,7 +141,7 @@ class OrtPartitioner(SupportedOpsPartitioner):
             return NOT_QUANTIZED
         return self.op_refusal(layer.op)
 
-    def op_refusal_for(self, op: torch._ops.OpOverload, arguments: tuple[Any, ...] | None) -> Reason | None:
+    def op_refusal_for(self, op: torch._ops.OpOverload, arguments: CallStandIn | None) -> Reason | None:
         untranslatable = UNTRACEABLE if arguments is None else exporter_refusal(op, arguments)
         return None if untranslatable is None else self.refusal("unsupported", untranslatable)
 
@@ -204,7 +204,7 @@ UNTRACEABLE = "the ONNX exporter's decomposition of it could not be traced"
 
 @functools.cache
 def exporter_refusal(
-    op: torch._ops.OpOverload | torch._ops.HigherOrderOperator, arguments: tuple[Any, ...] | None = None
+    op: torch._ops.OpOverload | torch._ops.HigherOrderOperator, arguments: CallStandIn | None = None
 ) -> str | None:
     """Why the ONNX exporter cannot translate ``op``; None where it has a translation, direct or by decomposing.
 
@@ -239,41 +239,81 @@ class TensorStandIn:
     shape: tuple[int, ...]
 
 
-def node_arguments(node: Node) -> tuple[Any, ...] | None:
-    """``node``'s positional arguments as stand-ins: tensors by dtype and static shape, other values as they are."""
-    arguments = []
-    for argument in node.args:
-        value = argument.meta.get("val") if isinstance(argument, Node) else argument
-        if isinstance(value, torch.Tensor):
-            if not all(isinstance(size, int) for size in value.shape):
-                return None
-            value = TensorStandIn(value.dtype, tuple(value.shape))
-        elif isinstance(value, list | tuple | Node):
-            return None
-        arguments.append(value)
-    return tuple(arguments)
+@dataclass(frozen=True)
+class ListStandIn:
+    """A list argument (a convolution's stride, the tensors ``meshgrid`` takes), each item a stand-in."""
+
+    items: tuple[Any, ...]
 
 
-def decomposed_ops(op: torch._ops.OpOverload, decomposition: Any, stand_ins: tuple[Any, ...] | None) -> list[Any]:
+@dataclass(frozen=True)
+class CallStandIn:
+    """A node's arguments as stand-ins (``stand_in``): hashable, so a refusal is worked out once per signature."""
+
+    args: tuple[Any, ...]
+    kwargs: tuple[tuple[str, Any], ...]
+
+
+def node_arguments(node: Node) -> CallStandIn | None:
+    """``node``'s arguments as stand-ins; None where one cannot stand in."""
+    args = tuple(stand_in(argument) for argument in node.args)
+    kwargs = tuple((name, stand_in(argument)) for name, argument in sorted(node.kwargs.items()))
+    if any(argument is UNREPRESENTABLE for argument in (*args, *(argument for _, argument in kwargs))):
+        return None
+    return CallStandIn(args, kwargs)
+
+
+# What ``stand_in`` gives for an argument no stand-in represents.
+UNREPRESENTABLE = object()
+
+
+def stand_in(argument: Any) -> Any:
+    """A tensor by dtype and static shape, a list item by item, a plain value as it is.
+
+    ``UNREPRESENTABLE`` for a tensor of symbolic shape, or a node whose value is neither a tensor nor a number.
+    """
+    if isinstance(argument, list | tuple):
+        items = tuple(stand_in(item) for item in argument)
+        return UNREPRESENTABLE if any(item is UNREPRESENTABLE for item in items) else ListStandIn(items)
+    value = argument.meta.get("val") if isinstance(argument, Node) else argument
+    if isinstance(value, torch.Tensor):
+        if not all(isinstance(size, int) for size in value.shape):
+            return UNREPRESENTABLE
+        return TensorStandIn(value.dtype, tuple(value.shape))
+    if isinstance(argument, Node) and not isinstance(value, int | float | bool):
+        return UNREPRESENTABLE
+    return value
+
+
+def decomposed_ops(op: torch._ops.OpOverload, decomposition: Any, stand_ins: CallStandIn | None) -> list[Any]:
     """The ops ``decomposition`` calls, traced on meta tensors for ``stand_ins`` or on arguments from the schema."""
     # A decomposition's ops can depend on its arguments; a trace on meta tensors of the
     # schema's types is a good per-op answer, and an op that cannot be traced is not claimed.
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    keywords: dict[str, Any] = {}
     if stand_ins is None:
         arguments = example_arguments(op)
     else:
-        arguments = [
-            torch.empty(a.shape, dtype=a.dtype, device="meta") if isinstance(a, TensorStandIn) else a
-            for a in stand_ins
-        ]
+        arguments = [standing_for(argument) for argument in stand_ins.args]
+        keywords = {name: standing_for(argument) for name, argument in stand_ins.kwargs}
     if arguments is None:
         return [None]
     try:
-        traced = make_fx(decomposition, decomposition_table=exporter_decompositions())(*arguments)
+        traced = make_fx(lambda *args: decomposition(*args, **keywords),
+                         decomposition_table=exporter_decompositions())(*arguments)
     except Exception:
         return [None]
     return [node.target for node in traced.graph.nodes if node.op == "call_function"]
+
+
+def standing_for(argument: Any) -> Any:
+    """The argument a stand-in stands for: a meta tensor of its dtype and shape, a list of those, or the value."""
+    if isinstance(argument, TensorStandIn):
+        return torch.empty(argument.shape, dtype=argument.dtype, device="meta")
+    if isinstance(argument, ListStandIn):
+        return [standing_for(item) for item in argument.items]
+    return argument
 
 
 def example_arguments(op: torch._ops.OpOverload) -> list[Any] | None:
