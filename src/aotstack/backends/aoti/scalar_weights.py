@@ -33,19 +33,22 @@ def with_scalar_weights_inlined(exported_program: ExportedProgram) -> ExportedPr
     """
     updated = set(exported_program.graph_signature.buffers_to_mutate.values())
     weights = program_weights(exported_program)
-    scalars = {node.name: weights[fqn] for node, fqn in constant_placeholders(exported_program).items()
+    scalars = {node: weights[fqn] for node, fqn in constant_placeholders(exported_program).items()
                if fqn not in updated and is_scalar(weights[fqn])}
     if not scalars:
         return exported_program
     graph = Graph()
     graph.output(graph.graph_copy(exported_program.graph, {}))
-    placeholders = list(graph.find_nodes(op="placeholder"))
-    for node in (node for node in placeholders if node.name in scalars):
-        with graph.inserting_after(placeholders[-1]):
-            node.replace_all_uses_with(full_call(graph, node, scalars[node.name]))
+    # The copy may rename a placeholder; its place in the graph is the same.
+    copies = dict(zip(exported_program.graph.find_nodes(op="placeholder"), graph.find_nodes(op="placeholder"),
+                      strict=True))
+    last_placeholder = list(copies.values())[-1]
+    for original, value in scalars.items():
+        with graph.inserting_after(last_placeholder):
+            copies[original].replace_all_uses_with(full_call(graph, copies[original], value))
     module = GraphModule(exported_program.graph_module, graph)
     program = exported_program._update(module, renamed_signature(exported_program.graph_signature, graph))
-    return without_unused_constants(program, read_before=set(scalars))
+    return without_unused_constants(program, read_before={copies[original].name for original in scalars})
 
 
 def is_scalar(value: torch.Tensor) -> bool:

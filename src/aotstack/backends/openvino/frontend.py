@@ -278,7 +278,10 @@ def pooling_window_refusal(node: Node) -> str | None:
     source = node.args[0] if node.args else None
     if dimensions is None or not isinstance(source, Node) or not isinstance(source.meta.get("val"), torch.Tensor):
         return None
-    arguments = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
+    normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+    if normalized is None:
+        return None
+    arguments = normalized.kwargs
     kernel = per_dimension(arguments["kernel_size"], dimensions)
     padding = per_dimension(arguments["padding"], dimensions)
     dilation = per_dimension(arguments.get("dilation", 1), dimensions)
