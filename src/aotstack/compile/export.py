@@ -13,6 +13,7 @@ import torch
 from torch.export import ExportedProgram
 
 from ..errors import ExportError
+from .pooling import with_pooling_windows_fitted
 from .program_parts import updated_buffers
 
 
@@ -47,7 +48,8 @@ class Program:
         # - a program exported elsewhere (transformers' export wrappers, say) may update its buffers in place,
         #   and lowering needs those updates as outputs of a functional graph;
         # - one exported from a model quantized with torchao holds its weights as tensor subclasses, which
-        #   decomposing unwraps into the plain tensors they pack, which the file can store.
+        #   decomposing unwraps into the plain tensors they pack, which the file can store;
+        # - a pooling window may overhang its input (``ceil_mode``), which every engine handles badly or not at all.
         self.methods = {name: normalized(program) for name, program in self.methods.items()}
 
 
@@ -121,10 +123,10 @@ def functional(exported: ExportedProgram) -> ExportedProgram:
 
 
 def normalized(exported: ExportedProgram) -> ExportedProgram:
-    """``exported`` as ``export`` would have made it: functional and in the inference IR."""
+    """``exported`` as ``export`` would have made it: functional, in the inference IR, its pooling windows fitted."""
     if exported.dialect == "TRAINING" or mutates_in_place(exported) or holds_subclass_weights(exported):
-        return functional(exported)
-    return exported
+        exported = functional(exported)
+    return with_pooling_windows_fitted(exported)
 
 
 def mutates_in_place(exported: ExportedProgram) -> bool:

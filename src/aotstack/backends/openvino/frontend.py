@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 from torch.fx import Node
-from torch.fx.operator_schemas import normalize_function
 
+from ...compile.pooling import pooling_window
 from ...compile.program_parts import node_tensors
 from .run import ELEMENT_TYPES
 
@@ -256,45 +256,20 @@ def int64_literal_refusal(node: Node) -> str | None:
     return None
 
 
-# Pooling ops by the number of spatial dimensions their window spans.
-POOLING_DIMENSIONS = {
-    **{f"aten::avg_pool{n}d": n for n in (1, 2, 3)},
-    **{f"aten::max_pool{n}d": n for n in (1, 2, 3)},
-    **{f"aten::max_pool{n}d_with_indices": n for n in (2, 3)},
-}
-
-
 def pooling_window_refusal(node: Node) -> str | None:
     """Why OpenVINO would refuse a pooling node's window: one wider than its padded input.
 
-    With ``ceil_mode`` torch lets a window overhang the padded input by up to ``stride - 1``
-    (EfficientNet pools its 7x7 map with a 1280-wide window), and averages over what it covers;
-    OpenVINO's shape inference requires each window inside the padded input, so the partition would
-    fail to convert.
+    With ``ceil_mode`` torch lets a window overhang the padded input, and averages over what it
+    covers; OpenVINO's shape inference requires each window inside the padded input, so the
+    partition would fail to convert. ``export`` narrows such windows where it can
+    (``compile/pooling.py``); what is left spans a dilated window or a size known only when run.
     """
-    if not isinstance(node.target, torch._ops.OpOverload):
+    window = pooling_window(node)
+    if window is None:
         return None
-    dimensions = POOLING_DIMENSIONS.get(node.target._schema.name)
-    source = node.args[0] if node.args else None
-    if dimensions is None or not isinstance(source, Node) or not isinstance(source.meta.get("val"), torch.Tensor):
-        return None
-    normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
-    if normalized is None:
-        return None
-    arguments = normalized.kwargs
-    kernel = per_dimension(arguments["kernel_size"], dimensions)
-    padding = per_dimension(arguments["padding"], dimensions)
-    dilation = per_dimension(arguments.get("dilation", 1), dimensions)
-    sizes = [size_hint(size) for size in source.meta["val"].shape[-dimensions:]]
-    for axis, (size, width, pad, spacing) in enumerate(zip(sizes, kernel, padding, dilation, strict=True)):
-        window = (width - 1) * spacing + 1
-        if window > size + 2 * pad:
-            return (f"its window of {window} along spatial axis {axis} is wider than the padded input ({size} + 2 x "
+    padded_sizes = window.padded_sizes()
+    for axis, (span, size, pad) in enumerate(zip(window.spans(), window.sizes, window.padding, strict=True)):
+        if span > size_hint(padded_sizes[axis]):
+            return (f"its window of {span} along spatial axis {axis} is wider than the padded input ({size} + 2 x "
                     f"{pad}), which torch allows with ceil_mode and OpenVINO's pooling does not")
     return None
-
-
-def per_dimension(value: Any, dimensions: int) -> list[int]:
-    """A pooling argument given once or per dimension, as one int per dimension."""
-    values = [value] if isinstance(value, int) else list(value)
-    return values * dimensions if len(values) == 1 else values
