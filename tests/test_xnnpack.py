@@ -310,11 +310,18 @@ class Gapped(torch.nn.Module):
 
 
 @pytest.mark.parametrize(
-    ("portable_kernels", "rows", "joined"), [(True, 4, True), (False, 4, False), (True, 1024, False)]
+    ("portable_kernels", "rows", "most_rows", "joined"),
+    [(True, 4, None, True), (False, 4, None, False), (True, 1024, None, False),
+     # Dynamic rows count at their bound: a prefill's longest prompt.
+     (True, 4, 64, True), (True, 4, 1024, False), (True, 4, "unbounded", False)],
 )
-def test_ops_between_xnnpacks_parts_run_on_executorchs_portable_kernels_in_its_program(portable_kernels, rows, joined):
+def test_ops_between_xnnpacks_parts_run_on_executorchs_portable_kernels_in_its_program(
+        portable_kernels, rows, most_rows, joined):
     # 1024 rows: the cumsum reads and writes 32768 elements, too many for a plain loop to beat a boundary.
-    exported = aotstack.export(Gapped().eval(), {"forward": (torch.randn(rows, 32),)}).methods["forward"]
+    dynamic = None if most_rows is None else {"forward": {"x": {0: torch.export.Dim(
+        "rows", max=None if most_rows == "unbounded" else most_rows)}}}
+    exported = aotstack.export(Gapped().eval(), {"forward": (torch.randn(rows, 32),)},
+                               dynamic_shapes=dynamic).methods["forward"]
     result = aotstack.XnnpackPartitioner(portable_kernels=portable_kernels).partition(exported)
     tags = {str(node.target): set() for node in exported.graph.nodes if node.op == "call_function"}
     for node in exported.graph.nodes:

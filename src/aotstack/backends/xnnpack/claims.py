@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import operator
 import warnings
 from collections.abc import Iterator
@@ -176,10 +177,22 @@ def only_moves_values(node: Node) -> bool:
 
 
 def small_tensors(node: Node) -> bool:
-    """Whether every tensor ``node`` reads or writes has a static size of at most ``PORTABLE_MAX_ELEMENTS``."""
+    """Whether every tensor ``node`` reads or writes has at most ``PORTABLE_MAX_ELEMENTS`` elements at its largest.
+
+    A dynamic size counts at the bound export gave it (a prefill's longest prompt); an unbounded one is not small.
+    """
     values = [source.meta.get("val") for source in node.all_input_nodes] + [node.meta.get("val")]
     tensors = [value for value in pytree.tree_leaves(values) if isinstance(value, torch.Tensor)]
-    return all(isinstance(tensor.numel(), int) and tensor.numel() <= PORTABLE_MAX_ELEMENTS for tensor in tensors)
+    return all(most_elements(tensor) <= PORTABLE_MAX_ELEMENTS for tensor in tensors)
+
+
+def most_elements(tensor: torch.Tensor) -> int | float:
+    """How many elements ``tensor`` has at most: its size, or for a dynamic one its upper bound (inf if none)."""
+    count = tensor.numel()
+    if isinstance(count, int):
+        return count
+    upper = count.node.shape_env.bound_sympy(count.node.expr).upper
+    return int(upper) if upper.is_Integer else math.inf  # torch's int_oo is "finite" to sympy
 
 
 def is_quantized_arithmetic(node: Node, constants: set[str]) -> bool:
