@@ -95,7 +95,7 @@ def xnnpack_answer(exported_program: ExportedProgram, *, portable: bool = True) 
             continue
         edge_nodes = made_from.get(node.name, [])
         left = [edge_node for edge_node in edge_nodes if DELEGATION_TAG not in edge_node.meta]
-        wrong = miscomputed_layer(node, fqns, weights) or miscomputed_op(node)
+        wrong = miscomputed_layer(node, fqns, weights)
         if wrong is not None and edge_nodes and not left:
             reasons[node.name] = wrong
             miscomputed.add(node.name)
@@ -290,15 +290,6 @@ def miscomputed_layer(node: Node, fqns: dict[Node, str], weights: dict[str, torc
     if is_dequantize(dequantize) and not zero_free(dequantize_zero_point(dequantize), fqns, weights):
         return (f"XNNPACK's quantized kernels take only symmetric weights and would drop this layer's zero points "
                 f"({label}, asymmetric), though ExecuTorch's partitioner claims it")
-    return None
-
-
-def miscomputed_op(node: Node) -> str | None:
-    """Why XNNPACK must not take ``node``, an op whose arguments ExecuTorch drops on the way to it; else None."""
-    if node.target is torch.ops.aten.gelu.default and node.kwargs.get("approximate", "none") != "none":
-        # Gemma's, SigLIP's and StarCoder2's activation (gelu_pytorch_tanh): 1.9e-4 of its range off on its own.
-        return ("XNNPACK's GELU is the exact (erf) one, and ExecuTorch hands it this tanh approximation without "
-                "its approximate argument, though its partitioner claims it")
     return None
 
 
