@@ -94,16 +94,14 @@ def with_pooling_windows_fitted(exported: ExportedProgram) -> ExportedProgram:
 
     The program given is not changed; one without such a window is returned as it is.
     """
-    fitted = {node: kernel for node in exported.graph.nodes
-              if (window := pooling_window(node)) and (kernel := window.fitted_kernel())}
+    windows = {node: window for node in exported.graph.nodes if (window := pooling_window(node))}
+    fitted = {node: (window, kernel) for node, window in windows.items() if (kernel := window.fitted_kernel())}
     if not fitted:
         return exported
     graph = Graph()
     copies: dict[Node, Node] = {}
     graph.output(graph.graph_copy(exported.graph, copies))
-    for original, kernel in fitted.items():
-        window = pooling_window(original)
-        assert window is not None
+    for original, (window, kernel) in fitted.items():
         copy = copies[original]
         copy.args, copy.kwargs = narrowed_call(copy, window, kernel), {}
     module = GraphModule(exported.graph_module, graph)
