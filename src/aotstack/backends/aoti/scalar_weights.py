@@ -38,11 +38,10 @@ def with_scalar_weights_inlined(exported_program: ExportedProgram) -> ExportedPr
     if not scalars:
         return exported_program
     graph = Graph()
-    graph.output(graph.graph_copy(exported_program.graph, {}))
-    # The copy may rename a placeholder; its place in the graph is the same.
-    copies = dict(zip(exported_program.graph.find_nodes(op="placeholder"), graph.find_nodes(op="placeholder"),
-                      strict=True))
-    last_placeholder = list(copies.values())[-1]
+    # The copy may rename a placeholder: each is found through the copy's map, not by name.
+    copies: dict[Node, Node] = {}
+    graph.output(graph.graph_copy(exported_program.graph, copies))
+    last_placeholder = list(graph.find_nodes(op="placeholder"))[-1]
     for original, value in scalars.items():
         with graph.inserting_after(last_placeholder):
             copies[original].replace_all_uses_with(full_call(graph, copies[original], value))
