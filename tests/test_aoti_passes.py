@@ -6,6 +6,7 @@ import operator
 
 import pytest
 import torch
+from torch.export.graph_signature import InputKind
 from torch.fx import Graph, GraphModule, Node
 
 import aotstack
@@ -13,6 +14,7 @@ from aotstack.backends.aoti.cuda import conv1d_as_conv2d
 from aotstack.backends.aoti.metal import LinearAsMatmulPass
 from aotstack.backends.aoti.packed_weights import with_packed_weights
 from aotstack.backends.aoti.quantized import DequantizedLinearAsReductionPass, IntMmRowMajorPass
+from tests import models
 
 aten = torch.ops.aten
 
@@ -551,3 +553,23 @@ def test_single_value_weights_are_read_as_full_and_leave_the_inputs_but_an_updat
     fills = [node.args[1] for node in inlined.graph.nodes if node.target is aten.full.default and node.args[0] == []]
     assert sorted(fills) == [0.5, 5, 7, 9]  # the scale, the width of x, then 7 and 9
     torch.testing.assert_close(inlined.module()(x), NumbersWrittenIntoATensor()(x))
+
+
+def test_lifted_constants_reach_inductor_as_buffers_named_by_their_fqn():
+    from aotstack.backends.aoti.lifted_constants import with_constants_as_buffers
+
+    x = torch.randn(3, 6)
+    exported = aotstack.export(models.build("state_kinds"), {"forward": (x,)}).methods["forward"]
+    kinds = {spec.target: spec.kind for spec in exported.graph_signature.input_specs}
+    assert kinds["scale"] is InputKind.CONSTANT_TENSOR
+
+    program = with_constants_as_buffers(exported)
+
+    assert {spec.target: spec.kind for spec in exported.graph_signature.input_specs} == kinds, "the program given"
+    [scale] = [spec for spec in program.graph_signature.input_specs if spec.target == "scale"]
+    assert scale.kind is InputKind.BUFFER and scale.persistent is False
+    assert program.constants["scale"] is exported.constants["scale"]
+    assert [spec.kind for spec in program.graph_signature.input_specs if spec.target != "scale"] == [
+        kind for target, kind in kinds.items() if target != "scale"
+    ]
+    assert with_constants_as_buffers(program) is program, "nothing left to hand over"

@@ -32,6 +32,7 @@ from ...format.specs import (
 from ...format.tensor_data import content_key, weights_as_named_data
 from .compile import CompileSteps, KernelCheck, ProgramPass, compile_partition
 from .kernels import kernel_allowed, parse_kernel_list
+from .lifted_constants import with_constants_as_buffers
 from .passes import GraphPass, ReplaceViewCopyWithViewPass
 from .probe import needed_fallback_kernels
 from .run import EXTERN_NODES_NAME, LIBRARY_NAME, PROCESSED_VERSION, device_available, proxy_calls, target_device
@@ -125,7 +126,7 @@ class AotiBackend(Backend):
             attention_kernels=self.attention_kernels(),
             options=options,
             revision=self.compile_revision,
-            program_passes=[with_scalar_weights_inlined, *self.program_passes()],
+            program_passes=[with_scalar_weights_inlined, with_constants_as_buffers, *self.program_passes()],
         )
 
     def needed_fallback_kernels(self, node: Node, compile_specs: list[CompileSpec]) -> frozenset[str]:
