@@ -130,3 +130,38 @@ def test_an_engine_leaves_a_light_part_beside_others_ops_to_the_next_engine():
 def test_min_island_work_must_be_a_count():
     with pytest.raises(ValueError, match="min_island_work must be an int >= 0, got -1"):
         aotstack.OrtPartitioner(min_island_work=-1)
+
+
+class WeightsReadElsewhere(torch.nn.Module):
+    """Products another engine runs, over weights transposed and scaled first; other weight computations read here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Parameter(torch.randn(8, 8))
+        self.second = torch.nn.Parameter(torch.randn(8, 8))
+        self.bias = torch.nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = torch.mm(x, self.first.t() * 2) + self.bias * 3
+        return torch.mm(hidden.relu(), self.second.t()), self.bias.neg()
+
+
+def test_weight_computations_only_for_ops_an_engine_leaves_are_left_with_them():
+    """Claimed, ``first.t() * 2`` and ``second.t()`` would be computed by this engine at every call and handed over a
+    boundary to the engine running the products. ``bias * 3`` has a reader the engine takes, and ``bias.neg()`` is an
+    output: both stay claimed."""
+    x = torch.randn(4, 8)
+    program = aotstack.export(WeightsReadElsewhere(), {"forward": (x,)}).methods["forward"]
+    result = aotstack.AotiCpuPartitioner(exclude_ops=["aten.mm"]).partition(program)
+
+    first_product, second_product = [n for n in program.graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert DELEGATION_TAG not in first_product.meta and DELEGATION_TAG not in second_product.meta
+    scaled_first = first_product.args[1]
+    for node in (scaled_first, scaled_first.args[0], second_product.args[1]):  # first.t() * 2, first.t(), second.t()
+        assert DELEGATION_TAG not in node.meta, node.name
+        assert result.refusals[node.name].kind == "not_claimed"
+        assert "computes from weights alone" in result.refusals[node.name].detail
+
+    [scaled_bias] = [n for n in program.graph.nodes if n.target is torch.ops.aten.mul.Tensor and n.args[1] == 3]
+    [negated] = [n for n in program.graph.nodes if n.target is torch.ops.aten.neg.default]
+    assert DELEGATION_TAG in scaled_bias.meta and DELEGATION_TAG in negated.meta

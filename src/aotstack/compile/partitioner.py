@@ -128,15 +128,24 @@ class SupportedOpsPartitioner(Partitioner):
         answers: dict[Node, bool] = {}
 
         def supported(node: Node) -> bool:
-            answers[node] = self.supports_node(node, graph_module)
+            if node not in answers:
+                answers[node] = self.supports_node(node, graph_module)
             return answers[node]
 
+        for_others = computations_for_others(weight_computations(exported_program), supported)
         proposed = CapabilityBasedPartitioner(
-            graph_module, NodeSupport(supported), allows_single_node_partition=True
+            graph_module, NodeSupport(lambda node: node not in for_others and supported(node)),
+            allows_single_node_partition=True,
         ).propose_partitions()
         judged = [(partition, self.part_refusal(partition, exported_program)) for partition in proposed]
         kept = [partition for partition, refused in judged if refused is None]
         refusals = self.refusals(graph_module, [(p, refused) for p, refused in judged if refused is not None], answers)
+        for node in for_others:
+            refusals[node.name] = self.refusal(
+                "not_claimed",
+                f"it computes from weights alone, for ops {self.backend_id} leaves: the engine that runs them computes "
+                "it from the weights it holds, rather than receiving it at every call",
+            )
         tags: dict[str, DelegationSpec] = {}
         for index, partition in enumerate(sorted(kept, key=first_node_position(exported_program.graph))):
             tag = f"{self.backend_id}_{index}"
@@ -262,6 +271,40 @@ def island_work(nodes: Collection[Node]) -> float | None:
     reads = any(computed_outside(source) for node in nodes for source in node.all_input_nodes)
     feeds = any(computed_outside(user) for node in nodes for user in node.users)
     return known_work(node for node in nodes if is_compute_node(node)) if reads or feeds else None
+
+
+def weight_computations(exported_program: ExportedProgram) -> list[Node]:
+    """The offered ops that compute from the method's weights alone, or from nothing (an ``arange`` of fixed size),
+    in graph order: no input of the method and no buffer it updates reaches them."""
+    updated = set(exported_program.graph_signature.buffers_to_mutate.values())
+    derived = {node for node, fqn in constant_placeholders(exported_program).items() if fqn not in updated}
+    found = []
+    for node in get_non_lowered_nodes(exported_program.graph):
+        if not is_size_computation(node) and all(source in derived for source in node.all_input_nodes):
+            derived.add(node)
+            found.append(node)
+    return found
+
+
+def computations_for_others(computations: list[Node], supported: Callable[[Node], bool]) -> set[Node]:
+    """The weight computations (``weight_computations``) the partitioner supports whose every result goes to ops it
+    refuses.
+
+    Claimed, such an op would run in this engine at every call and hand its result, a transposed
+    or sliced copy of weights, over a boundary to the engine that runs its readers (an experts
+    layer's weights, transposed by ONNX Runtime for transformers' grouped matmul that AOTInductor
+    runs: a copy of every expert's weights each token). Left, it goes with its readers. A result
+    that a delegate or the method's output reads keeps the op where it is.
+    """
+    left: set[Node] = set()
+    for node in reversed(computations):
+        readers = list(node.users)
+        if readers and supported(node) and all(
+            reader in left or (reader.op == "call_function" and not is_delegate_call(reader) and not supported(reader))
+            for reader in readers
+        ):
+            left.add(node)
+    return left
 
 
 def compute_node_count(nodes: Iterable[Node]) -> int:
