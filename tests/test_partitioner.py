@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import aotstack
-from aotstack.compile.partitioner import DELEGATION_TAG
+from aotstack.compile.partitioner import DELEGATION_TAG, weight_computations
+from aotstack.compile.program_parts import mark_state_of_other_methods
 from aotstack.format.ops import call_delegate
 from tests import models
 
@@ -165,3 +166,28 @@ def test_weight_computations_only_for_ops_an_engine_leaves_are_left_with_them():
     [scaled_bias] = [n for n in program.graph.nodes if n.target is torch.ops.aten.mul.Tensor and n.args[1] == 3]
     [negated] = [n for n in program.graph.nodes if n.target is torch.ops.aten.neg.default]
     assert DELEGATION_TAG in scaled_bias.meta and DELEGATION_TAG in negated.meta
+
+
+class FilledByAnother(torch.nn.Module):
+    """``fill`` writes the table; ``read`` transposes it, so the transpose is state's, not the weights'."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("table", torch.zeros(8, 8))
+
+    def fill(self, x: torch.Tensor) -> torch.Tensor:
+        self.table.copy_(x)
+        return x.sum()
+
+    def read(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x, self.table.t())
+
+
+def test_a_buffer_another_method_updates_is_not_a_weight_to_compute_from():
+    x = torch.randn(8, 8)
+    program = aotstack.export(FilledByAnother(), {"fill": (x,), "read": (x,)}).methods["read"]
+    assert [node.target for node in weight_computations(program)] == [torch.ops.aten.t.default]
+
+    mark_state_of_other_methods(program, {"table"})
+    assert weight_computations(program) == []
+

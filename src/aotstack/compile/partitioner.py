@@ -275,9 +275,9 @@ def island_work(nodes: Collection[Node]) -> float | None:
 
 def weight_computations(exported_program: ExportedProgram) -> list[Node]:
     """The offered ops that compute from the method's weights alone, or from nothing (an ``arange`` of fixed size),
-    in graph order: no input of the method and no buffer it updates reaches them."""
-    updated = set(exported_program.graph_signature.buffers_to_mutate.values())
-    derived = {node for node, fqn in constant_placeholders(exported_program).items() if fqn not in updated}
+    in graph order: no input of the method and no buffer it (or another method of its program) updates reaches them."""
+    updated = mutated_buffer_names(exported_program)
+    derived = {node for node in constant_placeholders(exported_program) if node.name not in updated}
     found = []
     for node in get_non_lowered_nodes(exported_program.graph):
         if not is_size_computation(node) and all(source in derived for source in node.all_input_nodes):
