@@ -240,21 +240,38 @@ class ExpertsMatmul(torch.nn.Module):
         return torch.ops.transformers.grouped_mm_fallback(rows, self.weight, offs=offsets)
 
 
-def test_few_static_expert_rows_compile_as_a_batched_matmul_and_many_keep_the_op(tmp_path):
+def test_expert_matmuls_compile_into_the_library_and_the_file_needs_no_custom_op(tmp_path):
+    """Few static rows become one batched matmul; a prompt's rows, one matmul per expert over its range. Either way
+    the CPU library calls no custom op, so loading needs no import of transformers. Off the host a prompt keeps the
+    op."""
     from transformers.integrations import moe  # noqa: F401  (registers the op)
 
-    from aotstack.backends.aoti.experts import with_dense_experts
+    from aotstack.backends.aoti.experts import with_compiled_experts
 
     model = ExpertsMatmul().eval()
+    rows = torch.export.Dim("rows", min=2, max=64)
     cases = {
-        "decode": (torch.randn(3, 8), torch.tensor([1, 1, 3, 3])),  # rows <= experts, one expert empty
-        "prompt": (torch.randn(9, 8), torch.tensor([2, 5, 5, 9])),  # more rows than experts
+        "decode": ((torch.randn(3, 8), torch.tensor([1, 1, 3, 3])), None),  # rows <= experts, one expert empty
+        "prompt": ((torch.randn(9, 8), torch.tensor([2, 5, 5, 8])), None),  # the last row belongs to no expert
+        "dynamic": ((torch.randn(9, 8), torch.tensor([2, 5, 5, 9])), ({0: rows}, None)),
     }
-    for name, inputs in cases.items():
-        program = aotstack.export(model, {"forward": inputs}).methods["forward"]
-        targets = {str(node.target) for node in with_dense_experts(program).graph.nodes}
-        assert ("transformers.grouped_mm_fallback.default" in targets) == (name == "prompt"), name
+    others = {  # the dynamic file, called at other lengths and groupings
+        "dynamic": [
+            (torch.randn(2, 8), torch.tensor([0, 0, 2, 2])),
+            (torch.randn(40, 8), torch.tensor([10, 10, 25, 39])),
+        ]
+    }
+    for name, (inputs, shapes) in cases.items():
+        program = aotstack.export(model, {"forward": inputs}, dynamic_shapes={"forward": shapes}).methods["forward"]
+        targets = {str(node.target) for node in with_compiled_experts(program, on_host=True).graph.nodes}
+        assert "transformers.grouped_mm_fallback.default" not in targets, name
+        assert ("aten.bmm.default" in targets) == (name == "decode"), name
+        on_gpu = {str(node.target) for node in with_compiled_experts(program, on_host=False).graph.nodes}
+        assert ("transformers.grouped_mm_fallback.default" in on_gpu) == (name != "decode"), name  # one wait, not many
         lowered = aotstack.lower(aotstack.Program({"forward": program}), [aotstack.AotiCpuPartitioner()])
         lowered.save(tmp_path / f"{name}.pt2")
+        assert aotstack.file_report(tmp_path / f"{name}.pt2").custom_ops == [], name
+        loaded = aotstack.load(tmp_path / f"{name}.pt2")
         with torch.no_grad():
-            torch.testing.assert_close(aotstack.load(tmp_path / f"{name}.pt2").forward(*inputs), model(*inputs))
+            for call in [inputs, *others.get(name, [])]:
+                torch.testing.assert_close(loaded.forward(*call), model(*call))

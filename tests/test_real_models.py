@@ -41,9 +41,6 @@ RUN_CORPUS = """
 import json, sys
 import torch
 import aotstack
-# The mixture-of-experts models call transformers::grouped_mm_fallback, which this module
-# registers; a user loading such a file imports it too (the load's error says so).
-import transformers.integrations.moe
 from tests import hf_models
 
 for line in sys.stdin:

@@ -52,6 +52,8 @@ class AotiBackend(Backend):
     """
 
     device_name: ClassVar[str]
+    # 2: transformers' grouped expert matmuls compiled in prompts too (experts.py), not run by the proxy executor.
+    compile_revision = 2
     # A library takes its weights by name at load, so it serves every partition of its structure (compile.py).
     shares_code_across_weights = True
     warm_up_fills_disk_cache = True

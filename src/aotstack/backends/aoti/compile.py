@@ -24,7 +24,7 @@ from ...compile.quantize import op_qualname
 from ...errors import LoweringError
 from ...format.devices import HOST, Device, DeviceType
 from ...format.tensor_data import content_key
-from .experts import with_dense_experts
+from .experts import with_compiled_experts
 from .kernels import recorded_fallback_kernels
 from .passes import GraphPass
 
@@ -187,7 +187,7 @@ def prepared_program(exported_program: ExportedProgram, steps: CompileSteps) -> 
     """The partition on the target device, after the backend's passes and decompositions."""
     from torch.export.passes import move_to_device_pass
 
-    program = with_dense_experts(exported_program)
+    program = with_compiled_experts(exported_program, on_host=steps.device == HOST)
     if steps.device != HOST:
         program = move_to_device_pass(program, str(steps.device))
     for program_pass in steps.program_passes:

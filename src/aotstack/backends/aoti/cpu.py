@@ -16,8 +16,8 @@ class AotiCpuBackend(AotiBackend):
     backend_id = "aoti_cpu"
     device_name = "cpu"
     # 2: int4 weights stored two a byte; 3: embedding tables named for release ("gathered"); 4: int4 and
-    # int8 weights packed into float32-typed words (packed_weights.py).
-    compile_revision = 5
+    # int8 weights packed into float32-typed words (packed_weights.py); 6: grouped expert matmuls compiled (experts.py).
+    compile_revision = 6
 
     def program_passes(self) -> list[ProgramPass]:
         return [with_packed_weights]
