@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import aotstack
-from aotstack.integrations.generation import PrefillDecode
+from aotstack.integrations.generation import PrefillDecode, export_decoder_lm
 from tests.conftest import ROOT, run_child
 
 CACHE = 32
@@ -157,3 +157,38 @@ def test_each_weight_is_stored_once_for_both_methods(two_method_lm):
                     blob_of.setdefault(local.removeprefix("weight:"), set()).add(key)
     assert "lm.model.lm_head.weight" in blob_of
     assert all(len(keys) == 1 for keys in blob_of.values()), "a weight read by both methods is one blob"
+
+
+def small_latent_attention_lm() -> torch.nn.Module:
+    """DeepSeek-V3's latent attention: each layer caches one compressed head, not the config's heads and width."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+                              num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=16,
+                              kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, head_dim=8,
+                              max_position_embeddings=64)
+    return DeepseekV3ForCausalLM(config).eval()
+
+
+def test_a_cache_is_sized_as_the_model_writes_it_and_exports():
+    model = small_latent_attention_lm()
+    wrapped = PrefillDecode(model, CACHE).eval()
+    caches = {name: tuple(buffer.shape) for name, buffer in wrapped.named_buffers() if "_cache_" in name}
+    assert caches["lm.key_cache_0"] == (1, 1, CACHE, 16)  # kv_lora_rank, where the config says 4 heads of 8
+    assert caches["lm.value_cache_0"] == (1, 1, CACHE, 8)  # the rotary key
+
+    tokens = torch.tensor([[*PROMPT, 5]])
+    with torch.no_grad():
+        full = model(tokens).logits[:, -2:]  # no cache: the reference for the prompt and the next token
+        torch.testing.assert_close(wrapped.prefill(tokens[:, :-1]), full[:, 0])
+        torch.testing.assert_close(wrapped.decode(tokens[:, -1:], torch.tensor([len(PROMPT)])), full[:, 1])
+
+    program = export_decoder_lm(model, CACHE)
+    placeholder_shapes = {
+        spec.target: tuple(node.meta["val"].shape)
+        for spec, node in zip(program.methods["decode"].graph_signature.input_specs,
+                              program.methods["decode"].graph.find_nodes(op="placeholder"))
+    }
+    assert placeholder_shapes["lm.key_cache_1"] == (1, 1, CACHE, 16)

@@ -50,6 +50,7 @@ class PrefillDecode(torch.nn.Module):
         self.max_cache_len = max_cache_len
         with static_cache_generation(model):
             self.lm = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=max_cache_len)
+        reshape_cache_as_written(self.lm, cache_shapes_written(model, max_cache_len))
 
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of the next token after ``tokens`` (shape ``[1, length]``), filling the cache from 0."""
@@ -59,6 +60,49 @@ class PrefillDecode(torch.nn.Module):
     def decode(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Logits of the next token after ``token`` (shape ``[1, 1]``) at cache slot ``position`` (shape ``[1]``)."""
         return self.lm(input_ids=token, cache_position=position)[:, -1, :]
+
+
+CacheShape = tuple[int, int, int]  # heads, key width, value width
+
+
+def cache_shapes_written(model: torch.nn.Module, max_cache_len: int) -> list[CacheShape | None]:
+    """What each layer of ``model`` writes to its cache, per token: seen by running one token eagerly.
+
+    transformers' export wrapper sizes every layer's cache from the config's heads and head width.
+    A layer that caches something else (DeepSeek's latent attention stores one compressed
+    head of ``kv_lora_rank`` values and its rotary key) would fail its first update. None: a
+    layer that caches nothing this way.
+    """
+    from transformers import StaticCache
+
+    first = torch.zeros(1, dtype=torch.long, device=next(model.parameters()).device)
+    try:
+        cache = StaticCache(max_cache_len=max_cache_len, config=model.config)
+        with torch.no_grad():
+            model(input_ids=first.reshape(1, 1), cache_position=first, past_key_values=cache, use_cache=True)
+    except Exception:  # a model whose cache is not transformers' StaticCache: the wrapper's sizes stand
+        return []
+    return [
+        (layer.num_heads, layer.k_head_dim, layer.v_head_dim) if getattr(layer, "is_initialized", False)
+        and hasattr(layer, "k_head_dim") else None
+        for layer in cache.layers
+    ]
+
+
+def reshape_cache_as_written(wrapper: torch.nn.Module, written: list[CacheShape | None]) -> None:
+    """Size, in place, each cache layer of transformers' export ``wrapper`` as its model writes it (``written``)."""
+    for index, (layer, shape) in enumerate(zip(wrapper.static_cache.layers, written)):
+        keys = getattr(layer, "keys", None)
+        if shape is None or keys is None or keys.dim() != 4:
+            continue
+        heads, key_width, value_width = shape
+        if (keys.shape[1], keys.shape[3], layer.values.shape[3]) == shape:
+            continue
+        empty = keys.new_zeros(keys.shape[0], heads, 0, key_width)
+        layer.is_initialized = False
+        layer.lazy_initialization(empty, empty.new_zeros(*empty.shape[:3], value_width))
+        wrapper.register_buffer(f"key_cache_{index}", layer.keys, persistent=False)
+        wrapper.register_buffer(f"value_cache_{index}", layer.values, persistent=False)
 
 
 def export_decoder_lm(model: torch.nn.Module, max_cache_len: int) -> Program:
