@@ -603,3 +603,29 @@ def test_an_output_that_copies_an_input_leaves_the_input_alone(tmp_path, dynamic
         for out, want in zip(got, PassThrough()(*before), strict=True):
             torch.testing.assert_close(out, want)
         assert got[1].data_ptr() != large.data_ptr(), "a copy of an input is a tensor of its own"
+
+
+def test_a_broadcast_to_the_shape_its_input_has_is_read_as_that_input():
+    """A prompt's length returned, and copied into a 0-d buffer: as converted, the copy is a broadcast that OpenVINO
+    2026's CPU plugin dies of SIGSEGV compiling beside the length itself (Arcee's AFMoE prefill)."""
+    import numpy
+    import openvino
+    import openvino.opset13 as ops
+
+    from aotstack.backends.openvino.compile import without_identity_broadcasts
+
+    tokens = ops.parameter([1, -1], numpy.int64, name="tokens")
+    stored = ops.parameter([], numpy.int64, name="stored")
+    length = ops.gather(ops.shape_of(tokens), ops.constant(1, numpy.int64), ops.constant(0, numpy.int64))
+    last = ops.gather(ops.range(ops.constant(0, numpy.int64), length, ops.constant(1, numpy.int64), "i64"),
+                      ops.constant(-1, numpy.int64), ops.constant(0, numpy.int64))
+    widened = ops.broadcast(ops.convert(last, "f32"), ops.constant([2, 3], numpy.int64))  # a real broadcast stays
+    model = openvino.Model([ops.result(last), ops.result(ops.broadcast(last, ops.shape_of(stored))),
+                            ops.result(widened)], [tokens, stored], "lengths")
+
+    without_identity_broadcasts(model)
+    assert [op.get_type_name() for op in model.get_ordered_ops()].count("Broadcast") == 1
+    compiled = openvino.Core().compile_model(model, "CPU", {"INFERENCE_NUM_THREADS": 1})
+    results = list(compiled({"tokens": numpy.zeros((1, 5), numpy.int64), "stored": numpy.array(0)}).values())
+    assert [int(results[0]), int(results[1])] == [4, 4]
+    assert results[2].tolist() == [[4.0] * 3] * 2

@@ -62,6 +62,7 @@ def convert_partition(exported_program: ExportedProgram, label: str, state: int 
     without_dropped_checks(decomposed.graph_module)
     outputs = distinct_outputs(decomposed.graph_module)
     model = converted(decomposed.graph_module, label)
+    without_identity_broadcasts(model)
     if len(model.get_results()) != len(set(outputs)):
         raise LoweringError(f"{label}: the OpenVINO model has {len(model.get_results())} outputs, "
                             f"the partition {len(set(outputs))}")
@@ -235,6 +236,22 @@ def converted(graph_module: torch.fx.GraphModule, label: str) -> Any:
                 continue
             raise LoweringError(f"{label}: OpenVINO could not convert it: {error}") from error
     raise AssertionError("unreachable")
+
+
+def without_identity_broadcasts(model: Any) -> None:
+    """Read, in place, each ``Broadcast`` to the shape its input already has as that input.
+
+    The frontend writes ``buffer.copy_(value)`` as a broadcast of the value to the buffer's shape.
+    For a 0-d value that another result of the model also returns (a cache's length, stored in two
+    buffers), OpenVINO 2026's CPU plugin dies of SIGSEGV compiling the model (Arcee's AFMoE prefill).
+    """
+    for node in model.get_ordered_ops():
+        if node.get_type_name() != "Broadcast":
+            continue
+        source = node.input_value(0)
+        shape = source.get_partial_shape()
+        if shape.is_static and shape == node.output(0).get_partial_shape():
+            node.output(0).replace(source)
 
 
 def with_fresh_outputs(graph_module: torch.fx.GraphModule) -> None:
