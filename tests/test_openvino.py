@@ -629,3 +629,26 @@ def test_a_broadcast_to_the_shape_its_input_has_is_read_as_that_input():
     results = list(compiled({"tokens": numpy.zeros((1, 5), numpy.int64), "stored": numpy.array(0)}).values())
     assert [int(results[0]), int(results[1])] == [4, 4]
     assert results[2].tolist() == [[4.0] * 3] * 2
+
+
+class IndexAdd(torch.nn.Module):
+    """Rows summed into slots, as a mixture of experts gathers its experts' outputs (JetMoE)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, rows: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(4, 8).index_add(0, slots, self.linear(rows)).relu() * 2
+
+
+def test_index_add_as_export_writes_it_converts(tmp_path):
+    """torch.export leaves ``alpha`` out at its default; OpenVINO's rule for ``index_add`` failed without it."""
+    inputs = (torch.randn(6, 8), torch.tensor([0, 2, 2, 3, 1, 0]))
+    model = IndexAdd().eval()
+    program = aotstack.export(model, {"forward": inputs})
+    lowered = aotstack.lower(program, [OpenVinoPartitioner(min_island_work=0), aotstack.AotiCpuPartitioner()])
+    assert "openvino" in {delegate.backend_id for delegate in lowered.delegates("forward")}
+    lowered.save(tmp_path / "index_add.pt2")
+    with torch.no_grad():
+        torch.testing.assert_close(aotstack.load(tmp_path / "index_add.pt2").forward(*inputs), model(*inputs))

@@ -191,3 +191,15 @@ def test_a_buffer_another_method_updates_is_not_a_weight_to_compute_from():
     mark_state_of_other_methods(program, {"table"})
     assert weight_computations(program) == []
 
+
+
+def test_an_example_of_a_data_dependent_size_takes_a_stand_in():
+    from aotstack.compile.program_parts import UNBACKED_EXAMPLE_SIZE, example_tensor
+
+    class Chosen(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x[x.nonzero()[:, 0]] * 2
+
+    program = aotstack.export(Chosen(), {"forward": (torch.tensor([0.0, 1.0, 2.0]),)}).methods["forward"]
+    [chosen] = [n for n in program.graph.nodes if n.target is torch.ops.aten.mul.Tensor]
+    assert example_tensor(chosen.meta["val"]).shape == (UNBACKED_EXAMPLE_SIZE,)

@@ -378,7 +378,20 @@ def state_as_arguments(exported_program: ExportedProgram) -> tuple[ExportedProgr
     return program, fqns
 
 
+# The size an example tensor gives a data-dependent dimension (a count of routed tokens), which has no hint;
+# 2, as torch.export's own examples avoid the 0 and 1 it specializes.
+UNBACKED_EXAMPLE_SIZE = 2
+
+
 def example_tensor(value: torch.Tensor) -> torch.Tensor:
     """A real, contiguous tensor shaped like a fake one (size hints stand in for dynamic dimensions)."""
-    shape = [int(d) if isinstance(d, int) else d.node.hint for d in value.shape]
-    return torch.zeros(shape, dtype=value.dtype)
+    return torch.zeros([example_size(d) for d in value.shape], dtype=value.dtype)
+
+
+def example_size(size: int | torch.SymInt) -> int:
+    """``size``, or its hint where it is dynamic, ``UNBACKED_EXAMPLE_SIZE`` for each data-dependent symbol in it."""
+    from torch.fx.experimental import symbolic_shapes
+
+    # torch 2.13 renamed 2.11's ``size_hint``.
+    hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.size_hint
+    return int(hint(size, fallback=UNBACKED_EXAMPLE_SIZE))
