@@ -25,6 +25,9 @@ from ...format.custom_ops import registered_op
 from ...format.op_names import op_name
 
 GROUPED_MM = "transformers.grouped_mm_fallback.default"
+# torch 2.11's Inductor fails (ZeroDivisionError) on the ranged matmuls of transformers' Mixtral and Qwen3-MoE
+# prompts; 2.13's compiles them. Before, a prompt keeps the op.
+RANGES_COMPILE = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
 
 
 def with_compiled_experts(program: ExportedProgram, *, on_host: bool) -> ExportedProgram:
@@ -33,7 +36,8 @@ def with_compiled_experts(program: ExportedProgram, *, on_host: bool) -> Exporte
     op = registered_op(GROUPED_MM)
     if op is None or not any(calls(node, GROUPED_MM) for node in program.graph.nodes):
         return program
-    return program.run_decompositions({op: partial(expert_matmul, ranges_read_on_host=on_host)})
+    ranged = on_host and RANGES_COMPILE
+    return program.run_decompositions({op: partial(expert_matmul, ranges_read_on_host=ranged)})
 
 
 def calls(node: torch.fx.Node, name: str) -> bool:
