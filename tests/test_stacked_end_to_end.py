@@ -208,3 +208,31 @@ def test_onnx_runtime_gets_a_bias_free_convolution_with_no_computed_bias_and_its
     assert external == set(partition.weights) == {
         "conv.weight", "norm.weight", "norm.bias", "norm.running_mean", "norm.running_var"
     }
+
+
+class RoutedRows(torch.nn.Module):
+    """Rows picked by two data-dependent masks, concatenated, then added back by index: a mixture of experts' shape."""
+
+    def forward(self, x: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+        first, second = x[:, 0] > 0, x[:, 1] > 0
+        rows = torch.cat([x[first], x[second]]) * 2
+        slots = torch.cat([slot[first], slot[second]])
+        return torch.zeros(4, x.shape[1]).index_add(0, slots, rows)
+
+
+def test_a_tensor_sized_by_a_sum_of_data_dependent_sizes_crosses_into_aotinductor(tmp_path):
+    model, slot = RoutedRows(), torch.tensor([0, 1, 2, 3, 0, 1])
+    program = aotstack.export(model, {"forward": (torch.randn(6, 3), slot)})
+    # ONNX Runtime concatenates (rows: u0 + u1) and declines index_add; AOTInductor adds the rows back, reading
+    # their count from the tensor fed.
+    lowered = aotstack.lower(program, [aotstack.OrtPartitioner(), aotstack.AotiCpuPartitioner()])
+    by_backend = {d.backend_id: d.ops for d in lowered.delegates("forward")}
+    assert "aten.cat.default" in by_backend["onnxruntime"] and "aten.index_add.default" in by_backend["aoti_cpu"]
+    lowered.save(tmp_path / "routed.pt2")
+
+    loaded = aotstack.load(tmp_path / "routed.pt2")
+    for seed in range(3):
+        x = torch.randn(6, 3, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(loaded.forward(x, slot), model(x, slot))
+    nothing_routed = -torch.ones(6, 3)
+    torch.testing.assert_close(loaded.forward(nothing_routed, slot), torch.zeros(4, 3))

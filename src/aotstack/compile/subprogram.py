@@ -87,6 +87,7 @@ def partition_program(
     graph = Graph()
     env: dict[Node, Node] = {}
     input_specs = []
+    fresh_sizes: dict[object, torch.SymInt] = {}
     for node in owned + user_inputs:
         placeholder = graph.placeholder(node.name)
         placeholder.meta = copy.copy(node.meta)
@@ -95,7 +96,7 @@ def partition_program(
         # state stays in the method.
         fqn = constants[node] if node in owned else None
         if fqn is None:
-            placeholder.meta["val"] = contiguous_like(node.meta["val"])
+            placeholder.meta["val"] = contiguous_like(node.meta["val"], fresh_sizes)
         input_specs.append(input_spec_for(exported, node, placeholder.name, fqn))
     for node in subgraphs + body:
         env[node] = graph.node_copy(node, lambda n: env[n])
@@ -225,13 +226,40 @@ def input_spec_for(exported: ExportedProgram, node: Node, name: str, fqn: str | 
     return InputSpec(outer.kind, TensorArgument(name), fqn, outer.persistent)
 
 
-def contiguous_like(value: torch.Tensor) -> torch.Tensor:
+def contiguous_like(value: torch.Tensor, fresh_sizes: dict[object, torch.SymInt] | None = None) -> torch.Tensor:
     """A fake tensor of ``value``'s shape, dtype and device, laid out contiguously.
 
     A delegate is compiled for contiguous inputs whatever layout the exported graph gave them:
     with a dynamic size, a compiled kernel's strides are expressions of the sizes, and only a
     contiguous layout is one every producer (another engine, a plain ATen op) can be asked for.
+
+    A size computed from data-dependent sizes (``u0 + u1``: rows routed to several experts, then
+    concatenated) takes a fresh data-dependent size of its own, one per distinct expression in
+    ``fresh_sizes``: an engine reads an input's size from the tensor, and cannot solve one
+    sum for the sizes it adds up (AOTInductor asserts it has them).
     """
     fake_mode = detect_fake_mode([value])
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        return torch.empty(value.shape, dtype=value.dtype, device=value.device)
+        shape = [size_read_from_input(size, fake_mode, fresh_sizes) for size in value.shape]
+        return torch.empty(shape, dtype=value.dtype, device=value.device)
+
+
+def size_read_from_input(
+    size: int | torch.SymInt, fake_mode: object, fresh_sizes: dict[object, torch.SymInt] | None
+) -> int | torch.SymInt:
+    """``size``, or a fresh data-dependent size standing for it where it is a compound of them."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    shape_env = getattr(fake_mode, "shape_env", None)
+    if fresh_sizes is None or shape_env is None or not isinstance(size, torch.SymInt):
+        return size
+    expr = size.node.expr
+    if expr.is_Symbol or not free_unbacked_symbols(expr):
+        return size
+    if expr not in fresh_sizes:
+        # An input's size is bound by the tensor fed, not computed by an op of the partition.
+        with shape_env.ignore_fresh_unbacked_symbols():
+            fresh = shape_env.create_unbacked_symint()
+        torch._check(fresh >= 0)
+        fresh_sizes[expr] = fresh
+    return fresh_sizes[expr]
