@@ -88,6 +88,23 @@ class SegvLoading(CrashingRelu):
         crash("SIGSEGV")
 
 
+class SegvOpening(SegvLoading):
+    """Converts only, and compiles when opened (as OpenVINO does); dies there."""
+
+    backend_id = "test_segv_opening"
+    compiles_when_opened = True
+
+
+class RaisingOpening(CrashingRelu):
+    """Converts only, and compiles when opened; fails there with an exception."""
+
+    backend_id = "test_raising_opening"
+    compiles_when_opened = True
+
+    def init(self, processed_bytes, named_data, compile_specs):
+        raise ValueError("this part cannot be compiled for this machine")
+
+
 class FpeRunning(CrashingRelu):
     """Compiles and loads; dies in its first call."""
 
@@ -120,8 +137,8 @@ class ReluPartitioner(aotstack.SupportedOpsPartitioner):
 # them with no arguments.
 PARTITIONERS = {
     cls.backend_id: type(f"{cls.__name__}Partitioner", (ReluPartitioner,), {"backend_id": cls.backend_id})
-    for cls in (FpeCompiling, SegvCompiling, AbortCompiling, ExitCompiling, SegvLoading, FpeRunning,
-                CollectingCompiling)
+    for cls in (FpeCompiling, SegvCompiling, AbortCompiling, ExitCompiling, SegvLoading, SegvOpening,
+                RaisingOpening, FpeRunning, CollectingCompiling)
 }
 globals().update({partitioner.__name__: partitioner for partitioner in PARTITIONERS.values()})
 
@@ -184,6 +201,31 @@ def test_an_engine_dying_while_compiling_is_an_error_naming_it(backend_id, death
         # The worker's Python stack as it died says where: in the backend's preprocess.
         notes = "\n".join(getattr(error.__cause__, "__notes__", []))
         assert "in preprocess" in notes and "in crash" in notes
+
+
+@pytest.mark.parametrize(
+    ("backend_id", "failure"),
+    [
+        ("test_segv_opening", "test_segv_opening died of SIGSEGV while opening partition 'test_segv_opening_0' of "
+                              "method 'forward' once, as loading will"),
+        ("test_raising_opening", "test_raising_opening failed opening partition 'test_raising_opening_0' of method "
+                                 "'forward' once, as loading will: ValueError: this part cannot be compiled for"),
+    ],
+)
+def test_an_engine_that_compiles_when_opened_is_opened_once_while_lowering(crashing_engines, tmp_path, backend_id,
+                                                                           failure):
+    # Its crash at load would end the loading process; lowering meets it first, in a child.
+    with pytest.raises(aotstack.LoweringError, match="method 'forward', partition") as raised:
+        aotstack.lower(relu_program(), [PARTITIONERS[backend_id]()], progress=False)
+    assert failure in str(raised.value)
+
+    lowered = aotstack.lower(relu_program(), [PARTITIONERS[backend_id](), aotstack.AotiCpuPartitioner()],
+                             on_compile_error="fallback", progress=False)
+    [fallen] = lowered.compile_failures["forward"]
+    assert fallen.backend_id == backend_id and failure in fallen.error
+    assert [d.backend_id for d in lowered.delegates("forward")] == ["aoti_cpu"]
+    lowered.save(tmp_path / "opened.pt2")
+    torch.testing.assert_close(aotstack.load(tmp_path / "opened.pt2").forward(X), torch.relu(X))
 
 
 class Teardown:

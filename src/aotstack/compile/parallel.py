@@ -10,10 +10,15 @@ Every compile runs in a worker, one at a time with ``workers=1`` too: an engine 
 crashes (a signal) then ends its worker, not the caller, and the failure is an
 ``EngineCrashError`` naming the engine, the partition and the signal (``child.py``). Where fork is
 not safe (``child.can_fork``) partitions compile one at a time in this process.
+
+An engine that compiles when a file is opened (``Backend.compiles_when_opened``: OpenVINO's CPU
+plugin) has each part it compiled opened once more, in another forked child, as loading will:
+its crash or failure there is the partition's, while lowering, not the loading process's.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import time
@@ -29,12 +34,24 @@ import torch
 from torch.export import ExportedProgram
 
 from ..engine.interface import Backend
+from ..engine.registry import runtime_class
 from ..errors import EngineCrashError, LoweringError
 from ..format.archive import usable_cores
 from ..format.specs import PreprocessResult
 from ..format.tensor_data import BytesLike, tensor_buffer, tensor_is_viewable
 from .cache import keep_preprocess, kept_preprocess, preprocess_key
-from .child import Child, can_fork, closed, crash_error, death, forked, portable, received, stop
+from .child import (
+    Child,
+    can_fork,
+    can_run_engines_in_fork,
+    closed,
+    crash_error,
+    death,
+    forked,
+    portable,
+    received,
+    stop,
+)
 from .jobs import CompileJob, CompileOutcome
 from .program_parts import program_weights
 from .progress import Progress
@@ -76,6 +93,8 @@ class CompilePool:
         self.running: dict[Child, tuple[Batch, CompileJob]] = {}
         # Children running a backend's warm-up whose work stays on disk; its jobs wait for it.
         self.warming: dict[Child, type[Backend]] = {}
+        # Children opening a compiled part once (``compiles_when_opened``), with the compile's outcome.
+        self.opening: dict[Child, tuple[Batch, CompileJob, CompileOutcome]] = {}
         # Each code-sharing job's structure, and the structures a finished job compiled.
         self.structures: dict[CompileJob, str] = {}
         self.compiled_structures: set[str] = set()
@@ -116,7 +135,7 @@ class CompilePool:
     def advance(self) -> None:
         """Wait until a running job ends, record its outcome, and start what can start."""
         self.start()
-        if not self.running and not self.warming:
+        if not self.running and not self.warming and not self.opening:
             assert not self.pending, "a pending job waits only on a running job or warm-up"
             return
         self.reap(None)
@@ -139,7 +158,7 @@ class CompilePool:
     def start(self) -> None:
         """Record the workers that ended, then start pending jobs while a worker is free."""
         self.reap(0)
-        while len(self.running) + len(self.warming) < self.workers:
+        while len(self.running) + len(self.warming) + len(self.opening) < self.workers:
             entry = next((entry for entry in self.pending if not self.waits(entry[1])), None)
             if entry is None:
                 return
@@ -177,7 +196,7 @@ class CompilePool:
 
     def reap(self, timeout: float | None) -> None:
         """Record the outcome of each worker that ended within ``timeout`` seconds (None: until one does)."""
-        children = [*self.running, *self.warming]
+        children = [*self.running, *self.warming, *self.opening]
         if not children:
             return
         ready = set(wait([c.connection for c in children] + [c.process.sentinel for c in children], timeout))
@@ -188,15 +207,29 @@ class CompilePool:
                 received(worker)
                 closed(worker)
                 continue
+            if worker in self.opening:
+                batch, job, compiled_outcome = self.opening.pop(worker)
+                self.finish(batch, job, opened_outcome(worker, compiled_outcome))
+                continue
             if worker not in self.running:
                 continue  # stopped below, with its batch
             batch, job = self.running.pop(worker)
-            outcome = batch.results[job] = finished_worker(worker, job)
-            self.progress.finished(outcome)
-            if job in self.structures:
-                self.compiled_structures.add(self.structures[job])
-            if batch.stop_on_error and outcome.error is not None:
-                self.cancel(batch)
+            outcome = finished_worker(worker, job)
+            if outcome.result is not None and opened_after_compiling(job):
+                self.opening[forked(opened_once, (job, outcome.result), f"aotstack-open-{job.tag}")] = (
+                    batch, job, outcome,
+                )
+                continue
+            self.finish(batch, job, outcome)
+
+    def finish(self, batch: Batch, job: CompileJob, outcome: CompileOutcome) -> None:
+        """Record ``job``'s outcome; a failure cancels the rest of a batch that stops on one."""
+        batch.results[job] = outcome
+        self.progress.finished(outcome)
+        if job in self.structures:
+            self.compiled_structures.add(self.structures[job])
+        if batch.stop_on_error and outcome.error is not None:
+            self.cancel(batch)
 
     def cancel(self, batch: Batch) -> None:
         """Give up ``batch``'s jobs that have not finished: pending ones never start, running ones are stopped."""
@@ -210,13 +243,20 @@ class CompilePool:
                 del self.running[worker]
                 outcome = batch.results[job] = CompileOutcome(job, seconds=time.perf_counter() - worker.started)
                 self.progress.finished(outcome)
+        for child, (owner, job, compiled_outcome) in list(self.opening.items()):
+            if owner is batch:
+                stop(child)
+                del self.opening[child]
+                outcome = batch.results[job] = CompileOutcome(job, seconds=compiled_outcome.seconds)
+                self.progress.finished(outcome)
 
     def close(self) -> None:
         """Stop every worker and warm-up still running; nothing pending starts."""
-        for child in [*self.running, *self.warming]:
+        for child in [*self.running, *self.warming, *self.opening]:
             stop(child)
         self.running.clear()
         self.warming.clear()
+        self.opening.clear()
         self.pending.clear()
 
 
@@ -411,6 +451,52 @@ def worker_death(worker: Child, job: CompileJob) -> EngineCrashError:
         f"{job.backend_id} {death(worker)} while compiling partition {job.tag!r} of method {job.method!r} "
         f"(compile worker process {worker.pid})",
     )
+
+
+def opened_after_compiling(job: CompileJob) -> bool:
+    """Whether lowering opens ``job``'s compiled part once in a child: its engine compiles when opened,
+    and a forked child can run that engine (``child.can_run_engines_in_fork``; why not is logged)."""
+    return job.backend.compiles_when_opened and can_run_engines_in_fork((job.backend_id,))
+
+
+def opened_once(job: CompileJob, result: PreprocessResult) -> None:
+    """In a forked child: ``result`` opened by its engine's run side, as loading will open it."""
+    runtime = runtime_class(job.backend_id)()
+    named_data = {name: writable_here(data) for name, data in result.named_data.items()}
+    runtime.init(result.processed_bytes, named_data, job.compile_specs)
+
+
+def writable_here(data: BytesLike) -> BytesLike:
+    """``data`` as loading hands a delegate a buffer it updates: writable (bytes are never copied).
+
+    Only in a forked child, whose memory is its own copy of the caller's: a write lands in the
+    child's copy, so the program's weights in the caller stay as they were.
+    """
+    if isinstance(data, torch.Tensor):
+        return data
+    view = memoryview(data).cast("B")
+    if not view.readonly or not view.nbytes:
+        return view if not view.readonly else bytearray()
+    return memoryview((ctypes.c_ubyte * view.nbytes).from_address(view_address(view))).cast("B")
+
+
+def opened_outcome(child: Child, compiled: CompileOutcome) -> CompileOutcome:
+    """``compiled``, or the error its engine met opening the part once (``opened_once``), crash or exception."""
+    job = compiled.job
+    message = received(child)
+    try:
+        where = f"opening partition {job.tag!r} of method {job.method!r} once, as loading will"
+        if message is None:
+            error: Exception = crash_error(child, f"{job.backend_id} {death(child)} while {where} "
+                                                  f"(child process {child.pid})")
+        elif message[0] == "raised":
+            error = LoweringError(f"{job.backend_id} failed {where}: {type(message[1]).__name__}: {message[1]}")
+            error.__cause__ = message[1]
+        else:
+            return compiled
+        return dataclasses.replace(compiled, result=None, error=error)
+    finally:
+        closed(child)
 
 
 def default_workers() -> int:

@@ -165,6 +165,11 @@ class Backend(BackendRuntime):
     # lowering then first runs it in a forked child, beside its other work, and this process's
     # own warm-up reads what the child left.
     warm_up_fills_disk_cache: ClassVar[bool] = False
+    # True where the engine's own compile happens when a file is opened (``init``), ``preprocess``
+    # only converting: lowering then opens each part once in a forked child, as loading will, so
+    # that an engine crashing or failing there fails the partition while lowering (and falls back
+    # with ``on_compile_error="fallback"``) rather than ending the process that loads the file.
+    compiles_when_opened: ClassVar[bool] = False
 
     def preprocess(
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
