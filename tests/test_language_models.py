@@ -192,3 +192,35 @@ def test_a_cache_is_sized_as_the_model_writes_it_and_exports():
                               program.methods["decode"].graph.find_nodes(op="placeholder"))
     }
     assert placeholder_shapes["lm.key_cache_1"] == (1, 1, CACHE, 16)
+
+
+def small_short_convolution_lm(**overrides: object) -> torch.nn.Module:
+    """LFM2: short causal convolutions (a kernel of 3, their state in the cache) between attention layers."""
+    from transformers import Lfm2Config, Lfm2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Lfm2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                        layer_types=["conv", "full_attention"], **overrides)
+    return Lfm2ForCausalLM(config).eval()
+
+
+def test_a_hybrid_cache_of_convolution_states_and_keys_exports_and_matches_the_model_without_a_cache(tmp_path):
+    model = small_short_convolution_lm()
+    lowered = aotstack.lower(export_decoder_lm(model, CACHE), [aotstack.AotiCpuPartitioner()], progress=False)
+    lowered.save(tmp_path / "hybrid.pt2")
+    loaded = aotstack.load(tmp_path / "hybrid.pt2")
+    wrapped = PrefillDecode(model, CACHE)
+    cache = {"lm.conv_states_0_0", "lm.key_cache_1", "lm.value_cache_1"}
+    assert cache <= {name for name, _ in wrapped.named_buffers()}
+    assert not cache & set(wrapped.state_dict()), "the cache is state, not weights"
+
+    tokens = torch.tensor([[*PROMPT, 5, 9, 2, 8]])
+    with torch.no_grad():
+        full = model(tokens).logits[0]  # no cache: every position's logits
+        # Prompts shorter than the kernel, and longer; then each next token from the cache.
+        for length in (1, 2, len(PROMPT)):
+            torch.testing.assert_close(loaded.prefill(tokens[:, :length])[0], full[length - 1])
+        for position in range(len(PROMPT), tokens.shape[1]):
+            step = loaded.decode(tokens[:, position:position + 1], torch.tensor([position]))
+            torch.testing.assert_close(step[0], full[position])

@@ -83,6 +83,9 @@ def partition_program(
     mutated = mutated_buffer_names(exported)
     owned = [n for n in inputs if n in constants and (n.name not in mutated or n in updated)]
     user_inputs = [n for n in inputs if n not in owned]
+    # A buffer the partition overwrites without reading its old value (a prompt's convolution state) is its
+    # own all the same: an input nothing reads, there for the update to land in.
+    owned += [placeholder for placeholder in updated if placeholder not in owned]
 
     graph = Graph()
     env: dict[Node, Node] = {}

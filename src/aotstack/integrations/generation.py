@@ -7,13 +7,18 @@
 Both methods are exported from one module, so they read the same weights and update the same
 cache buffers; a saved file holds each once. The loops of ``decoding`` run an eager module and a
 loaded file alike.
+
+A hybrid decoder whose cache holds convolution or recurrent states beside attention's keys and
+values (LFM2's short convolutions) gets a wrapper of its own (``StateCacheLM``): transformers'
+export wrapper knows only keys and values.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch.export import Dim
@@ -48,18 +53,126 @@ class PrefillDecode(torch.nn.Module):
         from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
 
         self.max_cache_len = max_cache_len
-        with static_cache_generation(model):
-            self.lm = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=max_cache_len)
-        reshape_cache_as_written(self.lm, cache_shapes_written(model, max_cache_len))
+        self.lm: torch.nn.Module
+        if holds_states(model, max_cache_len):
+            self.lm = StateCacheLM(model, max_cache_len)
+        else:
+            with static_cache_generation(model):
+                self.lm = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=max_cache_len)
+            reshape_cache_as_written(self.lm, cache_shapes_written(model, max_cache_len))
 
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of the next token after ``tokens`` (shape ``[1, length]``), filling the cache from 0."""
         positions = torch.arange(tokens.shape[1], dtype=torch.long)
+        if isinstance(self.lm, StateCacheLM):
+            self.lm.starting(True)
         return self.lm(input_ids=tokens, cache_position=positions)[:, -1, :]
 
     def decode(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Logits of the next token after ``token`` (shape ``[1, 1]``) at cache slot ``position`` (shape ``[1]``)."""
+        if isinstance(self.lm, StateCacheLM):
+            self.lm.starting(False)
         return self.lm(input_ids=token, cache_position=position)[:, -1, :]
+
+
+def linear_attention_layer_class() -> type | None:
+    """transformers' base of cache layers holding convolution and recurrent states; None where it has none."""
+    from transformers import cache_utils
+
+    return getattr(cache_utils, "LinearAttentionCacheLayerMixin", None)
+
+
+def holds_states(model: torch.nn.Module, max_cache_len: int) -> bool:
+    """Whether ``model``'s static cache has a layer of convolution or recurrent states (a hybrid decoder)."""
+    from transformers import StaticCache
+
+    layer_class = linear_attention_layer_class()
+    if layer_class is None:
+        return False
+    cache = StaticCache(max_cache_len=max_cache_len, config=model.config.get_text_config())
+    return any(isinstance(layer, layer_class) for layer in cache.layers)
+
+
+class StateCacheLM(torch.nn.Module):
+    """A causal LM over a static cache of keys and values and of convolution and recurrent states, held in buffers.
+
+    One token run eagerly through a fresh cache sizes every layer's state as the model writes it;
+    then every state is zeroed and registered as a buffer, so both methods update the same ones.
+    Whether a call starts a sequence or continues one is a Python flag of each state layer
+    (``has_previous_state``), which the model branches on; each method is exported with its own
+    (``starting``).
+    """
+
+    def __init__(self, model: torch.nn.Module, max_cache_len: int) -> None:
+        super().__init__()
+        from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+        self.model = model
+        self.static_cache = StaticCache(max_cache_len=max_cache_len, config=model.config.get_text_config())
+        layers = self.static_cache.layers
+        for index, layer in enumerate(layers):
+            # A sliding window's wrap-around branches on the position: a plain static layer, as transformers' own
+            # export wrapper does (a sequence past the window is not supported).
+            if isinstance(layer, StaticSlidingWindowLayer):
+                layers[index] = StaticLayer(max_cache_len)
+        first = torch.zeros(1, dtype=torch.long, device=next(model.parameters()).device)
+        with torch.no_grad():
+            model(input_ids=first.reshape(1, 1), cache_position=first, past_key_values=self.static_cache,
+                  use_cache=True)
+        self.state_layers = []
+        state_class = linear_attention_layer_class()
+        for index, layer in enumerate(layers):
+            if state_class is not None and isinstance(layer, state_class):
+                self.state_layers.append(layer)
+                for slot in range(layer.number_of_states):
+                    for kind in ("conv_states", "recurrent_states"):
+                        state = getattr(layer, kind)[slot]
+                        if state is not None:
+                            self.register_buffer(f"{kind}_{index}_{slot}", state.zero_(), persistent=False)
+                layer.update_conv_state = conv_state_update_for_any_length(layer)
+            elif getattr(layer, "keys", None) is not None:
+                self.register_buffer(f"key_cache_{index}", layer.keys.zero_(), persistent=False)
+                self.register_buffer(f"value_cache_{index}", layer.values.zero_(), persistent=False)
+                if getattr(layer, "cumulative_length", None) is not None:
+                    self.register_buffer(f"cumulative_length_{index}", layer.cumulative_length.zero_(),
+                                         persistent=False)
+        self.starting(True)
+
+    def starting(self, starts: bool) -> None:
+        """Tell every state layer whether the next call starts a sequence (a prompt) or continues one."""
+        for layer in self.state_layers:
+            for slot in range(layer.number_of_states):
+                layer.has_previous_state[slot] = not starts
+
+    def forward(self, input_ids: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        for layer in self.static_cache.layers:
+            if getattr(layer, "cumulative_length", None) is not None:
+                layer.cumulative_length.copy_(cache_position[0])
+        outputs = self.model(input_ids=input_ids, cache_position=cache_position, attention_mask=None,
+                             past_key_values=self.static_cache, use_cache=True)
+        return outputs.logits
+
+
+def conv_state_update_for_any_length(layer: Any) -> Callable[..., torch.Tensor]:
+    """``layer.update_conv_state``, but for a prompt of any length without a branch on it.
+
+    transformers pads a prompt shorter than the convolution's kernel before keeping its last
+    ``kernel`` columns: a branch on the prompt's length, which export cannot keep dynamic. Padding
+    by the whole kernel always keeps the same columns. The prompt itself is returned unpadded: the
+    causal convolution that reads it pads with zeros anyway.
+    """
+    update = layer.update_conv_state
+
+    def kept_for_any_length(conv_states: torch.Tensor, state_idx: int = 0, **kwargs: Any) -> torch.Tensor:
+        if layer.has_previous_state[state_idx]:
+            return update(conv_states, state_idx, **kwargs)
+        kernel = layer.conv_kernel_size[state_idx]
+        layer.conv_states[state_idx].copy_(torch.nn.functional.pad(conv_states, (kernel, 0))[..., -kernel:])
+        layer.has_previous_state[state_idx] = True
+        return conv_states
+
+    return kept_for_any_length
 
 
 CacheShape = tuple[int, int, int]  # heads, key width, value width
