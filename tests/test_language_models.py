@@ -194,19 +194,22 @@ def test_a_cache_is_sized_as_the_model_writes_it_and_exports():
     assert placeholder_shapes["lm.key_cache_1"] == (1, 1, CACHE, 16)
 
 
-def small_short_convolution_lm(**overrides: object) -> torch.nn.Module:
+def small_short_convolution_lm() -> torch.nn.Module:
     """LFM2: short causal convolutions (a kernel of 3, their state in the cache) between attention layers."""
     from transformers import Lfm2Config, Lfm2ForCausalLM
 
     torch.manual_seed(0)
     config = Lfm2Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                        layer_types=["conv", "full_attention"], **overrides)
+                        layer_types=["conv", "full_attention"])
     return Lfm2ForCausalLM(config).eval()
 
 
 def test_a_hybrid_cache_of_convolution_states_and_keys_exports_and_matches_the_model_without_a_cache(tmp_path):
     model = small_short_convolution_lm()
+    tokens = torch.tensor([[*PROMPT, 5, 9, 2, 8]])
+    with torch.no_grad():
+        full = model(tokens).logits[0]  # no cache: every position's logits, before any wrapper touched the model
     lowered = aotstack.lower(export_decoder_lm(model, CACHE), [aotstack.AotiCpuPartitioner()], progress=False)
     lowered.save(tmp_path / "hybrid.pt2")
     loaded = aotstack.load(tmp_path / "hybrid.pt2")
@@ -215,12 +218,19 @@ def test_a_hybrid_cache_of_convolution_states_and_keys_exports_and_matches_the_m
     assert cache <= {name for name, _ in wrapped.named_buffers()}
     assert not cache & set(wrapped.state_dict()), "the cache is state, not weights"
 
-    tokens = torch.tensor([[*PROMPT, 5, 9, 2, 8]])
     with torch.no_grad():
-        full = model(tokens).logits[0]  # no cache: every position's logits
+        torch.testing.assert_close(model(tokens).logits[0], full, msg="wrapping changed the model")
         # Prompts shorter than the kernel, and longer; then each next token from the cache.
         for length in (1, 2, len(PROMPT)):
             torch.testing.assert_close(loaded.prefill(tokens[:, :length])[0], full[length - 1])
         for position in range(len(PROMPT), tokens.shape[1]):
             step = loaded.decode(tokens[:, position:position + 1], torch.tensor([position]))
             torch.testing.assert_close(step[0], full[position])
+
+
+def test_a_cache_of_states_the_wrapper_cannot_drive_is_refused_not_exported_wrong():
+    model = small_short_convolution_lm()
+    # A model that reads its cache under a keyword the wrapper does not pass runs every decode step without it.
+    model.forward = lambda *args, past_key_values=None, **kwargs: type(model).forward(model, *args, **kwargs)
+    with pytest.raises(aotstack.ExportError, match="Lfm2ForCausalLM: a prompt then two tokens through its cache"):
+        PrefillDecode(model, CACHE)

@@ -16,6 +16,7 @@ export wrapper knows only keys and values.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -24,6 +25,7 @@ import torch
 from torch.export import Dim
 
 from ..compile.export import Program, export
+from ..errors import ExportError
 
 
 @contextmanager
@@ -109,6 +111,8 @@ class StateCacheLM(torch.nn.Module):
         from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
         self.model = model
+        # Mamba's models take their cache as ``cache_params``.
+        self.cache_argument = cache_argument(model)
         self.static_cache = StaticCache(max_cache_len=max_cache_len, config=model.config.get_text_config())
         layers = self.static_cache.layers
         for index, layer in enumerate(layers):
@@ -118,8 +122,8 @@ class StateCacheLM(torch.nn.Module):
                 layers[index] = StaticLayer(max_cache_len)
         first = torch.zeros(1, dtype=torch.long, device=next(model.parameters()).device)
         with torch.no_grad():
-            model(input_ids=first.reshape(1, 1), cache_position=first, past_key_values=self.static_cache,
-                  use_cache=True)
+            model(input_ids=first.reshape(1, 1), cache_position=first, use_cache=True,
+                  **{self.cache_argument: self.static_cache})
         self.state_layers = []
         state_class = linear_attention_layer_class()
         for index, layer in enumerate(layers):
@@ -137,7 +141,34 @@ class StateCacheLM(torch.nn.Module):
                 if getattr(layer, "cumulative_length", None) is not None:
                     self.register_buffer(f"cumulative_length_{index}", layer.cumulative_length.zero_(),
                                          persistent=False)
+        self.check_against_no_cache()
+
+    def check_against_no_cache(self) -> None:
+        """Raise unless a prompt then a token through the cache give the model's logits without one; then clear it.
+
+        The model's branches on its cache are its own: one this wrapper does not drive as the
+        model expects would give wrong tokens from the first decoded one, silently.
+        """
+        parameter = next(self.model.parameters())
+        tokens = torch.tensor([[1, 2, 3, 1]], device=parameter.device)
+        with torch.no_grad():
+            want = self.model(input_ids=tokens, use_cache=False).logits[0, -1]
+            self.starting(True)
+            self(tokens[:, :2], torch.arange(2, device=tokens.device))
+            self.starting(False)
+            for position in (2, 3):
+                got = self(tokens[:, position:position + 1], torch.tensor([position], device=tokens.device))[0, -1]
+        for state in self.buffers(recurse=False):  # the cache's, not the model's own (rotary frequencies)
+            state.zero_()
         self.starting(True)
+        scale = max(1.0, want.abs().max().item())
+        difference = (got.float() - want.float()).abs().max().item() / scale
+        if not difference <= (1e-3 if parameter.dtype == torch.float32 else 5e-2):
+            raise ExportError(
+                f"{type(self.model).__name__}: a prompt then two tokens through its cache of states differ from the "
+                f"model without a cache by {difference:.2g} (relative to its largest logit); aotstack cannot drive "
+                "this model's cache for export"
+            )
 
     def starting(self, starts: bool) -> None:
         """Tell every state layer whether the next call starts a sequence (a prompt) or continues one."""
@@ -150,8 +181,17 @@ class StateCacheLM(torch.nn.Module):
             if getattr(layer, "cumulative_length", None) is not None:
                 layer.cumulative_length.copy_(cache_position[0])
         outputs = self.model(input_ids=input_ids, cache_position=cache_position, attention_mask=None,
-                             past_key_values=self.static_cache, use_cache=True)
+                             use_cache=True, **{self.cache_argument: self.static_cache})
         return outputs.logits
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The keyword ``model.forward`` takes its cache by: ``past_key_values``, or Mamba's ``cache_params``."""
+    parameters = inspect.signature(model.forward).parameters
+    for name in ("past_key_values", "cache_params"):
+        if name in parameters:
+            return name
+    raise ExportError(f"{type(model).__name__}.forward takes no cache (neither past_key_values nor cache_params)")
 
 
 def conv_state_update_for_any_length(layer: Any) -> Callable[..., torch.Tensor]:
