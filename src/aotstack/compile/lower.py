@@ -270,6 +270,8 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowering) -> Lowe
     timed, with no compile running beside it. Then, per method, the plans' regions propose one
     mixed plan (``mixing.py``), measured like the others.
     """
+    # Timing loads each plan in a child already: an engine crashing as it opens drops that plan.
+    lower_plan = replace(lower_plan, open_once=False)
     threads = torch.get_num_threads()
     plans = candidate_plans(auto)
     fingerprints = {name: program_fingerprint(exported) for name, exported in program.methods.items()}
@@ -582,6 +584,8 @@ class PlanLowering:
     skip_h2d_for_method_inputs: MethodOption
     skip_d2h_for_method_outputs: MethodOption
     keep_references: bool = False
+    # Open once, in a child, each part of an engine that compiles when opened (``parallel.py``).
+    open_once: bool = True
 
     def __call__(self, program: Program, partitioners: PartitionerPlan, plan: Plan = ()) -> LoweredProgram:
         """``program`` lowered with ``partitioners``; ``plan`` names them in progress lines (auto's mixed plan)."""
@@ -602,7 +606,7 @@ class PlanLowering:
         results: dict[PlanKey, LoweredProgram | Exception] = {}
         # Each plan between steps: its steps, the claims it yielded and the batch compiling them.
         waiting: dict[PlanKey, tuple[LoweringSteps, Mapping[str, list[Claim]], Batch]] = {}
-        with quiet_torch_warnings(), CompilePool(self.workers, self.progress) as pool:
+        with quiet_torch_warnings(), CompilePool(self.workers, self.progress, open_once=self.open_once) as pool:
 
             def advance(
                 key: PlanKey, steps: LoweringSteps, outcomes: Mapping[CompileJob, CompileOutcome] | None

@@ -85,9 +85,11 @@ class CompilePool:
     outlives it (Ctrl-C included).
     """
 
-    def __init__(self, workers: int, progress: Progress) -> None:
+    def __init__(self, workers: int, progress: Progress, *, open_once: bool = True) -> None:
         self.workers = workers
         self.progress = progress
+        # Whether a part of an engine that compiles when opened is opened once after compiling.
+        self.open_once = open_once
         self.forking = can_fork()
         self.pending: list[tuple[Batch, CompileJob]] = []
         self.running: dict[Child, tuple[Batch, CompileJob]] = {}
@@ -215,7 +217,7 @@ class CompilePool:
                 continue  # stopped below, with its batch
             batch, job = self.running.pop(worker)
             outcome = finished_worker(worker, job)
-            if outcome.result is not None and opened_after_compiling(job):
+            if outcome.result is not None and self.open_once and opened_after_compiling(job):
                 self.opening[forked(opened_once, (job, outcome.result), f"aotstack-open-{job.tag}")] = (
                     batch, job, outcome,
                 )
