@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch._guards import detect_fake_mode
@@ -90,7 +91,7 @@ def partition_program(
     graph = Graph()
     env: dict[Node, Node] = {}
     input_specs = []
-    fresh_sizes: dict[object, torch.SymInt] = {}
+    stand_ins = compound_size_stand_ins([n.meta["val"] for n in user_inputs])
     for node in owned + user_inputs:
         placeholder = graph.placeholder(node.name)
         placeholder.meta = copy.copy(node.meta)
@@ -99,7 +100,7 @@ def partition_program(
         # state stays in the method.
         fqn = constants[node] if node in owned else None
         if fqn is None:
-            placeholder.meta["val"] = contiguous_like(node.meta["val"], fresh_sizes)
+            placeholder.meta["val"] = contiguous_like(node.meta["val"], stand_ins)
         input_specs.append(input_spec_for(exported, node, placeholder.name, fqn))
     for node in subgraphs + body:
         env[node] = graph.node_copy(node, lambda n: env[n])
@@ -229,40 +230,45 @@ def input_spec_for(exported: ExportedProgram, node: Node, name: str, fqn: str | 
     return InputSpec(outer.kind, TensorArgument(name), fqn, outer.persistent)
 
 
-def contiguous_like(value: torch.Tensor, fresh_sizes: dict[object, torch.SymInt] | None = None) -> torch.Tensor:
+def contiguous_like(value: torch.Tensor, stand_ins: Mapping[Any, torch.SymInt] | None = None) -> torch.Tensor:
     """A fake tensor of ``value``'s shape, dtype and device, laid out contiguously.
 
     A delegate is compiled for contiguous inputs whatever layout the exported graph gave them:
     with a dynamic size, a compiled kernel's strides are expressions of the sizes, and only a
     contiguous layout is one every producer (another engine, a plain ATen op) can be asked for.
-
-    A size computed from data-dependent sizes (``u0 + u1``: rows routed to several experts, then
-    concatenated) takes a fresh data-dependent size of its own, one per distinct expression in
-    ``fresh_sizes``: an engine reads an input's size from the tensor, and cannot solve one
-    sum for the sizes it adds up (AOTInductor asserts it has them).
+    A size ``stand_ins`` maps (by its expression) is replaced by the size it maps to.
     """
+    stand_ins = stand_ins or {}
+    shape = [
+        stand_ins.get(size.node.expr, size) if isinstance(size, torch.SymInt) else size for size in value.shape
+    ]
     fake_mode = detect_fake_mode([value])
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        shape = [size_read_from_input(size, fake_mode, fresh_sizes) for size in value.shape]
         return torch.empty(shape, dtype=value.dtype, device=value.device)
 
 
-def size_read_from_input(
-    size: int | torch.SymInt, fake_mode: object, fresh_sizes: dict[object, torch.SymInt] | None
-) -> int | torch.SymInt:
-    """``size``, or a fresh data-dependent size standing for it where it is a compound of them."""
+def compound_size_stand_ins(inputs: list[torch.Tensor]) -> dict[Any, torch.SymInt]:
+    """For each size of ``inputs`` computed from data-dependent sizes no input has as a size of its own, a fresh one.
+
+    ``u0 + u1``: rows routed to two experts, concatenated by one engine and read by another. An
+    engine reads an input's sizes from the tensor it is fed, and cannot solve one sum for the
+    sizes it adds up (AOTInductor asserts it has them), unless another input has them as sizes.
+    Otherwise the sum stands as a data-dependent size of its own (one per distinct expression, so
+    inputs of the same size keep sharing it).
+    """
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
+    sizes = [size.node.expr for value in inputs for size in value.shape if isinstance(size, torch.SymInt)]
+    read = {expr for expr in sizes if expr.is_Symbol}
+    fake_mode = detect_fake_mode(inputs)
     shape_env = getattr(fake_mode, "shape_env", None)
-    if fresh_sizes is None or shape_env is None or not isinstance(size, torch.SymInt):
-        return size
-    expr = size.node.expr
-    if expr.is_Symbol or not free_unbacked_symbols(expr):
-        return size
-    if expr not in fresh_sizes:
+    stand_ins: dict[Any, torch.SymInt] = {}
+    for expr in dict.fromkeys(sizes):
+        if shape_env is None or expr.is_Symbol or free_unbacked_symbols(expr) <= read:
+            continue
         # An input's size is bound by the tensor fed, not computed by an op of the partition.
         with shape_env.ignore_fresh_unbacked_symbols():
-            fresh = shape_env.create_unbacked_symint()
-        torch._check(fresh >= 0)
-        fresh_sizes[expr] = fresh
-    return fresh_sizes[expr]
+            stand_in = shape_env.create_unbacked_symint()
+        torch._check(stand_in >= 0)
+        stand_ins[expr] = stand_in
+    return stand_ins
