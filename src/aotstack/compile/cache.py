@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -112,6 +113,14 @@ def keep_preprocess(key: str, result: PreprocessResult) -> None:
     for data in blobs.values():
         write_entry(PREPROCESS_KIND, content_key(data), data)
     write_entry(PREPROCESS_KIND, key + ".json", json.dumps(header).encode())
+
+
+def forget_preprocess(key: str) -> None:
+    """Drop what ``keep_preprocess`` cached under ``key`` (a result its engine then failed to open)."""
+    directory = cache_dir(PREPROCESS_KIND)
+    if directory is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(directory, key + ".json"))
 
 
 def kept_preprocess(key: str, program: ExportedProgram) -> PreprocessResult | None:

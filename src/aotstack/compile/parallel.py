@@ -39,7 +39,7 @@ from ..errors import EngineCrashError, LoweringError
 from ..format.archive import usable_cores
 from ..format.specs import PreprocessResult
 from ..format.tensor_data import BytesLike, tensor_buffer, tensor_is_viewable
-from .cache import keep_preprocess, kept_preprocess, preprocess_key
+from .cache import forget_preprocess, keep_preprocess, kept_preprocess, preprocess_key
 from .child import (
     Child,
     can_fork,
@@ -496,6 +496,10 @@ def opened_outcome(child: Child, compiled: CompileOutcome) -> CompileOutcome:
             error.__cause__ = message[1]
         else:
             return compiled
+        # The worker kept the result for the next lowering; that one must not take it unopened.
+        key = preprocess_key(job.backend, job.program, job.compile_specs)
+        if key is not None:
+            forget_preprocess(key)
         return dataclasses.replace(compiled, result=None, error=error)
     finally:
         closed(child)
