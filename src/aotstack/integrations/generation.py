@@ -124,7 +124,7 @@ class StateCacheLM(torch.nn.Module):
         with torch.no_grad():
             model(input_ids=first.reshape(1, 1), cache_position=first, use_cache=True,
                   **{self.cache_argument: self.static_cache})
-        self.state_layers = []
+        self.state_layers: list[Any] = []
         state_class = linear_attention_layer_class()
         for index, layer in enumerate(layers):
             if state_class is not None and isinstance(layer, state_class):
@@ -144,7 +144,7 @@ class StateCacheLM(torch.nn.Module):
         self.check_against_no_cache()
 
     def check_against_no_cache(self) -> None:
-        """Raise unless a prompt then a token through the cache give the model's logits without one; then clear it.
+        """Raise unless a prompt then two tokens through the cache give the model's logits without one; then clear it.
 
         The model's branches on its cache are its own: one this wrapper does not drive as the
         model expects would give wrong tokens from the first decoded one, silently.
