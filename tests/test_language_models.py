@@ -234,3 +234,17 @@ def test_a_cache_of_states_the_wrapper_cannot_drive_is_refused_not_exported_wron
     model.forward = lambda *args, past_key_values=None, **kwargs: type(model).forward(model, *args, **kwargs)
     with pytest.raises(aotstack.ExportError, match="Lfm2ForCausalLM: a prompt then two tokens through its cache"):
         PrefillDecode(model, CACHE)
+
+
+def test_a_hybrid_whose_prompt_loops_over_its_length_is_refused_with_the_reason():
+    from transformers import MambaConfig, MambaForCausalLM
+
+    torch.manual_seed(0)
+    model = MambaForCausalLM(MambaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, state_size=8)).eval()
+    wrapped = PrefillDecode(model, CACHE)  # its cache, driven eagerly, matches the model without one
+    assert wrapped.lm.cache_argument == "cache_params"
+
+    with pytest.raises(aotstack.ExportError, match="prefill") as raised:
+        export_decoder_lm(model, CACHE)
+    notes = "\n".join(raised.value.__notes__)
+    assert "MambaForCausalLM's prompt path loops in Python over the prompt's length" in notes

@@ -262,10 +262,19 @@ def export_decoder_lm(model: torch.nn.Module, max_cache_len: int) -> Program:
     """``prefill`` and ``decode`` exported from one :class:`PrefillDecode`, sharing weights and cache buffers."""
     module = PrefillDecode(model, max_cache_len).eval()
     length = Dim("length", min=1, max=max_cache_len)
-    return export(
-        module,
-        {"prefill": (torch.zeros(1, min(4, max_cache_len), dtype=torch.long),),
-         "decode": (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))},
-        dynamic_shapes={"prefill": {"tokens": {1: length}}},
-        strict=True,  # the static cache updates tensors it holds outside the module's buffers
-    )
+    try:
+        return export(
+            module,
+            {"prefill": (torch.zeros(1, min(4, max_cache_len), dtype=torch.long),),
+             "decode": (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))},
+            dynamic_shapes={"prefill": {"tokens": {1: length}}},
+            strict=True,  # the static cache updates tensors it holds outside the module's buffers
+        )
+    except ExportError as error:
+        if isinstance(module.lm, StateCacheLM) and "Constraints violated (length)" in str(error):
+            error.add_note(
+                f"{type(model).__name__}'s prompt path loops in Python over the prompt's length or its chunks (a "
+                "selective scan, a chunked delta rule), so torch.export cannot keep a prompt's length dynamic; "
+                "aotstack does not export such a hybrid decoder's prompt yet"
+            )
+        raise
