@@ -236,15 +236,29 @@ def test_a_cache_of_states_the_wrapper_cannot_drive_is_refused_not_exported_wron
         PrefillDecode(model, CACHE)
 
 
-def test_a_hybrid_whose_prompt_loops_over_its_length_is_refused_with_the_reason():
+def test_a_hybrid_whose_prompt_loops_over_its_length_exports_decode_alone_and_generates(tmp_path, caplog):
     from transformers import MambaConfig, MambaForCausalLM
+
+    from aotstack.integrations.decoding import greedy_decoder, prompt_logits
 
     torch.manual_seed(0)
     model = MambaForCausalLM(MambaConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, state_size=8)).eval()
-    wrapped = PrefillDecode(model, CACHE)  # its cache, driven eagerly, matches the model without one
-    assert wrapped.lm.cache_argument == "cache_params"
+    tokens = torch.tensor([[*PROMPT, 5, 9]])
+    with torch.no_grad():
+        full = model(tokens).logits[0, -1]  # no cache
+        want = model.generate(tokens, max_new_tokens=8, do_sample=False)[0, tokens.shape[1]:].tolist()
+    assert PrefillDecode(model, CACHE).lm.cache_argument == "cache_params"
 
-    with pytest.raises(aotstack.ExportError, match="prefill") as raised:
-        export_decoder_lm(model, CACHE)
-    notes = "\n".join(raised.value.__notes__)
-    assert "MambaForCausalLM's prompt path loops in Python over the prompt's length" in notes
+    # Its selective scan loops over the prompt's length: no dynamic prefill, so decode alone.
+    with caplog.at_level("WARNING", logger="aotstack"):
+        program = export_decoder_lm(model, CACHE)
+    assert list(program.methods) == ["decode"]
+    assert "MambaForCausalLM: its prompt path loops in Python over the prompt's length" in caplog.text
+    aotstack.lower(program, [aotstack.AotiCpuPartitioner()], progress=False).save(tmp_path / "mamba.pt2")
+    loaded = aotstack.load(tmp_path / "mamba.pt2")
+
+    with torch.no_grad():
+        # Twice: each prompt starts from the file's zeroed states, whatever the last generation left.
+        for _ in range(2):
+            assert greedy_decoder(loaded, tokens[0].tolist(), 8) == want
+            torch.testing.assert_close(prompt_logits(loaded, tokens)[0], full)

@@ -308,8 +308,27 @@ def stream_decoder(program: Any, prompt: Sequence[int], config: Any, seed: int |
         raise GenerationError("the prompt is empty: a decoder-only model needs at least one token to start from")
     history = torch.tensor([list(prompt)], dtype=torch.long)
     with torch.no_grad():
-        logits = program.prefill(history)
+        logits = prompt_logits(program, history)
     return continued(logits, history, program.decode, config, seed)
+
+
+def prompt_logits(program: Any, history: torch.Tensor) -> torch.Tensor:
+    """The logits after ``history`` (``[1, length]``): ``prefill``'s, or, for a program exported without one
+    (a hybrid decoder whose prompt path loops over its length), ``decode``'s, fed one token at a time from the
+    state in its file (``reset``)."""
+    if "prefill" in program_methods(program):
+        return program.prefill(history)
+    program.reset()
+    for position in range(history.shape[1]):
+        logits = program.decode(history[:, position:position + 1], torch.tensor([position]))
+    return logits
+
+
+def program_methods(program: Any) -> list[str]:
+    """The methods of a loaded program, or the generation methods an eager module has."""
+    if hasattr(program, "method_names"):  # a loaded file's property
+        return list(program.method_names)
+    return [name for name in ("prefill", "decode", "encode") if callable(getattr(program, name, None))]
 
 
 def stream_encoder_decoder(

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -26,6 +27,8 @@ from torch.export import Dim
 
 from ..compile.export import Program, export
 from ..errors import ExportError
+
+logger = logging.getLogger("aotstack")
 
 
 @contextmanager
@@ -259,7 +262,11 @@ def reshape_cache_as_written(wrapper: torch.nn.Module, written: list[CacheShape 
 
 
 def export_decoder_lm(model: torch.nn.Module, max_cache_len: int) -> Program:
-    """``prefill`` and ``decode`` exported from one :class:`PrefillDecode`, sharing weights and cache buffers."""
+    """``prefill`` and ``decode`` exported from one :class:`PrefillDecode`, sharing weights and cache buffers.
+
+    A hybrid decoder whose prompt path cannot be exported for any prompt length gets ``decode``
+    alone (a warning says so): the generation loops feed it the prompt one token at a time.
+    """
     module = PrefillDecode(model, max_cache_len).eval()
     length = Dim("length", min=1, max=max_cache_len)
     try:
@@ -271,10 +278,17 @@ def export_decoder_lm(model: torch.nn.Module, max_cache_len: int) -> Program:
             strict=True,  # the static cache updates tensors it holds outside the module's buffers
         )
     except ExportError as error:
-        if isinstance(module.lm, StateCacheLM) and "Constraints violated (length)" in str(error):
-            error.add_note(
-                f"{type(model).__name__}'s prompt path loops in Python over the prompt's length or its chunks (a "
-                "selective scan, a chunked delta rule), so torch.export cannot keep a prompt's length dynamic; "
-                "aotstack does not export such a hybrid decoder's prompt yet"
-            )
-        raise
+        if not (isinstance(module.lm, StateCacheLM) and "Constraints violated (length)" in str(error)):
+            raise
+    # A prompt path that loops in Python over the prompt's length or its chunks (Mamba's selective scan, a chunked
+    # delta rule) does not export with the length dynamic. Decode alone does: from zeroed states it starts a
+    # sequence as a prompt would, so the prompt goes through it token by token (``decoding.prompt_logits``).
+    logger.warning(
+        "%s: its prompt path loops in Python over the prompt's length, which torch.export cannot keep dynamic; "
+        "exporting decode alone, which takes a prompt one token at a time", type(model).__name__,
+    )
+    return export(
+        PrefillDecode(model, max_cache_len).eval(),
+        {"decode": (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))},
+        strict=True,
+    )

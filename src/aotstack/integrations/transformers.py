@@ -280,7 +280,7 @@ class AotstackModelRunner(ModelRunner):
         the config's decoder start token). See ``aotstack.integrations.decoding``.
         """
         limit = self.metadata.export_config.get("max_cache_len")
-        if "prefill" in self.methods:
+        if "prefill" in self.methods or "decode" in self.methods and "encode" not in self.methods:
             prompt = token_list(source)
             needed = len(prompt) + new_token_limit(config, len(prompt))
             if limit is not None and needed > limit:
