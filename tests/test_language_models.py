@@ -229,10 +229,19 @@ def test_a_hybrid_cache_of_convolution_states_and_keys_exports_and_matches_the_m
 
 
 def test_a_cache_of_states_the_wrapper_cannot_drive_is_refused_not_exported_wrong():
+    from transformers import StaticCache
+
     model = small_short_convolution_lm()
-    # A model that reads its cache under a keyword the wrapper does not pass runs every decode step without it.
-    model.forward = lambda *args, past_key_values=None, **kwargs: type(model).forward(model, *args, **kwargs)
-    with pytest.raises(aotstack.ExportError, match="Lfm2ForCausalLM: a prompt then two tokens through its cache"):
+    forward = model.forward
+
+    def ignoring_a_static_cache(*args, past_key_values=None, **kwargs):
+        # A model that ignores the static cache the wrapper drives (not its own): every step runs without it.
+        return forward(*args, past_key_values=None if isinstance(past_key_values, StaticCache) else past_key_values,
+                       **kwargs)
+
+    model.forward = ignoring_a_static_cache
+    refusal = "Lfm2ForCausalLM: a prompt then two tokens through its cache of states differ from transformers' own"
+    with pytest.raises(aotstack.ExportError, match=refusal):
         PrefillDecode(model, CACHE)
 
 
@@ -262,3 +271,19 @@ def test_a_hybrid_whose_prompt_loops_over_its_length_exports_decode_alone_and_ge
         for _ in range(2):
             assert greedy_decoder(loaded, tokens[0].tolist(), 8) == want
             torch.testing.assert_close(prompt_logits(loaded, tokens)[0], full)
+
+
+def test_a_layer_holding_both_states_and_keys_has_both_in_buffers():
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    torch.manual_seed(0)
+    config = FalconH1Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=8, mamba_n_heads=4,
+                            mamba_d_head=16, mamba_expand=2, mamba_d_state=8, mamba_n_groups=1, mamba_d_ssm=64,
+                            max_position_embeddings=64)
+    # Falcon-H1 runs attention and a Mamba mixer side by side in every layer; building the wrapper checks its
+    # cache against transformers' own.
+    wrapped = PrefillDecode(FalconH1ForCausalLM(config).eval(), CACHE)
+    cache = {name for name, _ in wrapped.lm.named_buffers(recurse=False)}
+    assert cache == {f"{kind}_{layer}" for kind in ("conv_states", "recurrent_states") for layer in ("0_0", "1_0")} | {
+        f"{kind}_{layer}" for kind in ("key_cache", "value_cache", "cumulative_length") for layer in (0, 1)}
