@@ -477,8 +477,10 @@ def writable_here(data: BytesLike) -> BytesLike:
     if isinstance(data, torch.Tensor):
         return data
     view = memoryview(data).cast("B")
-    if not view.readonly or not view.nbytes:
-        return view if not view.readonly else bytearray()
+    if not view.readonly:
+        return view
+    if not view.nbytes:
+        return bytearray()
     return memoryview((ctypes.c_ubyte * view.nbytes).from_address(view_address(view))).cast("B")
 
 

@@ -145,9 +145,9 @@ class StateCacheLM(torch.nn.Module):
                 if getattr(layer, "cumulative_length", None) is not None:
                     self.register_buffer(f"cumulative_length_{index}", layer.cumulative_length.zero_(),
                                          persistent=False)
-        self.check_against_no_cache()
+        self.check_against_transformers_cache()
 
-    def check_against_no_cache(self) -> None:
+    def check_against_transformers_cache(self) -> None:
         """Raise unless a prompt then two tokens through this cache give the logits transformers' own cache gives
         (or, where that cannot run, the model's without a cache); then clear it.
 
@@ -289,11 +289,11 @@ def export_decoder_lm(model: torch.nn.Module, max_cache_len: int) -> Program:
     """
     module = PrefillDecode(model, max_cache_len).eval()
     length = Dim("length", min=1, max=max_cache_len)
+    decode_inputs = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
     try:
         return export(
             module,
-            {"prefill": (torch.zeros(1, min(4, max_cache_len), dtype=torch.long),),
-             "decode": (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))},
+            {"prefill": (torch.zeros(1, min(4, max_cache_len), dtype=torch.long),), "decode": decode_inputs},
             dynamic_shapes={"prefill": {"tokens": {1: length}}},
             strict=True,  # the static cache updates tensors it holds outside the module's buffers
         )
@@ -307,8 +307,5 @@ def export_decoder_lm(model: torch.nn.Module, max_cache_len: int) -> Program:
         "%s: its prompt path loops in Python over the prompt's length, which torch.export cannot keep dynamic; "
         "exporting decode alone, which takes a prompt one token at a time", type(model).__name__,
     )
-    return export(
-        PrefillDecode(model, max_cache_len).eval(),
-        {"decode": (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))},
-        strict=True,
-    )
+    # The failed export only traced the module: its cache is still the zeroed state a sequence starts from.
+    return export(module, {"decode": decode_inputs}, strict=True)
