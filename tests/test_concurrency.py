@@ -233,3 +233,37 @@ def test_a_fork_pauses_every_openmp_runtime_loaded(tmp_path):
     result = json.loads(child.stdout.strip().splitlines()[-1])
     assert len(result["runtimes"]) >= 2, "the case needs two OpenMP runtimes in one process"
     assert result["exit"] == 0
+
+
+LIBRARIES_IN_A_CHILD = """
+import glob, json, os, sys, tempfile
+import torch
+import aotstack
+from aotstack.compile.child import forked, received
+
+scratch, path = sys.argv[1], sys.argv[2]
+tempfile.tempdir = scratch
+
+def load_and_call():
+    # The first library this process opens: the child makes its own directory for it.
+    loaded = aotstack.load(path)
+    loaded.run("forward", torch.ones(2, 256))
+    return glob.glob(os.path.join(scratch, "aotstack-libraries-*"))
+
+child = forked(load_and_call, (), "loader")
+outcome = received(child)
+child.process.join()
+print(json.dumps({"outcome": outcome[0], "while_running": outcome[1],
+                  "after": glob.glob(os.path.join(scratch, "aotstack-libraries-*"))}))
+"""
+
+
+def test_a_lowering_child_that_opens_a_library_removes_its_directory_when_it_ends(wide_path, tmp_path):
+    """Auto's timing and the opening check load files in forked children, which end with ``os._exit``: each
+    left a directory of libraries in the temporary folder, as its exit hooks never ran."""
+    result = run_child(LIBRARIES_IN_A_CHILD, str(tmp_path), str(wide_path))
+
+    assert result["outcome"] == "returned"
+    assert len(result["while_running"]) == 1, "the child wrote the library to a directory of its own"
+    assert result["after"] == [], "the child removed it as it ended"
+    assert list(tmp_path.glob("aotstack-libraries-*")) == []

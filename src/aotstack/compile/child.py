@@ -9,7 +9,7 @@ however it was defined, and starts in milliseconds instead of the seconds import
 Fork is used where ``can_fork`` says it is safe: on Linux, before CUDA is initialised in this
 process (a CUDA context does not survive fork), outside a daemonic multiprocessing worker (which
 may start no children), and with every OpenMP pool paused first
-(``aotstack.forking``). A child ends with ``os._exit``: a normal exit would wind down what the
+(``aotstack.forking``). A child ends with ``os._exit`` (``end_child``): a normal exit would wind down what the
 engine started (Inductor's compile pool; ONNX Runtime's teardown waits forever on the threads
 fork left behind). One that dies of a signal first writes its Python stack (``faulthandler``)
 to a file this process reads, so the error can say where it died.
@@ -22,7 +22,6 @@ import faulthandler
 import gc
 import logging
 import multiprocessing
-import os
 import pickle
 import signal
 import sys
@@ -38,7 +37,7 @@ import torch
 
 from ..engine.registry import BUILT_IN
 from ..errors import EngineCrashError, LoweringError
-from ..forking import pause_openmp
+from ..forking import end_child, pause_openmp
 
 logger = logging.getLogger("aotstack")
 
@@ -162,7 +161,7 @@ def child_main(
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:
             stream.flush()
-    os._exit(0)
+    end_child(0)
 
 
 def portable(error: Exception | None) -> Exception:

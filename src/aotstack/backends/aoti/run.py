@@ -7,11 +7,9 @@ the layout the code indexes with before the library sees its pointer.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import json
 import os
-import shutil
 import tempfile
 import weakref
 from collections.abc import Callable, Collection, Mapping
@@ -22,7 +20,7 @@ import torch
 
 from ...engine.interface import BackendRuntime
 from ...errors import CompileSpecError, CustomOpError, DelegateInitError, PackageError
-from ...forking import pause_openmp
+from ...forking import pause_openmp, remove_at_exit
 from ...format import processed as processed_json
 from ...format.boundary import BoundaryCheck
 from ...format.custom_ops import registered_op
@@ -300,14 +298,8 @@ def library_path(library: BytesLike, key: str, extern_nodes: BytesLike | None = 
 @functools.cache
 def private_directory() -> str:
     directory = tempfile.mkdtemp(prefix="aotstack-libraries-")
-    atexit.register(remove_directory, directory, os.getpid())
+    remove_at_exit(directory)
     return directory
-
-
-def remove_directory(directory: str, owner: int) -> None:
-    # A child made by os.fork inherits this exit hook; the directory stays its parent's to remove.
-    if os.getpid() == owner:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def library_fqns(processed: Mapping[str, Any], weights: Mapping[str, torch.Tensor], label: str) -> dict[str, str]:
