@@ -258,11 +258,13 @@ def test_a_hybrid_whose_prompt_loops_over_its_length_exports_decode_alone_and_ge
         want = model.generate(tokens, max_new_tokens=8, do_sample=False)[0, tokens.shape[1]:].tolist()
     assert PrefillDecode(model, CACHE).lm.cache_argument == "cache_params"
 
-    # Its selective scan loops over the prompt's length: no dynamic prefill, so decode alone.
+    # Its selective scan loops over the prompt's length: no dynamic prefill. Nor chunks: the scan of several
+    # tokens starts from zero whatever the cache holds. So decode alone.
     with caplog.at_level("WARNING", logger="aotstack"):
         program = export_decoder_lm(model, CACHE)
     assert list(program.methods) == ["decode"]
     assert "MambaForCausalLM: its prompt path loops in Python over the prompt's length" in caplog.text
+    assert "its prompt path does not continue from its states" in caplog.text
     aotstack.lower(program, [aotstack.AotiCpuPartitioner()], progress=False).save(tmp_path / "mamba.pt2")
     loaded = aotstack.load(tmp_path / "mamba.pt2")
 
@@ -271,6 +273,45 @@ def test_a_hybrid_whose_prompt_loops_over_its_length_exports_decode_alone_and_ge
         for _ in range(2):
             assert greedy_decoder(loaded, tokens[0].tolist(), 8) == want
             torch.testing.assert_close(prompt_logits(loaded, tokens)[0], full)
+
+
+def test_a_hybrid_that_continues_its_states_takes_a_prompt_in_chunks(tmp_path, caplog):
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    from aotstack.integrations.decoding import greedy_decoder, prompt_logits
+    from aotstack.integrations.generation import PREFILL_CHUNK
+
+    torch.manual_seed(0)
+    config = Mamba2Config(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16,
+                          state_size=8, n_groups=1, chunk_size=16)
+    model = Mamba2ForCausalLM(config).eval()
+    chunk = min(PREFILL_CHUNK, CACHE // 2)
+    tokens = torch.randint(0, 128, (1, chunk + 4), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        full = model(tokens).logits[0, -1]  # no cache
+        one_chunk = model(tokens[:, :chunk]).logits[0, -1]
+        want = model.generate(tokens, max_new_tokens=8, do_sample=False)[0, tokens.shape[1]:].tolist()
+
+    # Its chunked scan loops over the prompt's chunks: no dynamic prefill. Each call continues its states,
+    # so a prompt goes through a method of a fixed length, its remainder through decode.
+    with caplog.at_level("WARNING", logger="aotstack"):
+        program = export_decoder_lm(model, CACHE)
+    assert list(program.methods) == ["decode", "prefill_chunk"]
+    assert f"exporting decode and prefill_chunk, which takes a prompt {chunk} tokens at a time" in caplog.text
+    aotstack.lower(program, [aotstack.AotiCpuPartitioner()], progress=False).save(tmp_path / "mamba2.pt2")
+    loaded = aotstack.load(tmp_path / "mamba2.pt2")
+    assert loaded.method("prefill_chunk").inputs[0].shape == [1, chunk]
+    chunks = []
+    method = loaded.prefill_chunk
+    loaded.prefill_chunk = lambda ids, position: chunks.append(position.item()) or method(ids, position)
+
+    with torch.no_grad():
+        for _ in range(2):
+            assert greedy_decoder(loaded, tokens[0].tolist(), 8) == want
+            torch.testing.assert_close(prompt_logits(loaded, tokens)[0], full)
+        # A prompt of one chunk exactly: its logits are the chunk's.
+        torch.testing.assert_close(prompt_logits(loaded, tokens[:, :chunk])[0], one_chunk)
+    assert chunks == [0] * 5, "each prompt went through one chunk, its remainder through decode"
 
 
 def test_a_layer_holding_both_states_and_keys_has_both_in_buffers():

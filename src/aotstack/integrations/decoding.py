@@ -314,14 +314,26 @@ def stream_decoder(program: Any, prompt: Sequence[int], config: Any, seed: int |
 
 def prompt_logits(program: Any, history: torch.Tensor) -> torch.Tensor:
     """The logits after ``history`` (``[1, length]``): ``prefill``'s, or, for a program exported without one
-    (a hybrid decoder whose prompt path loops over its length), ``decode``'s, fed one token at a time from the
-    state in its file (``reset``)."""
-    if "prefill" in program_methods(program):
+    (a hybrid decoder whose prompt path loops over its length), from the state in its file (``reset``) through
+    ``prefill_chunk`` a chunk at a time where it has one, and the rest through ``decode`` one token at a time."""
+    methods = program_methods(program)
+    if "prefill" in methods:
         return program.prefill(history)
     program.reset()
-    for position in range(history.shape[1]):
+    chunk = chunk_length(program) if "prefill_chunk" in methods else None
+    chunked = 0
+    while chunk is not None and history.shape[1] - chunked >= chunk:
+        logits = program.prefill_chunk(history[:, chunked:chunked + chunk], torch.tensor([chunked]))
+        chunked += chunk
+    for position in range(chunked, history.shape[1]):
         logits = program.decode(history[:, position:position + 1], torch.tensor([position]))
     return logits
+
+
+def chunk_length(program: Any) -> int | None:
+    """The tokens a loaded program's ``prefill_chunk`` takes at a call; None where its length is not fixed."""
+    length = program.method("prefill_chunk").inputs[0].shape[1]
+    return length if isinstance(length, int) else None
 
 
 def program_methods(program: Any) -> list[str]:

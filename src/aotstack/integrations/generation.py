@@ -2,6 +2,10 @@
 
 - A decoder-only LM becomes ``prefill(tokens)`` (a prompt of 1 to ``max_cache_len`` tokens, from
   cache slot 0) and ``decode(token, position)`` (one token at cache slot ``position``).
+- A hybrid decoder whose prompt path cannot be exported for any length becomes ``decode`` and,
+  where its model continues a sequence from its states over several tokens,
+  ``prefill_chunk(tokens, position)`` (a fixed number of tokens, ``PREFILL_CHUNK``, at cache slots
+  from ``position`` on): a prompt goes through it in chunks, its remainder through ``decode``.
 (An encoder-decoder LM becomes ``encode`` and ``decode``: see ``seq2seq``.)
 
 Both methods are exported from one module, so they read the same weights and update the same
@@ -29,6 +33,9 @@ from ..compile.export import Program, export
 from ..errors import ExportError
 
 logger = logging.getLogger("aotstack")
+
+# Tokens a hybrid decoder's ``prefill_chunk`` takes: a prompt's remainder (fewer) goes through ``decode``.
+PREFILL_CHUNK = 64
 
 
 @contextmanager
@@ -78,6 +85,14 @@ class PrefillDecode(torch.nn.Module):
         if isinstance(self.lm, StateCacheLM):
             self.lm.starting(False)
         return self.lm(input_ids=token, cache_position=position)[:, -1, :]
+
+    def prefill_chunk(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        """Logits of the next token after ``tokens`` (shape ``[1, length]``) at cache slots from ``position``
+        (shape ``[1]``) on, continuing the sequence the cache holds (from slot 0: starting one)."""
+        if isinstance(self.lm, StateCacheLM):
+            self.lm.starting(False)
+        positions = position + torch.arange(tokens.shape[1], dtype=torch.long, device=position.device)
+        return self.lm(input_ids=tokens, cache_position=positions)[:, -1, :]
 
 
 def linear_attention_layer_class() -> type | None:
@@ -170,12 +185,42 @@ class StateCacheLM(torch.nn.Module):
         self.starting(True)
         scale = max(1.0, want.abs().max().item())
         difference = (got.float() - want.float()).abs().max().item() / scale
-        if not difference <= (1e-3 if parameter.dtype == torch.float32 else 5e-2):
+        if not difference <= logits_tolerance(parameter.dtype):
             raise ExportError(
                 f"{type(self.model).__name__}: a prompt then two tokens through its cache of states differ from "
                 f"transformers' own by {difference:.2g} (relative to its largest logit); aotstack cannot drive "
                 "this model's cache for export"
             )
+
+    def continuation_differences(self, length: int) -> tuple[float, float]:
+        """How far ``length`` tokens then two more, each call continuing the cache, are from the same tokens as one
+        prompt: in the cache they leave (the largest difference of a buffer, relative to its largest value) and
+        in the last logits (relative to the largest logit). The cache is cleared after.
+
+        A model whose prompt path starts from zero whatever its cache holds (Mamba's selective scan)
+        does not continue a sequence over several tokens. Two tokens are the call after: its missed
+        states had one step to decay, where at the end of a longer one they may have faded below
+        rounding, with random weights.
+        """
+        parameter = next(self.model.parameters())
+        generator = torch.Generator().manual_seed(0)
+        vocabulary = self.model.get_input_embeddings().num_embeddings
+        tokens = torch.randint(0, vocabulary, (1, length + 2), generator=generator).to(parameter.device)
+        cache = dict(self.named_buffers(recurse=False))
+        with torch.no_grad():
+            self.starting(True)
+            want = self(tokens, torch.arange(length + 2, device=tokens.device))[0, -1].float()
+            whole = {name: buffer.clone() for name, buffer in cache.items()}
+            for buffer in cache.values():
+                buffer.zero_()
+            self.starting(False)
+            self(tokens[:, :length], torch.arange(length, device=tokens.device))
+            got = self(tokens[:, length:], torch.arange(length, length + 2, device=tokens.device))[0, -1].float()
+        states = max(relative_difference(buffer, whole[name]) for name, buffer in cache.items())
+        for buffer in cache.values():
+            buffer.zero_()
+        self.starting(True)
+        return states, (got - want).abs().max().item() / max(1.0, want.abs().max().item())
 
     def reference_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """The last logits of ``tokens``: its first two as a prompt, then one at a time, through transformers' own
@@ -206,6 +251,16 @@ class StateCacheLM(torch.nn.Module):
         outputs = self.model(input_ids=input_ids, cache_position=cache_position, attention_mask=None,
                              use_cache=True, **{self.cache_argument: self.static_cache})
         return outputs.logits
+
+
+def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference between ``got`` and ``want``, relative to ``want``'s largest value (at least 1e-6)."""
+    return (got.float() - want.float()).abs().max().item() / max(want.float().abs().max().item(), 1e-6)
+
+
+def logits_tolerance(dtype: torch.dtype) -> float:
+    """How far, relative to the largest logit, a wrapper's logits may be from the model's own at ``dtype``."""
+    return 1e-3 if dtype == torch.float32 else 5e-2
 
 
 def cache_argument(model: torch.nn.Module) -> str:
@@ -285,7 +340,9 @@ def export_decoder_lm(model: torch.nn.Module, max_cache_len: int) -> Program:
     """``prefill`` and ``decode`` exported from one :class:`PrefillDecode`, sharing weights and cache buffers.
 
     A hybrid decoder whose prompt path cannot be exported for any prompt length gets ``decode``
-    alone (a warning says so): the generation loops feed it the prompt one token at a time.
+    and, where chunks of ``PREFILL_CHUNK`` tokens continuing its states match its whole sequence,
+    ``prefill_chunk`` (a warning says which): the generation loops feed it the prompt in chunks,
+    and the rest one token at a time.
     """
     module = PrefillDecode(model, max_cache_len).eval()
     length = Dim("length", min=1, max=max_cache_len)
@@ -302,10 +359,44 @@ def export_decoder_lm(model: torch.nn.Module, max_cache_len: int) -> Program:
             raise
     # A prompt path that loops in Python over the prompt's length or its chunks (Mamba's selective scan, a chunked
     # delta rule) does not export with the length dynamic. Decode alone does: from zeroed states it starts a
-    # sequence as a prompt would, so the prompt goes through it token by token (``decoding.prompt_logits``).
+    # sequence as a prompt would, so the prompt goes through it (``decoding.prompt_logits``): in chunks of a fixed
+    # length where the model continues its states over several tokens, the rest one token at a time.
+    # The failed export only traced the module: its cache is still the zeroed state a sequence starts from.
+    name = type(model).__name__
+    # At most half the cache: a prompt leaves room for its answer.
+    chunk = min(PREFILL_CHUNK, max_cache_len // 2)
+    why_not = chunks_refused(module.lm, chunk)
+    if why_not is None:
+        try:
+            program = export(
+                module,
+                {"decode": decode_inputs, "prefill_chunk": (torch.zeros(1, chunk, dtype=torch.long), decode_inputs[1])},
+                strict=True,
+            )
+        except ExportError as error:
+            why_not = f"prefill_chunk did not export ({str(error).splitlines()[0][:200]})"
+        else:
+            logger.warning(
+                "%s: its prompt path loops in Python over the prompt's length, which torch.export cannot keep dynamic; "
+                "exporting decode and prefill_chunk, which takes a prompt %d tokens at a time (the rest one at a time)",
+                name, chunk,
+            )
+            return program
     logger.warning(
         "%s: its prompt path loops in Python over the prompt's length, which torch.export cannot keep dynamic; "
-        "exporting decode alone, which takes a prompt one token at a time", type(model).__name__,
+        "exporting decode alone, which takes a prompt one token at a time (%s)", name, why_not,
     )
-    # The failed export only traced the module: its cache is still the zeroed state a sequence starts from.
     return export(module, {"decode": decode_inputs}, strict=True)
+
+
+def chunks_refused(wrapper: StateCacheLM, chunk: int) -> str | None:
+    """Why ``wrapper`` cannot take a prompt in chunks of ``chunk`` tokens; None where it can."""
+    if chunk < 2:
+        return "the cache is too short for chunks of two tokens or more"
+    states, logits = wrapper.continuation_differences(chunk)
+    tolerance = logits_tolerance(next(wrapper.model.parameters()).dtype)
+    if not (states <= tolerance and logits <= tolerance):
+        return (f"a prompt in two calls leaves a cache {states:.2g} off (relative to its largest value), and logits "
+                f"{logits:.2g} off (relative to the largest logit), from the same prompt in one call: its prompt "
+                "path does not continue from its states")
+    return None

@@ -50,6 +50,7 @@ class InputCheck:
 
     def __init__(self, method: str, inputs: list[InputRecord], in_spec: pytree.TreeSpec) -> None:
         self.method = method
+        self.records = inputs
         self.names = [record.name for record in inputs]
         self.in_spec = in_spec
         self.positional_count, self.keywords = call_shape(in_spec)

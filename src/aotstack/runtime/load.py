@@ -18,7 +18,7 @@ from ..errors import AotstackError, DelegateInitError, MethodNotFoundError, Pack
 from ..format.archive import PackageContents, read_package
 from ..format.custom_ops import allowed_op_names, check_custom_ops
 from ..format.devices import HOST, Device
-from ..format.manifest import DelegateRecord, MethodRecord, WeightRecord
+from ..format.manifest import DelegateRecord, InputRecord, MethodRecord, WeightRecord
 from ..format.op_names import OpName
 from ..format.plan import MethodPlan, WeightStep, refs, step_reads
 from ..format.seal import PublicKeyLike, keys_from_environment, public_keys
@@ -74,6 +74,14 @@ class Method:
         if self.single_output:
             return outputs[0]
         return pytree.tree_unflatten(outputs, self.out_spec)
+
+    @property
+    def inputs(self) -> list[InputRecord]:
+        """What each flat input of the method must be, as exported: its name, kind, dtype and shape.
+
+        Example: ``loaded.method("decode").inputs[0].shape == [1, 1]``; a dynamic size is a ``Dim``.
+        """
+        return list(self.check.records)
 
     def plain_call(self, flat: Sequence[Any]) -> list[Any]:
         """The plan run on checked arguments; its outputs, flat."""
