@@ -162,7 +162,7 @@ AOTSTACK_ENGINES = (STACK, STACK_XNN, STACK_ORT, STACK_OV, STACK_AUTO)
 MEMORY_ENGINES = (AOTI, ET, *AOTSTACK_ENGINES)  # the decoder's resident memory, measured in a fresh process
 # The quantized decode's targets (the quantization issue).
 SPEEDUP_TARGET = 3.0  # 8da4w aotstack tokens/s / fp32 aotstack (AOTI) tokens/s
-VS_EXECUTORCH_TARGET = 1.0  # 8da4w aotstack tokens/s / ExecuTorch XNNPACK alone
+VS_EXECUTORCH_TARGET = 1.2  # 8da4w aotstack tokens/s / ExecuTorch XNNPACK alone (issue 31; 1.0 before)
 FILE_TARGET = 0.3  # 8da4w aotstack file / fp32 aotstack (AOTI) file
 RSS_TARGET = 1.15  # RSS added by load + one call / the quantized weights' bytes
 
