@@ -505,3 +505,38 @@ def test_loading_imports_only_executorchs_runtime(lowered_with):
     modules = run_child(LOAD_ONLY, str(path))
     assert "executorch.extension.pybindings._C" in modules
     assert not [m for m in modules if m.startswith(("executorch.exir", "torch._dynamo", "torch._inductor"))]
+
+
+THREAD_COUNTS = """
+import gc, json, logging, sys, torch
+import aotstack
+from aotstack.backends.xnnpack.run import runtime_module
+from tests import models
+
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+inputs = models.example_inputs("stacked")
+torch.set_num_threads(2)
+loaded = aotstack.load(sys.argv[1])
+outputs = []
+for threads in (2, 1, 2):
+    torch.set_num_threads(threads)
+    outputs.append(loaded.forward(*inputs))
+kept = runtime_module()._threadpool_get_thread_count()
+del loaded
+gc.collect()
+torch.set_num_threads(1)
+again = aotstack.load(sys.argv[1]).forward(*inputs)
+print(json.dumps({"same": all(torch.equal(o, outputs[0]) for o in outputs + [again]), "kept": kept,
+                  "after_release": runtime_module()._threadpool_get_thread_count()}))
+"""
+
+
+def test_changing_torchs_thread_count_between_calls_leaves_xnnpacks_started_pool_alone(lowered_with):
+    """Replacing ExecuTorch's thread pool under a started delegate crashed its next call (2 threads, then 1)."""
+    make, _ = ORDERS["xnnpack-aoti"]
+    _, path = lowered_with("stacked", "xnnpack-xnnpack-aoti", make)
+    result = run_child(THREAD_COUNTS, str(path))
+
+    assert result["same"]
+    assert result["kept"] == 2, "the pool kept the threads its delegates started on"
+    assert result["after_release"] == 1, "with those delegates released, it follows torch again"

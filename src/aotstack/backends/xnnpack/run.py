@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import mmap
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +38,8 @@ from ...format.archive import page_ranges
 from ...format.boundary import BoundaryCheck
 from ...format.tensor_data import BytesLike
 from .packages import require_executorch
+
+logger = logging.getLogger("aotstack")
 
 # Named data: the ``.pte`` program, the ``.ptd``'s frame, and each of its segments (``data:<key>``).
 PROGRAM_NAME = "program.pte"
@@ -53,8 +57,44 @@ Span = tuple[int, int]
 # ExecuTorch's runtime shares one thread pool and each program's planned memory between calls:
 # one call at a time in this process (XNNPACK's pool runs one parallel job at a time anyway).
 _RUNTIME_LOCK = threading.Lock()
-# The thread count XNNPACK's pool was last given; None until a call sets it.
-_pool_threads: list[int | None] = [None]
+
+
+@dataclass
+class ThreadPool:
+    """ExecuTorch's one thread pool in this process, as its XNNPACK delegates use it.
+
+    Each delegate keeps the pool it started on: replacing the pool under a started delegate
+    (``_unsafe_reset_threadpool``) crashed its next call (SIGSEGV going from 2 threads to 1, a hang
+    back to 2). So the pool follows torch's thread count while no started delegate is alive, and
+    keeps its count while one is.
+    """
+
+    # Its thread count; None until a call reads it.
+    threads: int | None = None
+    # The handles of delegates started on it, while they are alive.
+    started: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
+    # Whether a call was told the pool cannot follow torch's thread count now.
+    warned: bool = False
+
+    def follow(self, threads: int) -> None:
+        """Give the pool ``threads`` threads, where no delegate started on it is alive."""
+        if self.threads is None:
+            self.threads = runtime_module()._threadpool_get_thread_count()
+        if self.threads == threads:
+            return
+        if not self.started:
+            runtime_module()._unsafe_reset_threadpool(threads)
+            self.threads = threads
+        elif not self.warned:
+            self.warned = True
+            logger.warning(
+                "XNNPACK keeps the %d thread(s) its loaded delegates started on: ExecuTorch's thread pool cannot be "
+                "replaced under them, so torch.set_num_threads(%d) reaches it once they are released",
+                self.threads, threads,
+            )
+
+
+_POOL = ThreadPool()
 
 
 @dataclass(frozen=True)
@@ -194,7 +234,7 @@ def loaded_module(program: bytes, data_map: bytes | None, label: str) -> Any:
     return module
 
 
-@dataclass
+@dataclass(eq=False)  # by identity: the thread pool keeps started ones in a weak set
 class XnnpackHandle:
     module: Any
     # The program and data file: ExecuTorch reads them where they are, so they must outlive the module.
@@ -217,13 +257,9 @@ def run(handle: XnnpackHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]
     # ExecuTorch takes exactly torch.Tensor (not a Parameter), contiguous, with no pending negation.
     feeds = [value.detach().resolve_neg().resolve_conj().contiguous() for value in inputs]
     with _RUNTIME_LOCK:
-        threads = torch.get_num_threads()
-        if _pool_threads[0] is None:
-            _pool_threads[0] = runtime_module()._threadpool_get_thread_count()
-        if _pool_threads[0] != threads:
-            # XNNPACK's pool follows torch's thread count, as every other engine here does.
-            runtime_module()._unsafe_reset_threadpool(threads)
-            _pool_threads[0] = threads
+        # XNNPACK's pool follows torch's thread count, as every other engine here does, until it is in use.
+        _POOL.follow(torch.get_num_threads())
+        _POOL.started.add(handle)
         try:
             outputs = handle.module.run_method(METHOD, feeds, True)
         except RuntimeError as error:
