@@ -69,8 +69,6 @@ class ThreadPool:
     keeps its count while one is.
     """
 
-    # Its thread count; None until a call reads it.
-    threads: int | None = None
     # The handles of delegates started on it, while they are alive.
     started: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     # Whether a call was told the pool cannot follow torch's thread count now.
@@ -78,19 +76,18 @@ class ThreadPool:
 
     def follow(self, threads: int) -> None:
         """Give the pool ``threads`` threads, where no delegate started on it is alive."""
-        if self.threads is None:
-            self.threads = runtime_module()._threadpool_get_thread_count()
-        if self.threads == threads:
+        # Read each time: whoever else holds ExecuTorch's runtime in this process may have resized it.
+        current = runtime_module()._threadpool_get_thread_count()
+        if current == threads:
             return
         if not self.started:
             runtime_module()._unsafe_reset_threadpool(threads)
-            self.threads = threads
         elif not self.warned:
             self.warned = True
             logger.warning(
                 "XNNPACK keeps the %d thread(s) its loaded delegates started on: ExecuTorch's thread pool cannot be "
                 "replaced under them, so torch.set_num_threads(%d) reaches it once they are released",
-                self.threads, threads,
+                current, threads,
             )
 
 
