@@ -362,7 +362,8 @@ def export_decoder_lm(model: torch.nn.Module, max_cache_len: int) -> Program:
     # sequence as a prompt would, so the prompt goes through it (``decoding.prompt_logits``): in chunks of a fixed
     # length where the model continues its states over several tokens, the rest one token at a time.
     # The failed export only traced the module: its cache is still the zeroed state a sequence starts from.
-    name = type(model).__name__
+    loops = (f"{type(model).__name__}: its prompt path loops in Python over the prompt's length, which torch.export "
+             "cannot keep dynamic")
     # At most half the cache: a prompt leaves room for its answer.
     chunk = min(PREFILL_CHUNK, max_cache_len // 2)
     why_not = chunks_refused(module.lm, chunk)
@@ -376,16 +377,10 @@ def export_decoder_lm(model: torch.nn.Module, max_cache_len: int) -> Program:
         except ExportError as error:
             why_not = f"prefill_chunk did not export ({str(error).splitlines()[0][:200]})"
         else:
-            logger.warning(
-                "%s: its prompt path loops in Python over the prompt's length, which torch.export cannot keep dynamic; "
-                "exporting decode and prefill_chunk, which takes a prompt %d tokens at a time (the rest one at a time)",
-                name, chunk,
-            )
+            logger.warning("%s; exporting decode and prefill_chunk, which takes a prompt %d tokens at a time (the "
+                           "rest one at a time)", loops, chunk)
             return program
-    logger.warning(
-        "%s: its prompt path loops in Python over the prompt's length, which torch.export cannot keep dynamic; "
-        "exporting decode alone, which takes a prompt one token at a time (%s)", name, why_not,
-    )
+    logger.warning("%s; exporting decode alone, which takes a prompt one token at a time (%s)", loops, why_not)
     return export(module, {"decode": decode_inputs}, strict=True)
 
 

@@ -254,9 +254,11 @@ def run(handle: XnnpackHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]
     # ExecuTorch takes exactly torch.Tensor (not a Parameter), contiguous, with no pending negation.
     feeds = [value.detach().resolve_neg().resolve_conj().contiguous() for value in inputs]
     with _RUNTIME_LOCK:
-        # XNNPACK's pool follows torch's thread count, as every other engine here does, until it is in use.
+        # XNNPACK's pool follows torch's thread count, as every other engine here does, while no started
+        # delegate holds it.
         _POOL.follow(torch.get_num_threads())
-        _POOL.started.add(handle)
+        if not handle.started:
+            _POOL.started.add(handle)
         try:
             outputs = handle.module.run_method(METHOD, feeds, True)
         except RuntimeError as error:
