@@ -180,11 +180,8 @@ class StateCacheLM(torch.nn.Module):
             self.starting(False)
             for position in (2, 3):
                 got = self(tokens[:, position:position + 1], torch.tensor([position], device=tokens.device))[0, -1]
-        for state in self.buffers(recurse=False):  # the cache's, not the model's own (rotary frequencies)
-            state.zero_()
-        self.starting(True)
-        scale = max(1.0, want.abs().max().item())
-        difference = (got.float() - want.float()).abs().max().item() / scale
+        self.clear()
+        difference = logits_difference(got, want)
         if not difference <= logits_tolerance(parameter.dtype):
             raise ExportError(
                 f"{type(self.model).__name__}: a prompt then two tokens through its cache of states differ from "
@@ -209,18 +206,21 @@ class StateCacheLM(torch.nn.Module):
         cache = dict(self.named_buffers(recurse=False))
         with torch.no_grad():
             self.starting(True)
-            want = self(tokens, torch.arange(length + 2, device=tokens.device))[0, -1].float()
+            want = self(tokens, torch.arange(length + 2, device=tokens.device))[0, -1]
             whole = {name: buffer.clone() for name, buffer in cache.items()}
-            for buffer in cache.values():
-                buffer.zero_()
+            self.clear()
             self.starting(False)
             self(tokens[:, :length], torch.arange(length, device=tokens.device))
-            got = self(tokens[:, length:], torch.arange(length, length + 2, device=tokens.device))[0, -1].float()
+            got = self(tokens[:, length:], torch.arange(length, length + 2, device=tokens.device))[0, -1]
         states = max(relative_difference(buffer, whole[name]) for name, buffer in cache.items())
-        for buffer in cache.values():
-            buffer.zero_()
+        self.clear()
+        return states, logits_difference(got, want)
+
+    def clear(self) -> None:
+        """Zero the cache (its buffers, not the model's own, such as rotary frequencies); the next call starts."""
+        for state in self.buffers(recurse=False):
+            state.zero_()
         self.starting(True)
-        return states, (got - want).abs().max().item() / max(1.0, want.abs().max().item())
 
     def reference_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         """The last logits of ``tokens``: its first two as a prompt, then one at a time, through transformers' own
@@ -256,6 +256,11 @@ class StateCacheLM(torch.nn.Module):
 def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
     """The largest difference between ``got`` and ``want``, relative to ``want``'s largest value (at least 1e-6)."""
     return (got.float() - want.float()).abs().max().item() / max(want.float().abs().max().item(), 1e-6)
+
+
+def logits_difference(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference between two sets of logits, relative to the largest of ``want`` (at least 1)."""
+    return (got.float() - want.float()).abs().max().item() / max(1.0, want.float().abs().max().item())
 
 
 def logits_tolerance(dtype: torch.dtype) -> float:
