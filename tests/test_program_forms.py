@@ -62,3 +62,55 @@ def test_a_pooling_window_overhanging_its_padded_input_is_narrowed_to_it_with_th
     lowered.save(tmp_path / "pools.pt2")
     for got, expected in zip(aotstack.load(tmp_path / "pools.pt2").forward(x), want, strict=True):
         torch.testing.assert_close(got, expected)
+
+
+def repeated_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Each key/value head once per query head of its group, as transformers' ``repeat_kv`` repeats them."""
+    batch, heads, length, width = x.shape
+    return x[:, :, None].expand(batch, heads, group, length, width).reshape(batch, heads * group, length, width)
+
+
+class GroupedQueries(torch.nn.Module):
+    """Attention over key/value heads repeated per query head: three that can run on the heads themselves, two not."""
+
+    def forward(self, query: torch.Tensor, prompt: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                shared: torch.Tensor, per_head: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        keys, values = repeated_heads(key, 3), repeated_heads(value, 3)
+        return (
+            F.scaled_dot_product_attention(query, keys, values, attn_mask=shared),
+            F.scaled_dot_product_attention(query, keys, values, attn_mask=per_head, scale=0.3),
+            F.scaled_dot_product_attention(query, keys, values),
+            # Two query tokens, and a causal flag: left as they are.
+            F.scaled_dot_product_attention(prompt, keys, values),
+            F.scaled_dot_product_attention(query, keys, values, is_causal=True),
+        )
+
+
+def attention_nodes(program: torch.export.ExportedProgram) -> list[torch.fx.Node]:
+    return [node for node in program.graph.nodes if node.target == torch.ops.aten.scaled_dot_product_attention.default]
+
+
+def reads_the_heads(program: torch.export.ExportedProgram) -> list[bool]:
+    """Per attention node, in graph order: whether it reads the inputs ``key`` and ``value`` themselves."""
+    return [node.args[1].name == "key" and node.args[2].name == "value" for node in attention_nodes(program)]
+
+
+def test_a_one_token_attention_over_repeated_key_value_heads_reads_the_heads_themselves(tmp_path):
+    arguments = (torch.randn(1, 6, 1, 8), torch.randn(1, 6, 2, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8),
+                 torch.tensor([[[[True, True, False, True, False]]]]), torch.randn(1, 6, 1, 5))
+    with torch.no_grad():
+        exported = torch.export.export(GroupedQueries(), arguments)
+
+    method = aotstack.Program({"forward": exported}).methods["forward"]
+
+    assert reads_the_heads(method) == [True, True, True, False, False]
+    assert [node.args[0].meta["val"].shape for node in attention_nodes(method)[:3]] == [torch.Size([1, 2, 3, 8])] * 3
+    assert reads_the_heads(exported) == [False] * 5, "the user's program is not changed"
+    want = GroupedQueries()(*arguments)
+    for got, expected in zip(method.module()(*arguments), want, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+
+    lowered = aotstack.lower(aotstack.Program({"forward": exported}), [aotstack.AotiCpuPartitioner()])
+    lowered.save(tmp_path / "grouped.pt2")
+    for got, expected in zip(aotstack.load(tmp_path / "grouped.pt2").forward(*arguments), want, strict=True):
+        torch.testing.assert_close(got, expected)

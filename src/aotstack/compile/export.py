@@ -13,6 +13,7 @@ import torch
 from torch.export import ExportedProgram
 
 from ..errors import ExportError
+from .attention import with_grouped_attention
 from .pooling import with_pooling_windows_fitted
 from .program_parts import updated_buffers
 
@@ -49,7 +50,8 @@ class Program:
         #   and lowering needs those updates as outputs of a functional graph;
         # - one exported from a model quantized with torchao holds its weights as tensor subclasses, which
         #   decomposing unwraps into the plain tensors they pack, which the file can store;
-        # - a pooling window may overhang its input (``ceil_mode``), which every engine handles badly or not at all.
+        # - a pooling window may overhang its input (``ceil_mode``), which every engine handles badly or not at all;
+        # - a one-token attention may read its key/value heads repeated per query head, a copy of the cache per call.
         self.methods = {name: normalized(program) for name, program in self.methods.items()}
 
 
@@ -123,10 +125,11 @@ def functional(exported: ExportedProgram) -> ExportedProgram:
 
 
 def normalized(exported: ExportedProgram) -> ExportedProgram:
-    """``exported`` as ``export`` would have made it: functional, in the inference IR, its pooling windows fitted."""
+    """``exported`` as ``export`` would have made it: functional, in the inference IR, its pooling windows
+    fitted and its one-token attention over repeated key/value heads run on the heads themselves."""
     if exported.dialect == "TRAINING" or mutates_in_place(exported) or holds_subclass_weights(exported):
         exported = functional(exported)
-    return with_pooling_windows_fitted(exported)
+    return with_grouped_attention(with_pooling_windows_fitted(exported))
 
 
 def mutates_in_place(exported: ExportedProgram) -> bool:

@@ -12,9 +12,10 @@ import torch
 from torch.fx import GraphModule
 from torch.nn.attention import SDPBackend
 
+from ...compile.graph_edits import inserted_call, replace_node
 from .backend import AotiBackend
 from .partitioner import AotiPartitioner
-from .passes import GraphPass, inserted_call, replace_node
+from .passes import GraphPass
 
 aten = torch.ops.aten
 

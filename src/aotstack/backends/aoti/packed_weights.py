@@ -45,10 +45,10 @@ from torch.export import ExportedProgram
 from torch.fx import Graph, GraphModule, Node
 
 from ...compile.constants import renamed_signature
+from ...compile.graph_edits import inserted_call
 from ...compile.packed_integers import WORDS, fit_signed, packed_words, signed_range, slots_in
 from ...compile.program_parts import constant_placeholders, program_weights
 from ...compile.quantize import is_dequantize, zero_free
-from .passes import inserted_call
 
 aten = torch.ops.aten
 prims = torch.ops.prims

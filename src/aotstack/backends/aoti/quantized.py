@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from ...compile.graph_edits import inserted_call, replace_node
 from ...compile.quantize import is_dequantize
 from .packed_weights import is_int8_slot
-from .passes import inserted_call, replace_node
 
 aten = torch.ops.aten
 prims = torch.ops.prims

@@ -1,0 +1,30 @@
+"""Edits to an FX graph that keep it readable by later steps: each new node carries its ``meta["val"]``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch._guards import detect_fake_mode
+from torch.fx import Graph, Node
+from torch.utils import _pytree as pytree
+
+
+def inserted_call(
+    graph: Graph, target: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+) -> Node:
+    """A new call to ``target`` at the graph's insertion point, with its ``meta["val"]``."""
+    node = graph.call_function(target, args, kwargs)
+    values, keywords = pytree.tree_map_only(Node, lambda arg: arg.meta["val"], (args, kwargs or {}))
+    fake_mode = detect_fake_mode(pytree.tree_leaves((values, keywords)))
+    if fake_mode is not None:
+        with fake_mode:
+            node.meta["val"] = target(*values, **keywords)
+    return node
+
+
+def replace_node(graph: Graph, node: Node, result: Node) -> None:
+    """Put ``result`` in ``node``'s place: its users read ``result``, which keeps ``node``'s meta but its value."""
+    result.meta.update({key: value for key, value in node.meta.items() if key != "val"})
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
