@@ -130,6 +130,7 @@ def regroup(graph: Graph, attention: GroupedAttention, copies: dict[Node, Node])
     node = copies[attention.node]
     batch, heads, _, width = tensor_shape(attention.query) or []
     grouped_shape = [batch, heads // attention.group, attention.group, width]
+    before = set(graph.nodes)
     with graph.inserting_before(node):
         query = reshaped(graph, copies[attention.query], grouped_shape)
         mask = None if attention.mask is None else copies[attention.mask]
@@ -141,8 +142,10 @@ def regroup(graph: Graph, attention: GroupedAttention, copies: dict[Node, Node])
             (query, copies[attention.key], copies[attention.value], mask),
             {} if attention.scale is None else {"scale": attention.scale},
         )
-        grouped.meta.update({key: value for key, value in node.meta.items() if key != "val"})
         result = reshaped(graph, grouped, [batch, heads, 1, width])
+    # Each new node is the attention's doing: its module stack and source line, for reports and engines that read them.
+    for added in set(graph.nodes) - before:
+        added.meta.update({key: value for key, value in node.meta.items() if key != "val"})
     node.replace_all_uses_with(result)
     graph.erase_node(node)
 
