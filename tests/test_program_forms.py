@@ -71,7 +71,7 @@ def repeated_heads(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 class GroupedQueries(torch.nn.Module):
-    """Attention over key/value heads repeated per query head: three that can run on the heads themselves, two not."""
+    """Attention over key/value heads repeated per query head: four that can run on the heads themselves, two not."""
 
     def forward(self, query: torch.Tensor, prompt: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 shared: torch.Tensor, per_head: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -80,6 +80,7 @@ class GroupedQueries(torch.nn.Module):
             F.scaled_dot_product_attention(query, keys, values, attn_mask=shared),
             F.scaled_dot_product_attention(query, keys, values, attn_mask=per_head, scale=0.3),
             F.scaled_dot_product_attention(query, keys, values),
+            F.scaled_dot_product_attention(query, key, value, enable_gqa=True),
             # Two query tokens, and a causal flag: left as they are.
             F.scaled_dot_product_attention(prompt, keys, values),
             F.scaled_dot_product_attention(query, keys, values, is_causal=True),
@@ -103,9 +104,10 @@ def test_a_one_token_attention_over_repeated_key_value_heads_reads_the_heads_the
 
     method = aotstack.Program({"forward": exported}).methods["forward"]
 
-    assert reads_the_heads(method) == [True, True, True, False, False]
-    assert [node.args[0].meta["val"].shape for node in attention_nodes(method)[:3]] == [torch.Size([1, 2, 3, 8])] * 3
-    assert reads_the_heads(exported) == [False] * 5, "the user's program is not changed"
+    assert reads_the_heads(method) == [True, True, True, True, False, False]
+    assert [node.args[0].meta["val"].shape for node in attention_nodes(method)[:4]] == [torch.Size([1, 2, 3, 8])] * 4
+    assert not any(node.kwargs.get("enable_gqa") for node in attention_nodes(method))
+    assert reads_the_heads(exported) == [False, False, False, True, False, False], "the user's program is unchanged"
     want = GroupedQueries()(*arguments)
     for got, expected in zip(method.module()(*arguments), want, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)

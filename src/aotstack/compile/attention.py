@@ -11,8 +11,9 @@ its query ``[B, H, 1, D]`` viewed as ``[B, H_kv, group, D]``, and its result vie
 values are the same dot products and the same softmax per row.
 
 Left alone: a query longer than one token (prompts are compute-bound; the copy is a small part),
-a causal flag (its mask is aligned to rows, which grouping would move), dropout, ``enable_gqa``
-and a mask that differs per query head of a group in a way that cannot be regrouped.
+a causal flag (its mask is aligned to rows, which grouping would move), dropout, and a mask that
+differs per query head of a group in a way that cannot be regrouped. An attention that asks for
+the repeat itself (``enable_gqa``) is grouped the same way.
 """
 
 from __future__ import annotations
@@ -71,6 +72,15 @@ def repeated_heads(node: object) -> tuple[Node, int] | None:
     return source, group[2]
 
 
+def shared_heads(node: object, heads: int) -> tuple[Node, int] | None:
+    """``(node, group)`` where ``node`` ``[B, H_kv, S, D]`` serves ``heads`` query heads, ``group`` each
+    (``enable_gqa``, which the ONNX exporter, for one, writes as a repeat of the key/value heads)."""
+    shape = tensor_shape(node) if isinstance(node, Node) else None
+    if shape is None or len(shape) != 4 or not isinstance(shape[1], int) or shape[1] >= heads or heads % shape[1]:
+        return None
+    return node, heads // shape[1]
+
+
 def tensor_shape(node: Node) -> list[int | torch.SymInt] | None:
     value = node.meta.get("val")
     return list(value.shape) if isinstance(value, torch.Tensor) else None
@@ -84,14 +94,17 @@ def grouped_attention(node: Node) -> GroupedAttention | None:
     if normalized is None:
         return None
     arguments = normalized.kwargs
-    if arguments.get("dropout_p", 0.0) != 0.0 or arguments.get("is_causal") or arguments.get("enable_gqa"):
+    if arguments.get("dropout_p", 0.0) != 0.0 or arguments.get("is_causal"):
         return None
-    key, value = repeated_heads(arguments["key"]), repeated_heads(arguments["value"])
     query = arguments["query"]
-    if key is None or value is None or key[1] != value[1] or not isinstance(query, Node):
-        return None
-    shape = tensor_shape(query)
+    shape = tensor_shape(query) if isinstance(query, Node) else None
     if shape is None or len(shape) != 4 or shape[2] != 1 or not all(isinstance(size, int) for size in shape):
+        return None
+    if arguments.get("enable_gqa"):
+        key, value = shared_heads(arguments["key"], shape[1]), shared_heads(arguments["value"], shape[1])
+    else:
+        key, value = repeated_heads(arguments["key"]), repeated_heads(arguments["value"])
+    if key is None or value is None or key[1] != value[1]:
         return None
     mask = arguments.get("attn_mask")
     if mask is not None and not (isinstance(mask, Node) and regroupable_mask(mask, shape[1])):
