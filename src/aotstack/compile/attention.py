@@ -155,7 +155,11 @@ def regroup(graph: Graph, attention: GroupedAttention, copies: dict[Node, Node])
             (query, copies[attention.key], copies[attention.value], mask),
             {} if attention.scale is None else {"scale": attention.scale},
         )
-        result = reshaped(graph, grouped, [batch, heads, 1, width])
+        # Copied, never viewed: decomposed, the attention is a kernel whose result is laid out query by query
+        # ([B, rows, H_kv, D], transposed back), and its heads and rows then do not merge in place.
+        result = inserted_call(graph, aten._unsafe_view.default, (
+            inserted_call(graph, aten.clone.default, (grouped,), {"memory_format": torch.contiguous_format}),
+            [batch, heads, 1, width]))
     # Each new node is the attention's doing: its module stack and source line, for reports and engines that read them.
     for added in set(graph.nodes) - before:
         added.meta.update({key: value for key, value in node.meta.items() if key != "val"})
