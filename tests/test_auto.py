@@ -323,6 +323,19 @@ def test_a_lighter_plan_does_not_displace_a_faster_one_or_aoti_alone(seconds, me
     assert kept.chosen == (0 if aoti_seconds < 0.011 else 1), kept.reason
 
 
+@pytest.mark.parametrize("xnnpack_seconds", [0.0102, 0.0098])
+def test_plans_that_hold_no_memory_leave_the_fastest_in_place_and_say_so(xnnpack_seconds):
+    plans = [
+        candidate(["aoti_cpu"], 0.020, megabytes=300),
+        candidate(["onnxruntime", "aoti_cpu"], 0.0100, megabytes=0),
+        candidate(["xnnpack", "aoti_cpu"], xnnpack_seconds, megabytes=0),
+    ]
+    kept = auto_module.selection("forward", plans, 1)
+    fastest = 1 if xnnpack_seconds > 0.0100 else 2
+    assert kept.chosen == fastest
+    assert kept.reason.startswith(f"{auto_module.plan_text(plans[fastest].engines)} is the fastest"), kept.reason
+
+
 @pytest.mark.parametrize("held", [-1, 1.5, "64 MB", True])
 def test_a_file_whose_plan_memory_is_not_a_count_is_refused(held):
     plan = {"engines": ["aoti_cpu"], "seconds": 0.01, "engine_seconds": {}, "error": None, "resident_bytes": held}

@@ -308,7 +308,9 @@ def lightest(level: list[tuple[int, Candidate]], fastest: Candidate) -> tuple[in
         return None
     index, candidate = min(measured, key=lambda item: item[1].resident_bytes or 0)
     assert candidate.resident_bytes is not None
-    return (index, candidate) if candidate.resident_bytes <= fastest.resident_bytes * (1 - LIGHTER) else None
+    # Strictly less: where the fastest holds nothing measurable, no plan is lighter (0 is not 10% under 0).
+    lighter = candidate.resident_bytes < fastest.resident_bytes * (1 - LIGHTER)
+    return (index, candidate) if candidate is not fastest and lighter else None
 
 
 def milliseconds(seconds: float) -> str:
