@@ -23,12 +23,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch._guards import detect_fake_mode
 from torch.export import ExportedProgram
 from torch.fx import Graph, GraphModule, Node
-from torch.utils import _pytree as pytree
 
 from ...compile.constants import renamed_signature
+from ...compile.graph_edits import inserted_call
 from ...compile.int8_tensor import (
     RESHAPES,
     Int8Linear,
@@ -153,8 +152,4 @@ def dequantized_activations(graph: Graph, layer: Int8Linear) -> Node:
 
 def call(graph: Graph, target: torch._ops.OpOverload, *args: Any, **kwargs: Any) -> Node:
     """A new call at the graph's insertion point, with its ``meta["val"]`` computed on the graph's fake tensors."""
-    node = graph.call_function(target, args, kwargs)
-    values, keywords = pytree.tree_map_only(Node, lambda arg: arg.meta["val"], (args, kwargs))
-    with detect_fake_mode(pytree.tree_leaves(values)):
-        node.meta["val"] = target(*values, **keywords)
-    return node
+    return inserted_call(graph, target, args, kwargs)
