@@ -157,9 +157,7 @@ def regroup(graph: Graph, attention: GroupedAttention, copies: dict[Node, Node])
         )
         # Copied, never viewed: decomposed, the attention is a kernel whose result is laid out query by query
         # ([B, rows, H_kv, D], transposed back), and its heads and rows then do not merge in place.
-        result = inserted_call(graph, aten._unsafe_view.default, (
-            inserted_call(graph, aten.clone.default, (grouped,), {"memory_format": torch.contiguous_format}),
-            [batch, heads, 1, width]))
+        result = copied_as(graph, grouped, [batch, heads, 1, width])
     # Each new node is the attention's doing: its module stack and source line, for reports and engines that read them.
     for added in set(graph.nodes) - before:
         added.meta.update({key: value for key, value in node.meta.items() if key != "val"})
@@ -171,6 +169,11 @@ def reshaped(graph: Graph, node: Node, shape: list[int | torch.SymInt]) -> Node:
     """``node`` viewed as ``shape``, or copied first where its strides do not allow a view (as ``reshape`` does)."""
     if viewable(node, shape):
         return inserted_call(graph, aten.view.default, (node, shape))
+    return copied_as(graph, node, shape)
+
+
+def copied_as(graph: Graph, node: Node, shape: list[int | torch.SymInt]) -> Node:
+    """``node`` copied into memory of its own, laid out as ``shape`` (what ``reshape`` decomposes to)."""
     copied = inserted_call(graph, aten.clone.default, (node,), {"memory_format": torch.contiguous_format})
     return inserted_call(graph, aten._unsafe_view.default, (copied, shape))
 
