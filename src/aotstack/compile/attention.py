@@ -7,8 +7,9 @@ cache, ``group`` times over, before attending to it: on a 99.5 M Llama at cache 
 time its attention takes. transformers' eager decode does not (``pack_gqa``): for one query
 token, the queries of a group become rows of one query against its key/value head. The same
 here, in the graph every engine is given: the attention reads ``key`` and ``value`` as they are,
-its query ``[B, H, 1, D]`` viewed as ``[B, H_kv, group, D]``, and its result viewed back. The
-values are the same dot products and the same softmax per row.
+its query ``[B, H, 1, D]`` viewed as ``[B, H_kv, group, D]``, and its result copied back to
+``[B, H, 1, D]`` (a small copy: one row per head). The values are the same dot products and the
+same softmax per row.
 
 Left alone: a query longer than one token (prompts are compute-bound; the copy is a small part),
 a causal flag (its mask is aligned to rows, which grouping would move), dropout, and a mask that
