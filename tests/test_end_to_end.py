@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 from torch.fx.passes.utils.fuser_utils import validate_partition
 
 import aotstack
+from aotstack.engine import processor
 from aotstack.format.ops import is_delegate_call
 from tests import models
 from tests.conftest import assert_matches_eager, run_in_fresh_process
@@ -115,3 +118,46 @@ def test_dynamic_batch_and_an_input_named_like_a_builtin(tmp_path):
             torch.testing.assert_close(loaded.forward(x), model(x), rtol=1e-5, atol=1e-5)
     with pytest.raises(aotstack.InputError, match=r"'input' has shape \[3, 15\], expected \[s\d+ in \[1, 64\], 16\]"):
         loaded.forward(torch.randn(3, 15))
+
+
+@pytest.mark.skipif(not processor.capabilities(), reason="torch cannot tell this CPU's features")
+def test_a_cpu_library_records_the_instructions_it_needs_and_a_cpu_without_them_is_refused(lowered_package, tmp_path):
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    lowered, _ = lowered_package("linear")
+    [delegate] = lowered.delegates("forward")
+    needed = json.loads(delegate.processed_bytes)["cpu_features"]
+    vector_code = processor.features_of_flags(pick_vec_isa().build_arch_flags().split())
+    assert set(vector_code) <= set(needed) <= processor.cpu_features()
+    assert processor.missing_features(needed) == []
+
+    # The same file, as compiled on a machine with one more instruction set than this one.
+    processed = json.loads(delegate.processed_bytes)
+    processed["cpu_features"] = [*needed, "avx_from_the_future"]
+    foreign = dataclasses.replace(lowered, delegate_table={
+        "forward": [dataclasses.replace(delegate, processed_bytes=json.dumps(processed).encode())]
+    })
+    foreign.save(tmp_path / "foreign.pt2")
+    with pytest.raises(aotstack.DelegateInitError, match=r"method 'forward'.*lacks \(avx_from_the_future\)"):
+        aotstack.load(tmp_path / "foreign.pt2")
+
+
+def test_caches_key_what_was_compiled_and_measured_by_the_processor(monkeypatch):
+    from aotstack.backends.aoti import compile as aoti_compile
+    from aotstack.compile import auto, cache
+    from aotstack.compile.program_parts import program_structure
+
+    exported = aotstack.export(models.build("linear"), {"forward": models.example_inputs("linear")}).methods["forward"]
+    # An engine whose compiled partitions aotstack caches (AOTInductor's libraries have a cache of their own).
+    backend = pytest.importorskip("aotstack.backends.ort.backend").OrtBackend()
+    assert cache.preprocess_key(backend, exported, []) is not None
+
+    def keys() -> tuple[str, ...]:
+        return (aoti_compile.cache_key(program_structure(exported), {}), cache.preprocess_key(backend, exported, []),
+                auto.measurement_key("program", exported, ("aoti_cpu",), 1))
+
+    here = keys()
+    for module in (aoti_compile, cache, auto):
+        monkeypatch.setattr(module, "processor_fingerprint", lambda: "another processor")
+    elsewhere = keys()
+    assert all(a != b for a, b in zip(here, elsewhere, strict=True))

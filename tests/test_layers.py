@@ -61,7 +61,7 @@ RUNTIME_USED_BY = {"aotstack.compile.check", "aotstack.compile.measure"}
 RUNTIME_MODULES = {
     "aotstack", "aotstack.errors", "aotstack.forking", "aotstack.format", "aotstack.runtime", "aotstack.backends",
     "aotstack.engine", "aotstack.engine.interface", "aotstack.engine.registry",
-    "aotstack.engine.session", *(module.rpartition(".")[0] for module in RUN_SIDE),
+    "aotstack.engine.session", "aotstack.engine.processor", *(module.rpartition(".")[0] for module in RUN_SIDE),
     *RUN_SIDE,
 }
 RUNTIME_PACKAGES = ("aotstack.format.", "aotstack.runtime.")

@@ -44,6 +44,7 @@ import torch
 from torch.export import ExportedProgram
 
 from .. import __version__
+from ..engine.processor import processor_fingerprint
 from ..engine.registry import BUILT_IN, backend_class
 from ..errors import EngineCrashError, LoweringError
 from ..format.devices import parse_device_spec
@@ -144,14 +145,16 @@ def plan_text(plan: Sequence[str]) -> str:
 
 def measurement_key(fingerprint: str, exported: ExportedProgram, plan: Plan, threads: int) -> str:
     """What a measurement depends on: the program (its ``program_fingerprint``), its example inputs, the plan,
-    the thread count and the versions of torch, aotstack and the plan's engines (their compile revisions too).
+    the thread count, the processor and the versions of torch, aotstack and the plan's engines (their compile
+    revisions too).
     """
     inputs = getattr(exported, "example_inputs", None)
     shapes = [
         [str(leaf.dtype), list(leaf.shape)] if isinstance(leaf, torch.Tensor) else repr(leaf)
         for leaf in torch.utils._pytree.tree_leaves(inputs)
     ]
-    parts = [torch.__version__, __version__, str(threads), json.dumps(list(plan)), json.dumps(shapes)]
+    parts = [torch.__version__, __version__, str(threads), processor_fingerprint(), json.dumps(list(plan)),
+             json.dumps(shapes)]
     parts += [f"{name}={package_version(name)}" for backend_id in plan for name in BUILT_IN[backend_id].packages]
     parts += [f"{backend_id} revision {compile_revision(backend_id)}" for backend_id in plan]
     return hashlib.sha256("\0".join([*parts, fingerprint]).encode()).hexdigest()

@@ -206,6 +206,8 @@ class AotiBackend(Backend):
             # Read a few rows a call: the run side lets their pages go after the first.
             "gathered": compiled.gathered,
             "input_strides": [static_stride(node) for node in user_input_placeholders(exported_program)],
+            # The CPU features its code may use: the run side refuses a CPU without them (it would die of SIGILL).
+            "cpu_features": compiled.cpu_features,
             # What the library's code takes; its run side checks every call against it.
             "boundary": partition_boundary(exported_program, label, device.type.value).to_json(),
         }

@@ -21,6 +21,7 @@ from ... import __version__
 from ...compile.cache import read_entry, write_entry
 from ...compile.program_parts import Structure, constant_placeholders, program_structure, program_weights
 from ...compile.quantize import op_qualname
+from ...engine.processor import features_of_flags, native_code_features, processor_fingerprint
 from ...errors import LoweringError
 from ...format.devices import HOST, Device, DeviceType
 from ...format.tensor_data import content_key
@@ -70,6 +71,8 @@ class CompiledPartition:
     from_cache: bool = False
     # The weights read only as embedding tables, a few rows a call (``gathered_weights``).
     gathered: list[str] = field(default_factory=list)
+    # The CPU features (cpuinfo's names) the library's code may use; empty for a device's library.
+    cpu_features: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -103,17 +106,37 @@ def compile_partition(
     options = steps.options if kernel_check is None else {**steps.options, "fx_graph_cache": False}
     structure = program_structure(program, every_value=folds_weights(options))
     key = cache_key(structure, {**options, "aotstack.device": str(steps.device), "aotstack.revision": steps.revision})
+    # The cache is keyed by this processor, so a cached library needs what one compiled now would.
+    needed = library_cpu_features(options) if steps.device == HOST else []
     files = cached_files(key)
     if files is not None and len(files.weights) == len(structure.weights):
         logger.debug("%s: reusing the library from the compile cache", label)
         renamed = {ours: theirs for ours, theirs in zip(files.weights, structure.weights) if ours != theirs}
         return CompiledPartition(files.library, constants, renamed, files.extern_nodes, from_cache=True,
-                                 gathered=gathered)
+                                 gathered=gathered, cpu_features=needed)
     if cache_only:
         return None
     files = compiled_files(program, replace(steps, options=options), label, kernel_check, structure.weights)
     store_files(key, files)
-    return CompiledPartition(files.library, constants, extern_nodes=files.extern_nodes, gathered=gathered)
+    return CompiledPartition(files.library, constants, extern_nodes=files.extern_nodes, gathered=gathered,
+                             cpu_features=needed)
+
+
+def library_cpu_features(options: dict[str, Any]) -> list[str]:
+    """The CPU features a library Inductor compiles here under ``options`` may use, by cpuinfo's names.
+
+    Those of the vector code it writes (its ``pick_vec_isa``: AVX-512 and AMX where this CPU has
+    them), and, under ``-march=native`` (Inductor's default; torch 2.13's ``cpp.march`` or
+    ``TORCHINDUCTOR_CPP_MARCH`` names another target), every vector extension of this CPU.
+    """
+    from torch._inductor import config
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    with config.patch({name: value for name, value in options.items() if name.startswith("cpp.")}):
+        isa = pick_vec_isa()
+        native = getattr(config.cpp, "march", None) is None
+    needed = features_of_flags(isa.build_arch_flags().split()) if isa else []
+    return sorted({*needed, *(native_code_features() if native else [])})
 
 
 # What a table passes through between its stored form and the gather: elementwise ops, a slice of its
@@ -229,12 +252,13 @@ def folds_weights(options: dict[str, Any]) -> bool:
 def cache_key(structure: Structure, options: dict[str, Any]) -> str:
     """A hash of everything the library depends on: the program's structure and the options.
 
-    So is the thread count, which the generated OpenMP code bakes in. Weights' names and (but for
-    the ones the code may hold) values are not: partitions of repeated layers share a library.
+    So are the thread count, which the generated OpenMP code bakes in, and the processor, whose
+    instructions it is compiled for. Weights' names and (but for the ones the code may hold) values
+    are not: partitions of repeated layers share a library.
     """
     # "structure": entries keyed by names and every weight's value, from before, are not reused.
     threads, options_text = str(torch.get_num_threads()), repr(sorted(options.items()))
-    parts = (torch.__version__, __version__, threads, options_text, "structure")
+    parts = (torch.__version__, __version__, threads, options_text, processor_fingerprint(), "structure")
     digest = hashlib.sha256("\0".join(parts).encode())
     digest.update(structure.digest.encode())
     return digest.hexdigest()

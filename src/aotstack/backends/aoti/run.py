@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 import torch
 
 from ...engine.interface import BackendRuntime
+from ...engine.processor import missing_features
 from ...errors import CompileSpecError, CustomOpError, DelegateInitError, PackageError
 from ...forking import pause_openmp, remove_at_exit
 from ...format import processed as processed_json
@@ -66,6 +67,7 @@ class AotiRuntime(BackendRuntime):
         gathered = gathered_names(processed, weights, label)
         if LIBRARY_NAME not in named_data:
             raise PackageError(f"{label}: the package holds no named data {LIBRARY_NAME!r}")
+        check_cpu_features(processed, label)
         extern_nodes = named_data.get(EXTERN_NODES_NAME)
         if extern_nodes is not None:
             check_proxy_calls(bytes(extern_nodes), label)
@@ -147,6 +149,18 @@ class AotiHandle:
     reads_in_place: frozenset[str] = frozenset()
     # Of those, the ones it reads a few rows of a call (embedding tables).
     gathered: frozenset[str] = frozenset()
+
+
+def check_cpu_features(processed: Mapping[str, Any], label: str) -> None:
+    """Refuse a library compiled for CPU features this machine lacks (absent from files written before: none)."""
+    needed = processed_json.string_list(processed, "cpu_features", label) if "cpu_features" in processed else []
+    missing = missing_features(needed)
+    if missing:
+        raise DelegateInitError(
+            f"{label}: its library was compiled for CPU instructions this machine lacks ({', '.join(missing)}), and "
+            "would crash the process; compile the model on a machine like this one, or for an older CPU "
+            "(with torch 2.13 or newer: TORCHINDUCTOR_CPP_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 while compiling)"
+        )
 
 
 def gathered_names(processed: Mapping[str, Any], weights: Mapping[str, torch.Tensor], label: str) -> frozenset[str]:
