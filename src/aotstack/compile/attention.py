@@ -23,11 +23,10 @@ from dataclasses import dataclass
 
 import torch
 from torch.export import ExportedProgram
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import Graph, Node
 from torch.fx.operator_schemas import normalize_function
 
-from .constants import renamed_signature
-from .graph_edits import inserted_call
+from .graph_edits import edited_copy, inserted_call
 
 aten = torch.ops.aten
 
@@ -129,14 +128,13 @@ def with_grouped_attention(exported: ExportedProgram) -> ExportedProgram:
     found = [attention for node in exported.graph.nodes if (attention := grouped_attention(node))]
     if not found:
         return exported
-    graph = Graph()
-    copies: dict[Node, Node] = {}
-    graph.output(graph.graph_copy(exported.graph, copies))
-    for attention in found:
-        regroup(graph, attention, copies)
-    graph.eliminate_dead_code()
-    module = GraphModule(exported.graph_module, graph)
-    return exported._update(module, renamed_signature(exported.graph_signature, graph))
+
+    def edit(graph: Graph, copies: dict[Node, Node]) -> None:
+        for attention in found:
+            regroup(graph, attention, copies)
+        graph.eliminate_dead_code()  # the repeats of the key/value heads
+
+    return edited_copy(exported, edit)
 
 
 def regroup(graph: Graph, attention: GroupedAttention, copies: dict[Node, Node]) -> None:

@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch._guards import detect_fake_mode
-from torch.fx import Graph, Node
+from torch.export import ExportedProgram
+from torch.fx import Graph, GraphModule, Node
 from torch.utils import _pytree as pytree
+
+from .constants import renamed_signature
+
+
+def edited_copy(exported: ExportedProgram, edit: Callable[[Graph, dict[Node, Node]], None]) -> ExportedProgram:
+    """A new program whose graph is a copy of ``exported``'s that ``edit(graph, copies)`` changed in place.
+
+    ``copies`` maps each node of ``exported``'s graph to its copy; ``exported`` is not changed.
+    """
+    graph = Graph()
+    copies: dict[Node, Node] = {}
+    graph.output(graph.graph_copy(exported.graph, copies))
+    edit(graph, copies)
+    module = GraphModule(exported.graph_module, graph)
+    return exported._update(module, renamed_signature(exported.graph_signature, graph))
 
 
 def inserted_call(

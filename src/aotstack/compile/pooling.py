@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import Graph, Node
 from torch.fx.operator_schemas import normalize_function
 
-from .constants import renamed_signature
+from .graph_edits import edited_copy
 
 # Pooling ops by the number of spatial dimensions their window spans.
 POOLING_DIMENSIONS = {
@@ -98,14 +98,13 @@ def with_pooling_windows_fitted(exported: ExportedProgram) -> ExportedProgram:
     fitted = {node: (window, kernel) for node, window in windows.items() if (kernel := window.fitted_kernel())}
     if not fitted:
         return exported
-    graph = Graph()
-    copies: dict[Node, Node] = {}
-    graph.output(graph.graph_copy(exported.graph, copies))
-    for original, (window, kernel) in fitted.items():
-        copy = copies[original]
-        copy.args, copy.kwargs = narrowed_call(copy, window, kernel), {}
-    module = GraphModule(exported.graph_module, graph)
-    return exported._update(module, renamed_signature(exported.graph_signature, graph))
+
+    def edit(graph: Graph, copies: dict[Node, Node]) -> None:
+        for original, (window, kernel) in fitted.items():
+            copy = copies[original]
+            copy.args, copy.kwargs = narrowed_call(copy, window, kernel), {}
+
+    return edited_copy(exported, edit)
 
 
 def narrowed_call(node: Node, window: PoolingWindow, kernel: list[int]) -> tuple[Any, ...]:

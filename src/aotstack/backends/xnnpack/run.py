@@ -204,6 +204,7 @@ def assembled_data_map(
     return b"".join(pieces)
 
 
+@functools.cache  # asked at every call (the thread pool's size): imported once
 def runtime_module() -> Any:
     """ExecuTorch's runtime extension (see the module's docstring for why not ``portable_lib``)."""
     require_executorch("an xnnpack partition needs executorch to run", DelegateInitError)
