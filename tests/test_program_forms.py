@@ -120,3 +120,45 @@ def test_a_one_token_attention_over_repeated_key_value_heads_reads_the_heads_the
     lowered.save(tmp_path / "grouped.pt2")
     for got, expected in zip(aotstack.load(tmp_path / "grouped.pt2").forward(*arguments), want, strict=True):
         torch.testing.assert_close(got, expected)
+
+
+class TwoLinears(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(64, 32)
+        self.second = torch.nn.Linear(32, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
+def test_torchaos_unsigned_int8_products_of_a_vnni_cpu_become_the_signed_products_they_equal(monkeypatch):
+    """torchao exports ``Int8DynamicActivationInt8WeightConfig``'s product shifted to unsigned on a CPU with VNNI
+    and without AMX; made so here on any CPU, its program reads as every other CPU's, with the same numbers."""
+    from torchao.kernel import intmm
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    from aotstack.compile.int8_tensor import int8_linears
+
+    monkeypatch.setattr(intmm, "_cpu_is_vnni_supported", lambda: True)
+    monkeypatch.setattr(intmm, "_cpu_is_amx_tile_supported", lambda: False)
+    model = TwoLinears().eval()
+    quantize_(model, Int8DynamicActivationInt8WeightConfig())
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        exported = torch.export.export(model, (x,))
+        expected = model(x)
+    as_exported = exported.run_decompositions({})
+    assert [n.args[0].meta["val"].dtype for n in as_exported.graph.nodes
+            if n.target is torch.ops.aten._int_mm.default] == [torch.uint8] * 2
+
+    normalized = aotstack.Program({"forward": exported}).methods["forward"]
+
+    products = [n for n in normalized.graph.nodes if n.target is torch.ops.aten._int_mm.default]
+    assert [n.args[0].meta["val"].dtype for n in products] == [torch.int8] * 2
+    targets = {n.target for n in normalized.graph.nodes}
+    assert torch.ops.aten.sum.dim_IntList not in targets and torch.ops.aten.sub.Tensor not in targets
+    assert len(int8_linears(normalized.graph)) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(normalized.module()(x), expected, rtol=0, atol=0)

@@ -26,7 +26,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.export import ExportedProgram
 from torch.fx import Graph, Node
+
+from .graph_edits import edited_copy, inserted_call, replace_node
 
 aten = torch.ops.aten
 # Ops that only reshape: looked through between a layer's nodes.
@@ -345,3 +348,90 @@ def is_float_weight(node: object) -> bool:
 def fits_channels(scales: Node, stored: Node) -> bool:
     """Whether ``scales`` holds one value per output channel of ``stored``, or one for the whole tensor."""
     return scales.meta["val"].numel() in (1, stored.meta["val"].shape[0])
+
+
+# torchao's unsigned activations, undone -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnsignedProduct:
+    """``sub(_int_mm(u8(i32(q) + 128), w), mul(sum(w, [0], True, int32), 128))``, which equals ``_int_mm(q, w)``."""
+
+    signed: Node
+    weights: Node
+    # The nodes of the shift and of taking it out again, which the signed product leaves unread.
+    shift: tuple[Node, ...]
+
+
+def with_signed_int8_products(exported: ExportedProgram) -> ExportedProgram:
+    """``exported`` with each ``Int8Tensor`` product over unsigned activations made the signed product it equals.
+
+    On a CPU with VNNI and without AMX, torchao (0.18, torch 2.12 and newer) computes a dynamic
+    int8 layer in the form VNNI's instructions take: ``q`` shifted to unsigned, multiplied, and the
+    shift taken out again. So a program depends on the CPU that exported it, and every engine
+    reading the layer (``int8_linear``) would meet a second form. Here each such form becomes the
+    one other CPUs export, which is exact: integer sums either way. ``exported`` is returned as it
+    is where it has none.
+    """
+    if not any(unsigned_product(node) is not None for node in exported.graph.nodes):
+        return exported
+
+    def edit(graph: Graph, copies: dict[Node, Node]) -> None:
+        shifts: list[Node] = []
+        for node in list(graph.nodes):
+            found = unsigned_product(node)
+            if found is None:
+                continue
+            with graph.inserting_before(node):
+                product = inserted_call(graph, aten._int_mm.default, (found.signed, found.weights))
+            replace_node(graph, node, product)
+            shifts.extend(found.shift)
+        # A metadata check of a node the signed product leaves unread would keep it computed.
+        for node in shifts:
+            for check in [user for user in node.users if is_call(user) and user.target in METADATA_CHECKS]:
+                graph.erase_node(check)
+        graph.eliminate_dead_code()
+
+    return edited_copy(exported, edit)
+
+
+def unsigned_product(node: Node) -> UnsignedProduct | None:
+    """``node`` read as an ``UnsignedProduct``, or None."""
+    if not is_call(node) or node.target is not aten.sub.Tensor or len(node.args) != 2 or node.kwargs:
+        return None
+    int_mm, compensation = node.args
+    if not is_call(int_mm) or int_mm.target is not aten._int_mm.default:
+        return None
+    unsigned, weights = int_mm.args
+    shift = shifted_from(unsigned)
+    if shift is None or not is_call(compensation) or compensation.target is not aten.mul.Tensor:
+        return None
+    total, factor = compensation.args
+    if factor != 128 or not is_call(total) or total.target is not aten.sum.dim_IntList:
+        return None
+    if total.args[0] is not weights or [int(dim) for dim in total.args[1]] not in ([0], [-2]):
+        return None
+    return UnsignedProduct(shift[-1], weights, (*shift[:-1], int_mm, compensation, total))
+
+
+def shifted_from(unsigned: object) -> tuple[Node, ...] | None:
+    """Where ``unsigned`` is ``_to_copy(add(_to_copy(q, dtype=int32), 128), dtype=uint8)`` of an int8 ``q``: those
+    nodes, ``q`` last."""
+    if not (is_integer_cast(unsigned, torch.uint8) and is_call(unsigned.args[0])):
+        return None
+    shifted = unsigned.args[0]
+    if shifted.target is not aten.add.Tensor or shifted.args[1] != 128:
+        return None
+    if not is_integer_cast(shifted.args[0], torch.int32):
+        return None
+    widened = shifted.args[0]
+    signed = widened.args[0]
+    value = signed.meta.get("val") if isinstance(signed, Node) else None
+    if not (isinstance(value, torch.Tensor) and value.dtype == torch.int8):
+        return None
+    return unsigned, shifted, widened, signed
+
+
+def is_integer_cast(node: object, dtype: torch.dtype) -> bool:
+    """``_to_copy(x, dtype=dtype)`` and nothing else."""
+    return is_call(node) and node.target is aten._to_copy.default and node.kwargs == {"dtype": dtype}
