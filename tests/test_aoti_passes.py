@@ -11,9 +11,9 @@ from torch.fx import Graph, GraphModule, Node
 
 import aotstack
 from aotstack.backends.aoti.cuda import conv1d_as_conv2d
+from aotstack.backends.aoti.few_rows import FewRowsProductAsReductionPass, IntMmRowMajorPass
 from aotstack.backends.aoti.metal import LinearAsMatmulPass
 from aotstack.backends.aoti.packed_weights import with_packed_weights
-from aotstack.backends.aoti.quantized import DequantizedLinearAsReductionPass, IntMmRowMajorPass
 from tests import models
 
 aten = torch.ops.aten
@@ -177,7 +177,7 @@ def test_dequantized_linear_of_one_row_becomes_a_reduction_that_keeps_the_number
     with torch.no_grad():
         expected = exported.module()(x)
 
-    assert DequantizedLinearAsReductionPass()(exported.graph_module) is True
+    assert FewRowsProductAsReductionPass()(exported.graph_module) is True
 
     ops = targets(exported.graph_module)
     assert aten.linear.default not in ops and ops.count(aten.add.Tensor) == 1
@@ -197,19 +197,58 @@ def test_dequantized_linear_of_one_row_becomes_a_reduction_that_keeps_the_number
         torch.testing.assert_close(exported.module()(x), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_float_linear_of_one_or_two_rows_becomes_a_reduction_that_keeps_the_numbers(dtype):
+    model = LinearsOfBothKinds().eval().to(dtype)
+    x = torch.randn(2, 64, dtype=dtype)
+    exported = aotstack.export(model, {"forward": (x,)}).methods["forward"]
+    with torch.no_grad():
+        expected = exported.module()(x)
+
+    assert FewRowsProductAsReductionPass()(exported.graph_module) is True
+
+    ops = targets(exported.graph_module)
+    assert aten.linear.default not in ops and ops.count(aten.sum.dim_IntList) == 2
+    reduced = [n for n in exported.graph_module.graph.nodes if n.target is aten.sum.dim_IntList]
+    # Each weight multiplied as stored, [out, in], so the sum runs along its rows.
+    assert [tuple(n.args[0].args[1].meta["val"].shape) for n in reduced] == [(32, 64), (16, 32)]
+    with torch.no_grad():
+        tolerance = 1e-5 if dtype is torch.float32 else 2e-2
+        torch.testing.assert_close(exported.module()(x), expected, rtol=tolerance, atol=tolerance)
+
+
 @pytest.mark.parametrize(
     ("quantized", "rows"),
-    [(False, 1), (True, 8)],
-    ids=["float weights", "eight rows"],
+    [(False, 3), (True, 8)],
+    ids=["float weights, three rows", "dequantized weights, eight rows"],
 )
-def test_dequantized_linear_pass_keeps_float_weights_and_many_rows_as_linear(quantized, rows):
+def test_few_rows_pass_keeps_products_of_more_rows_as_linear(quantized, rows):
     model = LinearsOfBothKinds().eval()
     if quantized:
         model = aotstack.quantize(model, linear="8da4w", group_size=32)
     exported = aotstack.export(model, {"forward": (torch.randn(rows, 64),)}).methods["forward"]
 
-    assert DequantizedLinearAsReductionPass()(exported.graph_module) is False
+    assert FewRowsProductAsReductionPass()(exported.graph_module) is False
     assert targets(exported.graph_module).count(aten.linear.default) == 2
+
+
+class InputMajorWeight(torch.nn.Module):
+    """GPT-2's ``Conv1D``: the weight stored ``[in, out]``, multiplied by ``addmm(bias, x, weight)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(64, 32))
+        self.bias = torch.nn.Parameter(torch.randn(32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(self.bias, x, self.weight)
+
+
+def test_few_rows_pass_keeps_a_float_weight_stored_across_its_input_dimension():
+    exported = aotstack.export(InputMajorWeight().eval(), {"forward": (torch.randn(1, 64),)}).methods["forward"]
+
+    assert FewRowsProductAsReductionPass()(exported.graph_module) is False
+    assert targets(exported.graph_module) == [aten.addmm.default]
 
 
 def test_dequantized_linear_pass_takes_a_product_over_a_cast_of_int8_weights():
@@ -224,7 +263,7 @@ def test_dequantized_linear_pass_takes_a_product_over_a_cast_of_int8_weights():
     with torch.no_grad():
         expected = exported.module()(x)
 
-    assert DequantizedLinearAsReductionPass()(exported.graph_module) is True
+    assert FewRowsProductAsReductionPass()(exported.graph_module) is True
 
     ops = targets(exported.graph_module)
     assert aten.mm.default not in ops and ops.count(aten.sum.dim_IntList) == 2
@@ -252,7 +291,7 @@ def test_int8_weights_a_product_reads_transposed_are_packed_and_one_row_reduces_
                                            in integers.items()}
     with torch.no_grad():
         torch.testing.assert_close(packed.module()(x), expected, rtol=0, atol=0)
-    assert DequantizedLinearAsReductionPass()(packed.graph_module) is True
+    assert FewRowsProductAsReductionPass()(packed.graph_module) is True
     ops = targets(packed.graph_module)
     assert not {aten.mm.default, aten._int_mm.default, aten.cat.default} & set(ops)
     assert ops.count(aten.sum.dim_IntList) == 8
@@ -342,7 +381,7 @@ def test_a_packed_linear_of_one_row_reduces_each_slot_where_it_lies():
         expected = exported.module()(x)
     packed = with_packed_weights(exported)
 
-    assert DequantizedLinearAsReductionPass()(packed.graph_module) is True
+    assert FewRowsProductAsReductionPass()(packed.graph_module) is True
 
     # One product per slot of each linear's input (two bytes' halves for ``first``, eight words' slots for
     # ``second``), and no join of the slots left to compile.
@@ -391,7 +430,7 @@ def test_slots_that_split_groups_read_scales_stored_for_each_part_and_no_zero_po
     with torch.no_grad():
         for got, want in zip(packed.module()(ids), expected, strict=True):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert DequantizedLinearAsReductionPass()(packed.graph_module) is True
+    assert FewRowsProductAsReductionPass()(packed.graph_module) is True
     with torch.no_grad():
         for got, want in zip(packed.module()(ids), expected, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -439,7 +478,7 @@ def test_zero_points_and_the_packing_offset_leave_the_loop_of_a_packed_linear_an
     assert weights["zeros"].dtype is torch.float32 and torch.equal(weights["zeros"], offset_zeros)
     with torch.no_grad():
         torch.testing.assert_close(packed.module()(x), expected, rtol=0, atol=0)
-    assert DequantizedLinearAsReductionPass()(packed.graph_module) is True
+    assert FewRowsProductAsReductionPass()(packed.graph_module) is True
     # The slots' loops read no zero point: one product of group sums and zero points corrects their sum.
     dequantized = [n for n in packed.graph.nodes if n.target is torch.ops.torchao.dequantize_affine.default]
     assert dequantized and all(n.args[3] is None for n in dequantized)
@@ -460,7 +499,7 @@ def test_a_quantized_linear_reading_another_reads_its_rewrite():
         expected = exported.module()(x)
 
     packed = with_packed_weights(exported)
-    assert DequantizedLinearAsReductionPass()(packed.graph_module) is True
+    assert FewRowsProductAsReductionPass()(packed.graph_module) is True
     packed.graph.lint()
     assert not [n for n in packed.graph.nodes if n.target is aten.linear.default]
     with torch.no_grad():

@@ -458,7 +458,7 @@ def test_a_llama_runs_every_int8_linear_in_the_first_engine(tmp_path, name, orde
 
 
 def test_one_token_through_aotinductor_reads_each_kind_of_intx_weight_right(tmp_path):
-    """A decode step (one row): AOTInductor reduces over integer weights (``DequantizedLinearAsReductionPass``).
+    """A decode step (one row): AOTInductor reduces over integer weights (``FewRowsProductAsReductionPass``).
 
     One model carries four kinds of layer, so one compile covers them: an int4 embedding, int4 in groups with
     activations quantized as it runs (``up``), ``Int8WeightOnlyConfig``'s product over a cast of

@@ -6,24 +6,25 @@ from typing import ClassVar
 
 from .backend import AotiBackend
 from .compile import ProgramPass
+from .few_rows import FewRowsProductAsReductionPass, IntMmRowMajorPass
 from .packed_weights import with_packed_weights
 from .partitioner import AotiPartitioner
 from .passes import GraphPass
-from .quantized import DequantizedLinearAsReductionPass, IntMmRowMajorPass
 
 
 class AotiCpuBackend(AotiBackend):
     backend_id = "aoti_cpu"
     device_name = "cpu"
     # 2: int4 weights stored two a byte; 3: embedding tables named for release ("gathered"); 4: int4 and
-    # int8 weights packed into float32-typed words (packed_weights.py); 6: grouped expert matmuls compiled (experts.py).
-    compile_revision = 6
+    # int8 weights packed into float32-typed words (packed_weights.py); 6: grouped expert matmuls compiled (experts.py);
+    # 7: float linears of few rows as reductions (few_rows.py).
+    compile_revision = 7
 
     def program_passes(self) -> list[ProgramPass]:
         return [with_packed_weights]
 
     def custom_passes(self) -> list[GraphPass]:
-        return [DequantizedLinearAsReductionPass(), IntMmRowMajorPass()]
+        return [FewRowsProductAsReductionPass(), IntMmRowMajorPass()]
 
 
 class AotiCpuPartitioner(AotiPartitioner):
