@@ -31,6 +31,19 @@ class LinearModel(torch.nn.Module):
         return self.linear(x)
 
 
+class LinearsOfBothKinds(torch.nn.Module):
+    """A linear with a bias and one without, quantized or not by the test."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(64, 32)
+        self.second = torch.nn.Linear(32, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
 class SplitModel(torch.nn.Module):
     """An excluded op (sigmoid) between supported ops, and a second output."""
 

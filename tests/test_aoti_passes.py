@@ -156,22 +156,9 @@ def test_conv1d_as_conv2d_takes_unbatched_inputs():
     torch.testing.assert_close(got, torch.nn.functional.conv1d(x, weight, bias, 1, 1, 1, 2))
 
 
-class LinearsOfBothKinds(torch.nn.Module):
-    """A linear with a bias and one without, quantized or not by the test."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.first = torch.nn.Linear(64, 32)
-        self.second = torch.nn.Linear(32, 16, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.second(torch.relu(self.first(x)))
-
-
 @pytest.mark.parametrize("scheme", ["8da4w", "8w"])
 def test_dequantized_linear_of_one_row_becomes_a_reduction_that_keeps_the_numbers(scheme):
-    model = aotstack.quantize(LinearsOfBothKinds().eval(), linear=scheme, group_size=32)
+    model = aotstack.quantize(models.LinearsOfBothKinds().eval(), linear=scheme, group_size=32)
     x = torch.randn(1, 1, 64)
     exported = aotstack.export(model, {"forward": (x,)}).methods["forward"]
     with torch.no_grad():
@@ -199,7 +186,7 @@ def test_dequantized_linear_of_one_row_becomes_a_reduction_that_keeps_the_number
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_float_linear_of_one_or_two_rows_becomes_a_reduction_that_keeps_the_numbers(dtype):
-    model = LinearsOfBothKinds().eval().to(dtype)
+    model = models.LinearsOfBothKinds().eval().to(dtype)
     x = torch.randn(2, 64, dtype=dtype)
     exported = aotstack.export(model, {"forward": (x,)}).methods["forward"]
     with torch.no_grad():
@@ -223,7 +210,7 @@ def test_a_float_linear_of_one_or_two_rows_becomes_a_reduction_that_keeps_the_nu
     ids=["float weights, three rows", "dequantized weights, eight rows"],
 )
 def test_few_rows_pass_keeps_products_of_more_rows_as_linear(quantized, rows):
-    model = LinearsOfBothKinds().eval()
+    model = models.LinearsOfBothKinds().eval()
     if quantized:
         model = aotstack.quantize(model, linear="8da4w", group_size=32)
     exported = aotstack.export(model, {"forward": (torch.randn(rows, 64),)}).methods["forward"]
@@ -255,7 +242,7 @@ def test_dequantized_linear_pass_takes_a_product_over_a_cast_of_int8_weights():
     """``Int8WeightOnlyConfig`` leaves ``mm(x, w_int8.t().to(float))`` and the scales after it."""
     from torchao.quantization import Int8WeightOnlyConfig, quantize_
 
-    model = LinearsOfBothKinds().eval()
+    model = models.LinearsOfBothKinds().eval()
     quantize_(model, Int8WeightOnlyConfig())
     x = torch.randn(1, 1, 64)
     exported = aotstack.export(model, {"forward": (x,)}).methods["forward"]
@@ -276,7 +263,7 @@ def test_int8_weights_a_product_reads_transposed_are_packed_and_one_row_reduces_
     """A cast of them to float for ``mm``, or ``_int_mm``'s operand: words of four, then one product per slot."""
     import torchao.quantization
 
-    model = LinearsOfBothKinds().eval()
+    model = models.LinearsOfBothKinds().eval()
     torchao.quantization.quantize_(model, getattr(torchao.quantization, config)())
     x = torch.randn(1, 1, 64)
     exported = aotstack.export(model, {"forward": (x,)}).methods["forward"]
@@ -374,7 +361,7 @@ def test_weights_are_packed_into_the_widest_words_whose_slots_hold_whole_groups(
 
 
 def test_a_packed_linear_of_one_row_reduces_each_slot_where_it_lies():
-    model = aotstack.quantize(LinearsOfBothKinds().eval(), linear="8da4w", group_size=32)
+    model = aotstack.quantize(models.LinearsOfBothKinds().eval(), linear="8da4w", group_size=32)
     x = torch.randn(1, 1, 64)
     exported = aotstack.export(model, {"forward": (x,)}).methods["forward"]
     with torch.no_grad():
@@ -540,7 +527,7 @@ def test_a_weight_two_readers_would_pack_differently_stays_as_it_is():
 def test_int_mm_pass_hands_the_product_a_row_major_activation():
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
 
-    model = LinearsOfBothKinds().eval()
+    model = models.LinearsOfBothKinds().eval()
     quantize_(model, Int8DynamicActivationInt8WeightConfig())
     x = torch.randn(1, 1, 64)
     exported = aotstack.export(model, {"forward": (x,)}).methods["forward"]

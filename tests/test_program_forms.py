@@ -7,6 +7,7 @@ import torch.nn.functional as F
 
 import aotstack
 from aotstack.backends.openvino.partitioner import OpenVinoPartitioner
+from tests import models
 
 POOLS = ("aten.avg_pool1d.default", "aten.avg_pool2d.default", "aten.max_pool2d.default",
          "aten.max_pool2d_with_indices.default")
@@ -122,17 +123,6 @@ def test_a_one_token_attention_over_repeated_key_value_heads_reads_the_heads_the
         torch.testing.assert_close(got, expected)
 
 
-class TwoLinears(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.first = torch.nn.Linear(64, 32)
-        self.second = torch.nn.Linear(32, 16, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.second(torch.relu(self.first(x)))
-
-
 def test_torchaos_unsigned_int8_products_of_a_vnni_cpu_become_the_signed_products_they_equal(monkeypatch):
     """torchao exports ``Int8DynamicActivationInt8WeightConfig``'s product shifted to unsigned on a CPU with VNNI
     and without AMX; made so here on any CPU, its program reads as every other CPU's, with the same numbers."""
@@ -143,7 +133,7 @@ def test_torchaos_unsigned_int8_products_of_a_vnni_cpu_become_the_signed_product
 
     monkeypatch.setattr(intmm, "_cpu_is_vnni_supported", lambda: True)
     monkeypatch.setattr(intmm, "_cpu_is_amx_tile_supported", lambda: False)
-    model = TwoLinears().eval()
+    model = models.LinearsOfBothKinds().eval()
     quantize_(model, Int8DynamicActivationInt8WeightConfig())
     x = torch.randn(3, 64)
     with torch.no_grad():
