@@ -322,8 +322,12 @@ def is_torchao(node: object, name: str) -> bool:
 
 def is_float_cast(node: object) -> bool:
     """``_to_copy(x, dtype=float32)`` and nothing else (same device, layout, memory format)."""
-    return is_call(node) and node.target is aten._to_copy.default and set(node.kwargs) == {"dtype"} \
-        and node.kwargs["dtype"] is torch.float32
+    return is_cast_to(node, torch.float32)
+
+
+def is_cast_to(node: object, dtype: torch.dtype) -> bool:
+    """``_to_copy(x, dtype=dtype)`` and nothing else."""
+    return is_call(node) and node.target is aten._to_copy.default and node.kwargs == {"dtype": dtype}
 
 
 def is_transpose_2d(node: Node) -> bool:
@@ -417,12 +421,12 @@ def unsigned_product(node: Node) -> UnsignedProduct | None:
 def shifted_from(unsigned: object) -> tuple[Node, ...] | None:
     """Where ``unsigned`` is ``_to_copy(add(_to_copy(q, dtype=int32), 128), dtype=uint8)`` of an int8 ``q``: those
     nodes, ``q`` last."""
-    if not (is_integer_cast(unsigned, torch.uint8) and is_call(unsigned.args[0])):
+    if not (is_cast_to(unsigned, torch.uint8) and is_call(unsigned.args[0])):
         return None
     shifted = unsigned.args[0]
     if shifted.target is not aten.add.Tensor or shifted.args[1] != 128:
         return None
-    if not is_integer_cast(shifted.args[0], torch.int32):
+    if not is_cast_to(shifted.args[0], torch.int32):
         return None
     widened = shifted.args[0]
     signed = widened.args[0]
@@ -430,8 +434,3 @@ def shifted_from(unsigned: object) -> tuple[Node, ...] | None:
     if not (isinstance(value, torch.Tensor) and value.dtype == torch.int8):
         return None
     return unsigned, shifted, widened, signed
-
-
-def is_integer_cast(node: object, dtype: torch.dtype) -> bool:
-    """``_to_copy(x, dtype=dtype)`` and nothing else."""
-    return is_call(node) and node.target is aten._to_copy.default and node.kwargs == {"dtype": dtype}
