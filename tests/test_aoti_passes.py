@@ -12,6 +12,7 @@ from torch.fx import Graph, GraphModule, Node
 import aotstack
 from aotstack.backends.aoti.cuda import conv1d_as_conv2d
 from aotstack.backends.aoti.few_rows import FewRowsProductAsReductionPass, IntMmRowMajorPass
+from aotstack.backends.aoti.filled_keys import MIN_KEYS, FilledKeysAttentionPass
 from aotstack.backends.aoti.metal import LinearAsMatmulPass
 from aotstack.backends.aoti.packed_weights import with_packed_weights
 from tests import models
@@ -599,3 +600,93 @@ def test_lifted_constants_reach_inductor_as_buffers_named_by_their_fqn():
         kind for target, kind in kinds.items() if target != "scale"
     ]
     assert with_constants_as_buffers(program) is program, "nothing left to hand over"
+
+
+class AttentionOverACache(torch.nn.Module):
+    """A few queries attending to a static cache of ``keys`` positions; which they see is the mask given."""
+
+    def __init__(self, keys: int, is_causal: bool = False) -> None:
+        super().__init__()
+        self.is_causal = is_causal
+        self.register_buffer("key", torch.randn(1, 2, keys, 16))
+        self.register_buffer("value", torch.randn(1, 2, keys, 16))
+
+    def forward(self, query: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, self.key, self.value, attn_mask=mask, is_causal=self.is_causal
+        )
+
+
+def keys_read(module: GraphModule, *args: torch.Tensor) -> list[int]:
+    """How many keys each attention of ``module`` read, running it on ``args``."""
+    read: list[int] = []
+
+    class Recorder(torch.fx.Interpreter):
+        def call_function(self, target, args, kwargs):
+            if target is aten.scaled_dot_product_attention.default:
+                read.append(kwargs["key"].shape[-2] if "key" in kwargs else args[1].shape[-2])
+            return super().call_function(target, args, kwargs)
+
+    Recorder(module).run(*args)
+    return read
+
+
+def graph_inputs(exported: torch.export.ExportedProgram, *user_inputs: torch.Tensor) -> list[torch.Tensor]:
+    """What ``exported``'s graph takes: its lifted buffers and ``user_inputs``, in its placeholders' order."""
+    given = iter(user_inputs)
+    stored = {**exported.state_dict, **exported.constants}
+    return [next(given) if spec.kind is InputKind.USER_INPUT else stored[spec.target]
+            for spec in exported.graph_signature.input_specs]
+
+
+def visible(rows: int, keys: int, last: list[int]) -> torch.Tensor:
+    """A ``[1, 1, rows, keys]`` mask whose row ``r`` sees keys ``0 ..= last[r]``."""
+    return torch.arange(keys).expand(rows, keys).le(torch.tensor(last)[:, None])[None, None]
+
+
+def test_an_attention_over_a_static_cache_reads_keys_up_to_the_last_its_mask_lets_a_query_see():
+    keys = 80
+    module = AttentionOverACache(keys).eval()
+    query = torch.randn(1, 2, 3, 16)
+    rows = torch.export.Dim("rows", max=keys)  # a prompt's, or one token's
+    exported = torch.export.export(module, (query, visible(3, keys, [9, 10, 11])),
+                                   dynamic_shapes=({2: rows}, {2: rows}))
+
+    assert FilledKeysAttentionPass()(exported.graph_module) is True
+
+    nodes = {node.target: node for node in exported.graph_module.graph.nodes if node.op == "call_function"}
+    attention = nodes[aten.scaled_dot_product_attention.default]
+    cut = [attention.kwargs[name] for name in ("key", "value", "attn_mask")]
+    assert all(n.target is aten.slice.Tensor and n.args[3] is nodes[aten.item.default] for n in cut)
+    assert targets(exported.graph_module).count(aten._assert_scalar.default) == 2  # 1 <= length <= keys
+    holes = torch.zeros(1, 1, 3, keys, dtype=torch.bool)
+    holes[..., [0, 5, 50]] = True
+    cases = {
+        "a prompt's causal rows": (visible(3, keys, [9, 10, 11]), 12),
+        "one token, most of the cache unwritten": (visible(1, keys, [39]), 40),
+        "masked keys before the last seen one": (holes, 51),
+        "every key seen": (visible(1, keys, [keys - 1]), keys),
+        "no key seen": (torch.zeros(1, 1, 1, keys, dtype=torch.bool), 1),
+    }
+    for name, (mask, read) in cases.items():
+        queries = torch.randn(1, 2, mask.shape[-2], 16)
+        assert keys_read(exported.graph_module, *graph_inputs(exported, queries, mask)) == [read], name
+        torch.testing.assert_close(exported.module()(queries, mask), module(queries, mask), equal_nan=True, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("keys", "mask", "is_causal"),
+    [
+        (MIN_KEYS - 1, torch.ones(1, 1, 1, MIN_KEYS - 1, dtype=torch.bool), False),
+        (80, torch.zeros(1, 1, 1, 80), False),
+        (80, torch.ones(1, 1, 1, 1, dtype=torch.bool), False),
+        (80, None, True),
+    ],
+    ids=["a short cache", "an additive float mask", "a mask broadcast over the keys", "a causal flag, no mask"],
+)
+def test_filled_keys_pass_leaves_attentions_it_cannot_cut_as_they_are(keys, mask, is_causal):
+    query = torch.randn(1, 2, 1 if mask is None else mask.shape[-2], 16)
+    exported = torch.export.export(AttentionOverACache(keys, is_causal).eval(), (query, mask))
+
+    assert FilledKeysAttentionPass()(exported.graph_module) is False
+    assert aten.slice.Tensor not in targets(exported.graph_module)

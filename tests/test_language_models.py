@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import aotstack
+from aotstack.backends.aoti.filled_keys import MIN_KEYS
 from aotstack.integrations.generation import PrefillDecode, export_decoder_lm
 from tests.conftest import ROOT, run_child
 
@@ -62,7 +63,9 @@ def test_static_cache_lm_from_transformers_wrapper_generates_eager_tokens(tmp_pa
     from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
 
     model = small_llama()
-    exported = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE).export(
+    # Long enough that AOTInductor's attention reads only the cache's filled keys (filled_keys.py).
+    cache = MIN_KEYS
+    exported = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=cache).export(
         input_ids=torch.tensor([[1]]), cache_position=torch.tensor([0])
     )
     lowered = aotstack.lower(aotstack.Program({"forward": exported}), [aotstack.AotiCpuPartitioner()])
@@ -75,7 +78,7 @@ def test_static_cache_lm_from_transformers_wrapper_generates_eager_tokens(tmp_pa
     lowered.save(path)
 
     # The same wrapper, eager: its inner module is what export traced (the outer one drops cache_position).
-    eager = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=CACHE).model
+    eager = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=cache).model
     expected = token_by_token(lambda ids, pos: eager(input_ids=ids, cache_position=pos), PROMPT, STEPS)
 
     tokens = run_child(GENERATE_FROM_FILE, str(path))
