@@ -105,8 +105,10 @@ def filled_length(graph: Graph, mask: Node, keys: int) -> Node:
     reach = inserted_call(graph, aten.where.ScalarOther, (seen, positions, 1))
     last = inserted_call(graph, aten.amax.default, (reach, [0]))
     length = inserted_call(graph, aten.item.default, (last,))
-    # As export writes a torch._check: it bounds the length for the slices that follow.
+    # As export writes a torch._check, and checked in the graph's shape environment too: the slices'
+    # sizes are then the length itself, in these fake values and when Inductor traces the graph again.
     for bound in (operator.ge, 1), (operator.le, keys):
         holds = inserted_call(graph, bound[0], (length, bound[1]), like=mask)
+        torch._check(holds.meta["val"])
         inserted_call(graph, aten._assert_scalar.default, (holds, f"keys an attention reads: {holds.meta['val']}"))
     return length
