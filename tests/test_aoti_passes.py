@@ -603,18 +603,22 @@ def test_lifted_constants_reach_inductor_as_buffers_named_by_their_fqn():
 
 
 class AttentionOverACache(torch.nn.Module):
-    """A few queries attending to a static cache of ``keys`` positions; which they see is the mask given."""
+    """Two layers' queries attending to their static caches of ``keys`` positions; which they see is the mask given."""
 
     def __init__(self, keys: int, is_causal: bool = False) -> None:
         super().__init__()
         self.is_causal = is_causal
-        self.register_buffer("key", torch.randn(1, 2, keys, 16))
-        self.register_buffer("value", torch.randn(1, 2, keys, 16))
+        for layer in range(2):
+            self.register_buffer(f"key_{layer}", torch.randn(1, 2, keys, 16))
+            self.register_buffer(f"value_{layer}", torch.randn(1, 2, keys, 16))
 
     def forward(self, query: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        return torch.nn.functional.scaled_dot_product_attention(
-            query, self.key, self.value, attn_mask=mask, is_causal=self.is_causal
-        )
+        for layer in range(2):
+            query = torch.nn.functional.scaled_dot_product_attention(
+                query, getattr(self, f"key_{layer}"), getattr(self, f"value_{layer}"), attn_mask=mask,
+                is_causal=self.is_causal,
+            )
+        return query
 
 
 def keys_read(module: GraphModule, *args: torch.Tensor) -> list[int]:
@@ -654,10 +658,12 @@ def test_an_attention_over_a_static_cache_reads_keys_up_to_the_last_its_mask_let
 
     assert FilledKeysAttentionPass()(exported.graph_module) is True
 
-    nodes = {node.target: node for node in exported.graph_module.graph.nodes if node.op == "call_function"}
-    attention = nodes[aten.scaled_dot_product_attention.default]
-    cut = [attention.kwargs[name] for name in ("key", "value", "attn_mask")]
-    assert all(n.target is aten.slice.Tensor and n.args[3] is nodes[aten.item.default] for n in cut)
+    graph = exported.graph_module.graph
+    [length] = [node for node in graph.nodes if node.target is aten.item.default]  # one for both layers
+    attentions = [node for node in graph.nodes if node.target is aten.scaled_dot_product_attention.default]
+    cut = [attention.kwargs[name] for attention in attentions for name in ("key", "value", "attn_mask")]
+    assert len(cut) == 6 and all(n.target is aten.slice.Tensor and n.args[3] is length for n in cut)
+    assert cut[2] is cut[5], "the mask is cut once"
     assert targets(exported.graph_module).count(aten._assert_scalar.default) == 2  # 1 <= length <= keys
     holes = torch.zeros(1, 1, 3, keys, dtype=torch.bool)
     holes[..., [0, 5, 50]] = True
@@ -670,7 +676,7 @@ def test_an_attention_over_a_static_cache_reads_keys_up_to_the_last_its_mask_let
     }
     for name, (mask, read) in cases.items():
         queries = torch.randn(1, 2, mask.shape[-2], 16)
-        assert keys_read(exported.graph_module, *graph_inputs(exported, queries, mask)) == [read], name
+        assert keys_read(exported.graph_module, *graph_inputs(exported, queries, mask)) == [read, read], name
         torch.testing.assert_close(exported.module()(queries, mask), module(queries, mask), equal_nan=True, msg=name)
 
 

@@ -52,8 +52,14 @@ class FilledKeysAttentionPass:
     def __call__(self, graph_module: GraphModule) -> bool:
         graph = graph_module.graph
         found = [attention for node in graph.nodes if (attention := masked_attention(node)) is not None]
+        # Layers attending under one mask share its length and its cut, computed before the first of them.
+        cut_masks: dict[Node, tuple[Node, Node]] = {}
         for attention in found:
-            attend_to_filled_keys(graph, attention)
+            with graph.inserting_before(attention.node):
+                if attention.mask not in cut_masks:
+                    length = filled_length(graph, attention.mask, attention.keys)
+                    cut_masks[attention.mask] = length, cut(graph, attention.mask, -1, length)
+                attend_to_filled_keys(graph, attention, *cut_masks[attention.mask])
         if found:
             graph_module.recompile()
         return bool(found)
@@ -83,16 +89,16 @@ def masked_attention(node: Node) -> MaskedAttention | None:
     return MaskedAttention(node, arguments, key, value, mask, keys)
 
 
-def attend_to_filled_keys(graph: Graph, attention: MaskedAttention) -> None:
-    """Give the attention its key, value and mask cut to the last key any query may see (at least one)."""
-    with graph.inserting_before(attention.node):
-        length = filled_length(graph, attention.mask, attention.keys)
-        cut = {
-            name: inserted_call(graph, aten.slice.Tensor, (operand, dim, None, length))
-            for name, operand, dim in (("key", attention.key, -2), ("value", attention.value, -2),
-                                       ("attn_mask", attention.mask, -1))
-        }
-    attention.node.args, attention.node.kwargs = (), {**attention.arguments, **cut}
+def attend_to_filled_keys(graph: Graph, attention: MaskedAttention, length: Node, mask: Node) -> None:
+    """Give the attention its key and value cut to ``length`` keys, and ``mask``, its mask cut as long."""
+    arguments = {**attention.arguments, "key": cut(graph, attention.key, -2, length),
+                 "value": cut(graph, attention.value, -2, length), "attn_mask": mask}
+    attention.node.args, attention.node.kwargs = (), arguments
+
+
+def cut(graph: Graph, tensor: Node, dim: int, length: Node) -> Node:
+    """``tensor``'s first ``length`` entries along ``dim``, a view."""
+    return inserted_call(graph, aten.slice.Tensor, (tensor, dim, None, length))
 
 
 def filled_length(graph: Graph, mask: Node, keys: int) -> Node:
