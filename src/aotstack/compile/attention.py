@@ -20,6 +20,7 @@ the repeat itself (``enable_gqa``) is grouped the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.export import ExportedProgram
@@ -86,8 +87,8 @@ def tensor_shape(node: Node) -> list[int | torch.SymInt] | None:
     return list(value.shape) if isinstance(value, torch.Tensor) else None
 
 
-def grouped_attention(node: Node) -> GroupedAttention | None:
-    """``node`` as a one-token attention over repeated key/value heads that can run grouped, else None."""
+def plain_attention_arguments(node: Node) -> dict[str, Any] | None:
+    """An attention ``node``'s arguments by name, where it has neither dropout nor a causal flag; else None."""
     if node.op != "call_function" or node.target != aten.scaled_dot_product_attention.default:
         return None
     normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
@@ -95,6 +96,14 @@ def grouped_attention(node: Node) -> GroupedAttention | None:
         return None
     arguments = normalized.kwargs
     if arguments.get("dropout_p", 0.0) != 0.0 or arguments.get("is_causal"):
+        return None
+    return arguments
+
+
+def grouped_attention(node: Node) -> GroupedAttention | None:
+    """``node`` as a one-token attention over repeated key/value heads that can run grouped, else None."""
+    arguments = plain_attention_arguments(node)
+    if arguments is None:
         return None
     query = arguments["query"]
     shape = tensor_shape(query) if isinstance(query, Node) else None

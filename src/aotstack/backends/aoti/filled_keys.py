@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 from torch.fx import Graph, GraphModule, Node
-from torch.fx.operator_schemas import normalize_function
 
+from ...compile.attention import plain_attention_arguments
 from ...compile.graph_edits import inserted_call
 
 aten = torch.ops.aten
@@ -67,13 +67,8 @@ class FilledKeysAttentionPass:
 
 def masked_attention(node: Node) -> MaskedAttention | None:
     """``node`` as an attention whose keys can be cut to its mask's last visible one, else None."""
-    if node.op != "call_function" or node.target != aten.scaled_dot_product_attention.default:
-        return None
-    normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
-    if normalized is None:
-        return None
-    arguments = normalized.kwargs
-    if arguments.get("dropout_p", 0.0) != 0.0 or arguments.get("is_causal"):
+    arguments = plain_attention_arguments(node)
+    if arguments is None:
         return None
     key, value, mask = arguments["key"], arguments["value"], arguments.get("attn_mask")
     if not (isinstance(key, Node) and isinstance(value, Node) and isinstance(mask, Node)):
