@@ -10,11 +10,15 @@ Keys past it are masked for every query, so each softmax and each sum is the sam
 
 1 thread, AMD EPYC with AVX-512, one decode step of a 4-key-head layer (``[1, 4, 3, 64]``
 queries, a 256-long cache, 48 keys filled), each layer's cache cycled out of the CPU caches:
-the attention 61 µs over the whole cache, 21 µs over its filled part.
+the attention 61 µs over the whole cache, 21 µs over its filled part. Compiled by AOTInductor,
+its cache warm: 39 µs against 20; with every key filled, where there is nothing to cut, 40
+against 39 (128 keys: 27 against 26; 32 keys: 18.6 against 18.2). The 99.5 M Llama's ``8da4w``
+decode through XNNPACK+AOTInductor: 411 to 465 tokens/s (64 tokens after an 8-token prompt).
 
-Only a boolean mask (what transformers builds for SDPA), only when its last dimension is the
-keys' (not broadcast over them), and only for ``MIN_KEYS`` keys and up: the length costs a
-reduction over the mask and a read of its result.
+Only a boolean mask (what transformers builds for SDPA; an additive float mask's masked entries
+need not be -inf), only when its last dimension is the keys' (not broadcast over them), and only
+for ``MIN_KEYS`` keys and up. Layers under one mask share its length. The CPU only: on a GPU the
+length's read would wait for the device each call.
 """
 
 from __future__ import annotations
