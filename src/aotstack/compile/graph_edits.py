@@ -30,7 +30,7 @@ def edited_copy(exported: ExportedProgram, edit: Callable[[Graph, dict[Node, Nod
 
 def inserted_call(
     graph: Graph,
-    target: torch._ops.OpOverload,
+    target: torch._ops.OpOverload | Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any] | None = None,
     like: Node | None = None,
