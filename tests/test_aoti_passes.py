@@ -664,7 +664,7 @@ def test_an_attention_over_a_static_cache_reads_keys_up_to_the_last_its_mask_let
     cut = [attention.kwargs[name] for attention in attentions for name in ("key", "value", "attn_mask")]
     assert len(cut) == 6 and all(n.target is aten.slice.Tensor and n.args[3] is length for n in cut)
     assert cut[2] is cut[5], "the mask is cut once"
-    assert targets(exported.graph_module).count(aten._assert_scalar.default) == 2  # 1 <= length <= keys
+    assert targets(exported.graph_module).count(aten._assert_scalar.default) == 2  # 2 <= length <= keys
     holes = torch.zeros(1, 1, 3, keys, dtype=torch.bool)
     holes[..., [0, 5, 50]] = True
     cases = {
@@ -672,7 +672,8 @@ def test_an_attention_over_a_static_cache_reads_keys_up_to_the_last_its_mask_let
         "one token, most of the cache unwritten": (visible(1, keys, [39]), 40),
         "masked keys before the last seen one": (holes, 51),
         "every key seen": (visible(1, keys, [keys - 1]), keys),
-        "no key seen": (torch.zeros(1, 1, 1, keys, dtype=torch.bool), 1),
+        "the first key alone": (visible(1, keys, [0]), 2),
+        "no key seen": (torch.zeros(1, 1, 1, keys, dtype=torch.bool), 2),
     }
     for name, (mask, read) in cases.items():
         queries = torch.randn(1, 2, mask.shape[-2], 16)

@@ -101,18 +101,22 @@ def cut(graph: Graph, tensor: Node, dim: int, length: Node) -> Node:
 
 
 def filled_length(graph: Graph, mask: Node, keys: int) -> Node:
-    """A node for 1 + the index of the last key ``mask`` lets any query see (1 where it lets none)."""
+    """A node for 1 + the index of the last key ``mask`` lets any query see, and at least 2.
+
+    A second key, masked, changes no sum; a length of 1 is a size torch 2.11's Inductor cannot
+    tell from 2 or more when it lowers the attention (it guards on ``Max(1, length) > 1``).
+    """
     mask_value = mask.meta["val"]
     seen = inserted_call(graph, aten.any.dims, (mask, list(range(mask_value.dim() - 1))))
     positions = inserted_call(
         graph, aten.arange.start, (1, keys + 1), {"dtype": torch.int64, "device": mask_value.device}, like=mask
     )
-    reach = inserted_call(graph, aten.where.ScalarOther, (seen, positions, 1))
+    reach = inserted_call(graph, aten.where.ScalarOther, (seen, positions, 2))
     last = inserted_call(graph, aten.amax.default, (reach, [0]))
     length = inserted_call(graph, aten.item.default, (last,))
     # As export writes a torch._check, and checked in the graph's shape environment too: the slices'
     # sizes are then the length itself, in these fake values and when Inductor traces the graph again.
-    for bound in (operator.ge, 1), (operator.le, keys):
+    for bound in (operator.ge, 2), (operator.le, keys):
         holds = inserted_call(graph, bound[0], (length, bound[1]), like=mask)
         torch._check(holds.meta["val"])
         inserted_call(graph, aten._assert_scalar.default, (holds, f"keys an attention reads: {holds.meta['val']}"))
