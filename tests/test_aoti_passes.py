@@ -11,6 +11,7 @@ from torch.fx import Graph, GraphModule, Node
 
 import aotstack
 from aotstack.backends.aoti.cuda import conv1d_as_conv2d
+from aotstack.backends.aoti.few_queries import MAX_QUERY_ROWS, FewQueriesAttentionPass
 from aotstack.backends.aoti.few_rows import FewRowsProductAsReductionPass, IntMmRowMajorPass
 from aotstack.backends.aoti.filled_keys import MIN_KEYS, FilledKeysAttentionPass
 from aotstack.backends.aoti.metal import LinearAsMatmulPass
@@ -697,3 +698,71 @@ def test_filled_keys_pass_leaves_attentions_it_cannot_cut_as_they_are(keys, mask
 
     assert FilledKeysAttentionPass()(exported.graph_module) is False
     assert aten.slice.Tensor not in targets(exported.graph_module)
+
+
+def with_holes(rows: int, keys: int) -> torch.Tensor:
+    """A float ``[1, 1, rows, keys]`` mask adding -inf to every third key and a small bias to the rest."""
+    mask = torch.linspace(-1, 1, keys).expand(1, 1, rows, keys).clone()
+    mask[..., ::3] = -torch.inf
+    return mask
+
+
+@pytest.mark.parametrize(
+    ("rows", "mask", "dtype"),
+    [
+        (1, visible(1, 40, [29]), torch.float32),
+        (3, visible(3, 40, [9, 10, 11]), torch.float32),
+        (MAX_QUERY_ROWS, with_holes(MAX_QUERY_ROWS, 40), torch.float32),
+        (2, None, torch.float32),
+        (3, visible(3, 40, [20, 30, 39]), torch.bfloat16),
+    ],
+    ids=["one row, a cache filled in part", "a group's rows", "the most rows, an additive mask", "no mask",
+         "bfloat16"],
+)
+def test_an_attention_of_a_few_query_rows_becomes_reductions_that_keep_the_numbers(rows, mask, dtype):
+    module = AttentionOverACache(40).to(dtype).eval()
+    query = torch.randn(1, 2, rows, 16, dtype=dtype)
+    mask = mask if mask is None or mask.dtype == torch.bool else mask.to(dtype)
+    exported = torch.export.export(module, (query, mask))
+
+    assert FewQueriesAttentionPass()(exported.graph_module) is True
+
+    kinds = targets(exported.graph_module)
+    assert aten.scaled_dot_product_attention.default not in kinds
+    assert kinds.count(aten.sum.dim_IntList) == 4 and kinds.count(aten._softmax.default) == 2  # two layers
+    close = {"rtol": 0, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 0.02, "atol": 0.02}
+    torch.testing.assert_close(exported.module()(query, mask), module(query, mask), **close)
+
+
+def test_few_query_rows_attend_as_reductions_over_the_cut_keys():
+    keys = 80
+    module = AttentionOverACache(keys).eval()
+    query, mask = torch.randn(1, 2, 3, 16), visible(3, keys, [9, 10, 11])
+    exported = torch.export.export(module, (query, mask))
+
+    assert FilledKeysAttentionPass()(exported.graph_module) is True
+    assert FewQueriesAttentionPass()(exported.graph_module) is True
+
+    graph = exported.graph_module.graph
+    [length] = [node for node in graph.nodes if node.target is aten.item.default]
+    read = [node.args[0] for node in graph.nodes if node.target is aten.unsqueeze.default and node.args[1] == -3]
+    assert len(read) == 4 and all(n.target is aten.slice.Tensor and n.args[3] is length for n in read), "keys, values"
+    for last in ([9, 10, 11], [39, 39, 39], [keys - 1] * 3):
+        mask = visible(3, keys, last)
+        torch.testing.assert_close(exported.module()(query, mask), module(query, mask), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("rows", "dynamic", "is_causal"),
+    [(MAX_QUERY_ROWS + 1, False, False), (3, True, False), (1, False, True)],
+    ids=["more rows than a decode step's", "rows known only at run time (a prompt)", "a causal flag"],
+)
+def test_few_queries_pass_leaves_other_attentions_as_they_are(rows, dynamic, is_causal):
+    query = torch.randn(1, 2, rows, 16)
+    mask = None if is_causal else visible(rows, 40, list(range(rows)))
+    shapes = ({2: torch.export.Dim("rows", max=40)}, None if mask is None else {2: torch.export.Dim("rows", max=40)})
+    exported = torch.export.export(AttentionOverACache(40, is_causal).eval(), (query, mask),
+                                   dynamic_shapes=shapes if dynamic else None)
+
+    assert FewQueriesAttentionPass()(exported.graph_module) is False
+    assert targets(exported.graph_module).count(aten.scaled_dot_product_attention.default) == 2

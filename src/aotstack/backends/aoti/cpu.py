@@ -6,6 +6,7 @@ from typing import ClassVar
 
 from .backend import AotiBackend
 from .compile import ProgramPass
+from .few_queries import FewQueriesAttentionPass
 from .few_rows import FewRowsProductAsReductionPass, IntMmRowMajorPass
 from .filled_keys import FilledKeysAttentionPass
 from .packed_weights import with_packed_weights
@@ -19,14 +20,16 @@ class AotiCpuBackend(AotiBackend):
     # 2: int4 weights stored two a byte; 3: embedding tables named for release ("gathered"); 4: int4 and
     # int8 weights packed into float32-typed words (packed_weights.py); 6: grouped expert matmuls compiled (experts.py);
     # 7: float linears of few rows as reductions (few_rows.py); 8: attention over a cache's filled keys
-    # (filled_keys.py).
-    compile_revision = 8
+    # (filled_keys.py); 9: attention of few query rows as reductions (few_queries.py).
+    compile_revision = 9
 
     def program_passes(self) -> list[ProgramPass]:
         return [with_packed_weights]
 
     def custom_passes(self) -> list[GraphPass]:
-        return [FewRowsProductAsReductionPass(), IntMmRowMajorPass(), FilledKeysAttentionPass()]
+        # The keys are cut before the attention becomes reductions, which no longer read as an attention.
+        return [FewRowsProductAsReductionPass(), IntMmRowMajorPass(), FilledKeysAttentionPass(),
+                FewQueriesAttentionPass()]
 
 
 class AotiCpuPartitioner(AotiPartitioner):
