@@ -719,7 +719,7 @@ def with_holes(rows: int, keys: int) -> torch.Tensor:
     ids=["one row, a cache filled in part", "a group's rows", "the most rows, an additive mask", "no mask",
          "bfloat16"],
 )
-def test_an_attention_of_a_few_query_rows_becomes_reductions_that_keep_the_numbers(rows, mask, dtype):
+def test_an_attention_of_a_few_query_rows_becomes_a_reduction_and_a_product_with_its_numbers(rows, mask, dtype):
     module = AttentionOverACache(40).to(dtype).eval()
     query = torch.randn(1, 2, rows, 16, dtype=dtype)
     mask = mask if mask is None or mask.dtype == torch.bool else mask.to(dtype)
@@ -729,12 +729,16 @@ def test_an_attention_of_a_few_query_rows_becomes_reductions_that_keep_the_numbe
 
     kinds = targets(exported.graph_module)
     assert aten.scaled_dot_product_attention.default not in kinds
-    assert kinds.count(aten.sum.dim_IntList) == 4 and kinds.count(aten._softmax.default) == 2  # two layers
+    assert kinds.count(aten.sum.dim_IntList) == 2 and kinds.count(aten._softmax.default) == 2  # two layers
+    assert kinds.count(aten.matmul.default) == 2
+    [first_sum, _] = [node for node in exported.graph_module.graph.nodes if node.target is aten.sum.dim_IntList]
+    query_operand = first_sum.args[0].args[0].args[0]
+    assert query_operand.target is torch.ops.prims.inductor_force_stride_order.default, "the query computed once"
     close = {"rtol": 0, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 0.02, "atol": 0.02}
     torch.testing.assert_close(exported.module()(query, mask), module(query, mask), **close)
 
 
-def test_few_query_rows_attend_as_reductions_over_the_cut_keys():
+def test_few_query_rows_attend_over_the_cut_keys():
     keys = 80
     module = AttentionOverACache(keys).eval()
     query, mask = torch.randn(1, 2, 3, 16), visible(3, keys, [9, 10, 11])
@@ -745,8 +749,10 @@ def test_few_query_rows_attend_as_reductions_over_the_cut_keys():
 
     graph = exported.graph_module.graph
     [length] = [node for node in graph.nodes if node.target is aten.item.default]
-    read = [node.args[0] for node in graph.nodes if node.target is aten.unsqueeze.default and node.args[1] == -3]
-    assert len(read) == 4 and all(n.target is aten.slice.Tensor and n.args[3] is length for n in read), "keys, values"
+    key_operands = [n.args[0] for n in graph.nodes if n.target is aten.unsqueeze.default and n.args[1] == -3]
+    value_operands = [node.args[1] for node in graph.nodes if node.target is aten.matmul.default]
+    read = key_operands + value_operands
+    assert len(read) == 4 and all(n.target is aten.slice.Tensor and n.args[3] is length for n in read)
     for last in ([9, 10, 11], [39, 39, 39], [keys - 1] * 3):
         mask = visible(3, keys, last)
         torch.testing.assert_close(exported.module()(query, mask), module(query, mask), rtol=0, atol=1e-6)

@@ -20,14 +20,14 @@ class AotiCpuBackend(AotiBackend):
     # 2: int4 weights stored two a byte; 3: embedding tables named for release ("gathered"); 4: int4 and
     # int8 weights packed into float32-typed words (packed_weights.py); 6: grouped expert matmuls compiled (experts.py);
     # 7: float linears of few rows as reductions (few_rows.py); 8: attention over a cache's filled keys
-    # (filled_keys.py); 9: attention of few query rows as reductions (few_queries.py).
-    compile_revision = 9
+    # (filled_keys.py); 9-11: attention of few query rows as a reduction and a product (few_queries.py).
+    compile_revision = 11
 
     def program_passes(self) -> list[ProgramPass]:
         return [with_packed_weights]
 
     def custom_passes(self) -> list[GraphPass]:
-        # The keys are cut before the attention becomes reductions, which no longer read as an attention.
+        # The keys are cut before the attention is rewritten, when it no longer reads as an attention.
         return [FewRowsProductAsReductionPass(), IntMmRowMajorPass(), FilledKeysAttentionPass(),
                 FewQueriesAttentionPass()]
 

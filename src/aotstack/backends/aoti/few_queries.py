@@ -1,19 +1,25 @@
-"""Attention of a few query rows as two reductions, on the CPU, before AOTInductor compiles it.
+"""Attention of a few query rows as a reduction and a product, on the CPU, before AOTInductor compiles it.
 
 A decode step attends one token's queries (a few rows per key head once grouped, see
 ``compile/attention.py``) to the cache. AOTInductor compiles an attention as a call to ATen's
 flash attention, whose setup (blocking, buffers, its parallel loop) costs more than the few dot
-products a decode step needs. Written as a multiply and a sum over the head width (the scores),
-a softmax, and a multiply and a sum over the keys (the output), Inductor compiles loops that fuse
-with the operations around them: the query's rotary embedding before, the copy back to one row
-per head after.
+products a decode step needs. Here the scores are a multiply and a sum over the head width,
+which Inductor compiles into a loop fused with the softmax and the mask; the query is computed
+once before it (left to Inductor, a rotary embedding's cosines and sines were inlined into the
+loop and computed again for every key). The weighted sum of the values stays ATen's product: a
+call Inductor does not fuse across. As a reduction too, a decoder with its linears already
+reductions (``few_rows.py``) had no such call left, Inductor fused all its layers into one
+kernel, and every intermediate buffer of it was allocated at each call (427 against 113 for the
+99.5 M Llama), which cost more than the attention gained.
 
-1 thread, AMD EPYC with AVX-512, compiled by AOTInductor, cache warm: ``[1, 4, 3, 64]`` queries
-over 40 keys 27 µs against 40 as a flash attention; ``[1, 12, 1, 64]`` 13.6 against 20.5;
-``[1, 4, 8, 64]`` 20.2 against 22.9; 256 keys 32 against 41.
+1 thread, AMD EPYC with AVX-512, one attention compiled alone, its cache warm, ``[1, 4, 3, 64]``
+queries over 40 keys: 14.8 µs against 19.4 as a flash attention (2 threads: 15.6 against 22.0);
+over 256 keys 32.7 against 39.0. The 99.5 M Llama's ``8da4w`` decode (64 tokens after an 8-token
+prompt, cache 256), same process, files alternating: XNNPACK+AOTInductor 390 to 424 tokens/s,
+AOTInductor alone 276 to 282.
 
-Scores, softmax and sums are computed in float32 whatever the inputs' type, as the flash kernel
-accumulates, and the result is cast back. A query of more than ``MAX_QUERY_ROWS`` rows (a
+Scores, softmax and sums are computed in float32 where the inputs are narrower, as the flash
+kernel accumulates, and the result is cast back. A query of more than ``MAX_QUERY_ROWS`` rows (a
 prompt's) keeps the flash attention: its blocked products are the faster there.
 """
 
@@ -27,11 +33,12 @@ from torch.fx import Graph, GraphModule, Node
 
 from ...compile.attention import plain_attention_arguments
 from ...compile.graph_edits import inserted_call, replace_node
+from .few_rows import force_stride_order
 
 aten = torch.ops.aten
 
-# Query rows per head up to which the reductions are the faster form (8 rows over 40 keys: 20.2 µs
-# against 22.9).
+# Query rows per head up to which this form is the faster (one attention compiled alone, 40 keys: 8 rows
+# 19.2 µs against 21.8 as a flash attention, 16 rows 26.2 against 26.6).
 MAX_QUERY_ROWS = 8
 
 
@@ -48,7 +55,7 @@ class FewQueriesAttention:
 
 
 class FewQueriesAttentionPass:
-    """Write each attention of a few query rows as reductions Inductor compiles into fused loops."""
+    """Write each attention of a few query rows as a reduction Inductor fuses, then a product."""
 
     def __call__(self, graph_module: GraphModule) -> bool:
         graph = graph_module.graph
@@ -99,7 +106,7 @@ def few_queries_attention(node: Node) -> FewQueriesAttention | None:
 
 
 def attention_as_reductions(graph: Graph, attention: FewQueriesAttention) -> Node:
-    """``softmax(q·kᵀ * scale + mask)·v`` as multiplies and sums, cast back to the query's type."""
+    """``softmax(q·kᵀ * scale + mask)·v``, the scores as a multiply and a sum, cast back to the query's type."""
     dtype = attention.query.meta["val"].dtype
 
     def call(target: torch._ops.OpOverload, *args: object) -> Node:
@@ -112,15 +119,15 @@ def attention_as_reductions(graph: Graph, attention: FewQueriesAttention) -> Nod
         return tensor if computed == dtype else inserted_call(graph, aten._to_copy.default, (tensor,), {"dtype": to})
 
     query, key, value = (cast(node, computed) for node in (attention.query, attention.key, attention.value))
+    # Computed once, into a buffer, rather than inlined into the loop over the keys.
+    query = inserted_call(graph, force_stride_order(), (query, list(query.meta["val"].stride())))
     # [..., rows, 1, width] * [..., 1, keys, width], summed over the width: [..., rows, keys].
     products = call(aten.mul.Tensor, call(aten.unsqueeze.default, query, -2), call(aten.unsqueeze.default, key, -3))
     scores = call(aten.mul.Tensor, call(aten.sum.dim_IntList, products, [-1]), attention.scale)
     scores = masked_scores(graph, scores, attention.mask)
     weights = call(aten._softmax.default, scores, -1, False)
-    # [..., rows, keys, 1] * [..., 1, keys, width], summed over the keys: [..., rows, width].
-    weighted = call(aten.mul.Tensor, call(aten.unsqueeze.default, weights, -1), call(aten.unsqueeze.default, value, -3))
-    result = call(aten.sum.dim_IntList, weighted, [-2])
-    return cast(result, dtype)
+    # ATen's product, a call Inductor does not fuse across (see the module's docstring).
+    return cast(call(aten.matmul.default, weights, value), dtype)
 
 
 def masked_scores(graph: Graph, scores: Node, mask: Node | None) -> Node:
