@@ -758,6 +758,33 @@ def test_few_query_rows_attend_over_the_cut_keys():
         torch.testing.assert_close(exported.module()(query, mask), module(query, mask), rtol=0, atol=1e-6)
 
 
+class HeadsJoinedAfterAttention(torch.nn.Module):
+    """transformers' attention output: its heads joined by a transpose and a view."""
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        attended = torch.nn.functional.scaled_dot_product_attention(query, key, value)
+        batch, _, rows, _ = attended.shape
+        return attended.transpose(1, 2).contiguous().view(batch, rows, -1)
+
+
+def test_an_attention_rewritten_keeps_the_layout_its_result_was_recorded_with():
+    query, key, value = torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8), torch.randn(2, 4, 8, 8)
+    exported = torch.export.export(HeadsJoinedAfterAttention(), (query, key, value))
+    [attention] = [n for n in exported.graph.nodes if n.target is aten.scaled_dot_product_attention.default]
+    # As torch 2.11 records it (ATen's CPU kernel writes each row's heads together): the transpose after it is
+    # then contiguous, and export leaves a view of it where 2.13 leaves a copy.
+    recorded = attention.meta["val"]
+    attention.meta["val"] = recorded.transpose(1, 2).contiguous().transpose(1, 2)
+    users = list(attention.users)
+
+    assert FewQueriesAttentionPass()(exported.graph_module) is True
+
+    [result] = {user.args[0] for user in users}
+    assert result.meta["val"].stride() == (256, 8, 32, 1)
+    torch.testing.assert_close(exported.module()(query, key, value), HeadsJoinedAfterAttention()(query, key, value),
+                               rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     ("rows", "dynamic", "is_causal"),
     [(MAX_QUERY_ROWS + 1, False, False), (3, True, False), (1, False, True)],

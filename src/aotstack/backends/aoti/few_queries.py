@@ -127,7 +127,13 @@ def attention_as_reductions(graph: Graph, attention: FewQueriesAttention) -> Nod
     scores = masked_scores(graph, scores, attention.mask)
     weights = call(aten._softmax.default, scores, -1, False)
     # ATen's product, a call Inductor does not fuse across (see the module's docstring).
-    return cast(call(aten.matmul.default, weights, value), dtype)
+    result = cast(call(aten.matmul.default, weights, value), dtype)
+    # Laid out as the attention's result was (ATen's CPU attention writes it heads inside rows): the graph after it
+    # may view it on that layout, as transformers' heads joined with a transpose and a view do.
+    layout = list(attention.node.meta["val"].stride())
+    if list(result.meta["val"].stride()) == layout:
+        return result
+    return inserted_call(graph, force_stride_order(), (result, layout))
 
 
 def masked_scores(graph: Graph, scores: Node, mask: Node | None) -> Node:
