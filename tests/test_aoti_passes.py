@@ -730,7 +730,7 @@ def test_an_attention_of_a_few_query_rows_becomes_a_reduction_and_a_product_with
     kinds = targets(exported.graph_module)
     assert aten.scaled_dot_product_attention.default not in kinds
     assert kinds.count(aten.sum.dim_IntList) == 2 and kinds.count(aten._softmax.default) == 2  # two layers
-    assert kinds.count(aten.matmul.default) == 2
+    assert kinds.count(aten.bmm.default) == 2
     [first_sum, _] = [node for node in exported.graph_module.graph.nodes if node.target is aten.sum.dim_IntList]
     query_operand = first_sum.args[0].args[0].args[0]
     assert query_operand.target is torch.ops.prims.inductor_force_stride_order.default, "the query computed once"
@@ -750,7 +750,7 @@ def test_few_query_rows_attend_over_the_cut_keys():
     graph = exported.graph_module.graph
     [length] = [node for node in graph.nodes if node.target is aten.item.default]
     key_operands = [n.args[0] for n in graph.nodes if n.target is aten.unsqueeze.default and n.args[1] == -3]
-    value_operands = [node.args[1] for node in graph.nodes if node.target is aten.matmul.default]
+    value_operands = [node.args[1].args[0] for node in graph.nodes if node.target is aten.bmm.default]
     read = key_operands + value_operands
     assert len(read) == 4 and all(n.target is aten.slice.Tensor and n.args[3] is length for n in read)
     for last in ([9, 10, 11], [39, 39, 39], [keys - 1] * 3):

@@ -127,7 +127,7 @@ def attention_as_reductions(graph: Graph, attention: FewQueriesAttention) -> Nod
     scores = masked_scores(graph, scores, attention.mask)
     weights = call(aten._softmax.default, scores, -1, False)
     # ATen's product, a call Inductor does not fuse across (see the module's docstring).
-    result = cast(call(aten.matmul.default, weights, value), dtype)
+    result = cast(batched_product(graph, weights, value), dtype)
     # Laid out as the attention's result was (ATen's CPU attention writes it heads inside rows): the graph after it
     # may view it on that layout, as transformers' heads joined with a transpose and a view do.
     layout = list(attention.node.meta["val"].stride())
@@ -143,3 +143,18 @@ def masked_scores(graph: Graph, scores: Node, mask: Node | None) -> Node:
     if mask.meta["val"].dtype == torch.bool:
         return inserted_call(graph, aten.where.ScalarOther, (mask, scores, -math.inf))
     return inserted_call(graph, aten.add.Tensor, (scores, mask))
+
+
+def batched_product(graph: Graph, weights: Node, value: Node) -> Node:
+    """``weights @ value`` over their leading dimensions, as one ``bmm``.
+
+    Written out rather than as a ``matmul``: torch 2.11's ``matmul`` guards on the keys' count, a
+    size known only when the graph runs where the keys are cut to the filled ones.
+    """
+    leading = list(weights.meta["val"].shape[:-2])
+    if not leading:
+        return inserted_call(graph, aten.mm.default, (weights, value))
+    flat = [inserted_call(graph, aten.flatten.using_ints, (operand, 0, len(leading) - 1)) if len(leading) > 1
+            else operand for operand in (weights, value)]
+    product = inserted_call(graph, aten.bmm.default, tuple(flat))
+    return inserted_call(graph, aten.unflatten.int, (product, 0, leading)) if len(leading) > 1 else product
