@@ -15,8 +15,9 @@ kernel, and every intermediate buffer of it was allocated at each call (427 agai
 1 thread, AMD EPYC with AVX-512, one attention compiled alone, its cache warm, ``[1, 4, 3, 64]``
 queries over 40 keys: 14.8 µs against 19.4 as a flash attention (2 threads: 15.6 against 22.0);
 over 256 keys 32.7 against 39.0. The 99.5 M Llama's ``8da4w`` decode (64 tokens after an 8-token
-prompt, cache 256), same process, files alternating: XNNPACK+AOTInductor 390 to 424 tokens/s,
-AOTInductor alone 276 to 282.
+prompt, cache 256), same process, files alternating, two runs: XNNPACK+AOTInductor 390 to 424 and
+393 to 410 tokens/s, AOTInductor alone 276 to 282 and 258 to 268; float32 through AOTInductor alone
+103 to 107.
 
 Scores, softmax and sums are computed in float32 where the inputs are narrower, as the flash
 kernel accumulates, and the result is cast back. A query of more than ``MAX_QUERY_ROWS`` rows (a
