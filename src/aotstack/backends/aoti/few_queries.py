@@ -45,7 +45,7 @@ MAX_QUERY_ROWS = 8
 
 @dataclass(frozen=True)
 class FewQueriesAttention:
-    """An attention node of at most ``MAX_QUERY_ROWS`` query rows that can run as reductions."""
+    """An attention node of at most ``MAX_QUERY_ROWS`` query rows that can run as a reduction and a product."""
 
     node: Node
     query: Node
@@ -67,7 +67,7 @@ class FewQueriesAttentionPass:
             if attention is None:
                 continue
             with graph.inserting_before(node):
-                result = attention_as_reductions(graph, attention)
+                result = attention_as_loops(graph, attention)
             replace_node(graph, node, result)
             changed = True
         if changed:
@@ -106,7 +106,7 @@ def few_queries_attention(node: Node) -> FewQueriesAttention | None:
     return FewQueriesAttention(node, query, key, value, mask, 1 / math.sqrt(width) if scale is None else scale)
 
 
-def attention_as_reductions(graph: Graph, attention: FewQueriesAttention) -> Node:
+def attention_as_loops(graph: Graph, attention: FewQueriesAttention) -> Node:
     """``softmax(q·kᵀ * scale + mask)·v``, the scores as a multiply and a sum, cast back to the query's type."""
     dtype = attention.query.meta["val"].dtype
 
