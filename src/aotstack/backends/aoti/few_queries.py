@@ -85,7 +85,7 @@ def few_queries_attention(node: Node) -> FewQueriesAttention | None:
         return None
     if mask is not None and not isinstance(mask, Node):
         return None
-    values = [node.meta.get("val") for node in (query, key, value)]
+    values = [operand.meta.get("val") for operand in (query, key, value)]
     if not all(isinstance(tensor, torch.Tensor) and tensor.dim() >= 2 for tensor in values):
         return None
     query_value, key_value, value_value = values
@@ -155,7 +155,9 @@ def batched_product(graph: Graph, weights: Node, value: Node) -> Node:
     leading = list(weights.meta["val"].shape[:-2])
     if not leading:
         return inserted_call(graph, aten.mm.default, (weights, value))
-    flat = [inserted_call(graph, aten.flatten.using_ints, (operand, 0, len(leading) - 1)) if len(leading) > 1
-            else operand for operand in (weights, value)]
+    if len(leading) == 1:
+        return inserted_call(graph, aten.bmm.default, (weights, value))
+    last = len(leading) - 1
+    flat = [inserted_call(graph, aten.flatten.using_ints, (operand, 0, last)) for operand in (weights, value)]
     product = inserted_call(graph, aten.bmm.default, tuple(flat))
-    return inserted_call(graph, aten.unflatten.int, (product, 0, leading)) if len(leading) > 1 else product
+    return inserted_call(graph, aten.unflatten.int, (product, 0, leading))
