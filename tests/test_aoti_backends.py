@@ -6,6 +6,8 @@ Nothing here compiles or needs a GPU; the CUDA runs are in test_cuda_end_to_end.
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -224,3 +226,51 @@ def test_loading_a_gpu_delegate_where_there_is_no_gpu_names_the_device(device):
 
     with pytest.raises(aotstack.DelegateInitError, match=f"runs on {Device.parse(device)}, which this machine lacks"):
         runner_factory(Device.parse(device), "a partition")
+
+
+@pytest.mark.parametrize("value", [b"0", b"-2", b"two", b"", b"1.5"])
+def test_a_threads_value_other_than_a_positive_integer_is_refused_naming_it(value):
+    message = rf"compile spec 'threads' must be a positive integer, got {re.escape(repr(value))}"
+    with pytest.raises(aotstack.CompileSpecError, match=message):
+        aotstack.AotiCpuPartitioner(compile_specs=[CompileSpec("threads", value)])
+
+
+def test_the_threads_spec_sets_the_thread_count_of_the_generated_code():
+    assert aotstack.AotiCpuBackend().compile_options([CompileSpec("threads", b" 1 ")])["cpp.threads"] == 1
+    assert "cpp.threads" not in aotstack.AotiCpuBackend().compile_options([])
+
+
+class Doubled(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x) * 2
+
+
+def openmp_symbols(library: str) -> list[str]:
+    listed = subprocess.run(["nm", "-D", "--undefined-only", library], capture_output=True, text=True, check=True)
+    return [line.split()[-1] for line in listed.stdout.splitlines() if "omp" in line.lower()]
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm to list a library's symbols")
+def test_a_library_compiled_for_one_thread_runs_no_parallel_region(tmp_path, monkeypatch):
+    """Compiled at two threads, the code of a large elementwise op runs OpenMP parallel regions; with the threads
+    spec at 1, none, and the numbers are the same."""
+    x = torch.randn(512, 1024)
+    program = aotstack.export(Doubled(), {"forward": (x,)})
+    symbols, results = {}, {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for name, specs in (("default", []), ("one", [CompileSpec("threads", b"1")])):
+            monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path / name))
+            lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner(compile_specs=specs)], progress=False)
+            [library] = (tmp_path / name).glob("*.so")
+            symbols[name] = openmp_symbols(str(library))
+            lowered.save(tmp_path / f"{name}.pt2")
+            results[name] = aotstack.load(tmp_path / f"{name}.pt2").forward(x)
+    finally:
+        torch.set_num_threads(threads)
+
+    assert any(symbol.startswith("GOMP_parallel") for symbol in symbols["default"]), symbols
+    assert symbols["one"] == []
+    torch.testing.assert_close(results["one"], Doubled()(x))
+    torch.testing.assert_close(results["default"], Doubled()(x))

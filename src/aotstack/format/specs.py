@@ -26,6 +26,9 @@ class SpecKey:
     EMULATE_PRECISION_CASTS = "emulate_precision_casts"
     # ONNX Runtime: execution providers in priority order, comma-separated.
     PROVIDERS = "providers"
+    # AOTInductor on the CPU: the threads its generated loops run on, a positive integer (default: torch's thread
+    # count when compiling, which the code bakes in). ATen calls inside the library follow torch's count at run.
+    THREADS = "threads"
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,20 @@ def switch_spec(compile_specs: list[CompileSpec], key: str, *, default: bool) ->
     if setting not in ("ON", "OFF"):
         raise CompileSpecError(f"compile spec {key!r} must be ON or OFF, got {value!r}")
     return setting == "ON"
+
+
+def count_spec(compile_specs: list[CompileSpec], key: str) -> int | None:
+    """A spec that is a positive integer in decimal (``b"2"``), None when absent.
+
+    Any other value raises ``CompileSpecError`` naming the spec and the value.
+    """
+    value = compile_spec_value(compile_specs, key)
+    if value is None:
+        return None
+    text = value.decode(errors="replace").strip()
+    if not text.isdecimal() or int(text) < 1:
+        raise CompileSpecError(f"compile spec {key!r} must be a positive integer, got {value!r}")
+    return int(text)
 
 
 def partition_label(backend_id: str, compile_specs: list[CompileSpec]) -> str:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
+from ...format.specs import CompileSpec, SpecKey, count_spec
 from .backend import AotiBackend
 from .compile import ProgramPass
 from .few_queries import FewQueriesAttentionPass
@@ -22,6 +23,10 @@ class AotiCpuBackend(AotiBackend):
     # 7: float linears of few rows as reductions (few_rows.py); 8: attention over a cache's filled keys
     # (filled_keys.py); 9-11: attention of few query rows as a reduction and a product (few_queries.py).
     compile_revision = 11
+
+    def inductor_options(self, compile_specs: list[CompileSpec]) -> dict[str, Any]:
+        threads = count_spec(compile_specs, SpecKey.THREADS)
+        return {} if threads is None else {"cpp.threads": threads}
 
     def program_passes(self) -> list[ProgramPass]:
         return [with_packed_weights]
