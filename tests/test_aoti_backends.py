@@ -6,8 +6,6 @@ Nothing here compiles or needs a GPU; the CUDA runs are in test_cuda_end_to_end.
 from __future__ import annotations
 
 import re
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -239,39 +237,3 @@ def test_the_threads_spec_sets_the_thread_count_of_the_generated_code():
     assert aotstack.AotiCpuBackend().compile_options([CompileSpec("threads", b" 1 ")])["cpp.threads"] == 1
     assert "cpp.threads" not in aotstack.AotiCpuBackend().compile_options([])
 
-
-class Doubled(torch.nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(x) * 2
-
-
-def openmp_symbols(library: str) -> list[str]:
-    listed = subprocess.run(["nm", "-D", "--undefined-only", library], capture_output=True, text=True, check=True)
-    names = [line.split()[-1] for line in listed.stdout.splitlines()]
-    return [name for name in names if name.startswith(("GOMP_", "omp_"))]
-
-
-@pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm to list a library's symbols")
-def test_a_library_compiled_for_one_thread_runs_no_parallel_region(tmp_path, monkeypatch):
-    """Compiled at two threads, the code of a large elementwise op runs OpenMP parallel regions; with the threads
-    spec at 1, none, and the numbers are the same."""
-    x = torch.randn(512, 1024)
-    program = aotstack.export(Doubled(), {"forward": (x,)})
-    symbols, results = {}, {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        for name, specs in (("default", []), ("one", [CompileSpec("threads", b"1")])):
-            monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path / name))
-            lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner(compile_specs=specs)], progress=False)
-            [library] = (tmp_path / name).glob("*.so")
-            symbols[name] = openmp_symbols(str(library))
-            lowered.save(tmp_path / f"{name}.pt2")
-            results[name] = aotstack.load(tmp_path / f"{name}.pt2").forward(x)
-    finally:
-        torch.set_num_threads(threads)
-
-    assert any(symbol.startswith("GOMP_parallel") for symbol in symbols["default"]), symbols
-    assert symbols["one"] == []
-    torch.testing.assert_close(results["one"], Doubled()(x))
-    torch.testing.assert_close(results["default"], Doubled()(x))

@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
+import subprocess
 
 import pytest
 import torch
 from torch.fx.passes.utils.fuser_utils import validate_partition
 
 import aotstack
+from aotstack import CompileSpec
 from aotstack.engine import processor
 from aotstack.format.ops import is_delegate_call
 from tests import models
@@ -161,3 +164,40 @@ def test_caches_key_what_was_compiled_and_measured_by_the_processor(monkeypatch)
         monkeypatch.setattr(module, "processor_fingerprint", lambda: "another processor")
     elsewhere = keys()
     assert all(a != b for a, b in zip(here, elsewhere, strict=True))
+
+
+class Doubled(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x) * 2
+
+
+def openmp_symbols(library: str) -> list[str]:
+    listed = subprocess.run(["nm", "-D", "--undefined-only", library], capture_output=True, text=True, check=True)
+    names = [line.split()[-1] for line in listed.stdout.splitlines()]
+    return [name for name in names if name.startswith(("GOMP_", "omp_"))]
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm to list a library's symbols")
+def test_a_library_compiled_for_one_thread_runs_no_parallel_region(tmp_path, monkeypatch):
+    """Compiled at two threads, the code of a large elementwise op runs OpenMP parallel regions; with the threads
+    spec at 1, none, and the numbers are the same."""
+    x = torch.randn(512, 1024)
+    program = aotstack.export(Doubled(), {"forward": (x,)})
+    symbols, results = {}, {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for name, specs in (("default", []), ("one", [CompileSpec("threads", b"1")])):
+            monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path / name))
+            lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner(compile_specs=specs)], progress=False)
+            [library] = (tmp_path / name).glob("*.so")
+            symbols[name] = openmp_symbols(str(library))
+            lowered.save(tmp_path / f"{name}.pt2")
+            results[name] = aotstack.load(tmp_path / f"{name}.pt2").forward(x)
+    finally:
+        torch.set_num_threads(threads)
+
+    assert any(symbol.startswith("GOMP_parallel") for symbol in symbols["default"]), symbols
+    assert symbols["one"] == []
+    torch.testing.assert_close(results["one"], Doubled()(x))
+    torch.testing.assert_close(results["default"], Doubled()(x))
