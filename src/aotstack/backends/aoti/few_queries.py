@@ -67,7 +67,7 @@ class FewQueriesAttentionPass:
             if attention is None:
                 continue
             with graph.inserting_before(node):
-                result = attention_as_loops(graph, attention)
+                result = attention_as_reduction_and_product(graph, attention)
             replace_node(graph, node, result)
             changed = True
         if changed:
@@ -106,7 +106,7 @@ def few_queries_attention(node: Node) -> FewQueriesAttention | None:
     return FewQueriesAttention(node, query, key, value, mask, 1 / math.sqrt(width) if scale is None else scale)
 
 
-def attention_as_loops(graph: Graph, attention: FewQueriesAttention) -> Node:
+def attention_as_reduction_and_product(graph: Graph, attention: FewQueriesAttention) -> Node:
     """``softmax(q·kᵀ * scale + mask)·v``, the scores as a multiply and a sum, cast back to the query's type."""
     dtype = attention.query.meta["val"].dtype
 
