@@ -25,6 +25,7 @@ import aotstack
 from aotstack import Backend, DelegationSpec, Partitioner, PartitionResult, PreprocessResult
 from aotstack.backends.xnnpack.packages import executorch_problem
 from aotstack.format.archive import page_ranges, read_manifest
+from tests.conftest import run_child
 
 needs_pagemap = pytest.mark.skipif(not os.path.exists("/proc/self/pagemap"), reason="needs Linux's /proc/self/pagemap")
 
@@ -183,6 +184,42 @@ def handles(loaded: aotstack.LoadedProgram) -> list[object]:
         for cell in action.__closure__ or ()
         if type(cell.cell_contents).__name__.endswith("Handle")
     ]
+
+
+# A process that locks its memory (as a latency-bound server may): every mapping made from now on is
+# locked, the package's included, and the kernel refuses to drop a locked page (EINVAL).
+LOCKED_RUN = """
+import ctypes, json, sys
+import torch
+import aotstack
+from tests.test_weights_released import INPUTS, loaded_answers
+MCL_FUTURE = 2
+if ctypes.CDLL(None, use_errno=True).mlockall(MCL_FUTURE) != 0:
+    print(json.dumps({"skip": f"mlockall failed (errno {ctypes.get_errno()})"}))
+    sys.exit()
+loaded = aotstack.load(sys.argv[1])
+with torch.no_grad():
+    print(json.dumps({"answers": [answer.tolist() for answer in loaded_answers(loaded)]}))
+"""
+
+
+def can_lock_memory() -> bool:
+    """Whether this process may lock all it maps: as root, or with no limit on locked memory."""
+    import resource
+
+    return os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_MEMLOCK)[0] == resource.RLIM_INFINITY
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or not hasattr(mmap, "MADV_DONTNEED"), reason="needs POSIX madvise")
+@pytest.mark.parametrize("engine", ["onnxruntime", "openvino", "xnnpack"])
+def test_a_process_that_locked_its_memory_keeps_the_pages_and_gets_right_answers(packages, engine):
+    if not can_lock_memory():
+        pytest.skip("locking a process's memory needs root or an unlimited RLIMIT_MEMLOCK here")
+    path, expected = packages(engine)
+    result = run_child(LOCKED_RUN, str(path))
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    assert_close([torch.tensor(answer) for answer in result["answers"]], expected, quantized=False)
 
 
 @needs_pagemap

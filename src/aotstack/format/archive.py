@@ -19,6 +19,7 @@ above the format layer.
 from __future__ import annotations
 
 import bisect
+import errno
 import itertools
 import json
 import mmap
@@ -187,7 +188,7 @@ class MappedPages:
         dropped = [(0, size)] if blobs is None else [self.spans[key] for key in blobs]
         kept = [self.spans[key] for key in keep]
         for start, end in page_ranges(dropped, kept, mmap.PAGESIZE, size):
-            advise_dont_need(self.mapped, start, end - start)
+            advise_dont_need(self.mapped.obj, start, end - start)
 
 
 def page_ranges(
@@ -226,11 +227,19 @@ def merged(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return joined
 
 
-def advise_dont_need(mapped: memoryview, start: int, length: int) -> None:
-    """``madvise(MADV_DONTNEED)`` on a page-aligned range of the mapping ``mapped`` views, where the platform has it."""
-    mapping = mapped.obj
+def advise_dont_need(mapping: object, start: int, length: int) -> None:
+    """``madvise(MADV_DONTNEED)`` on a page-aligned range of ``mapping`` (an ``mmap.mmap``), where the platform has it.
+
+    Dropping pages only saves memory, so a range the kernel will not drop stays as it is: a
+    process that locked its memory (``mlockall``, as latency-bound servers do) gets EINVAL for
+    every locked page, and keeps them resident, as it asked.
+    """
     if isinstance(mapping, mmap.mmap) and hasattr(mapping, "madvise") and hasattr(mmap, "MADV_DONTNEED"):
-        mapping.madvise(mmap.MADV_DONTNEED, start, length)
+        try:
+            mapping.madvise(mmap.MADV_DONTNEED, start, length)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:

@@ -15,7 +15,7 @@ from torch.utils import _pytree as pytree
 
 from ..engine.registry import runtime_class
 from ..errors import AotstackError, DelegateInitError, MethodNotFoundError, PackageError, RunError
-from ..format.archive import PackageContents, read_package
+from ..format.archive import PackageContents, advise_dont_need, read_package
 from ..format.custom_ops import allowed_op_names, check_custom_ops
 from ..format.devices import HOST, Device
 from ..format.manifest import DelegateRecord, InputRecord, MethodRecord, WeightRecord
@@ -416,7 +416,7 @@ class StateBuffer:
         Read again, the pages are zeros until written; the address stays.
         """
         if isinstance(self.current, mmap.mmap):
-            self.current.madvise(mmap.MADV_DONTNEED)
+            advise_dont_need(self.current, 0, len(self.current))
 
 
 # The reader of a method's own weights (its plan's weight steps), in ProgramState.readers.
