@@ -112,17 +112,20 @@ def test_the_cache_can_be_turned_off(monkeypatch):
     assert aoti_compile.cached_files("k") is None
 
 
-def test_the_thread_count_changes_the_key():
+def test_the_thread_count_the_code_is_compiled_for_changes_the_key():
+    """torch's thread count, or the ``threads`` spec's count (``cpp.threads``) where given, whatever torch's is."""
     program = aotstack.export(models.build("linear"), {"forward": models.example_inputs("linear")}).methods["forward"]
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = key_of(program)
+        one, pinned_at_one = key_of(program), key_of(program, {"cpp.threads": 1})
         torch.set_num_threads(2)
-        two = key_of(program)
+        two, pinned_at_two = key_of(program), key_of(program, {"cpp.threads": 1})
     finally:
         torch.set_num_threads(threads)
     assert one != two
+    assert pinned_at_one == pinned_at_two
+    assert pinned_at_two != key_of(program, {"cpp.threads": 2})
 
 
 def test_an_onnx_runtime_partition_is_exported_once_and_its_weights_come_from_the_program(tmp_path, monkeypatch):

@@ -252,12 +252,12 @@ def folds_weights(options: dict[str, Any]) -> bool:
 def cache_key(structure: Structure, options: dict[str, Any]) -> str:
     """A hash of everything the library depends on: the program's structure and the options.
 
-    So are the thread count, which the generated OpenMP code bakes in, and the processor, whose
-    instructions it is compiled for. Weights' names and (but for the ones the code may hold) values
-    are not: partitions of repeated layers share a library.
+    So are the thread count, which the generated OpenMP code bakes in (``cpp.threads``, torch's
+    where unset), and the processor, whose instructions it is compiled for. Weights' names and (but
+    for the ones the code may hold) values are not: partitions of repeated layers share a library.
     """
     # "structure": entries keyed by names and every weight's value, from before, are not reused.
-    threads, options_text = str(torch.get_num_threads()), repr(sorted(options.items()))
+    threads, options_text = str(options.get("cpp.threads") or torch.get_num_threads()), repr(sorted(options.items()))
     parts = (torch.__version__, __version__, threads, options_text, processor_fingerprint(), "structure")
     digest = hashlib.sha256("\0".join(parts).encode())
     digest.update(structure.digest.encode())
