@@ -39,3 +39,18 @@ class CustomOpModel(torch.nn.Module):
         y = torch.ops.aotstack_custom.scale_rows(torch.relu(x), scale) + 1
         torch.ops.aotstack_custom.accumulate(self.total, y)
         return y * 2 + self.total
+
+
+# torch's thread count at each call of threads_seen: what an ATen call at that point would run on.
+THREADS_SEEN: list[int] = []
+
+
+@torch.library.custom_op("aotstack_custom::threads_seen", mutates_args=())
+def threads_seen(x: torch.Tensor) -> torch.Tensor:
+    THREADS_SEEN.append(torch.get_num_threads())
+    return x.clone()
+
+
+@threads_seen.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)

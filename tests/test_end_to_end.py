@@ -16,7 +16,7 @@ import aotstack
 from aotstack import CompileSpec
 from aotstack.engine import processor
 from aotstack.format.ops import is_delegate_call
-from tests import models
+from tests import custom_ops_lib, models
 from tests.conftest import assert_matches_eager, run_in_fresh_process
 
 
@@ -167,8 +167,10 @@ def test_caches_key_what_was_compiled_and_measured_by_the_processor(monkeypatch)
 
 
 class Doubled(torch.nn.Module):
+    """Doubles, then passes the result through an op that notes torch's thread count while the library runs."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(x) * 2
+        return torch.ops.aotstack_custom.threads_seen(torch.relu(x) * 2)
 
 
 def openmp_symbols(library: str) -> list[str]:
@@ -178,12 +180,13 @@ def openmp_symbols(library: str) -> list[str]:
 
 
 @pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm to list a library's symbols")
-def test_a_library_compiled_for_one_thread_runs_no_parallel_region(tmp_path, monkeypatch):
+def test_a_library_compiled_for_one_thread_runs_on_one_thread(tmp_path, monkeypatch):
     """Compiled at two threads, the code of a large elementwise op runs OpenMP parallel regions; with the threads
-    spec at 1, none, and the numbers are the same."""
+    spec at 1, none, the ATen and custom ops it calls run with torch's count at 1 (back to 2 after), and the numbers
+    are the same."""
     x = torch.randn(512, 1024)
     program = aotstack.export(Doubled(), {"forward": (x,)})
-    symbols, results = {}, {}
+    symbols, results, seen = {}, {}, {}
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -193,11 +196,14 @@ def test_a_library_compiled_for_one_thread_runs_no_parallel_region(tmp_path, mon
             [library] = (tmp_path / name).glob("*.so")
             symbols[name] = openmp_symbols(str(library))
             lowered.save(tmp_path / f"{name}.pt2")
+            custom_ops_lib.THREADS_SEEN.clear()
             results[name] = aotstack.load(tmp_path / f"{name}.pt2").forward(x)
+            seen[name] = [*custom_ops_lib.THREADS_SEEN, torch.get_num_threads()]
     finally:
         torch.set_num_threads(threads)
 
     assert any(symbol.startswith("GOMP_parallel") for symbol in symbols["default"]), symbols
     assert symbols["one"] == []
-    torch.testing.assert_close(results["one"], Doubled()(x))
-    torch.testing.assert_close(results["default"], Doubled()(x))
+    assert seen == {"default": [2, 2], "one": [1, 2]}
+    torch.testing.assert_close(results["one"], torch.relu(x) * 2)
+    torch.testing.assert_close(results["default"], torch.relu(x) * 2)
