@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 import aotstack
 from aotstack.compile import lower as lower_module
+from aotstack.compile.auto import CONTENDING, one_thread_base
 from aotstack.compile.mixing import MARGIN, KeptRegion, MeasuredPlan, Mix, Region, RegionPartitioner, mixed_cover
 from aotstack.engine.registry import BUILT_IN
+from aotstack.format.placement import Candidate
+from aotstack.format.specs import compile_spec_value
+from tests import models
 
 WORK = {"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.0}
 
@@ -51,6 +57,38 @@ def test_of_two_overlapping_regions_the_one_saving_more_is_kept():
     assert mix is not None
     kept = [(kept.region.engine, kept.region.names) for kept in mix.kept]
     assert kept == [("xnnpack", frozenset("abc")), ("onnxruntime", frozenset("d"))]
+
+
+def measured(plans: dict[tuple[str, ...], tuple[float, list[Region]]]) -> dict:
+    """Plans as auto lists them for one method: each with its candidate, delegates' seconds and regions."""
+    return {plan: (Candidate(list(plan), seconds, {}), {}, regions) for plan, (seconds, regions) in plans.items()}
+
+
+BETWEEN = [region("xnnpack", "ab", 1.0), region("aoti_cpu", "cd", 1.0)]
+WHOLE = [region("openvino", "abcd", 1.0)]
+
+
+def test_the_fastest_plan_running_aotis_parts_between_another_engines_is_timed_on_one_thread_too():
+    listed = measured({("aoti_cpu",): (2.0, [region("aoti_cpu", "abcd", 2.0)]),
+                       ("openvino", "aoti_cpu"): (1.9, WHOLE),
+                       ("onnxruntime", "aoti_cpu"): (2.4, [region("onnxruntime", "ab", 1.0),
+                                                           region("aoti_cpu", "cd", 1.4)]),
+                       ("xnnpack", "aoti_cpu"): (2.1, BETWEEN)})
+
+    assert one_thread_base(listed, "aoti_cpu", 2, "cpu") == ("xnnpack", "aoti_cpu")
+    assert one_thread_base(listed, "aoti_cpu", 1, "cpu") is None, "at one thread it is the same plan"
+    assert one_thread_base(listed, "aoti_cuda", 2, "cuda") is None, "the threads spec is AOTInductor's on the CPU"
+
+
+def test_no_plan_is_timed_on_one_thread_where_none_runs_aotis_parts_between_another_engines_or_it_is_far_slower():
+    whole = measured({("aoti_cpu",): (2.0, [region("aoti_cpu", "abcd", 2.0)]), ("openvino", "aoti_cpu"): (1.0, WHOLE)})
+    slow = measured({("aoti_cpu",): (1.0, [region("aoti_cpu", "abcd", 1.0)]),
+                     ("xnnpack", "aoti_cpu"): (1.0 * (1 + CONTENDING) * 1.01, BETWEEN)})
+    failed = {("xnnpack", "aoti_cpu"): (Candidate(["xnnpack", "aoti_cpu"], None, {}, "broken"), {}, BETWEEN)}
+
+    assert one_thread_base(whole, "aoti_cpu", 2, "cpu") is None
+    assert one_thread_base(slow, "aoti_cpu", 2, "cpu") is None
+    assert one_thread_base(failed, "aoti_cpu", 2, "cpu") is None
 
 
 def test_a_region_estimate_shares_a_delegates_time_by_the_work_of_its_nodes():
@@ -105,6 +143,8 @@ def test_auto_measures_the_mix_its_plans_propose_names_it_and_reads_it_back_from
         return Mix([KeptRegion(taken, taken.seconds * 2, ("aoti_cpu",))], closing)
 
     monkeypatch.setattr(lower_module, "mixed_cover", ort_region)
+    # Not the plan with AOTInductor's parts on one thread, which a timing within CONTENDING would add at 2 threads.
+    monkeypatch.setattr(lower_module, "one_thread_base", lambda *args: None)
     model, x = Chain().eval(), torch.randn(4, 16)
     program = aotstack.export(model, {"forward": (x,)})
     auto = aotstack.Auto(engines=["aoti_cpu", "onnxruntime"])
@@ -125,3 +165,48 @@ def test_auto_measures_the_mix_its_plans_propose_names_it_and_reads_it_back_from
     again = aotstack.lower(program, auto, progress=False).placements["forward"].selection
     assert [c.engines for c in again.candidates] == labels
     assert [c.seconds for c in again.candidates] == [c.seconds for c in chosen.candidates]
+
+
+@pytest.mark.skipif(not BUILT_IN["xnnpack"].installed(), reason="executorch is not installed")
+def test_auto_times_a_plan_again_with_aotis_parts_on_one_thread_and_keeps_it_from_the_cache(monkeypatch, tmp_path):
+    """XNNPACK takes the linear and its relu, AOTInductor the median and the product after them. That plan is timed
+    again with AOTInductor's part compiled for one thread, and the choice pinned to it, so its lowering, file and
+    warm re-lowering run for real (whichever plan a machine times faster)."""
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path / "cache"))
+
+    def one_thread_kept(method, candidates, threads):
+        kept = choose(method, candidates, threads)
+        [index] = [i for i, c in enumerate(candidates) if c.engines[-1] == "aoti_cpu (1 thread)"]
+        return dataclasses.replace(kept, chosen=index)
+
+    choose = lower_module.selection
+    monkeypatch.setattr(lower_module, "mixed_cover", lambda plans, closing: None)
+    monkeypatch.setattr(lower_module, "one_thread_base", lambda *args: ("xnnpack", "aoti_cpu"))
+    monkeypatch.setattr(lower_module, "selection", one_thread_kept)
+    model, inputs = models.build("median"), models.example_inputs("median")
+    program = aotstack.export(model, {"forward": inputs})
+    auto = aotstack.Auto(engines=["aoti_cpu", "xnnpack"])
+
+    lowered = aotstack.lower(program, auto, progress=False)
+
+    chosen = lowered.placements["forward"].selection
+    labels = [candidate.engines for candidate in chosen.candidates]
+    assert labels == [["aoti_cpu"], ["xnnpack", "aoti_cpu"], ["xnnpack", "aoti_cpu (1 thread)"]]
+    assert chosen.candidates[-1].seconds is not None
+    assert set(chosen.candidates[-1].engine_seconds) == {"xnnpack", "aoti_cpu"}
+    assert "xnnpack > aoti_cpu (1 thread) is xnnpack > aoti_cpu with aoti_cpu's parts compiled for one" in chosen.reason
+
+    def aoti_threads(lowered_program):
+        return [compile_spec_value(d.compile_specs, "threads") for d in lowered_program.delegates("forward")
+                if d.backend_id == "aoti_cpu"]
+
+    assert aoti_threads(lowered) == [b"1"]
+    lowered.save(tmp_path / "auto.pt2")
+    for got, expected in zip(aotstack.load(tmp_path / "auto.pt2").forward(*inputs), model(*inputs), strict=True):
+        torch.testing.assert_close(got, expected.detach())
+
+    # Warm: the plan is read from the cache and lowered again as it was measured, its AOTInductor part on one thread.
+    monkeypatch.setattr(lower_module, "measured_methods", lambda *args: pytest.fail("measured again"))
+    again = aotstack.lower(program, auto, progress=False)
+    assert [c.engines for c in again.placements["forward"].selection.candidates] == labels
+    assert aoti_threads(again) == [b"1"]

@@ -16,7 +16,12 @@ The algorithm, kept small so a report can explain it:
    estimate for the same nodes is kept, the closing engine takes the rest. It is lowered and
    timed like the others (at most one more plan per method), so boundaries are in its time too,
    and the selection's reason lists the regions it kept and what each measured against.
-4. Per method, the fastest plan wins; boundary costs are in its time, as they are in a user's
+4. At more than one thread on the CPU, the fastest plan whose AOTInductor parts run between
+   another engine's (where it is within ``CONTENDING`` of the fastest) is lowered once more with
+   those parts compiled for one thread (``SpecKey.THREADS``), and timed like the others: there
+   AOTInductor's OpenMP threads, waiting for the next loop, spin on the cores the other engine's
+   own pool needs (``one_thread_base``).
+5. Per method, the fastest plan wins; boundary costs are in its time, as they are in a user's
    call. Within ``TIE`` of AOTInductor alone, AOTInductor alone wins: one engine and no
    boundaries for a difference the measurement cannot tell apart. Otherwise, among the plans
    within ``TIE`` of the fastest, one holding at least ``LIGHTER`` less memory once loaded and
@@ -37,7 +42,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -70,8 +75,9 @@ CONFIRMING_ROUNDS = 2
 CONTENDING = 0.35
 # The measurements' cache; each entry keeps its plan's regions (``mixing.py``) and memory, which older entries lack,
 # older entries timed a plan keeping state in its engine with a reload of that state in every call, and older entries
-# of plans close to the fastest were timed once only.
-CACHE_KIND = "measurements-5"
+# of plans close to the fastest were timed once only, and older entries of a plan with AOTInductor's parts compiled
+# for one thread ran their ATen calls on torch's thread count.
+CACHE_KIND = "measurements-6"
 
 Plan = tuple[str, ...]
 
@@ -126,17 +132,22 @@ def candidate_plans(auto: Auto) -> list[Plan]:
     return [(last,), *((name, last) for name in others)]
 
 
-def plan_partitioners(plan: Plan, device: str) -> list[Partitioner]:
-    """The partitioners of ``plan``, each with its defaults; AOTInductor for ``device``."""
+def plan_partitioners(plan: Plan, device: str, closing_threads: int | None = None) -> list[Partitioner]:
+    """The partitioners of ``plan``, each with its defaults; AOTInductor for ``device``, its generated code on
+    ``closing_threads`` threads where given."""
     partitioners = []
     for backend_id in plan:
         cls = BUILT_IN[backend_id].partitioner_class()
-        partitioners.append(aoti_partitioner(cls, device) if BUILT_IN[backend_id].takes_every_op else cls())
+        closing = BUILT_IN[backend_id].takes_every_op
+        partitioners.append(aoti_partitioner(cls, device, closing_threads) if closing else cls())
     return partitioners
 
 
-def aoti_partitioner(cls: type, device: str) -> Partitioner:
-    return cls(compile_specs=[CompileSpec(SpecKey.TARGET_DEVICE, device.encode())])
+def aoti_partitioner(cls: type, device: str, threads: int | None = None) -> Partitioner:
+    specs = [CompileSpec(SpecKey.TARGET_DEVICE, device.encode())]
+    if threads is not None:
+        specs.append(CompileSpec(SpecKey.THREADS, str(threads).encode()))
+    return cls(compile_specs=specs)
 
 
 def plan_text(plan: Sequence[str]) -> str:
@@ -236,19 +247,63 @@ def failed_candidate(plan: Sequence[str], error: BaseException) -> Candidate:
     return Candidate(list(plan), None, {}, f"{type(error).__name__}: {error}"[:2000])
 
 
-def mix_partitioners(mix: Mix, device: str) -> list[Partitioner]:
+def mix_partitioners(mix: Mix, device: str, closing_threads: int | None = None) -> list[Partitioner]:
     """The mixed plan's partitioners: each engine kept to its regions, in order, then the closing engine."""
     restricted: list[Partitioner] = [
         RegionPartitioner(plan_partitioners((engine,), device)[0], engine, mix.regions(engine))
         for engine in mix.engines
     ]
-    return [*restricted, *plan_partitioners((mix.closing,), device)]
+    return [*restricted, *plan_partitioners((mix.closing,), device, closing_threads)]
 
 
 def mix_key(fingerprint: str, exported: ExportedProgram, mix: Mix, threads: int) -> str:
     """What a mixed plan's measurement depends on: what a plan's does, and which nodes each engine keeps."""
     plan = (*mix.engines, mix.closing)
     return hashlib.sha256((measurement_key(fingerprint, exported, plan, threads) + mix.digest).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class AddedPlan:
+    """A plan auto builds for one method from what it measured there (a mix of regions, a plan with its closing
+    engine's parts on one thread): how the report names it, its partitioners, its measurement's cache key, and why
+    it was built."""
+
+    label: Plan
+    partitioners: Callable[[], list[Partitioner]]
+    key: str
+    explanation: str
+
+
+def one_thread_base(listed: Mapping[Plan, Measurement], closing: str, threads: int, device: str) -> Plan | None:
+    """The plan whose ``closing`` parts auto also compiles for one thread: the fastest measured plan whose closing
+    engine runs parts between another engine's, where it is within ``CONTENDING`` of the fastest plan; None at one
+    thread, off the CPU (``SpecKey.THREADS`` is AOTInductor's on the CPU) or where there is none.
+
+    Between another engine's parts, AOTInductor's parallel loops gain little (a decode step's glue is a
+    few small ops) while its OpenMP threads, spinning as they wait for the next loop, hold cores that the
+    other engine's own thread pool needs. Whether the plan is faster without them is measured, not assumed.
+    """
+    timed = {plan: c.seconds for plan, (c, _, _) in listed.items() if c.seconds is not None}
+    if threads < 2 or not timed or parse_device_spec(device)[0].value != "cpu":
+        return None
+    between = [
+        plan for plan, (_, _, regions) in listed.items()
+        if plan in timed and {r.engine for r in regions} > {closing}
+    ]
+    if not between:
+        return None
+    base = min(between, key=lambda plan: timed[plan])
+    return base if timed[base] <= min(timed.values()) * (1 + CONTENDING) else None
+
+
+def one_thread_plan(base: Plan, partitioners: Callable[[int], list[Partitioner]], key: str) -> AddedPlan:
+    """``base`` with its closing engine's parts compiled for one thread (``partitioners(1)``), ``key`` its own
+    measurement's cache key."""
+    label = (*base[:-1], f"{base[-1]} (1 thread)")
+    explanation = (f"{plan_text(label)} is {plan_text(base)} with {base[-1]}'s parts compiled for one thread, "
+                   "so that no thread of theirs waits spinning on a core the other engines' threads need")
+    digest = hashlib.sha256(f"{key}\0closing engine on one thread".encode()).hexdigest()
+    return AddedPlan(label, lambda: partitioners(1), digest, explanation)
 
 
 def selection(method: str, candidates: list[Candidate], threads: int) -> Selection:

@@ -8,6 +8,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Collection, Generator, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Literal, TypeVar, get_args
 
 import torch
@@ -34,6 +35,7 @@ from ..report.model import Report, program_report
 from .auto import (
     CONFIRMING_ROUNDS,
     SAME_AS_ALONE,
+    AddedPlan,
     Auto,
     Measurement,
     Plan,
@@ -46,6 +48,8 @@ from .auto import (
     measurement_key,
     mix_key,
     mix_partitioners,
+    one_thread_base,
+    one_thread_plan,
     plan_partitioners,
     plan_text,
     selection,
@@ -316,21 +320,28 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowering) -> Lowe
         name: {plan: entry for plan in plans if isinstance(entry := measured[name, plan], tuple)}
         for name in program.methods
     }
-    mixes: dict[str, tuple[Plan, Mix]] = {}
-    mixed_lowerings: dict[str, LoweredProgram] = {}
-    mix_keys: dict[str, str] = {}
+    closing = plans[0][0]
+    # Per method, the plans built from what its plans measured (``AddedPlan``), and those lowered now.
+    added: dict[str, dict[Plan, AddedPlan]] = {name: {} for name in program.methods}
+    added_lowerings: dict[tuple[str, Plan], LoweredProgram] = {}
     for name, exported in program.methods.items():
-        mix = method_mix(listed[name], plans[0][0])
-        if mix is None:
-            continue
-        label = tuple(mix.labels)
-        logger.info("auto: %s: the plans' regions propose %s (%s)", name, plan_text(label), mix.explanation())
-        key = mix_keys[name] = mix_key(fingerprints[name], exported, mix, threads)
-        entry, lowered = mix_measurement(program.only([name]), name, mix, auto, lower_plan, key)
-        listed[name][label] = entry
-        mixes[name] = (label, mix)
-        if lowered is not None:
-            mixed_lowerings[name] = lowered
+        builds: dict[Plan, Callable[[int | None], list[Partitioner]]] = {
+            plan: partial(plan_partitioners, plan, auto.device) for plan in listed[name]
+        }
+        keys_by_plan = {plan: keys[name, plan] for plan in listed[name]}
+        mix = method_mix(listed[name], closing)
+        if mix is not None:
+            label = tuple(mix.labels)
+            logger.info("auto: %s: the plans' regions propose %s (%s)", name, plan_text(label), mix.explanation())
+            builds[label] = partial(mix_partitioners, mix, auto.device)
+            keys_by_plan[label] = mix_key(fingerprints[name], exported, mix, threads)
+            mixed = AddedPlan(label, builds[label], keys_by_plan[label], mix.explanation())
+            measure_added(program.only([name]), name, mixed, lower_plan, listed, added, added_lowerings)
+        base = one_thread_base(listed[name], closing, threads, auto.device)
+        if base is not None:
+            one_thread = one_thread_plan(base, builds[base], keys_by_plan[base])
+            logger.info("auto: %s: %s is measured too", name, plan_text(one_thread.label))
+            measure_added(program.only([name]), name, one_thread, lower_plan, listed, added, added_lowerings)
     selections = {
         name: selection(name, [candidate for candidate, _, _ in entries.values()], threads)
         for name, entries in listed.items()
@@ -338,21 +349,23 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowering) -> Lowe
     for name, kept in selections.items():
         # Each plan measured now: its lowering and its measurement's cache key.
         sources = {plan: (lowered_by_plan[plan], keys[name, plan]) for plan in listed[name] if plan in lowered_by_plan}
-        if name in mixed_lowerings:
-            sources[mixes[name][0]] = (mixed_lowerings[name], mix_keys[name])
+        sources.update({
+            label: (added_lowerings[name, label], extra.key)
+            for label, extra in added[name].items() if (name, label) in added_lowerings
+        })
         selections[name] = confirmed_selection(name, program.methods[name], kept, listed[name], sources, threads)
     chosen = {name: list(listed[name])[kept.chosen] for name, kept in selections.items()}
     by_method = {name: lowered_by_plan[plan] for name, plan in chosen.items() if plan in lowered_by_plan}
-    mixed = {name for name, (label, _) in mixes.items() if chosen[name] == label}
-    by_method.update({name: mixed_lowerings[name] for name in mixed if name in mixed_lowerings})
+    by_method.update({name: added_lowerings[name, plan] for name, plan in chosen.items()
+                      if (name, plan) in added_lowerings})
     # A method whose plans were measured from the cache is lowered now, from the compile caches.
     unlowered = [name for name in program.methods if name not in by_method]
     if unlowered:
         again = lower_plan(
             program.only(unlowered),
             {
-                name: mix_partitioners(mixes[name][1], auto.device)
-                if name in mixed else plan_partitioners(chosen[name], auto.device)
+                name: added[name][chosen[name]].partitioners()
+                if chosen[name] in added[name] else plan_partitioners(chosen[name], auto.device)
                 for name in unlowered
             },
         )
@@ -361,8 +374,8 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowering) -> Lowe
     merged = merged_methods(by_method)
     for name, placement in merged.placements.items():
         kept = selections[name]
-        if name in mixes:
-            kept = replace(kept, reason=f"{kept.reason}; {mixes[name][1].explanation()}")
+        for extra in added[name].values():
+            kept = replace(kept, reason=f"{kept.reason}; {extra.explanation}")
         merged.placements[name] = measured_placement(placement, kept, listed[name][chosen[name]][1])
     return merged
 
@@ -463,23 +476,34 @@ def method_mix(listed: Mapping[Plan, Measurement], closing: str) -> Mix | None:
     return mixed_cover(plans, closing) if len(plans) > 1 else None
 
 
-def mix_measurement(
-    method: Program, name: str, mix: Mix, auto: Auto, lower_plan: PlanLowering, key: str
-) -> tuple[Measurement, LoweredProgram | None]:
-    """The mixed plan's measurement of ``method``'s only method ``name``, from the cache or lowered and timed now."""
-    cached = cached_measurement(key, mix.labels)
+def measure_added(
+    method: Program,
+    name: str,
+    plan: AddedPlan,
+    lower_plan: PlanLowering,
+    listed: dict[str, dict[Plan, Measurement]],
+    added: dict[str, dict[Plan, AddedPlan]],
+    lowerings: dict[tuple[str, Plan], LoweredProgram],
+) -> None:
+    """``plan``'s measurement of ``method``'s only method ``name``, from the cache or lowered and timed now, put in
+    ``listed``; ``plan`` in ``added``, and its lowering, where it was lowered now, in ``lowerings``."""
+    added[name][plan.label] = plan
+    cached = cached_measurement(plan.key, plan.label)
     if isinstance(cached, tuple):
-        return cached, None
+        listed[name][plan.label] = cached
+        return
     try:
-        lowered = lower_plan(method, {name: mix_partitioners(mix, auto.device)}, tuple(mix.labels))
-        measurement, seconds = method_measurement(name, method.methods[name], tuple(mix.labels), lowered)
-    except Exception as error:  # noqa: BLE001 - like any plan, a mix that fails is named, not raised
-        failed = failed_candidate(mix.labels, error)
-        logger.warning("auto: %s could not be lowered or run: %s", plan_text(mix.labels), failed.error)
-        return (failed, {}, []), None
-    logger.info("auto: %s: %s takes %.3g ms a call", name, plan_text(mix.labels), seconds * 1e3)
-    store_measurement(key, measurement)
-    return measurement, lowered
+        lowered = lower_plan(method, {name: plan.partitioners()}, plan.label)
+        measurement, seconds = method_measurement(name, method.methods[name], plan.label, lowered)
+    except Exception as error:  # noqa: BLE001 - like any plan, an added plan that fails is named, not raised
+        failed = failed_candidate(plan.label, error)
+        logger.warning("auto: %s could not be lowered or run: %s", plan_text(plan.label), failed.error)
+        listed[name][plan.label] = (failed, {}, [])
+        return
+    logger.info("auto: %s: %s takes %.3g ms a call", name, plan_text(plan.label), seconds * 1e3)
+    store_measurement(plan.key, measurement)
+    listed[name][plan.label] = measurement
+    lowerings[name, plan.label] = lowered
 
 
 def measured_placement(placement: Placement, chosen: Selection, delegate_seconds: Mapping[str, float]) -> Placement:
