@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import aotstack
+from aotstack.backends.xnnpack.packages import executorch_problem
 from aotstack.compile import lower as lower_module
 from aotstack.compile.auto import CONTENDING, one_thread_base
 from aotstack.compile.mixing import MARGIN, KeptRegion, MeasuredPlan, Mix, Region, RegionPartitioner, mixed_cover
@@ -167,7 +168,7 @@ def test_auto_measures_the_mix_its_plans_propose_names_it_and_reads_it_back_from
     assert [c.seconds for c in again.candidates] == [c.seconds for c in chosen.candidates]
 
 
-@pytest.mark.skipif(not BUILT_IN["xnnpack"].installed(), reason="executorch is not installed")
+@pytest.mark.skipif(executorch_problem() is not None, reason=f"executorch: {executorch_problem()}")
 def test_auto_times_a_plan_again_with_aotis_parts_on_one_thread_and_keeps_it_from_the_cache(monkeypatch, tmp_path):
     """XNNPACK takes the linear and its relu, AOTInductor the median and the product after them. That plan is timed
     again with AOTInductor's part compiled for one thread, and the choice pinned to it, so its lowering, file and
