@@ -27,6 +27,26 @@ def test_second_lowering_reuses_the_cached_library(tmp_path, monkeypatch):
     second = aotstack.lower(program, [aotstack.AotiCpuPartitioner()])
 
     assert second.delegates("forward")[0].named_data == first.delegates("forward")[0].named_data
+    # A library from the cache still names the CPU features its code needs.
+    features = [json.loads(lowered.delegates("forward")[0].processed_bytes)["cpu_features"]
+                for lowered in (first, second)]
+    assert features[0] and features[1] == features[0]
+
+
+def test_a_lookup_that_misses_does_not_probe_the_cpu(tmp_path, monkeypatch):
+    """Inductor's probe of the CPU's vector instructions compiles test programs (seconds on a cold Inductor cache);
+    the lowering process looks every partition up before compiling, and a miss must not make it wait for the probe."""
+    from aotstack.backends.aoti.cpu import AotiCpuBackend
+
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path))
+    program = aotstack.export(models.build("add"), {"forward": models.example_inputs("add")}).methods["forward"]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("probed the CPU for a partition the cache does not hold")
+
+    monkeypatch.setattr(aoti_compile, "library_cpu_features", refuse)
+
+    assert AotiCpuBackend().cached_preprocess(program, []) is None
 
 
 def test_a_new_compile_revision_compiles_the_library_again(tmp_path, monkeypatch):

@@ -106,20 +106,26 @@ def compile_partition(
     options = steps.options if kernel_check is None else {**steps.options, "fx_graph_cache": False}
     structure = program_structure(program, every_value=folds_weights(options))
     key = cache_key(structure, {**options, "aotstack.device": str(steps.device), "aotstack.revision": steps.revision})
-    # The cache is keyed by this processor, so a cached library needs what one compiled now would.
-    needed = library_cpu_features(options) if steps.device == HOST else []
     files = cached_files(key)
     if files is not None and len(files.weights) == len(structure.weights):
         logger.debug("%s: reusing the library from the compile cache", label)
         renamed = {ours: theirs for ours, theirs in zip(files.weights, structure.weights) if ours != theirs}
+        # The cache is keyed by this processor, so a cached library needs what one compiled now would.
         return CompiledPartition(files.library, constants, renamed, files.extern_nodes, from_cache=True,
-                                 gathered=gathered, cpu_features=needed)
+                                 gathered=gathered, cpu_features=host_cpu_features(options, steps))
     if cache_only:
+        # Asked before any compile (a miss on a cold cache): probing the CPU here would compile Inductor's test
+        # programs in the lowering process, seconds its other partitions would wait for.
         return None
     files = compiled_files(program, replace(steps, options=options), label, kernel_check, structure.weights)
     store_files(key, files)
     return CompiledPartition(files.library, constants, extern_nodes=files.extern_nodes, gathered=gathered,
-                             cpu_features=needed)
+                             cpu_features=host_cpu_features(options, steps))
+
+
+def host_cpu_features(options: dict[str, Any], steps: CompileSteps) -> list[str]:
+    """The CPU features a library compiled under ``options`` needs: none for a device's library."""
+    return library_cpu_features(options) if steps.device == HOST else []
 
 
 def library_cpu_features(options: dict[str, Any]) -> list[str]:
