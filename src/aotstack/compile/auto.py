@@ -73,6 +73,9 @@ CONFIRMING_ROUNDS = 2
 # A plan whose first timing is within this much of the fastest contends: load while it was timed once would otherwise
 # rule it out for good (measured: OpenVINO's plan for a BERT encoder at 1.31x the time it took when timed again).
 CONTENDING = 0.35
+# AOTInductor alone contends with a plan that beat it unless its first timing took more than this many times that
+# plan's: the worst burst of load measured here slowed a timing 1.5x, and a confirming round costs seconds cold.
+BASELINE_CONTENDING = 2.0
 # The measurements' cache; each entry keeps its plan's regions (``mixing.py``) and memory, which older entries lack,
 # older entries timed a plan keeping state in its engine with a reload of that state in every call, and older entries
 # of plans close to the fastest were timed once only, and older entries of a plan with AOTInductor's parts compiled
@@ -345,16 +348,18 @@ def contenders(kept: Selection) -> list[int]:
     """The plans of ``kept`` timed again before its choice is made again, the kept plan first; none where no other
     plan contends with it.
 
-    AOTInductor alone contends with any plan that beat it (a burst of load while it was timed would make every
-    boundary look worth paying for); any other plan contends where its timing is within ``CONTENDING`` of the
-    fastest.
+    AOTInductor alone contends with a plan that beat it, unless it took more than ``BASELINE_CONTENDING`` times as
+    long (a burst of load while it was timed would make every boundary look worth paying for); any other plan
+    contends where its timing is within ``CONTENDING`` of the fastest.
     """
     timed = sorted((c.seconds, index) for index, c in enumerate(kept.candidates) if c.seconds is not None)
     if not timed:
         return []
     close = timed[0][0] * (1 + CONTENDING)
     near = [index for seconds, index in timed if seconds <= close and index not in (0, kept.chosen)]
-    others = ([0] if kept.chosen != 0 else []) + near
+    baseline, chosen = kept.candidates[0].seconds, kept.candidates[kept.chosen].seconds
+    contending = baseline is not None and chosen is not None and baseline <= chosen * BASELINE_CONTENDING
+    others = ([0] if kept.chosen != 0 and contending else []) + near
     return [kept.chosen, *others] if others else []
 
 
