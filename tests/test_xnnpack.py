@@ -540,3 +540,51 @@ def test_changing_torchs_thread_count_between_calls_leaves_xnnpacks_started_pool
     assert result["same"]
     assert result["kept"] == 2, "the pool kept the threads its delegates started on"
     assert result["after_release"] == 1, "with those delegates released, it follows torch again"
+
+
+class RepeatedBlocks(torch.nn.Module):
+    """Float blocks of the same shapes, each with its own weights; a layer norm (which XNNPACK leaves) between them."""
+
+    def __init__(self, blocks: int = 4, zero_second: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = torch.nn.ModuleList(torch.nn.Linear(96, 192) for _ in range(blocks))
+        self.down = torch.nn.ModuleList(torch.nn.Linear(192, 96) for _ in range(blocks))
+        if zero_second:
+            for layer in self.down:
+                torch.nn.init.zeros_(layer.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for up, down in zip(self.up, self.down, strict=True):
+            x = torch.nn.functional.layer_norm(down(torch.relu(up(x))) + x, (96,))
+        return x
+
+
+def lowered_blocks(model: torch.nn.Module, tmp_path: Path) -> tuple[aotstack.LoweredProgram, torch.Tensor]:
+    x = torch.randn(3, 96)
+    lowered = aotstack.lower(aotstack.export(model, {"forward": (x,)}), [aotstack.XnnpackPartitioner()], progress=False)
+    lowered.save(tmp_path / "blocks.pt2")
+    torch.testing.assert_close(aotstack.load(tmp_path / "blocks.pt2").forward(x), model(x).detach())
+    return lowered, x
+
+
+def test_a_models_repeated_layers_lower_once_each_keeping_its_own_weights(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path / "cache"))
+
+    lowered, _ = lowered_blocks(RepeatedBlocks(), tmp_path)
+
+    assert [record.state for record in lowered.compile_log["forward"]] == ["compiled", "cached", "cached", "cached"]
+    delegates = lowered.delegates("forward")
+    data = [{name for name in d.named_data if name.startswith(xnn_run.DATA_PREFIX)} for d in delegates]
+    assert all(len(names) == 4 for names in data)
+    assert len(set().union(*data)) == 16, "each block's partition reads its own weights"
+
+
+def test_a_layer_whose_weight_a_reordering_would_leave_unchanged_lowers_on_its_own(tmp_path, monkeypatch):
+    # An all-zero weight reads the same however XNNPACK lays it out, so its partition cannot show that XNNPACK
+    # stores that weight as it is: no partition is made from it, and each lowers with ExecuTorch.
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path / "cache"))
+
+    lowered, _ = lowered_blocks(RepeatedBlocks(zero_second=True), tmp_path)
+
+    assert {record.state for record in lowered.compile_log["forward"]} == {"compiled"}

@@ -19,6 +19,7 @@ from ...engine.session import check_host_target
 from ...format.specs import CompileSpec, PreprocessResult, partition_label
 from .compile import lower_partition, warmed_lowering
 from .run import FRAME_NAME, PROCESSED_VERSION, PROGRAM_NAME
+from .shared import from_template, keep_template, structure_key
 
 
 class XnnpackBackend(Backend):
@@ -26,6 +27,8 @@ class XnnpackBackend(Backend):
 
     backend_id = "xnnpack"
     cached_by_packages = ("executorch", "torchao")
+    # A model's repeated layers lower once (``shared.py``), where XNNPACK stores their weights as they are.
+    shares_code_across_weights = True
 
     def preprocess(
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
@@ -50,7 +53,22 @@ class XnnpackBackend(Backend):
             # What the program takes; its run side checks every call against it.
             "boundary": boundary.to_json(),
         }
+        keep_template(structure_key(exported_program, compile_specs, self.compile_revision), exported_program,
+                      processed, named_data, PROGRAM_NAME, FRAME_NAME)
         return PreprocessResult(json.dumps(processed).encode(), named_data)
+
+    def cached_preprocess(
+        self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
+    ) -> PreprocessResult | None:
+        label = partition_label(self.backend_id, compile_specs)
+        check_host_target(compile_specs, "XnnpackBackend")
+        boundary = partition_boundary(exported_program, label, "cpu").to_json()
+        key = structure_key(exported_program, compile_specs, self.compile_revision)
+        made = from_template(key, exported_program, boundary, PROGRAM_NAME, FRAME_NAME)
+        if made is None:
+            return None
+        processed, named_data = made
+        return PreprocessResult(json.dumps(processed).encode(), named_data, from_cache=True)
 
     def custom_ops_called(self, claimed: list[str], result: PreprocessResult) -> list[str]:
         # XNNPACK takes torchao's quantize ops into its own kernels (``lower_partition`` refuses a

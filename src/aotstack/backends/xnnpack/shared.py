@@ -1,0 +1,115 @@
+"""One XNNPACK lowering for every partition of the same structure: a model's repeated layers.
+
+Where every constant XNNPACK writes to the data file is a weight's own bytes (float linears: the
+segment ``data:<key>`` holds the tensor as it is, ``key`` the SHA-256 of those bytes), a lowering
+of one partition serves each other partition of its structure (``program_structure``: the same
+ops on the same shapes, other weights): the program and the data file's frame name each constant
+by its key, once each, so giving them the other partition's keys (as long, 64 hex digits) and its
+weights' bytes is the lowering ExecuTorch would write for it. Where XNNPACK transforms a constant
+(4-bit weights packed two to a byte, a convolution's filter reordered) or two weights share bytes,
+no template is kept and each partition lowers on its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.export import ExportedProgram
+
+from ... import __version__
+from ...compile.cache import package_version, read_entry, write_entry
+from ...compile.program_parts import program_structure, program_weights
+from ...format.specs import CompileSpec
+from ...format.tensor_data import content_key, tensor_buffer
+from .run import DATA_PREFIX
+
+CACHE_KIND = "xnnpack-structure"
+
+
+def structure_key(exported_program: ExportedProgram, compile_specs: list[CompileSpec], revision: int) -> str:
+    """Where the template for ``exported_program``'s structure is kept: its structure, specs and versions."""
+    parts = [torch.__version__, __version__, package_version("executorch"), package_version("torchao"),
+             f"revision {revision}", *(f"{spec.key}={spec.value.hex()}" for spec in compile_specs)]
+    digest = hashlib.sha256("\0".join(parts).encode())
+    digest.update(program_structure(exported_program).digest.encode())
+    return digest.hexdigest()
+
+
+def role_tensors(exported_program: ExportedProgram) -> list[torch.Tensor]:
+    """Each weight, contiguous, in the order of its structure's weight roles."""
+    weights = program_weights(exported_program)
+    return [weights[fqn].detach().contiguous() for fqn in program_structure(exported_program).weights]
+
+
+def role_bytes(exported_program: ExportedProgram) -> list[memoryview]:
+    """Each weight's bytes, in the order of its structure's weight roles."""
+    return [tensor_buffer(tensor) for tensor in role_tensors(exported_program)]
+
+
+def may_hide_a_transform(tensor: torch.Tensor) -> bool:
+    """Whether a reordering XNNPACK applies could leave ``tensor``'s bytes as they were: all its elements equal (a
+    zero- or one-initialised weight), or a square matrix equal to its transpose; its segment then proves nothing."""
+    flat = tensor.reshape(-1)
+    if flat.numel() < 2 or bool((flat == flat[0]).all()):
+        return True
+    return tensor.dim() == 2 and tensor.shape[0] == tensor.shape[1] and torch.equal(tensor, tensor.T)
+
+
+def keep_template(
+    key: str, exported_program: ExportedProgram, processed: Mapping[str, Any], named_data: Mapping[str, bytes],
+    program_name: str, frame_name: str,
+) -> None:
+    """Keep a lowering as the template of its structure, where each of its segments is one weight's bytes."""
+    tensors = role_tensors(exported_program)
+    weights = [tensor_buffer(tensor) for tensor in tensors]
+    roles = {content_key(data): role for role, data in enumerate(weights)}
+    if len(roles) != len(weights):
+        return  # two weights with the same bytes: another partition's may differ
+    program, frame = named_data[program_name], named_data.get(frame_name, b"")
+    segment_roles = {}
+    for name, _, _ in processed["segments"]:
+        segment_key = name.removeprefix(DATA_PREFIX)
+        named_once = program.count(segment_key.encode()) == 1 and frame.count(segment_key.encode()) == 1
+        if segment_key not in roles or not named_once or may_hide_a_transform(tensors[roles[segment_key]]):
+            return
+        segment_roles[segment_key] = roles[segment_key]
+    template = {"processed": dict(processed), "roles": segment_roles, "program": program.hex(), "frame": frame.hex()}
+    write_entry(CACHE_KIND, key, json.dumps(template).encode())
+
+
+def from_template(
+    key: str, exported_program: ExportedProgram, boundary: dict[str, Any], program_name: str, frame_name: str
+) -> tuple[dict[str, Any], dict[str, bytes]] | None:
+    """The processed record and named data of ``exported_program`` made from its structure's template; None where
+    there is none, or this partition's weights cannot take its place (two with the same bytes)."""
+    entry = read_entry(CACHE_KIND, key)
+    if entry is None:
+        return None
+    try:
+        template = json.loads(entry)
+        weights = role_bytes(exported_program)
+        keys = [content_key(data) for data in weights]
+        if len(set(keys)) != len(keys):
+            return None
+        renamed = {old: keys[role] for old, role in template["roles"].items()}
+        program, frame = bytes.fromhex(template["program"]), bytes.fromhex(template["frame"])
+        for old, new in renamed.items():
+            program, frame = program.replace(old.encode(), new.encode()), frame.replace(old.encode(), new.encode())
+        processed = template["processed"]
+        segments = [[DATA_PREFIX + renamed[name.removeprefix(DATA_PREFIX)], offset, size]
+                    for name, offset, size in processed["segments"]]
+        if any(size != weights[template["roles"][name.removeprefix(DATA_PREFIX)]].nbytes
+               for (name, _, size) in processed["segments"]):
+            return None
+        packed = [DATA_PREFIX + renamed[name.removeprefix(DATA_PREFIX)] for name in processed["packed"]]
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return None
+    named_data = {program_name: program, **{DATA_PREFIX + keys[role]: bytes(weights[role])
+                                            for role in template["roles"].values()}}
+    if frame:
+        named_data[frame_name] = frame
+    return {**processed, "segments": segments, "packed": packed, "boundary": boundary}, named_data
