@@ -63,21 +63,31 @@ def keep_template(
     key: str, exported_program: ExportedProgram, processed: Mapping[str, Any], named_data: Mapping[str, bytes],
     program_name: str, frame_name: str,
 ) -> None:
-    """Keep a lowering as the template of its structure, where each of its segments is one weight's bytes."""
+    """Keep a lowering as the template of its structure, where each of its segments is its weights' bytes.
+
+    A segment is ``raw`` where one weight of telling values is its bytes, named once in the program and the frame:
+    another partition's weight takes its place. It is ``fixed`` where the weights it equals may not tell (all
+    elements equal, a symmetric matrix, two weights alike: a zero bias): another partition fits the template only
+    where those weights have the very same bytes, which ExecuTorch then writes the same.
+    """
     tensors = role_tensors(exported_program)
-    weights = [tensor_buffer(tensor) for tensor in tensors]
-    roles = {content_key(data): role for role, data in enumerate(weights)}
-    if len(roles) != len(weights):
-        return  # two weights with the same bytes: another partition's may differ
+    by_key: dict[str, list[int]] = {}
+    for role, tensor in enumerate(tensors):
+        by_key.setdefault(content_key(tensor_buffer(tensor)), []).append(role)
     program, frame = named_data[program_name], named_data.get(frame_name, b"")
-    segment_roles = {}
+    raw, fixed = {}, {}
     for name, _, _ in processed["segments"]:
         segment_key = name.removeprefix(DATA_PREFIX)
+        roles = by_key.get(segment_key)
+        if roles is None:
+            return  # XNNPACK wrote something other than a weight's bytes
         named_once = program.count(segment_key.encode()) == 1 and frame.count(segment_key.encode()) == 1
-        if segment_key not in roles or not named_once or may_hide_a_transform(tensors[roles[segment_key]]):
-            return
-        segment_roles[segment_key] = roles[segment_key]
-    template = {"processed": dict(processed), "roles": segment_roles, "program": program.hex(), "frame": frame.hex()}
+        if len(roles) == 1 and named_once and not may_hide_a_transform(tensors[roles[0]]):
+            raw[segment_key] = roles[0]
+        else:
+            fixed[segment_key] = roles
+    template = {"processed": dict(processed), "raw": raw, "fixed": fixed, "program": program.hex(),
+                "frame": frame.hex()}
     write_entry(CACHE_KIND, key, json.dumps(template).encode())
 
 
@@ -85,7 +95,7 @@ def from_template(
     key: str, exported_program: ExportedProgram, boundary: dict[str, Any], program_name: str, frame_name: str
 ) -> tuple[dict[str, Any], dict[str, bytes]] | None:
     """The processed record and named data of ``exported_program`` made from its structure's template; None where
-    there is none, or this partition's weights cannot take its place (two with the same bytes)."""
+    there is none, or this partition's weights do not fit it (``keep_template``)."""
     entry = read_entry(CACHE_KIND, key)
     if entry is None:
         return None
@@ -93,23 +103,30 @@ def from_template(
         template = json.loads(entry)
         weights = role_bytes(exported_program)
         keys = [content_key(data) for data in weights]
-        if len(set(keys)) != len(keys):
+        fixed: dict[str, list[int]] = template["fixed"]
+        if any(keys[role] != segment_key for segment_key, roles in fixed.items() for role in roles):
             return None
-        renamed = {old: keys[role] for old, role in template["roles"].items()}
+        renamed = {old: keys[role] for old, role in template["raw"].items()}
+        if len(set(renamed.values())) != len(renamed) or set(renamed.values()) & set(fixed):
+            return None  # two segments would share a name
+        first_role = {**template["raw"], **{segment_key: roles[0] for segment_key, roles in fixed.items()}}
+        processed = template["processed"]
+        if any(size != weights[first_role[name.removeprefix(DATA_PREFIX)]].nbytes
+               for name, _, size in processed["segments"]):
+            return None
         program, frame = bytes.fromhex(template["program"]), bytes.fromhex(template["frame"])
         for old, new in renamed.items():
             program, frame = program.replace(old.encode(), new.encode()), frame.replace(old.encode(), new.encode())
-        processed = template["processed"]
-        segments = [[DATA_PREFIX + renamed[name.removeprefix(DATA_PREFIX)], offset, size]
-                    for name, offset, size in processed["segments"]]
-        if any(size != weights[template["roles"][name.removeprefix(DATA_PREFIX)]].nbytes
-               for (name, _, size) in processed["segments"]):
-            return None
-        packed = [DATA_PREFIX + renamed[name.removeprefix(DATA_PREFIX)] for name in processed["packed"]]
+
+        def new_name(name: str) -> str:
+            return DATA_PREFIX + renamed.get(name.removeprefix(DATA_PREFIX), name.removeprefix(DATA_PREFIX))
+
+        segments = [[new_name(name), offset, size] for name, offset, size in processed["segments"]]
+        packed = [new_name(name) for name in processed["packed"]]
+        data = {DATA_PREFIX + renamed.get(old, old): bytes(weights[role]) for old, role in first_role.items()}
     except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         return None
-    named_data = {program_name: program, **{DATA_PREFIX + keys[role]: bytes(weights[role])
-                                            for role in template["roles"].values()}}
+    named_data = {program_name: program, **data}
     if frame:
         named_data[frame_name] = frame
     return {**processed, "segments": segments, "packed": packed, "boundary": boundary}, named_data
