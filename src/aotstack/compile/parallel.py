@@ -100,6 +100,9 @@ class CompilePool:
         # Each code-sharing job's structure, and the structures a finished job compiled.
         self.structures: dict[CompileJob, str] = {}
         self.compiled_structures: set[str] = set()
+        # Structures whose compiled code the backend's cache did not answer a later job with (XNNPACK keeps none for
+        # weights it repacks): their jobs compile side by side, not one after another.
+        self.unshared_structures: set[str] = set()
 
     def __enter__(self) -> CompilePool:
         return self
@@ -168,11 +171,13 @@ class CompilePool:
             batch, job = entry
             warmed_up(job.backend)
             if self.structures.get(job) in self.compiled_structures:
-                # Its code compiled since it was queued; only a failed compile leaves nothing to take.
+                # Its code compiled since it was queued; a failed compile, or a backend that could not reuse it for
+                # these weights, leaves nothing to take.
                 cached = cached_outcomes([job], self.progress)
                 if cached:
                     batch.results.update(cached)
                     continue
+                self.unshared_structures.add(self.structures[job])
             worker = forked(worker_message, (job,), f"aotstack-{job.tag}")
             self.running[worker] = entry
             self.progress.started(job, worker.pid)
@@ -193,6 +198,8 @@ class CompilePool:
         if type(job.backend) in self.warming.values():
             return True
         structure = self.structures.get(job)
+        if structure in self.unshared_structures:
+            return False
         running = (self.structures.get(other) for _, other in self.running.values())
         return structure is not None and structure in running
 
