@@ -17,7 +17,7 @@ from ..engine.interface import Backend
 from ..engine.processor import processor_fingerprint
 from ..format.specs import CompileSpec, PreprocessResult
 from ..format.tensor_data import WEIGHT_PREFIX, content_key, weights_as_named_data
-from .program_parts import program_fingerprint, program_weights
+from .program_parts import Structure, program_fingerprint, program_weights
 
 
 def cache_dir(kind: str) -> str | None:
@@ -75,6 +75,17 @@ def preprocess_key(backend: Backend, program: ExportedProgram, compile_specs: li
 
     None where ``backend`` asks for no cache of its results (``Backend.cached_by_packages``).
     """
+    return backend_key(backend, compile_specs, program_fingerprint(program))
+
+
+def structure_key(backend: Backend, structure: Structure, compile_specs: list[CompileSpec]) -> str | None:
+    """Like ``preprocess_key``, for what a backend compiled for a partition's structure (``program_structure``)
+    and reuses for every partition of it, whatever their weights."""
+    return backend_key(backend, compile_specs, f"structure {structure.digest}")
+
+
+def backend_key(backend: Backend, compile_specs: list[CompileSpec], program: str) -> str | None:
+    """A hash of ``program`` (a digest) with the specs, versions and processor ``backend``'s results depend on."""
     if backend.cached_by_packages is None:
         return None
     parts = [backend.backend_id, type(backend).__qualname__, torch.__version__, __version__,
@@ -82,7 +93,7 @@ def preprocess_key(backend: Backend, program: ExportedProgram, compile_specs: li
     parts += [f"{spec.key}={spec.value.hex()}" for spec in compile_specs]
     parts += [f"{name}={package_version(name)}" for name in backend.cached_by_packages]
     digest = hashlib.sha256("\0".join(parts).encode())
-    digest.update(program_fingerprint(program).encode())
+    digest.update(program.encode())
     return digest.hexdigest()
 
 

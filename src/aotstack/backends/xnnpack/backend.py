@@ -13,13 +13,14 @@ import json
 
 from torch.export import ExportedProgram
 
-from ...compile.program_parts import partition_boundary
+from ...compile.cache import structure_key
+from ...compile.program_parts import partition_boundary, program_structure
 from ...engine.interface import Backend
 from ...engine.session import check_host_target
 from ...format.specs import CompileSpec, PreprocessResult, partition_label
 from .compile import lower_partition, warmed_lowering
 from .run import FRAME_NAME, PROCESSED_VERSION, PROGRAM_NAME
-from .shared import from_template, keep_template, structure_key
+from .shared import from_template, keep_template, role_tensors
 
 
 class XnnpackBackend(Backend):
@@ -53,21 +54,27 @@ class XnnpackBackend(Backend):
             # What the program takes; its run side checks every call against it.
             "boundary": boundary.to_json(),
         }
-        keep_template(structure_key(exported_program, compile_specs, self.compile_revision), exported_program,
-                      processed, named_data, PROGRAM_NAME, FRAME_NAME)
+        structure = program_structure(exported_program)
+        key = structure_key(self, structure, compile_specs)
+        if key is not None:
+            keep_template(key, role_tensors(exported_program, structure), processed, named_data, PROGRAM_NAME,
+                          FRAME_NAME)
         return PreprocessResult(json.dumps(processed).encode(), named_data)
 
     def cached_preprocess(
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
     ) -> PreprocessResult | None:
-        label = partition_label(self.backend_id, compile_specs)
         check_host_target(compile_specs, "XnnpackBackend")
-        boundary = partition_boundary(exported_program, label, "cpu").to_json()
-        key = structure_key(exported_program, compile_specs, self.compile_revision)
-        made = from_template(key, exported_program, boundary, PROGRAM_NAME, FRAME_NAME)
+        structure = program_structure(exported_program)
+        key = structure_key(self, structure, compile_specs)
+        made = None if key is None else from_template(
+            key, role_tensors(exported_program, structure), PROGRAM_NAME, FRAME_NAME
+        )
         if made is None:
             return None
         processed, named_data = made
+        label = partition_label(self.backend_id, compile_specs)
+        processed["boundary"] = partition_boundary(exported_program, label, "cpu").to_json()
         return PreprocessResult(json.dumps(processed).encode(), named_data, from_cache=True)
 
     def custom_ops_called(self, claimed: list[str], result: PreprocessResult) -> list[str]:

@@ -14,7 +14,6 @@ there (``keep_template``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -22,34 +21,18 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 
-from ... import __version__
-from ...compile.cache import package_version, read_entry, write_entry
-from ...compile.program_parts import program_structure, program_weights
-from ...format.specs import CompileSpec
+from ...compile.cache import read_entry, write_entry
+from ...compile.program_parts import Structure, program_weights
 from ...format.tensor_data import content_key, tensor_buffer
 from .run import DATA_PREFIX
 
 CACHE_KIND = "xnnpack-structure"
 
 
-def structure_key(exported_program: ExportedProgram, compile_specs: list[CompileSpec], revision: int) -> str:
-    """Where the template for ``exported_program``'s structure is kept: its structure, specs and versions."""
-    parts = [torch.__version__, __version__, package_version("executorch"), package_version("torchao"),
-             f"revision {revision}", *(f"{spec.key}={spec.value.hex()}" for spec in compile_specs)]
-    digest = hashlib.sha256("\0".join(parts).encode())
-    digest.update(program_structure(exported_program).digest.encode())
-    return digest.hexdigest()
-
-
-def role_tensors(exported_program: ExportedProgram) -> list[torch.Tensor]:
-    """Each weight, contiguous, in the order of its structure's weight roles."""
+def role_tensors(exported_program: ExportedProgram, structure: Structure) -> list[torch.Tensor]:
+    """Each weight, contiguous, in the order of ``structure``'s weight roles."""
     weights = program_weights(exported_program)
-    return [weights[fqn].detach().contiguous() for fqn in program_structure(exported_program).weights]
-
-
-def role_bytes(exported_program: ExportedProgram) -> list[memoryview]:
-    """Each weight's bytes, in the order of its structure's weight roles."""
-    return [tensor_buffer(tensor) for tensor in role_tensors(exported_program)]
+    return [weights[fqn].detach().contiguous() for fqn in structure.weights]
 
 
 def may_hide_a_transform(tensor: torch.Tensor) -> bool:
@@ -62,7 +45,7 @@ def may_hide_a_transform(tensor: torch.Tensor) -> bool:
 
 
 def keep_template(
-    key: str, exported_program: ExportedProgram, processed: Mapping[str, Any], named_data: Mapping[str, bytes],
+    key: str, tensors: list[torch.Tensor], processed: Mapping[str, Any], named_data: Mapping[str, bytes],
     program_name: str, frame_name: str,
 ) -> None:
     """Keep a lowering as the template of its structure, where each of its segments is its weights' bytes.
@@ -72,7 +55,6 @@ def keep_template(
     elements equal, a symmetric matrix, two weights alike: a zero bias): another partition fits the template only
     where those weights have the very same bytes, which ExecuTorch then writes the same.
     """
-    tensors = role_tensors(exported_program)
     by_key: dict[str, list[int]] = {}
     for role, tensor in enumerate(tensors):
         by_key.setdefault(content_key(tensor_buffer(tensor)), []).append(role)
@@ -94,16 +76,17 @@ def keep_template(
 
 
 def from_template(
-    key: str, exported_program: ExportedProgram, boundary: dict[str, Any], program_name: str, frame_name: str
+    key: str, tensors: list[torch.Tensor], program_name: str, frame_name: str
 ) -> tuple[dict[str, Any], dict[str, bytes]] | None:
-    """The processed record and named data of ``exported_program`` made from its structure's template; None where
-    there is none, or this partition's weights do not fit it (``keep_template``)."""
+    """The processed record (but its boundary) and named data of the partition whose weights are ``tensors`` (by
+    role), made from its structure's template; None where there is none, or the weights do not fit it
+    (``keep_template``)."""
     entry = read_entry(CACHE_KIND, key)
     if entry is None:
         return None
     try:
         template = json.loads(entry)
-        weights = role_bytes(exported_program)
+        weights = [tensor_buffer(tensor) for tensor in tensors]
         keys = [content_key(data) for data in weights]
         fixed: dict[str, list[int]] = template["fixed"]
         if any(keys[role] != segment_key for segment_key, roles in fixed.items() for role in roles):
@@ -131,4 +114,4 @@ def from_template(
     named_data = {program_name: program, **data}
     if frame:
         named_data[frame_name] = frame
-    return {**processed, "segments": segments, "packed": packed, "boundary": boundary}, named_data
+    return {**processed, "segments": segments, "packed": packed}, named_data
