@@ -65,6 +65,16 @@ class RaisingInWorkerBackend(aotstack.Backend):
         raise RuntimeError(f"no kernel for this partition (process {os.getpid()})")
 
 
+class RaisingLaterBackend(aotstack.Backend):
+    """Fails after COMPILE_SECONDS, long enough for compiles started beside it to be running."""
+
+    backend_id = "test_raising_later"
+
+    def preprocess(self, exported_program, compile_specs):
+        time.sleep(COMPILE_SECONDS)
+        raise RuntimeError("no kernel for this partition, found late")
+
+
 class DyingBackend(aotstack.Backend):
     """Ends its own process mid-compile, as a crash in native code or the out-of-memory killer would."""
 
@@ -87,6 +97,15 @@ class SlowBackend(aotstack.Backend):
         SlowBackend.pid_file.write_text(str(os.getpid()))
         time.sleep(60)
         return aotstack.PreprocessResult(b"")
+
+
+class PidSineBackend(PidReluBackend):
+    """Runs ``TwoRelus``' middle, ``sin`` then ``reshape``, recording its compile as ``PidReluBackend`` does."""
+
+    backend_id = "test_pid_sine"
+
+    def execute(self, handle, inputs):
+        return [torch.sin(inputs[0]).reshape(8, 4)]
 
 
 class TwoRelus(torch.nn.Module):
@@ -307,6 +326,42 @@ def test_a_failure_stops_the_compiles_still_running(tmp_path: Path) -> None:
     if SlowBackend.pid_file.exists():
         with pytest.raises(ProcessLookupError):
             os.kill(int(SlowBackend.pid_file.read_text()), 0)
+
+
+def test_the_next_partitioner_claims_and_compiles_while_the_parts_before_it_compile(tmp_path: Path) -> None:
+    plan = [OpPartitioner(relu="test_pid_relu"), ClaimAllPartitioner("test_pid_sine")]
+    lowered = aotstack.lower(relu_program(), plan, jobs=3, progress=False)
+    first, second, middle = compile_records(lowered)
+    # The sine's part started before either relu's compile ended: it did not wait for them to be spliced in.
+    assert middle["started"] < min(first["ended"], second["ended"])
+    log = lowered.compile_log["forward"]
+    assert [(entry.partition, entry.delegate_id) for entry in log] == [
+        ("relu_0", "forward.0"), ("relu_1", "forward.1"), ("all", "forward.2")
+    ]
+    path = tmp_path / "ahead.pt2"
+    lowered.save(path)
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(aotstack.load(path).forward(x), TwoRelus()(x))
+
+
+def test_under_fallback_the_next_partitioner_claims_once_the_parts_before_it_compiled() -> None:
+    # A part that fails gives its nodes back to the next partitioner, so it cannot claim before it knows.
+    plan = [OpPartitioner(relu="test_pid_relu"), ClaimAllPartitioner("test_pid_sine")]
+    lowered = aotstack.lower(relu_program(), plan, jobs=3, progress=False, on_compile_error="fallback")
+    first, second, middle = compile_records(lowered)
+    assert middle["started"] >= max(first["ended"], second["ended"])
+
+
+def test_a_failure_stops_the_next_partitioners_compiles_claimed_ahead(tmp_path: Path) -> None:
+    SlowBackend.pid_file = tmp_path / "slow.pid"
+    plan = [OpPartitioner(relu="test_raising_later"), ClaimAllPartitioner("test_slow")]
+    started = time.perf_counter()
+    with pytest.raises(aotstack.LoweringError, match="method 'forward', partition 'relu_0'"):
+        aotstack.lower(relu_program(), plan, jobs=3, progress=False)
+    assert time.perf_counter() - started < 45
+    # The slow compile started while the relus compiled, and was stopped with them.
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(SlowBackend.pid_file.read_text()), 0)
 
 
 def test_the_compile_cache_never_holds_a_partial_entry(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -529,9 +529,20 @@ def merged_methods(by_method: Mapping[str, LoweredProgram]) -> LoweredProgram:
 
 # Compiles the partitions one partitioner position claimed, in every method; their outcomes by job.
 CompileLevel = Callable[[Mapping[str, list["Claim"]]], Mapping[CompileJob, CompileOutcome]]
+
+
+class ClaimAhead:
+    """Sent to lowering steps in place of outcomes: the claims they yielded last still compile; yield the next
+    position's claims as if they all compile, or None where there is no next position."""
+
+
+CLAIM_AHEAD = ClaimAhead()
 # A lowering in steps: it yields each partitioner position's claims, in every method, is sent
-# their compile outcomes, and returns the lowered program.
-LoweringSteps = Generator[Mapping[str, list["Claim"]], Mapping[CompileJob, CompileOutcome], "LoweredProgram"]
+# their compile outcomes (or ``CLAIM_AHEAD``), and returns the lowered program. It yields None
+# when it waits for the outcomes of claims it yielded before.
+LoweringSteps = Generator[
+    Mapping[str, list["Claim"]] | None, Mapping[CompileJob, CompileOutcome] | ClaimAhead, "LoweredProgram"
+]
 
 
 def lowered_program(steps: LoweringSteps, compile_level: CompileLevel) -> LoweredProgram:
@@ -568,12 +579,41 @@ def lowering_steps(
         name: MethodLowering.of(name, exported, program.state, keep_references=keep_references, planned=planned)
         for name, exported in program.methods.items()
     }
-    # Level by level: the partitioners at one position, in every method, compile together.
-    for level in range(max((len(listed) for listed in plan.values()), default=0)):
-        claims = {name: state.claim(plan[name][level]) for name, state in states.items() if level < len(plan[name])}
-        outcomes = yield claims
-        for name, listed in claims.items():
-            states[name].splice(listed, outcomes)
+    # Level by level: the partitioners at one position, in every method, compile together. Sent
+    # CLAIM_AHEAD, the last level's partitions are spliced in before their compiles end and the
+    # next level claims: its compiles start beside theirs.
+    levels = max((len(listed) for listed in plan.values()), default=0)
+
+    def claims_of(level: int) -> dict[str, list[Claim]]:
+        return {name: state.claim(plan[name][level]) for name, state in states.items() if level < len(plan[name])}
+
+    # The levels whose outcomes have not come back, oldest first, and whether each was spliced ahead.
+    in_flight: list[tuple[dict[str, list[Claim]], bool]] = []
+    claimed = 0
+    while claimed < levels or in_flight:
+        if not in_flight:
+            in_flight.append((claims_of(claimed), False))
+            claimed += 1
+            sent = yield in_flight[-1][0]
+        else:
+            sent = yield None
+        while isinstance(sent, ClaimAhead):
+            if claimed == levels:
+                sent = yield None
+                continue
+            last, _ = in_flight[-1]
+            for name, listed in last.items():
+                states[name].splice_ahead(listed)
+            in_flight[-1] = (last, True)
+            in_flight.append((claims_of(claimed), False))
+            claimed += 1
+            sent = yield in_flight[-1][0]
+        oldest, spliced_ahead = in_flight.pop(0)
+        for name, listed in oldest.items():
+            if spliced_ahead:
+                states[name].settle(sent)
+            else:
+                states[name].splice(listed, sent)
     methods: dict[str, ExportedProgram] = {}
     for name, state in states.items():
         propagate_device_pass(
@@ -611,6 +651,12 @@ class PlanLowering:
     # Open once, in a child, each part of an engine that compiles when opened (``parallel.py``).
     open_once: bool = True
 
+    @property
+    def claims_ahead(self) -> bool:
+        """Whether a plan's next partitioner claims before the parts of the one before it have compiled: only where
+        a failed compile ends the lowering, so no failed part has to be given back to the next partitioner."""
+        return self.on_compile_error == "raise"
+
     def __call__(self, program: Program, partitioners: PartitionerPlan, plan: Plan = ()) -> LoweredProgram:
         """``program`` lowered with ``partitioners``; ``plan`` names them in progress lines (auto's mixed plan)."""
         lowered = self.together({plan: (program, partitioners)})[plan]
@@ -628,25 +674,33 @@ class PlanLowering:
         auto ``Plan`` (engine names), progress lines name it beside each part.
         """
         results: dict[PlanKey, LoweredProgram | Exception] = {}
-        # Each plan between steps: its steps, the claims it yielded and the batch compiling them.
-        waiting: dict[PlanKey, tuple[LoweringSteps, Mapping[str, list[Claim]], Batch]] = {}
+        # Each plan between steps: its steps, and each level of claims it yielded whose outcomes it has not been sent,
+        # with the batch compiling them, oldest first.
+        waiting: dict[PlanKey, tuple[LoweringSteps, list[tuple[Mapping[str, list[Claim]], Batch]]]] = {}
         with quiet_torch_warnings(), CompilePool(self.workers, self.progress, open_once=self.open_once) as pool:
 
-            def advance(
-                key: PlanKey, steps: LoweringSteps, outcomes: Mapping[CompileJob, CompileOutcome] | None
-            ) -> None:
+            def ended(key: PlanKey, result: LoweredProgram | Exception) -> None:
+                results[key] = result
+                for _, batch in waiting.pop(key, (None, []))[1]:
+                    pool.cancel(batch)
+
+            def advance(key: PlanKey, steps: LoweringSteps, sent: Mapping[CompileJob, CompileOutcome] | None) -> None:
                 try:
-                    claims = next(steps) if outcomes is None else steps.send(outcomes)
+                    claims = next(steps) if sent is None else steps.send(sent)
+                    while claims is not None:
+                        jobs = [claim.job for listed in claims.values() for claim in listed]
+                        for job in jobs:
+                            job.plan = plan_text(key) if isinstance(key, tuple) else ""
+                        batch = pool.submit(jobs, stop_on_error=self.on_compile_error == "raise")
+                        waiting.setdefault(key, (steps, []))[1].append((claims, batch))
+                        # Where a failed compile ends the lowering, the next partitioner claims what this level
+                        # leaves while its parts compile: a plan's closing AOTInductor parts need not wait for
+                        # the first engine's compiles.
+                        claims = steps.send(CLAIM_AHEAD) if self.claims_ahead and not batch.done else None
                 except StopIteration as finished:
-                    results[key] = finished.value
-                    return
+                    ended(key, finished.value)
                 except Exception as error:  # noqa: BLE001 - one plan's failure is its result; the others go on
-                    results[key] = error
-                    return
-                jobs = [claim.job for listed in claims.values() for claim in listed]
-                for job in jobs:
-                    job.plan = plan_text(key) if isinstance(key, tuple) else ""
-                waiting[key] = (steps, claims, pool.submit(jobs, stop_on_error=self.on_compile_error == "raise"))
+                    ended(key, error)
 
             for key, given in plans.items():
                 if isinstance(given, Exception):
@@ -654,19 +708,22 @@ class PlanLowering:
                 else:
                     advance(key, self.steps(*given), None)
             while waiting:
-                done = [key for key, (_, _, batch) in waiting.items() if batch.done]
+                done = [key for key, (_, levels) in waiting.items() if levels[0][1].done]
                 if not done:
                     pool.advance()
                 for key in done:
-                    steps, claims, batch = waiting.pop(key)
+                    steps, levels = waiting[key]
+                    claims, batch = levels.pop(0)
                     outcomes = {outcome.job: outcome for outcome in pool.outcomes(batch)}
                     try:
                         raise_first_failure(claims, outcomes, self.on_compile_error)
                     except Exception as error:  # noqa: BLE001 - as in advance
                         steps.close()
-                        results[key] = error
+                        ended(key, error)
                         continue
                     advance(key, steps, outcomes)
+                    if key in waiting and not waiting[key][1]:
+                        del waiting[key]
         return {key: results[key] for key in plans}
 
     def steps(self, program: Program, partitioners: PartitionerPlan) -> LoweringSteps:
@@ -783,6 +840,10 @@ class MethodLowering:
     planned: bool = False
     # Node name -> why each partitioner that looked at it left it, in lowering order.
     reasons: dict[str, list[Reason]] = field(default_factory=dict)
+    # Delegate calls in the graph so far, their compiles ended or not.
+    spliced: int = 0
+    # Per level spliced ahead of its compiles (``splice_ahead``), oldest first: each claim and its delegate so far.
+    ahead: list[list[tuple[Claim, Delegate]]] = field(default_factory=list)
     # Delegate id -> the ops it took and how its compile went.
     taken: dict[str, DelegatePlacement] = field(default_factory=dict)
 
@@ -812,7 +873,7 @@ class MethodLowering:
             raise exc.in_method(self.name) from None
         self.working = result.tagged_exported_program
         self.note_refusals(partitioner, result)
-        first = self.first_id + len(self.delegates)
+        first = self.first_id + self.spliced
         claims = [
             claimed(self.working, self.name, tag, spec, f"{self.name}.{first + index}")
             for index, (tag, spec) in enumerate(result.partition_tags.items())
@@ -828,7 +889,6 @@ class MethodLowering:
 
         Nothing in the graph changed between claiming and here, so a failed partition leaves it as it was.
         """
-        graph = self.working.graph
         # A partition that read another's output reads it from the other's delegate call once that is spliced.
         replaced: dict[torch.fx.Node, torch.fx.Node] = {}
         for claim in claims:
@@ -842,32 +902,66 @@ class MethodLowering:
                 for node in claim.nodes:
                     self.reasons.setdefault(node.name, []).append(failed)
                 continue
-            if not validate_partition(claim.nodes):
-                raise LoweringError(
-                    f"method {self.name!r}: partition {claim.tag!r} is not convex once the partitions before it "
-                    "became delegate calls (it would create a dependency cycle)"
-                )
-            delegate_id = f"{self.name}.{self.first_id + len(self.delegates)}"
-            # Read before the splice takes the nodes out of the graph.
-            delegate = compiled_delegate(claim, outcome.result, delegate_id)
-            inputs = [replaced.get(node, node) for node in claim.part.inputs]
-            drop_buffer_mutations(self.working, claim.part.updated_buffers)
-            replaced.update(splice_delegate_call(graph, claim.nodes, delegate_id, inputs, claim.part.outputs))
-            drop_unused_subgraphs(self.working.graph_module)
-            self.delegates.append(delegate)
-            self.taken[delegate_id] = DelegatePlacement(
-                dict(Counter(op_name(n.target) for n in claim.nodes if is_counted_op(n))),
-                "planned" if self.planned else outcome.state,
-                None if self.planned else outcome.seconds,
-            )
-            if claim.reference is not None:
-                self.references[delegate_id] = claim.reference
-            self.compiles.append(compile_record(outcome, outcome.state, delegate_id))
-        # Also untags a failed partition's nodes, so the next partitioner may claim them.
-        clear_tags(graph)
-        drop_unused_size_computations(graph)
-        self.working = without_unused_constants(self.working, self.read_before)
+            self.compiled(claim, self.spliced_in(claim, replaced), outcome)
+        self.tidy()
 
+    def splice_ahead(self, claims: list[Claim]) -> None:
+        """Put a delegate call in place of every partition of ``claims`` before their compiles end, so the next
+        partitioner may claim what they leave while they compile; ``settle`` records their outcomes.
+
+        Only where a failed compile ends the lowering: a partition that failed would have to leave the graph as it
+        was.
+        """
+        replaced: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.ahead.append([(claim, self.spliced_in(claim, replaced)) for claim in claims])
+        self.tidy()
+
+    def settle(self, outcomes: Mapping[CompileJob, CompileOutcome]) -> None:
+        """Record the outcomes of the oldest claims spliced ahead, each partition's compiled code in its delegate."""
+        for claim, shell in self.ahead.pop(0):
+            outcome = outcomes[claim.job]
+            error = claim_error(claim, outcome)
+            if error is not None:
+                raise_compile_error(claim, error)
+            self.compiled(claim, shell, outcome)
+
+    def spliced_in(self, claim: Claim, replaced: dict[torch.fx.Node, torch.fx.Node]) -> Delegate:
+        """Put ``claim``'s delegate call in place of its nodes; its delegate, without the compiled code."""
+        if not validate_partition(claim.nodes):
+            raise LoweringError(
+                f"method {self.name!r}: partition {claim.tag!r} is not convex once the partitions before it "
+                "became delegate calls (it would create a dependency cycle)"
+            )
+        delegate_id = f"{self.name}.{self.first_id + self.spliced}"
+        # Read before the splice takes the nodes out of the graph.
+        shell = delegate_shell(claim, delegate_id)
+        inputs = [replaced.get(node, node) for node in claim.part.inputs]
+        drop_buffer_mutations(self.working, claim.part.updated_buffers)
+        replaced.update(splice_delegate_call(self.working.graph, claim.nodes, delegate_id, inputs, claim.part.outputs))
+        drop_unused_subgraphs(self.working.graph_module)
+        self.spliced += 1
+        return shell
+
+    def compiled(self, claim: Claim, shell: Delegate, outcome: CompileOutcome) -> None:
+        """Record ``claim``'s delegate, spliced in as ``shell``, with the code its compile (``outcome``) made."""
+        assert outcome.result is not None
+        delegate = with_compiled_code(shell, outcome.result)
+        self.delegates.append(delegate)
+        self.taken[delegate.delegate_id] = DelegatePlacement(
+            dict(Counter(op_name(n.target) for n in claim.nodes if is_counted_op(n))),
+            "planned" if self.planned else outcome.state,
+            None if self.planned else outcome.seconds,
+        )
+        if claim.reference is not None:
+            self.references[delegate.delegate_id] = claim.reference
+        self.compiles.append(compile_record(outcome, outcome.state, delegate.delegate_id))
+
+    def tidy(self) -> None:
+        """After splicing: untag what was not spliced (a failed partition's nodes, for the next partitioner) and drop
+        what no node reads any more."""
+        clear_tags(self.working.graph)
+        drop_unused_size_computations(self.working.graph)
+        self.working = without_unused_constants(self.working, self.read_before)
 
     def note_refusals(self, partitioner: Partitioner, result: PartitionResult) -> None:
         """Record why ``partitioner`` left each node it was offered and did not tag."""
@@ -1015,9 +1109,9 @@ def compile_record(outcome: CompileOutcome, state: str, delegate_id: str | None)
     )
 
 
-def compiled_delegate(claim: Claim, result: PreprocessResult, delegate_id: str) -> Delegate:
+def delegate_shell(claim: Claim, delegate_id: str) -> Delegate:
+    """``claim``'s delegate as its graph describes it, before its compile: no code, no named data."""
     part = claim.part
-    calls = backend_class(claim.backend_id)().custom_ops_called(list(claim.ops), result)
     return Delegate(
         delegate_id=delegate_id,
         backend_id=claim.backend_id,
@@ -1025,12 +1119,19 @@ def compiled_delegate(claim: Claim, result: PreprocessResult, delegate_id: str) 
         ops=list(claim.ops),
         inputs=[TensorSpec.of(n.meta["val"]) for n in part.inputs],
         outputs=[TensorSpec.of(n.meta["val"]) for n in part.outputs],
-        processed_bytes=result.processed_bytes,
-        named_data=dict(result.named_data),
+        processed_bytes=b"",
+        named_data={},
         updated_buffers=list(part.updated_buffers),
-        calls=sorted(set(calls)),
         quantized=quantized_layers(claim.nodes),
         nodes={node.name: node_work(node) for node in claim.nodes},
+    )
+
+
+def with_compiled_code(shell: Delegate, result: PreprocessResult) -> Delegate:
+    """``shell`` with the code and named data its compile made, and the custom ops that code calls."""
+    calls = backend_class(shell.backend_id)().custom_ops_called(list(shell.ops), result)
+    return replace(
+        shell, processed_bytes=result.processed_bytes, named_data=dict(result.named_data), calls=sorted(set(calls))
     )
 
 
