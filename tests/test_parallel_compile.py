@@ -108,6 +108,13 @@ class PidSineBackend(PidReluBackend):
         return [torch.sin(inputs[0]).reshape(8, 4)]
 
 
+class SlowerSineBackend(PidSineBackend):
+    """``PidSineBackend``, expected to compile slowly, as AOTInductor is."""
+
+    backend_id = "test_slower_sine"
+    expected_compile_seconds = 10.0
+
+
 class TwoRelus(torch.nn.Module):
     """Two relus of different shapes with a sine between them: two distinct partitions for a relu-only backend."""
 
@@ -350,6 +357,14 @@ def test_under_fallback_the_next_partitioner_claims_once_the_parts_before_it_com
     lowered = aotstack.lower(relu_program(), plan, jobs=3, progress=False, on_compile_error="fallback")
     first, second, middle = compile_records(lowered)
     assert middle["started"] >= max(first["ended"], second["ended"])
+
+
+def test_a_part_expected_to_compile_longest_starts_first() -> None:
+    plan = [OpPartitioner(relu="test_pid_relu"), ClaimAllPartitioner("test_slower_sine")]
+    lowered = aotstack.lower(relu_program(), plan, jobs=1, progress=False)
+    first, second, middle = compile_records(lowered)
+    # relu_0 took the one worker as it was queued; the sine, queued after relu_1, went before it.
+    assert first["ended"] <= middle["started"] and middle["ended"] <= second["started"]
 
 
 def test_a_failure_stops_the_next_partitioners_compiles_claimed_ahead(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
+import statistics
 import time
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -103,6 +104,8 @@ class CompilePool:
         # Structures whose compiled code the backend's cache did not answer a later job with (XNNPACK keeps none for
         # weights it repacks): their jobs compile side by side, not one after another.
         self.unshared_structures: set[str] = set()
+        # Seconds each compile of a backend took here, so far.
+        self.compile_seconds: dict[type[Backend], list[float]] = {}
 
     def __enter__(self) -> CompilePool:
         return self
@@ -164,9 +167,11 @@ class CompilePool:
         """Record the workers that ended, then start pending jobs while a worker is free."""
         self.reap(0)
         while len(self.running) + len(self.warming) + len(self.opening) < self.workers:
-            entry = next((entry for entry in self.pending if not self.waits(entry[1])), None)
-            if entry is None:
+            ready = [entry for entry in self.pending if not self.waits(entry[1])]
+            if not ready:
                 return
+            # The longest first (the first queued among equals): a long compile started last would run alone.
+            entry = max(ready, key=lambda entry: self.expected_seconds(entry[1]))
             self.pending.remove(entry)
             batch, job = entry
             warmed_up(job.backend)
@@ -181,6 +186,12 @@ class CompilePool:
             worker = forked(worker_message, (job,), f"aotstack-{job.tag}")
             self.running[worker] = entry
             self.progress.started(job, worker.pid)
+
+    def expected_seconds(self, job: CompileJob) -> float:
+        """How long ``job`` should take to compile: the median of its backend's compiles so far, else what the
+        backend expects."""
+        seen = self.compile_seconds.get(type(job.backend))
+        return statistics.median(seen) if seen else job.backend.expected_compile_seconds
 
     def warm_up_in_children(self, jobs: Sequence[CompileJob]) -> None:
         """Start the warm-up of each backend of ``jobs`` whose warm-up fills a cache on disk, in a forked child.
@@ -235,6 +246,8 @@ class CompilePool:
         """Record ``job``'s outcome; a failure cancels the rest of a batch that stops on one."""
         batch.results[job] = outcome
         self.progress.finished(outcome)
+        if outcome.state == "compiled":
+            self.compile_seconds.setdefault(type(job.backend), []).append(outcome.seconds)
         if job in self.structures:
             self.compiled_structures.add(self.structures[job])
         if batch.stop_on_error and outcome.error is not None:

@@ -170,6 +170,10 @@ class Backend(BackendRuntime):
     # that an engine crashing or failing there fails the partition while lowering (and falls back
     # with ``on_compile_error="fallback"``) rather than ending the process that loads the file.
     compiles_when_opened: ClassVar[bool] = False
+    # About how long one partition takes to compile, in seconds, until one has here. With more parts queued than
+    # workers, lowering starts the part expected to take longest first, so that a slow compile queued last does not
+    # run alone at the end while the other workers wait.
+    expected_compile_seconds: ClassVar[float] = 1.0
 
     def preprocess(
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]

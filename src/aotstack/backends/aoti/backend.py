@@ -57,6 +57,8 @@ class AotiBackend(Backend):
     # A library takes its weights by name at load, so it serves every partition of its structure (compile.py).
     shares_code_across_weights = True
     warm_up_fills_disk_cache = True
+    # A library's C++ build alone takes 4-5 s on one core, its generated wrapper even for a part of a few ops.
+    expected_compile_seconds = 10.0
     # None: the target's runtime has every fallback kernel AOTInductor can call.
     default_fallback_kernels: ClassVar[frozenset[str] | None] = None
 
