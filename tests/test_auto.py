@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 import time
 
@@ -12,6 +13,7 @@ import torch
 import aotstack
 from aotstack.compile import auto as auto_module
 from aotstack.compile import lower as lower_module
+from aotstack.compile import measure as measure_module
 from aotstack.engine.registry import BUILT_IN, Engine
 from aotstack.format.placement import Candidate, placement_from_json
 from aotstack.report.schema import REPORT_SCHEMA
@@ -155,8 +157,8 @@ def timed_as_the_machine_did(seconds: dict[str, list[float]], timed: list[str]):
     next of its ``seconds``, the last one again once they run out; the plans it timed go to ``timed``."""
     real = lower_module.measured_methods
 
-    def measured(methods, delegates, examples):
-        timings = real(methods, delegates, examples)
+    def measured(methods, delegates, examples, saved=None):
+        timings = real(methods, delegates, examples, saved)
         engine = [d.backend_id for table in delegates.values() for d in table if d.backend_id != "aoti_cpu"]
         plan = engine[0] if engine else "aoti_cpu"
         timed.append(plan)
@@ -183,6 +185,42 @@ def test_a_plan_that_beat_aoti_alone_is_timed_again_with_it(test_engines, cache_
     assert chosen.chosen == 0 and (alone.seconds, sleepy.seconds) == (0.010, 0.012)
     assert f"{SLEEPY} > aoti_cpu and aoti_cpu were timed 2 more times, alternately" in chosen.reason
     assert {d.backend_id for d in lowered.delegates("forward")} == {"aoti_cpu"}
+
+
+def test_a_plan_timed_again_is_loaded_from_the_file_saved_for_its_first_timing(test_engines, cache_dir, monkeypatch):
+    shutil.rmtree(cache_dir / f".{auto_module.CACHE_KIND}", ignore_errors=True)
+    timed: list[str] = []
+    seconds = {"aoti_cpu": [0.015, 0.010, 0.010], SLEEPY: [0.012]}
+    monkeypatch.setattr(lower_module, "measured_methods", timed_as_the_machine_did(seconds, timed))
+    saved_files: list[str] = []
+    real_save = measure_module.save
+    monkeypatch.setattr(measure_module, "save", lambda methods, delegates, path: (
+        saved_files.append(path), real_save(methods, delegates, path)))
+    _, _, program = mlp_program()
+
+    lowered = aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu", SLEEPY]), progress=False)
+
+    # Six timings, of two plans: each plan saved once, and the folder gone once auto chose.
+    assert len(timed) == 6 and len(saved_files) == 2
+    assert not any(os.path.exists(os.path.dirname(path)) for path in saved_files)
+    assert {d.backend_id for d in lowered.delegates("forward")} == {"aoti_cpu"}
+
+
+def test_a_plan_is_saved_again_where_keeping_its_file_would_fill_the_disk(test_engines, cache_dir, monkeypatch):
+    shutil.rmtree(cache_dir / f".{auto_module.CACHE_KIND}", ignore_errors=True)
+    timed: list[str] = []
+    seconds = {"aoti_cpu": [0.015, 0.010, 0.010], SLEEPY: [0.012]}
+    monkeypatch.setattr(lower_module, "measured_methods", timed_as_the_machine_did(seconds, timed))
+    monkeypatch.setattr(measure_module.SavedPrograms, "FREE_SPACE_SHARE", 0.0)
+    saves: list[str] = []
+    real_save = measure_module.save
+    monkeypatch.setattr(measure_module, "save", lambda methods, delegates, path: (
+        saves.append(path), real_save(methods, delegates, path)))
+    _, _, program = mlp_program()
+
+    aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu", SLEEPY]), progress=False)
+
+    assert len(timed) == len(saves) == 6
 
 
 def test_aoti_alone_far_slower_than_the_plan_that_beat_it_is_not_timed_again(test_engines, cache_dir, monkeypatch):

@@ -61,7 +61,7 @@ from .constants import without_unused_constants
 from .devices import propagate_device_pass
 from .export import Program
 from .jobs import CompileJob, CompileOutcome
-from .measure import MethodTiming, measured_methods
+from .measure import MethodTiming, SavedPrograms, measured_methods
 from .mixing import MeasuredPlan, Mix, delegate_regions, mixed_cover
 from .package import save, unsaved_manifest
 from .parallel import Batch, CompilePool, default_workers, quiet_torch_warnings
@@ -274,6 +274,12 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowering) -> Lowe
     timed, with no compile running beside it. Then, per method, the plans' regions propose one
     mixed plan (``mixing.py``), measured like the others.
     """
+    with SavedPrograms() as saved:
+        return measured_lowering(program, auto, lower_plan, saved)
+
+
+def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, saved: SavedPrograms) -> LoweredProgram:
+    """``auto_lowered``'s work, each plan's file kept in ``saved`` for its timings."""
     # Timing loads each plan in a child already: an engine crashing as it opens drops that plan.
     lower_plan = replace(lower_plan, open_once=False)
     threads = torch.get_num_threads()
@@ -300,6 +306,7 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowering) -> Lowe
                 {name: lowered.methods[name] for name in timed},
                 {name: lowered.delegate_table[name] for name in timed},
                 program.methods,
+                saved,
             ) if timed else {}
         except Exception as error:  # noqa: BLE001 - a plan that fails is one the report names, not the end of auto
             failed = failed_candidate(plan, error)
@@ -336,12 +343,12 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowering) -> Lowe
             builds[label] = partial(mix_partitioners, mix, auto.device)
             keys_by_plan[label] = mix_key(fingerprints[name], exported, mix, threads)
             mixed = AddedPlan(label, builds[label], keys_by_plan[label], mix.explanation())
-            measure_added(program.only([name]), name, mixed, lower_plan, listed, added, added_lowerings)
+            measure_added(program.only([name]), name, mixed, lower_plan, listed, added, added_lowerings, saved)
         base = one_thread_base(listed[name], closing, threads, auto.device)
         if base is not None:
             one_thread = one_thread_plan(base, builds[base], keys_by_plan[base])
             logger.info("auto: %s: %s is measured too", name, plan_text(one_thread.label))
-            measure_added(program.only([name]), name, one_thread, lower_plan, listed, added, added_lowerings)
+            measure_added(program.only([name]), name, one_thread, lower_plan, listed, added, added_lowerings, saved)
     selections = {
         name: selection(name, [candidate for candidate, _, _ in entries.values()], threads)
         for name, entries in listed.items()
@@ -353,7 +360,7 @@ def auto_lowered(program: Program, auto: Auto, lower_plan: PlanLowering) -> Lowe
             label: (added_lowerings[name, label], extra.key)
             for label, extra in added[name].items() if (name, label) in added_lowerings
         })
-        selections[name] = confirmed_selection(name, program.methods[name], kept, listed[name], sources, threads)
+        selections[name] = confirmed_selection(name, program.methods[name], kept, listed[name], sources, threads, saved)
     chosen = {name: list(listed[name])[kept.chosen] for name, kept in selections.items()}
     by_method = {name: lowered_by_plan[plan] for name, plan in chosen.items() if plan in lowered_by_plan}
     by_method.update({name: added_lowerings[name, plan] for name, plan in chosen.items()
@@ -407,6 +414,7 @@ def confirmed_selection(
     listed: dict[Plan, Measurement],
     sources: Mapping[Plan, tuple[LoweredProgram, str]],
     threads: int,
+    saved: SavedPrograms,
 ) -> Selection:
     """``kept`` made again after its contending plans (``auto.contenders``: the kept plan, AOTInductor alone where
     the kept plan beat it, the plans close to the fastest) are timed ``CONFIRMING_ROUNDS`` more times, alternately,
@@ -427,7 +435,7 @@ def confirmed_selection(
     timings = {plan: [listed[plan]] for plan in timed_now}
     for _ in range(CONFIRMING_ROUNDS):
         for plan in timed_now:
-            again = timed_again(name, exported, plan, sources[plan][0])
+            again = timed_again(name, exported, plan, sources[plan][0], saved)
             if again is not None and again[0].seconds is not None:
                 timings[plan].append(again)
     for plan, measured in timings.items():
@@ -446,10 +454,12 @@ def median_measurement(measurements: Sequence[Measurement]) -> Measurement:
     return ordered[(len(ordered) - 1) // 2]
 
 
-def timed_again(name: str, exported: ExportedProgram, plan: Plan, lowered: LoweredProgram) -> Measurement | None:
+def timed_again(
+    name: str, exported: ExportedProgram, plan: Plan, lowered: LoweredProgram, saved: SavedPrograms
+) -> Measurement | None:
     """Method ``name`` of ``plan``'s lowering timed once more, as the first time; None where it fails now."""
     try:
-        measurement, seconds = method_measurement(name, exported, plan, lowered)
+        measurement, seconds = method_measurement(name, exported, plan, lowered, saved)
     except Exception as error:  # noqa: BLE001 - the first timing stands
         logger.warning("auto: %s: %s could not be timed again: %s", name, plan_text(plan), error)
         return None
@@ -458,11 +468,11 @@ def timed_again(name: str, exported: ExportedProgram, plan: Plan, lowered: Lower
 
 
 def method_measurement(
-    name: str, exported: ExportedProgram, plan: Plan, lowered: LoweredProgram
+    name: str, exported: ExportedProgram, plan: Plan, lowered: LoweredProgram, saved: SavedPrograms
 ) -> tuple[Measurement, float]:
     """Method ``name`` of ``plan``'s lowering timed on ``exported``'s inputs; and its seconds a call."""
     delegates = lowered.delegate_table[name]
-    timing = measured_methods({name: lowered.methods[name]}, {name: delegates}, {name: exported})[name]
+    timing = measured_methods({name: lowered.methods[name]}, {name: delegates}, {name: exported}, saved)[name]
     return plan_measurement(plan, delegates, timing), timing.seconds
 
 
@@ -484,6 +494,7 @@ def measure_added(
     listed: dict[str, dict[Plan, Measurement]],
     added: dict[str, dict[Plan, AddedPlan]],
     lowerings: dict[tuple[str, Plan], LoweredProgram],
+    saved: SavedPrograms,
 ) -> None:
     """``plan``'s measurement of ``method``'s only method ``name``, from the cache or lowered and timed now, put in
     ``listed``; ``plan`` in ``added``, and its lowering, where it was lowered now, in ``lowerings``."""
@@ -494,7 +505,7 @@ def measure_added(
         return
     try:
         lowered = lower_plan(method, {name: plan.partitioners()}, plan.label)
-        measurement, seconds = method_measurement(name, method.methods[name], plan.label, lowered)
+        measurement, seconds = method_measurement(name, method.methods[name], plan.label, lowered, saved)
     except Exception as error:  # noqa: BLE001 - like any plan, an added plan that fails is named, not raised
         failed = failed_candidate(plan.label, error)
         logger.warning("auto: %s could not be lowered or run: %s", plan_text(plan.label), failed.error)
