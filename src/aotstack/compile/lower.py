@@ -583,6 +583,9 @@ def lowering_steps(
 
     The steps yield each level's claims, in every method, and take their outcomes, so the caller
     decides how and beside what they compile (``lowered_program``, ``PlanLowering.together``).
+    A caller that sends ``CLAIM_AHEAD`` instead gets the next level's claims at once, made on the
+    graph as it will be once the last level's parts have all compiled; it must then send each
+    level's outcomes in turn, and may only do so where a failed part ends the lowering.
     ``planned``: the outcomes compiled nothing (a dry run), and the result says so.
     """
     plan = partitioners_by_method(program, partitioners)
