@@ -187,40 +187,38 @@ def test_a_plan_that_beat_aoti_alone_is_timed_again_with_it(test_engines, cache_
     assert {d.backend_id for d in lowered.delegates("forward")} == {"aoti_cpu"}
 
 
-def test_a_plan_timed_again_is_loaded_from_the_file_saved_for_its_first_timing(test_engines, cache_dir, monkeypatch):
+def counted_saves(monkeypatch) -> list[str]:
+    """The paths auto's timings save plans to, from now on."""
+    paths: list[str] = []
+    real_save = measure_module.save
+
+    def save(methods, delegates, path):
+        paths.append(path)
+        real_save(methods, delegates, path)
+
+    monkeypatch.setattr(measure_module, "save", save)
+    return paths
+
+
+@pytest.mark.parametrize(("free_space_share", "saves"), [(0.25, 2), (0.0, 6)], ids=["kept", "disk too full to keep"])
+def test_a_plan_timed_again_is_loaded_from_the_file_saved_for_its_first_timing(
+    test_engines, cache_dir, monkeypatch, free_space_share, saves
+):
     shutil.rmtree(cache_dir / f".{auto_module.CACHE_KIND}", ignore_errors=True)
     timed: list[str] = []
     seconds = {"aoti_cpu": [0.015, 0.010, 0.010], SLEEPY: [0.012]}
     monkeypatch.setattr(lower_module, "measured_methods", timed_as_the_machine_did(seconds, timed))
-    saved_files: list[str] = []
-    real_save = measure_module.save
-    monkeypatch.setattr(measure_module, "save", lambda methods, delegates, path: (
-        saved_files.append(path), real_save(methods, delegates, path)))
+    monkeypatch.setattr(measure_module.SavedPrograms, "FREE_SPACE_SHARE", free_space_share)
+    saved_files = counted_saves(monkeypatch)
     _, _, program = mlp_program()
 
     lowered = aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu", SLEEPY]), progress=False)
 
-    # Six timings, of two plans: each plan saved once, and the folder gone once auto chose.
-    assert len(timed) == 6 and len(saved_files) == 2
+    # Six timings of two plans: each plan saved once where the disk has room to keep both files, else every time;
+    # the folder gone once auto chose.
+    assert len(timed) == 6 and len(saved_files) == saves
     assert not any(os.path.exists(os.path.dirname(path)) for path in saved_files)
     assert {d.backend_id for d in lowered.delegates("forward")} == {"aoti_cpu"}
-
-
-def test_a_plan_is_saved_again_where_keeping_its_file_would_fill_the_disk(test_engines, cache_dir, monkeypatch):
-    shutil.rmtree(cache_dir / f".{auto_module.CACHE_KIND}", ignore_errors=True)
-    timed: list[str] = []
-    seconds = {"aoti_cpu": [0.015, 0.010, 0.010], SLEEPY: [0.012]}
-    monkeypatch.setattr(lower_module, "measured_methods", timed_as_the_machine_did(seconds, timed))
-    monkeypatch.setattr(measure_module.SavedPrograms, "FREE_SPACE_SHARE", 0.0)
-    saves: list[str] = []
-    real_save = measure_module.save
-    monkeypatch.setattr(measure_module, "save", lambda methods, delegates, path: (
-        saves.append(path), real_save(methods, delegates, path)))
-    _, _, program = mlp_program()
-
-    aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu", SLEEPY]), progress=False)
-
-    assert len(timed) == len(saves) == 6
 
 
 def test_aoti_alone_far_slower_than_the_plan_that_beat_it_is_not_timed_again(test_engines, cache_dir, monkeypatch):
