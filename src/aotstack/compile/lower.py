@@ -736,8 +736,6 @@ class PlanLowering:
                         ended(key, error)
                         continue
                     advance(key, steps, outcomes)
-                    if key in waiting and not waiting[key][1]:
-                        del waiting[key]
         return {key: results[key] for key in plans}
 
     def steps(self, program: Program, partitioners: PartitionerPlan) -> LoweringSteps:
