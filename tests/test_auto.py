@@ -48,6 +48,27 @@ class SleepyReluPartitioner(aotstack.SupportedOpsPartitioner):
         return op is torch.ops.aten.relu.default
 
 
+LOUD = "test_slow_when_loud_relu"
+# Past this size a value is loud: the shared model's example inputs (randn) stay far below it, inputs 1000 times
+# larger far above.
+LOUD_VALUE = 50.0
+
+
+class SlowWhenLoudReluBackend(SleepyReluBackend):
+    """A relu whose calls are slow only on loud inputs, as a decoder's step is slower deep into its cache."""
+
+    backend_id = LOUD
+
+    def execute(self, handle, inputs):
+        if inputs[0].abs().max() > LOUD_VALUE:
+            time.sleep(SLEEP_SECONDS)
+        return [torch.relu(inputs[0])]
+
+
+class SlowWhenLoudReluPartitioner(SleepyReluPartitioner):
+    backend_id = LOUD
+
+
 HOARDING = "test_hoarding_relu"
 # What the hoarding engine holds once it is loaded: far more than the rest of a small model's plan.
 HOARD_BYTES = 64 * 2**20
@@ -101,6 +122,7 @@ def test_engines(monkeypatch: pytest.MonkeyPatch, cache_dir):
     monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(cache_dir))
     monkeypatch.setitem(BUILT_IN, SLEEPY, engine("SleepyReluPartitioner"))
     monkeypatch.setitem(BUILT_IN, HOARDING, engine("HoardingReluPartitioner"))
+    monkeypatch.setitem(BUILT_IN, LOUD, engine("SlowWhenLoudReluPartitioner"))
     monkeypatch.setitem(BUILT_IN, "test_broken_relu", engine("BrokenReluPartitioner"))
     monkeypatch.setitem(BUILT_IN, "test_unusable_relu", engine("UnusableReluPartitioner"))
 
@@ -157,8 +179,8 @@ def timed_as_the_machine_did(seconds: dict[str, list[float]], timed: list[str]):
     next of its ``seconds``, the last one again once they run out; the plans it timed go to ``timed``."""
     real = lower_module.measured_methods
 
-    def measured(methods, delegates, examples, saved=None):
-        timings = real(methods, delegates, examples, saved)
+    def measured(methods, delegates, inputs, saved=None):
+        timings = real(methods, delegates, inputs, saved)
         engine = [d.backend_id for table in delegates.values() for d in table if d.backend_id != "aoti_cpu"]
         plan = engine[0] if engine else "aoti_cpu"
         timed.append(plan)
@@ -284,6 +306,57 @@ def test_a_warm_auto_lower_reads_its_measurements_instead_of_timing_again(test_e
     warm.save(tmp_path / "warm.pt2")
     loaded = aotstack.load(tmp_path / "warm.pt2")
     torch.testing.assert_close(loaded.run("score", *x), model.score(*x).detach())
+
+
+def test_auto_times_a_method_on_the_inputs_auto_inputs_gives_it(test_engines, tmp_path):
+    model, inputs, program = mlp_program()
+    loud = (inputs[0] * 1000,)
+
+    def loud_plan_seconds(auto: aotstack.Auto) -> float:
+        lowered = aotstack.lower(program, auto, progress=False)
+        lowered.save(tmp_path / "loud.pt2")
+        # Values a thousand times the example's: float32's rounding a thousand times larger too.
+        torch.testing.assert_close(aotstack.load(tmp_path / "loud.pt2").forward(*loud), model(*loud).detach(),
+                                   rtol=1e-5, atol=1e-3)
+        return next(c for c in lowered.placements["forward"].selection.candidates if c.engines[0] == LOUD).seconds
+
+    # Timed on the example inputs, the engine is quick; on the loud inputs given, every one of its calls sleeps.
+    assert loud_plan_seconds(aotstack.Auto(engines=["aoti_cpu", LOUD])) < SLEEP_SECONDS
+    assert loud_plan_seconds(aotstack.Auto(engines=["aoti_cpu", LOUD], inputs={"forward": (loud, {})})) >= SLEEP_SECONDS
+
+
+def test_inputs_given_to_auto_key_its_measurements_by_their_values():
+    _, inputs, program = mlp_program()
+    exported = program.methods["forward"]
+
+    def key(call, given):
+        return auto_module.measurement_key("program", auto_module.TimingInputs(call, given), ("aoti_cpu",), 1)
+
+    def timing_inputs(call):
+        return auto_module.timing_inputs(program.methods, aotstack.Auto(inputs={"forward": call}))["forward"]
+
+    # Example inputs are often random, made anew at each export: only their shapes key a measurement.
+    assert key((inputs, {}), False) == key(((inputs[0] + 1,), {}), False)
+    assert key((inputs, {}), True) != key(((inputs[0] + 1,), {}), True)
+    assert timing_inputs((inputs, {})) == auto_module.TimingInputs((inputs, {}), True)
+    assert auto_module.timing_inputs(program.methods, aotstack.Auto())["forward"].call[0] == exported.example_inputs[0]
+
+
+@pytest.mark.parametrize(
+    ("inputs", "error"),
+    [
+        ({"decode": ((torch.zeros(2, 256),), {})}, "Auto.inputs names 'decode', which the program lacks; its methods: "
+                                                   "forward"),
+        ({"forward": (torch.zeros(2, 256),)}, r"Auto.inputs\['forward'\] must be \(args, kwargs\)"),
+        ({"forward": ((torch.zeros(3, 256),), {})}, r"Auto.inputs\['forward'\] does not fit the method: .*shape"),
+        ({"forward": ((torch.zeros(2, 256, dtype=torch.int64),), {})}, r"Auto.inputs\['forward'\] .*int64"),
+    ],
+)
+def test_inputs_auto_cannot_time_a_method_on_are_refused_before_anything_compiles(inputs, error, test_engines):
+    _, _, program = mlp_program()
+
+    with pytest.raises(aotstack.LoweringError, match=error):
+        aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu"], inputs=inputs), progress=False)
 
 
 @pytest.mark.parametrize(

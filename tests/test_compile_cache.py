@@ -189,13 +189,14 @@ def test_a_kept_result_whose_weight_the_backend_changed_is_compiled_again(tmp_pa
 
 def test_a_new_compile_revision_keys_compiles_and_auto_measurements_apart(monkeypatch):
     from aotstack.backends.ort.backend import OrtBackend
-    from aotstack.compile.auto import measurement_key
+    from aotstack.compile.auto import TimingInputs, measurement_key
     from aotstack.compile.cache import preprocess_key
 
     program = aotstack.export(models.build("linear"), {"forward": models.example_inputs("linear")}).methods["forward"]
     plan = ("onnxruntime", "aoti_cpu")
-    before = preprocess_key(OrtBackend(), program, []), measurement_key("fingerprint", program, plan, 1)
+    inputs = TimingInputs((tuple(program.example_inputs[0]), {}), given=False)
+    before = preprocess_key(OrtBackend(), program, []), measurement_key("fingerprint", inputs, plan, 1)
     monkeypatch.setattr(OrtBackend, "compile_revision", OrtBackend.compile_revision + 1)
-    after = preprocess_key(OrtBackend(), program, []), measurement_key("fingerprint", program, plan, 1)
+    after = preprocess_key(OrtBackend(), program, []), measurement_key("fingerprint", inputs, plan, 1)
 
     assert before[0] != after[0] and before[1] != after[1]

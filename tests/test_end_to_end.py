@@ -157,7 +157,8 @@ def test_caches_key_what_was_compiled_and_measured_by_the_processor(monkeypatch)
 
     def keys() -> tuple[str, ...]:
         return (aoti_compile.cache_key(program_structure(exported), {}), cache.preprocess_key(backend, exported, []),
-                auto.measurement_key("program", exported, ("aoti_cpu",), 1))
+                auto.measurement_key("program", auto.TimingInputs((tuple(exported.example_inputs[0]), {}), given=False),
+                                     ("aoti_cpu",), 1))
 
     here = keys()
     for module in (aoti_compile, cache, auto):

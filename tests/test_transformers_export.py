@@ -144,6 +144,34 @@ def test_round_trip_through_the_registered_backend_matches_eager(tmp_path):
         torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=1e-4, atol=1e-5)
 
 
+def test_auto_times_a_generation_exports_decode_halfway_into_its_cache(monkeypatch):
+    """Exported at position 0, decode reads one cached key in an attention that reads only those filled so far."""
+    from aotstack.compile import auto as auto_module
+
+    handed: dict[str, object] = {}
+
+    class Handed(Exception):
+        pass
+
+    def lower(program, partitioners, **kwargs):
+        handed.update(program=program, plan=partitioners)
+        raise Handed
+
+    monkeypatch.setattr(aotstack, "lower", lower)
+    exporter = get_exporter_class("aotstack")(progress=False)
+    with pytest.raises(Handed):
+        exporter.export_for_generation(decoder_lm("llama"), {"input_ids": torch.zeros(1, 4, dtype=torch.long)},
+                                       aotstack_hf.AotstackConfig(engines="auto", max_cache_len=32))
+
+    plan = handed["plan"]
+    assert isinstance(plan, aotstack.Auto)
+    (token, position), keywords = plan.inputs["decode"]
+    assert token.shape == (1, 1) and position.tolist() == [16] and keywords == {}
+    # What auto will time each method on: decode on those inputs, which fit it; prefill on its example.
+    timing = auto_module.timing_inputs(handed["program"].methods, plan)
+    assert timing["decode"].given and not timing["prefill"].given
+
+
 def test_feature_extraction_folder_with_auto_engines(tmp_path, capsys):
     model = bert().eval()
     export_hf(str(saved(model, tmp_path / "bert")), "-o", str(tmp_path / "out"))  # --engines auto

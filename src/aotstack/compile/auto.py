@@ -7,10 +7,11 @@ The algorithm, kept small so a report can explain it:
    a plan too). A plan is an ordered partitioner list, as a user would write it.
 2. Each plan lowers the whole program (a part whose compile fails is left to the next engine,
    not fatal), is saved and loaded as a user would, and each method is timed on its example
-   inputs in the caller's thread count: warm-up calls, then the median of several calls. Each
-   delegate's time is recorded too, so the report can say where a call's time went. Compiles and
-   timings run in child processes: an engine that crashes (a signal in its native code) fails
-   its plan with an ``EngineCrashError`` the report names, and auto goes on with the others.
+   inputs (or those ``Auto.inputs`` gives it) in the caller's thread count: warm-up calls, then
+   the median of several calls. Each delegate's time is recorded too, so the report can say
+   where a call's time went. Compiles and timings run in child processes: an engine that crashes
+   (a signal in its native code) fails its plan with an ``EngineCrashError`` the report names,
+   and auto goes on with the others.
 3. Per method, the measured plans' regions propose one more plan that mixes engines region by
    region (``mixing.py``): each engine's region that measured faster than every other plan's
    estimate for the same nodes is kept, the closing engine takes the rest. It is lowered and
@@ -32,7 +33,7 @@ The algorithm, kept small so a report can explain it:
    Methods choose separately, so one file may run ``prefill`` in one engine and ``decode`` in
    another.
 
-The figures are cached by the method's program, its example inputs, the plan, the thread count
+The figures are cached by the method's program, the inputs it is timed on, the plan, the thread count
 and the versions of torch, aotstack and the engines: re-lowering an unchanged model compiles
 only the chosen plans (from the compile cache, where an engine has one) and measures nothing.
 """
@@ -44,6 +45,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.export import ExportedProgram
@@ -51,13 +53,14 @@ from torch.export import ExportedProgram
 from .. import __version__
 from ..engine.processor import processor_fingerprint
 from ..engine.registry import BUILT_IN, backend_class
-from ..errors import EngineCrashError, LoweringError
+from ..errors import EngineCrashError, InputError, LoweringError
 from ..format.devices import parse_device_spec
 from ..format.placement import Candidate, Selection
 from ..format.specs import CompileSpec, SpecKey
 from ..report.text import megabytes
 from .cache import package_version, read_entry, write_entry
-from .measure import MethodTiming
+from .check import check_call_inputs, example_inputs
+from .measure import CallInputs, MethodTiming
 from .mixing import Mix, Region, RegionPartitioner
 from .partitioner import Partitioner
 
@@ -89,13 +92,21 @@ Plan = tuple[str, ...]
 class Auto:
     """How ``lower`` chooses engines by measuring: for ``device``, among ``engines`` (default: every installed one).
 
+    Each method is timed on its example inputs, unless ``inputs`` gives it others, as ``(args,
+    kwargs)``: where a call's cost depends on what it is given, time it on what it is given most.
+    A decoder's step exported at position 0 reads one key of its cache there, and an engine that
+    reads only the keys filled so far (AOTInductor's attention) then looks faster against one that
+    reads the whole cache than it is halfway through a reply.
+
     Example::
 
         lowered = aotstack.lower(program, aotstack.Auto(engines=["openvino", "onnxruntime"]))
+        lowered = aotstack.lower(program, aotstack.Auto(inputs={"decode": ((token, torch.tensor([512])), {})}))
     """
 
     device: str = "cpu"
     engines: Sequence[str] | None = None
+    inputs: Mapping[str, CallInputs] | None = None
 
 
 def auto_option(partitioners: object) -> Auto | None:
@@ -157,18 +168,66 @@ def plan_text(plan: Sequence[str]) -> str:
     return " > ".join(plan)
 
 
-def measurement_key(fingerprint: str, exported: ExportedProgram, plan: Plan, threads: int) -> str:
-    """What a measurement depends on: the program (its ``program_fingerprint``), its example inputs, the plan,
-    the thread count, the processor and the versions of torch, aotstack and the plan's engines (their compile
-    revisions too).
+def timing_inputs(program: Mapping[str, ExportedProgram], auto: Auto) -> dict[str, TimingInputs]:
+    """Per method of ``program``, the arguments auto times it on: those ``auto.inputs`` gives it, checked
+    against what the method takes, else its example inputs."""
+    given = dict(auto.inputs or {})
+    unknown = [name for name in given if name not in program]
+    if unknown:
+        raise LoweringError(f"Auto.inputs names {', '.join(map(repr, unknown))}, which the program lacks; its "
+                            f"methods: {', '.join(program)}")
+    return {
+        name: TimingInputs(checked_inputs(name, exported, given[name]), given=True) if name in given
+        else TimingInputs(example_inputs(name, exported), given=False)
+        for name, exported in program.items()
+    }
+
+
+@dataclass(frozen=True)
+class TimingInputs:
+    """The arguments one method is timed on, and whether the user gave them (``Auto.inputs``)."""
+
+    call: CallInputs
+    given: bool
+
+    def digest(self) -> list[Any]:
+        """What of them a measurement depends on: each tensor's dtype and shape, each other value's ``repr``, and
+        where the user gave them, each tensor's values too (example inputs are often random, made anew at each
+        export, and would never meet their cached measurement again)."""
+        leaves = torch.utils._pytree.tree_leaves(self.call)
+        described: list[Any] = [
+            [str(leaf.dtype), list(leaf.shape)] if isinstance(leaf, torch.Tensor) else repr(leaf) for leaf in leaves
+        ]
+        if self.given:
+            values = hashlib.sha256()
+            for leaf in leaves:
+                if isinstance(leaf, torch.Tensor):
+                    values.update(leaf.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            described.append(values.hexdigest())
+        return described
+
+
+def checked_inputs(name: str, exported: ExportedProgram, given: Any) -> CallInputs:
+    """``given`` as ``(args, kwargs)`` for method ``name``; a ``LoweringError`` naming what does not fit it."""
+    if not (isinstance(given, (tuple, list)) and len(given) == 2 and isinstance(given[0], (tuple, list))
+            and isinstance(given[1], dict)):
+        raise LoweringError(f"Auto.inputs[{name!r}] must be (args, kwargs): a tuple of positional arguments and a "
+                            f"dict of keyword ones, got {type(given).__name__}")
+    args, kwargs = tuple(given[0]), dict(given[1])
+    try:
+        check_call_inputs(name, exported, args, kwargs)
+    except InputError as error:
+        raise LoweringError(f"Auto.inputs[{name!r}] does not fit the method: {error}") from None
+    return args, kwargs
+
+
+def measurement_key(fingerprint: str, inputs: TimingInputs, plan: Plan, threads: int) -> str:
+    """What a measurement depends on: the program (its ``program_fingerprint``), the inputs it is timed on, the
+    plan, the thread count, the processor and the versions of torch, aotstack and the plan's engines (their
+    compile revisions too).
     """
-    inputs = getattr(exported, "example_inputs", None)
-    shapes = [
-        [str(leaf.dtype), list(leaf.shape)] if isinstance(leaf, torch.Tensor) else repr(leaf)
-        for leaf in torch.utils._pytree.tree_leaves(inputs)
-    ]
     parts = [torch.__version__, __version__, str(threads), processor_fingerprint(), json.dumps(list(plan)),
-             json.dumps(shapes)]
+             json.dumps(inputs.digest())]
     parts += [f"{name}={package_version(name)}" for backend_id in plan for name in BUILT_IN[backend_id].packages]
     parts += [f"{backend_id} revision {compile_revision(backend_id)}" for backend_id in plan]
     return hashlib.sha256("\0".join([*parts, fingerprint]).encode()).hexdigest()
@@ -259,10 +318,10 @@ def mix_partitioners(mix: Mix, device: str, closing_threads: int | None = None) 
     return [*restricted, *plan_partitioners((mix.closing,), device, closing_threads)]
 
 
-def mix_key(fingerprint: str, exported: ExportedProgram, mix: Mix, threads: int) -> str:
+def mix_key(fingerprint: str, inputs: TimingInputs, mix: Mix, threads: int) -> str:
     """What a mixed plan's measurement depends on: what a plan's does, and which nodes each engine keeps."""
     plan = (*mix.engines, mix.closing)
-    return hashlib.sha256((measurement_key(fingerprint, exported, plan, threads) + mix.digest).encode()).hexdigest()
+    return hashlib.sha256((measurement_key(fingerprint, inputs, plan, threads) + mix.digest).encode()).hexdigest()
 
 
 @dataclass(frozen=True)

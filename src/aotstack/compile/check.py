@@ -28,9 +28,10 @@ from ..format.manifest import InputRecord
 from ..format.records import Delegate
 
 # The one place the compiler uses the runtime: the check runs what was packaged the way a user loads it.
+from ..runtime.inputs import InputCheck
 from ..runtime.interpreter import LoadedDelegate
 from ..runtime.load import DelegateWrapper, LoadedProgram, loaded_program
-from .package import save
+from .package import input_records, save
 from .parallel import quiet_torch_warnings
 from .program_parts import program_weights
 
@@ -311,6 +312,12 @@ def example_inputs(method: str, exported: ExportedProgram) -> tuple[tuple[Any, .
         )
     args, kwargs = inputs
     return tuple(args), dict(kwargs)
+
+
+def check_call_inputs(method: str, exported: ExportedProgram, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Raise ``InputError``, naming the argument and what it must be, unless the method takes ``args`` and
+    ``kwargs``, as its loaded form would check them."""
+    InputCheck(method, input_records(method, exported), exported.call_spec.in_spec).flat_arguments(args, kwargs)
 
 
 def lowered_outputs(

@@ -55,13 +55,14 @@ from .auto import (
     selection,
     store_measurement,
     takes_nothing,
+    timing_inputs,
 )
 from .check import Check, CheckResult, check_lowered, check_option
 from .constants import without_unused_constants
 from .devices import propagate_device_pass
 from .export import Program
 from .jobs import CompileJob, CompileOutcome
-from .measure import MethodTiming, SavedPrograms, measured_methods
+from .measure import CallInputs, MethodTiming, SavedPrograms, measured_methods
 from .mixing import MeasuredPlan, Mix, delegate_regions, mixed_cover
 from .package import save, unsaved_manifest
 from .parallel import Batch, CompilePool, default_workers, quiet_torch_warnings
@@ -284,10 +285,11 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
     lower_plan = replace(lower_plan, open_once=False)
     threads = torch.get_num_threads()
     plans = candidate_plans(auto)
+    inputs = timing_inputs(program.methods, auto)
     fingerprints = {name: program_fingerprint(exported) for name, exported in program.methods.items()}
     keys = {
-        (name, plan): measurement_key(fingerprints[name], exported, plan, threads)
-        for name, exported in program.methods.items()
+        (name, plan): measurement_key(fingerprints[name], inputs[name], plan, threads)
+        for name in program.methods
         for plan in plans
     }
     # (method, plan) -> its measurement, or SAME_AS_ALONE; absent where neither is known yet.
@@ -305,7 +307,7 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
             timings = measured_methods(
                 {name: lowered.methods[name] for name in timed},
                 {name: lowered.delegate_table[name] for name in timed},
-                program.methods,
+                {name: inputs[name].call for name in timed},
                 saved,
             ) if timed else {}
         except Exception as error:  # noqa: BLE001 - a plan that fails is one the report names, not the end of auto
@@ -331,7 +333,7 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
     # Per method, the plans built from what its plans measured (``AddedPlan``), and those lowered now.
     added: dict[str, dict[Plan, AddedPlan]] = {name: {} for name in program.methods}
     added_lowerings: dict[tuple[str, Plan], LoweredProgram] = {}
-    for name, exported in program.methods.items():
+    for name in program.methods:
         builds: dict[Plan, Callable[[int | None], list[Partitioner]]] = {
             plan: partial(plan_partitioners, plan, auto.device) for plan in listed[name]
         }
@@ -341,14 +343,16 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
             label = tuple(mix.labels)
             logger.info("auto: %s: the plans' regions propose %s (%s)", name, plan_text(label), mix.explanation())
             builds[label] = partial(mix_partitioners, mix, auto.device)
-            keys_by_plan[label] = mix_key(fingerprints[name], exported, mix, threads)
+            keys_by_plan[label] = mix_key(fingerprints[name], inputs[name], mix, threads)
             mixed = AddedPlan(label, builds[label], keys_by_plan[label], mix.explanation())
-            measure_added(program.only([name]), name, mixed, lower_plan, listed, added, added_lowerings, saved)
+            measure_added(program.only([name]), name, inputs[name].call, mixed, lower_plan, listed, added,
+                          added_lowerings, saved)
         base = one_thread_base(listed[name], closing, threads, auto.device)
         if base is not None:
             one_thread = one_thread_plan(base, builds[base], keys_by_plan[base])
             logger.info("auto: %s: %s is measured too", name, plan_text(one_thread.label))
-            measure_added(program.only([name]), name, one_thread, lower_plan, listed, added, added_lowerings, saved)
+            measure_added(program.only([name]), name, inputs[name].call, one_thread, lower_plan, listed, added,
+                          added_lowerings, saved)
     selections = {
         name: selection(name, [candidate for candidate, _, _ in entries.values()], threads)
         for name, entries in listed.items()
@@ -360,7 +364,7 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
             label: (added_lowerings[name, label], extra.key)
             for label, extra in added[name].items() if (name, label) in added_lowerings
         })
-        selections[name] = confirmed_selection(name, program.methods[name], kept, listed[name], sources, threads, saved)
+        selections[name] = confirmed_selection(name, inputs[name].call, kept, listed[name], sources, threads, saved)
     chosen = {name: list(listed[name])[kept.chosen] for name, kept in selections.items()}
     by_method = {name: lowered_by_plan[plan] for name, plan in chosen.items() if plan in lowered_by_plan}
     by_method.update({name: added_lowerings[name, plan] for name, plan in chosen.items()
@@ -409,7 +413,7 @@ def plan_measurement(engines: Sequence[str], delegates: list[Delegate], timing: 
 
 def confirmed_selection(
     name: str,
-    exported: ExportedProgram,
+    inputs: CallInputs,
     kept: Selection,
     listed: dict[Plan, Measurement],
     sources: Mapping[Plan, tuple[LoweredProgram, str]],
@@ -435,7 +439,7 @@ def confirmed_selection(
     timings = {plan: [listed[plan]] for plan in timed_now}
     for _ in range(CONFIRMING_ROUNDS):
         for plan in timed_now:
-            again = timed_again(name, exported, plan, sources[plan][0], saved)
+            again = timed_again(name, inputs, plan, sources[plan][0], saved)
             if again is not None and again[0].seconds is not None:
                 timings[plan].append(again)
     for plan, measured in timings.items():
@@ -455,11 +459,11 @@ def median_measurement(measurements: Sequence[Measurement]) -> Measurement:
 
 
 def timed_again(
-    name: str, exported: ExportedProgram, plan: Plan, lowered: LoweredProgram, saved: SavedPrograms
+    name: str, inputs: CallInputs, plan: Plan, lowered: LoweredProgram, saved: SavedPrograms
 ) -> Measurement | None:
     """Method ``name`` of ``plan``'s lowering timed once more, as the first time; None where it fails now."""
     try:
-        measurement, seconds = method_measurement(name, exported, plan, lowered, saved)
+        measurement, seconds = method_measurement(name, inputs, plan, lowered, saved)
     except Exception as error:  # noqa: BLE001 - the first timing stands
         logger.warning("auto: %s: %s could not be timed again: %s", name, plan_text(plan), error)
         return None
@@ -468,11 +472,11 @@ def timed_again(
 
 
 def method_measurement(
-    name: str, exported: ExportedProgram, plan: Plan, lowered: LoweredProgram, saved: SavedPrograms
+    name: str, inputs: CallInputs, plan: Plan, lowered: LoweredProgram, saved: SavedPrograms
 ) -> tuple[Measurement, float]:
-    """Method ``name`` of ``plan``'s lowering timed on ``exported``'s inputs; and its seconds a call."""
+    """Method ``name`` of ``plan``'s lowering timed on ``inputs``; and its seconds a call."""
     delegates = lowered.delegate_table[name]
-    timing = measured_methods({name: lowered.methods[name]}, {name: delegates}, {name: exported}, saved)[name]
+    timing = measured_methods({name: lowered.methods[name]}, {name: delegates}, {name: inputs}, saved)[name]
     return plan_measurement(plan, delegates, timing), timing.seconds
 
 
@@ -489,6 +493,7 @@ def method_mix(listed: Mapping[Plan, Measurement], closing: str) -> Mix | None:
 def measure_added(
     method: Program,
     name: str,
+    inputs: CallInputs,
     plan: AddedPlan,
     lower_plan: PlanLowering,
     listed: dict[str, dict[Plan, Measurement]],
@@ -496,7 +501,8 @@ def measure_added(
     lowerings: dict[tuple[str, Plan], LoweredProgram],
     saved: SavedPrograms,
 ) -> None:
-    """``plan``'s measurement of ``method``'s only method ``name``, from the cache or lowered and timed now, put in
+    """``plan``'s measurement of ``method``'s only method ``name`` (timed on ``inputs``), from the cache or lowered
+    and timed now, put in
     ``listed``; ``plan`` in ``added``, and its lowering, where it was lowered now, in ``lowerings``."""
     added[name][plan.label] = plan
     cached = cached_measurement(plan.key, plan.label)
@@ -505,7 +511,7 @@ def measure_added(
         return
     try:
         lowered = lower_plan(method, {name: plan.partitioners()}, plan.label)
-        measurement, seconds = method_measurement(name, method.methods[name], plan.label, lowered, saved)
+        measurement, seconds = method_measurement(name, inputs, plan.label, lowered, saved)
     except Exception as error:  # noqa: BLE001 - like any plan, an added plan that fails is named, not raised
         failed = failed_candidate(plan.label, error)
         logger.warning("auto: %s could not be lowered or run: %s", plan_text(plan.label), failed.error)

@@ -37,11 +37,13 @@ from ..format.archive import read_manifest
 from ..format.records import Delegate
 from ..runtime.interpreter import LoadedDelegate
 from ..runtime.load import DelegateWrapper, loaded_program
-from .check import example_inputs, placed_inputs
+from .check import placed_inputs
 from .child import Child, can_run_engines_in_fork, closed, crash_error, crash_stack, death, forked, received, stop
 from .package import save
 from .parallel import quiet_torch_warnings
 
+# A method's arguments, as it is called: positional, then by keyword.
+CallInputs = tuple[tuple[Any, ...], dict[str, Any]]
 # Calls before timing starts: first-call work (allocations, lazy initialisation) is not what a user pays per call.
 WARM_UP_CALLS = 2
 # Timed calls per method: at least the first, at most the second, and no more once the budget is spent.
@@ -106,13 +108,12 @@ class SavedPrograms:
 def measured_methods(
     methods: Mapping[str, ExportedProgram],
     delegates: Mapping[str, list[Delegate]],
-    examples: Mapping[str, ExportedProgram],
+    inputs: Mapping[str, CallInputs],
     saved: SavedPrograms | None = None,
 ) -> dict[str, MethodTiming]:
-    """Each method of a lowered program, saved to a temporary file, loaded and timed on ``examples``' inputs.
-
-    ``examples`` holds the programs as exported, whose example inputs the calls use. With ``saved``, a program
-    timed before is loaded from the file saved then.
+    """Each method of a lowered program, saved to a temporary file, loaded and timed on its ``inputs``
+    (``(args, kwargs)``, as the method is called). With ``saved``, a program timed before is loaded from the
+    file saved then.
     Every timed call starts from the package's initial state (a KV cache is reset each time), or one call
     after it where an engine keeps the method's state inside itself (``timed_method``).
     The load and the calls run in a forked child where that is safe for the engines the plan uses
@@ -120,13 +121,13 @@ def measured_methods(
     """
     if saved is None:
         with SavedPrograms() as own:
-            return measured_methods(methods, delegates, examples, own)
+            return measured_methods(methods, delegates, inputs, own)
     with saved.saved(methods, delegates) as path:
         engines = [(d.delegate_id, d.backend_id) for name in methods for d in delegates[name]]
         stage = Stage([delegate_id for delegate_id, _ in engines])
         if not can_run_engines_in_fork({backend_id for _, backend_id in engines}):
-            return timings(path, list(methods), examples, stage)
-        return timings_in_child(path, list(methods), examples, stage, engines)
+            return timings(path, list(methods), inputs, stage)
+        return timings_in_child(path, list(methods), inputs, stage, engines)
 
 
 class Stage:
@@ -162,7 +163,7 @@ class Stage:
 
 
 def timings(
-    path: str, names: Sequence[str], examples: Mapping[str, ExportedProgram], stage: Stage
+    path: str, names: Sequence[str], inputs: Mapping[str, CallInputs], stage: Stage
 ) -> dict[str, MethodTiming]:
     """Each method ``names`` lists of the program saved at ``path``, loaded and timed in this process.
 
@@ -179,7 +180,7 @@ def timings(
     with quiet_torch_warnings(), torch.no_grad():
         for index, name in enumerate(names):
             stage.calling(index)
-            args, kwargs = placed_inputs(example_inputs(name, examples[name]), manifest.methods[name].inputs)
+            args, kwargs = placed_inputs(inputs[name], manifest.methods[name].inputs)
             method = loaded.method(name)
             result[name] = timed_method(
                 lambda m=method, a=args, k=kwargs: m(*a, **k), loaded.reset, spent, second=name in loaded.kept_state
@@ -214,13 +215,13 @@ def held_bytes(package: str) -> int | None:
 def timings_in_child(
     path: str,
     names: Sequence[str],
-    examples: Mapping[str, ExportedProgram],
+    inputs: Mapping[str, CallInputs],
     stage: Stage,
     engines: Sequence[tuple[str, str]],
 ) -> dict[str, MethodTiming]:
     """``timings`` run in a forked child; an ``EngineCrashError`` where the child dies (``engines``: each
     delegate's id and backend, in ``stage``'s order)."""
-    child = forked(timings, (path, names, examples, stage), "aotstack-timing")
+    child = forked(timings, (path, names, inputs, stage), "aotstack-timing")
     try:
         message = received(child)
     except BaseException:

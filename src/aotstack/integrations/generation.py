@@ -389,6 +389,18 @@ def export_decoder_lm(model: torch.nn.Module, max_cache_len: int) -> Program:
     return export(module, {"decode": decode_inputs}, strict=True)
 
 
+def typical_step_inputs(program: Program, max_cache_len: int) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
+    """The inputs ``lower(..., "auto")`` times ``export_decoder_lm``'s ``decode`` on: a token halfway into the cache.
+
+    ``decode`` is exported at position 0, where an attention that reads only the keys filled so
+    far reads one; a reply's tokens fall halfway into the cache on average, and there such an
+    engine reads as many keys as half the cache, against one that reads the whole cache either way.
+    """
+    if "decode" not in program.methods:
+        return {}
+    return {"decode": ((torch.zeros(1, 1, dtype=torch.long), torch.tensor([max_cache_len // 2])), {})}
+
+
 def chunks_refused(wrapper: StateCacheLM, chunk: int) -> str | None:
     """Why ``wrapper`` cannot take a prompt in chunks of ``chunk`` tokens; None where it can."""
     if chunk < 2:

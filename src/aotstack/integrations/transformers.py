@@ -21,12 +21,13 @@ component ``model``, sharing weights and a static KV cache (``aotstack.integrati
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,14 +41,16 @@ from transformers.exporters.runners.base import ModelRunner
 
 import aotstack
 
+from ..compile.auto import Auto
 from ..compile.engines import partitioners_for
 from ..compile.export import Program
 from ..compile.lower import LoweredProgram
+from ..compile.measure import CallInputs
 from ..compile.progress import Progress
 from ..compile.quantize import Quantization
 from ..errors import AotstackError, ExportError, GenerationError, UnsupportedModelError
 from .decoding import collected, generation_settings, new_token_limit, stream_decoder, stream_encoder_decoder
-from .generation import export_decoder_lm
+from .generation import export_decoder_lm, typical_step_inputs
 from .seq2seq import export_encoder_decoder_lm
 
 EXPORT_FORMAT = "aotstack"
@@ -110,8 +113,14 @@ class AotstackExporter(HfExporter):
         self.lower_seconds = 0.0
         self.export_seconds = 0.0
 
-    def lower(self, program: Program, config: AotstackConfig) -> LoweredProgram:
+    def lower(
+        self, program: Program, config: AotstackConfig, timing_inputs: Mapping[str, CallInputs] | None = None
+    ) -> LoweredProgram:
+        """``program`` lowered as ``config.engines`` says; where that is auto, each method named in
+        ``timing_inputs`` is timed on those inputs (``Auto.inputs``) rather than its example's."""
         plan = partitioners_for(config.engines, config.device, option="AotstackConfig.engines")
+        if isinstance(plan, Auto) and timing_inputs:
+            plan = dataclasses.replace(plan, inputs=timing_inputs)
         started = time.perf_counter()
         lowered = aotstack.lower(program, plan, progress=self.progress, jobs=self.jobs)
         self.lower_seconds += time.perf_counter() - started
@@ -179,7 +188,8 @@ class AotstackExporter(HfExporter):
                 f"{type(model).__name__} cannot be exported for generation with a static cache: {exc}"
             ) from exc
         self.export_seconds += time.perf_counter() - started
-        lowered = self.lower(program, config)
+        timing_inputs = {} if model.config.is_encoder_decoder else typical_step_inputs(program, max_cache_len)
+        lowered = self.lower(program, config, timing_inputs)
         first = next(iter(program.methods))
         example = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
         metadata = build_export_metadata(model, example, program.methods[first], self.required_packages)
