@@ -144,7 +144,8 @@ def test_round_trip_through_the_registered_backend_matches_eager(tmp_path):
         torch.testing.assert_close(got.pooler_output, want.pooler_output, rtol=1e-4, atol=1e-5)
 
 
-def test_auto_times_a_generation_exports_decode_halfway_into_its_cache(monkeypatch):
+@pytest.mark.parametrize("architecture", ["llama", "t5"])
+def test_auto_times_a_generation_exports_decode_halfway_into_its_cache(architecture, monkeypatch):
     """Exported at position 0, decode reads one cached key in an attention that reads only those filled so far."""
     from aotstack.compile import auto as auto_module
 
@@ -159,17 +160,21 @@ def test_auto_times_a_generation_exports_decode_halfway_into_its_cache(monkeypat
 
     monkeypatch.setattr(aotstack, "lower", lower)
     exporter = get_exporter_class("aotstack")(progress=False)
+    model = t5() if architecture == "t5" else decoder_lm(architecture)
     with pytest.raises(Handed):
-        exporter.export_for_generation(decoder_lm("llama"), {"input_ids": torch.zeros(1, 4, dtype=torch.long)},
+        exporter.export_for_generation(model, {"input_ids": torch.zeros(1, 4, dtype=torch.long)},
                                        aotstack_hf.AotstackConfig(engines="auto", max_cache_len=32))
 
     plan = handed["plan"]
     assert isinstance(plan, aotstack.Auto)
-    (token, position), keywords = plan.inputs["decode"]
-    assert token.shape == (1, 1) and position.tolist() == [16] and keywords == {}
-    # What auto will time each method on: decode on those inputs, which fit it; prefill on its example.
+    # The example's token (and an encoder-decoder's encoded source), at position 16 rather than 0.
+    (*others, position), keywords = plan.inputs["decode"]
+    (*example_others, example_position), _ = handed["program"].methods["decode"].example_inputs
+    assert position.tolist() == [16] and example_position.tolist() == [0] and keywords == {}
+    assert len(others) == len(example_others) and all(a is b for a, b in zip(others, example_others))
+    # What auto will time each method on: decode on those inputs, which fit it; the other method on its example.
     timing = auto_module.timing_inputs(handed["program"].methods, plan)
-    assert timing["decode"].given and not timing["prefill"].given
+    assert timing["decode"].given and sum(t.given for t in timing.values()) == 1
 
 
 def test_feature_extraction_folder_with_auto_engines(tmp_path, capsys):

@@ -390,15 +390,19 @@ def export_decoder_lm(model: torch.nn.Module, max_cache_len: int) -> Program:
 
 
 def typical_step_inputs(program: Program, max_cache_len: int) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
-    """The inputs ``lower(..., "auto")`` times ``export_decoder_lm``'s ``decode`` on: a token halfway into the cache.
+    """The inputs ``lower(..., "auto")`` times a generation export's ``decode`` on: its example inputs with the
+    position (its last argument, in ``export_decoder_lm``'s and ``export_encoder_decoder_lm``'s) halfway into the
+    cache.
 
     ``decode`` is exported at position 0, where an attention that reads only the keys filled so
     far reads one; a reply's tokens fall halfway into the cache on average, and there such an
     engine reads as many keys as half the cache, against one that reads the whole cache either way.
     """
-    if "decode" not in program.methods:
+    exported = program.methods.get("decode")
+    if exported is None or exported.example_inputs is None:
         return {}
-    return {"decode": ((torch.zeros(1, 1, dtype=torch.long), torch.tensor([max_cache_len // 2])), {})}
+    args, kwargs = exported.example_inputs
+    return {"decode": ((*args[:-1], torch.tensor([max_cache_len // 2])), dict(kwargs))}
 
 
 def chunks_refused(wrapper: StateCacheLM, chunk: int) -> str | None:

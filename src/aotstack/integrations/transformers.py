@@ -188,8 +188,7 @@ class AotstackExporter(HfExporter):
                 f"{type(model).__name__} cannot be exported for generation with a static cache: {exc}"
             ) from exc
         self.export_seconds += time.perf_counter() - started
-        timing_inputs = {} if model.config.is_encoder_decoder else typical_step_inputs(program, max_cache_len)
-        lowered = self.lower(program, config, timing_inputs)
+        lowered = self.lower(program, config, typical_step_inputs(program, max_cache_len))
         first = next(iter(program.methods))
         example = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
         metadata = build_export_metadata(model, example, program.methods[first], self.required_packages)
