@@ -422,6 +422,21 @@ def test_the_ort_run_side_refuses_what_its_model_was_not_exported_for(packages):
             torch.testing.assert_close(have, want)
 
 
+def test_the_session_engines_read_every_odd_view_as_the_plain_tensor_it_shows():
+    from aotstack.engine.session import plain_contiguous
+
+    x = torch.randn(4, 8)
+    # The usual case between engines costs no new tensor.
+    assert plain_contiguous(x) is x
+    odd = (torch.nn.Parameter(x.clone()), x.clone().requires_grad_(), torch._neg_view(-x), torch.randn(8, 4).t(),
+           x[:1].expand(4, 8), x[:, ::2])
+    for view in odd:
+        plain = plain_contiguous(view)
+        assert type(plain) is torch.Tensor and plain.is_contiguous() and not plain.requires_grad
+        assert not plain.is_neg() and not plain.is_conj()
+        torch.testing.assert_close(plain, view.detach().resolve_neg().clone())
+
+
 def test_onnx_runtime_refusing_an_argument_is_an_input_error(packages):
     loaded = aotstack.load(packages["stacked"])
     [handle] = delegate_handles(loaded, ort_run.OrtHandle)

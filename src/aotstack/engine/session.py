@@ -14,6 +14,8 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import torch
+
 from ..errors import CompileSpecError, PackageError
 from ..format import processed as processed_json
 from ..format.boundary import Boundary
@@ -105,6 +107,17 @@ class SessionRuntime(BackendRuntime):
         # the engine's own memory; a weight still read in place (a gather's table) is read back from
         # the file at the first call, and stays.
         return () if called else named_data
+
+
+def plain_contiguous(value: torch.Tensor) -> torch.Tensor:
+    """``value`` as an engine reads a tensor, as plain memory: a ``torch.Tensor`` (not a subclass such as a
+    ``Parameter``), detached, contiguous, its negation or conjugation applied. ``value`` itself where it is one
+    already, as a method's tensors between engines are: checking costs a third of making a new view of it.
+    """
+    if (type(value) is torch.Tensor and not value.requires_grad and value.is_contiguous() and not value.is_neg()
+            and not value.is_conj()):
+        return value
+    return value.detach().resolve_neg().resolve_conj().contiguous()
 
 
 def check_host_target(compile_specs: list[CompileSpec], engine: str) -> None:

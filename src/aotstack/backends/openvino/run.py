@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ...engine.session import DelegateFiles, SessionRuntime
+from ...engine.session import DelegateFiles, SessionRuntime, plain_contiguous
 from ...errors import DelegateInitError, PackageError, RunError
 from ...format import processed as processed_json
 from ...format.boundary import Boundary, BoundaryCheck
@@ -627,9 +627,7 @@ def run(handle: OpenVinoHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor
                     array = to_numpy(value.detach().resolve_neg().resolve_conj())
                 handle.copyto(slot.inputs[port], array)
                 continue
-            if value.requires_grad or value.is_neg() or value.is_conj():
-                value = value.detach().resolve_neg().resolve_conj()
-            value = value.contiguous()
+            value = plain_contiguous(value)
             shared.append(value)
             # The same memory and shape as last time: the request already points at it.
             key = (value.data_ptr(), value.shape)

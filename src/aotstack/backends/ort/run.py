@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ...engine.session import DelegateFiles, SessionRuntime
+from ...engine.session import DelegateFiles, SessionRuntime, plain_contiguous
 from ...errors import DelegateInitError, InputError, LoweringError, PackageError
 from ...format import processed as processed_json
 from ...format.boundary import BoundaryCheck
@@ -195,7 +195,7 @@ def run(handle: OrtHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     # numpy() refuses a tensor that asks for gradients or carries a negation or conjugation bit; a
     # view ONNX Runtime would read as laid out (strided, expanded) is copied to contiguous memory.
     feeds = {
-        name: value.detach().resolve_neg().resolve_conj().contiguous().numpy()
+        name: plain_contiguous(value).numpy()
         for name, value in zip(handle.input_names, inputs)
     }
     if handle.binding is not None:

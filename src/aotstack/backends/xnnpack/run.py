@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ...engine.session import DelegateFiles, SessionRuntime
+from ...engine.session import DelegateFiles, SessionRuntime, plain_contiguous
 from ...errors import AotstackError, DelegateInitError, PackageError, RunError
 from ...format import processed as processed_json
 from ...format.archive import page_ranges
@@ -73,15 +73,22 @@ class ThreadPool:
     started: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     # Whether a call was told the pool cannot follow torch's thread count now.
     warned: bool = False
+    # The count the pool last had when asked, or was given.
+    seen: int | None = None
 
     def follow(self, threads: int) -> None:
         """Give the pool ``threads`` threads, where no delegate started on it is alive."""
-        # Read each time: whoever else holds ExecuTorch's runtime in this process may have resized it.
-        current = runtime_module()._threadpool_get_thread_count()
+        if threads == self.seen and self.started:
+            # Nothing would change: while a delegate started on it lives, the pool keeps its count. Asking
+            # ExecuTorch costs about 2 µs, at each of a decode step's dozen XNNPACK calls.
+            return
+        # Read otherwise: whoever else holds ExecuTorch's runtime in this process may have resized it.
+        current = self.seen = runtime_module()._threadpool_get_thread_count()
         if current == threads:
             return
         if not self.started:
             runtime_module()._unsafe_reset_threadpool(threads)
+            self.seen = threads
         elif not self.warned:
             self.warned = True
             logger.warning(
@@ -253,7 +260,7 @@ def run(handle: XnnpackHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]
     if handle.check is not None:
         handle.check(inputs)
     # ExecuTorch takes exactly torch.Tensor (not a Parameter), contiguous, with no pending negation.
-    feeds = [value.detach().resolve_neg().resolve_conj().contiguous() for value in inputs]
+    feeds = [plain_contiguous(value) for value in inputs]
     with _RUNTIME_LOCK:
         # XNNPACK's pool follows torch's thread count, as every other engine here does, while no started
         # delegate holds it.
