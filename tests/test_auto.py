@@ -359,6 +359,19 @@ def test_inputs_auto_cannot_time_a_method_on_are_refused_before_anything_compile
         aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu"], inputs=inputs), progress=False)
 
 
+def test_a_method_without_example_inputs_is_timed_on_the_inputs_given_or_refused_by_name(test_engines, tmp_path):
+    model, inputs, program = mlp_program()
+    program.methods["forward"].example_inputs = None
+
+    with pytest.raises(aotstack.LoweringError, match=r"'forward' has none .* Auto\(inputs=\{'forward': \(args, kwar"):
+        aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu"]), progress=False)
+    lowered = aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu"], inputs={"forward": (inputs, {})}),
+                             progress=False)
+    assert lowered.placements["forward"].selection.candidates[0].seconds is not None
+    lowered.save(tmp_path / "given.pt2")
+    torch.testing.assert_close(aotstack.load(tmp_path / "given.pt2").forward(*inputs), model(*inputs).detach())
+
+
 @pytest.mark.parametrize(
     ("broken_engine", "error"),
     [("test_broken_relu", "this engine cannot run here"), ("test_unusable_relu", "built for another torch")],

@@ -176,6 +176,13 @@ def timing_inputs(program: Mapping[str, ExportedProgram], auto: Auto) -> dict[st
     if unknown:
         raise LoweringError(f"Auto.inputs names {', '.join(map(repr, unknown))}, which the program lacks; its "
                             f"methods: {', '.join(program)}")
+    missing = [name for name, exported in program.items() if name not in given and exported.example_inputs is None]
+    if missing:
+        raise LoweringError(
+            f"auto times each method on its example inputs, and {', '.join(map(repr, missing))} has none (its "
+            f"ExportedProgram.example_inputs is None): export it with torch.export.export or aotstack.export, or "
+            f"give auto the inputs to time it on: Auto(inputs={{{missing[0]!r}: (args, kwargs)}})"
+        )
     return {
         name: TimingInputs(checked_inputs(name, exported, given[name]), given=True) if name in given
         else TimingInputs(example_inputs(name, exported), given=False)
