@@ -502,8 +502,8 @@ def measure_added(
     saved: SavedPrograms,
 ) -> None:
     """``plan``'s measurement of ``method``'s only method ``name`` (timed on ``inputs``), from the cache or lowered
-    and timed now, put in
-    ``listed``; ``plan`` in ``added``, and its lowering, where it was lowered now, in ``lowerings``."""
+    and timed now, put in ``listed``; ``plan`` in ``added``, and its lowering, where it was lowered now, in
+    ``lowerings``."""
     added[name][plan.label] = plan
     cached = cached_measurement(plan.key, plan.label)
     if isinstance(cached, tuple):
