@@ -57,6 +57,7 @@ from ..errors import EngineCrashError, InputError, LoweringError
 from ..format.devices import parse_device_spec
 from ..format.placement import Candidate, Selection
 from ..format.specs import CompileSpec, SpecKey
+from ..format.tensor_data import tensor_buffer
 from ..report.text import megabytes
 from .cache import package_version, read_entry, write_entry
 from .check import check_call_inputs, example_inputs
@@ -209,7 +210,7 @@ class TimingInputs:
             values = hashlib.sha256()
             for leaf in leaves:
                 if isinstance(leaf, torch.Tensor):
-                    values.update(leaf.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+                    values.update(tensor_buffer(leaf))
             described.append(values.hexdigest())
         return described
 
