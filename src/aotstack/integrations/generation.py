@@ -30,6 +30,7 @@ import torch
 from torch.export import Dim
 
 from ..compile.export import Program, export
+from ..compile.measure import CallInputs
 from ..errors import ExportError
 
 logger = logging.getLogger("aotstack")
@@ -389,7 +390,7 @@ def export_decoder_lm(model: torch.nn.Module, max_cache_len: int) -> Program:
     return export(module, {"decode": decode_inputs}, strict=True)
 
 
-def typical_step_inputs(program: Program, max_cache_len: int) -> dict[str, tuple[tuple[Any, ...], dict[str, Any]]]:
+def typical_step_inputs(program: Program, max_cache_len: int) -> dict[str, CallInputs]:
     """The inputs ``lower(..., "auto")`` times a generation export's ``decode`` on: its example inputs with the
     position (its last argument, in ``export_decoder_lm``'s and ``export_encoder_decoder_lm``'s) halfway into the
     cache.

@@ -21,14 +21,13 @@ component ``model``, sharing weights and a static KV cache (``aotstack.integrati
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +119,7 @@ class AotstackExporter(HfExporter):
         ``timing_inputs`` is timed on those inputs (``Auto.inputs``) rather than its example's."""
         plan = partitioners_for(config.engines, config.device, option="AotstackConfig.engines")
         if isinstance(plan, Auto) and timing_inputs:
-            plan = dataclasses.replace(plan, inputs=timing_inputs)
+            plan = replace(plan, inputs=timing_inputs)
         started = time.perf_counter()
         lowered = aotstack.lower(program, plan, progress=self.progress, jobs=self.jobs)
         self.lower_seconds += time.perf_counter() - started
