@@ -60,7 +60,7 @@ RUNTIME_USED_BY = {"aotstack.compile.check", "aotstack.compile.measure"}
 # What a process that only loads and runs a package may import of aotstack.
 RUNTIME_MODULES = {
     "aotstack", "aotstack.errors", "aotstack.forking", "aotstack.format", "aotstack.runtime", "aotstack.backends",
-    "aotstack.engine", "aotstack.engine.interface", "aotstack.engine.registry",
+    "aotstack.engine", "aotstack.engine.interface", "aotstack.engine.registry", "aotstack.engine.pages",
     "aotstack.engine.session", "aotstack.engine.processor", *(module.rpartition(".")[0] for module in RUN_SIDE),
     *RUN_SIDE,
 }

@@ -4,5 +4,5 @@
 ``registry.py`` finds an engine's sides by id, ``session.py`` is the run side shared by the
 engines that open one session per delegate, and ``processor.py`` says which CPU compiled code
 runs on (caches key by it, libraries record what they need of it). It imports only ``format``
-and ``errors``.
+and ``errors``. ``pages.py`` puts the weights a session engine packs on huge pages.
 """

@@ -4,7 +4,8 @@ Each reads the same things before it opens its session: its processed JSON (refu
 version it reads), the boundary every call is checked against, the named data it cannot start
 without, and the buffers the delegate owns (state it updates in place, ``OwnedBuffer``). ``init``
 reads and checks them once, here, and hands them to the engine's ``open`` as one
-``DelegateFiles``; the engine only opens its session. Their compile sides share
+``DelegateFiles``; the engine only opens its session, and the weights it packs while it does go
+on huge pages (``pages.py``). Their compile sides share
 ``check_host_target``: these engines run on the CPU only.
 """
 
@@ -23,6 +24,7 @@ from ..format.processed import OwnedBuffer
 from ..format.specs import CompileSpec, SpecKey, compile_spec_value, partition_label
 from ..format.tensor_data import BytesLike
 from .interface import BackendRuntime
+from .pages import on_huge_pages
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,8 @@ class SessionRuntime(BackendRuntime):
     def init(
         self, processed_bytes: bytes, named_data: Mapping[str, BytesLike], compile_specs: list[CompileSpec]
     ) -> Any:
-        return self.open(self.delegate_files(processed_bytes, named_data, compile_specs))
+        with on_huge_pages():
+            return self.open(self.delegate_files(processed_bytes, named_data, compile_specs))
 
     def init_keeping_state(
         self,
@@ -69,7 +72,8 @@ class SessionRuntime(BackendRuntime):
         compile_specs: list[CompileSpec],
         keepable: frozenset[str],
     ) -> tuple[Any, frozenset[str]]:
-        handle = self.open(self.delegate_files(processed_bytes, named_data, compile_specs, keepable))
+        with on_huge_pages():
+            handle = self.open(self.delegate_files(processed_bytes, named_data, compile_specs, keepable))
         return handle, self.kept_state(handle)
 
     def kept_state(self, handle: Any) -> frozenset[str]:

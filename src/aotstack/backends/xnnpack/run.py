@@ -17,6 +17,7 @@ imports ExecuTorch's whole compiler (and torch's) for a warning class, about 2 s
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -31,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ...engine.pages import libc_madvise, on_huge_pages
 from ...engine.session import DelegateFiles, SessionRuntime, plain_contiguous
 from ...errors import AotstackError, DelegateInitError, PackageError, RunError
 from ...format import processed as processed_json
@@ -268,7 +270,9 @@ def run(handle: XnnpackHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]
         if not handle.started:
             _POOL.started.add(handle)
         try:
-            outputs = handle.module.run_method(METHOD, feeds, True)
+            # XNNPACK packs its weights at the first call.
+            with on_huge_pages() if not handle.started else contextlib.nullcontext():
+                outputs = handle.module.run_method(METHOD, feeds, True)
         except RuntimeError as error:
             # XNNPACK starts at the first call: a failure there is one of setting it up.
             kind = RunError if handle.started else DelegateInitError
@@ -305,11 +309,3 @@ def release_packed(handle: XnnpackHandle) -> None:
     for start, stop in page_ranges(dropped, kept, mmap.PAGESIZE, 1 << 64):
         madvise(start, stop - start, mmap.MADV_DONTNEED)
 
-
-@functools.cache
-def libc_madvise() -> Any:
-    """The C library's ``madvise(address, length, advice)``."""
-    madvise = ctypes.CDLL(None, use_errno=True).madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return madvise

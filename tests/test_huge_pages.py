@@ -1,0 +1,148 @@
+"""The weights an engine packs into its own memory go on huge pages (``engine/pages.py``), and nothing else does.
+
+Whether a stretch of memory is on huge pages is read from ``/proc/self/smaps`` (``AnonHugePages``).
+Each test first asks the kernel to collapse a stretch itself: where it cannot (another system, an
+older kernel, huge pages turned off), the tests skip, saying why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import mmap
+import sys
+
+import pytest
+import torch
+
+import aotstack
+from aotstack.backends.xnnpack.packages import executorch_problem
+from aotstack.engine import pages
+
+HUGE = pages.HUGE_PAGE
+MAP_NORESERVE = 0x4000  # Linux's; Python's mmap does not name it
+
+
+def address(region: mmap.mmap) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(region))
+
+
+def huge_bytes(start: int = 0, end: int = 1 << 64) -> int:
+    """Bytes of the mappings inside ``[start, end)`` on huge pages, from ``/proc/self/smaps``; every mapping
+    overlapping the range must lie inside it (smaps counts a whole mapping)."""
+    total, overlaps = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:
+                low, high = (int(part, 16) for part in fields[0].split("-"))
+                overlaps = low < end and high > start
+                assert not overlaps or start <= low and high <= end, "the kernel joined a test region to another"
+            elif overlaps and fields[0] == "AnonHugePages:":
+                total += int(fields[1]) * 1024
+    return total
+
+
+def resident_bytes(region: mmap.mmap) -> int:
+    residency = ctypes.create_string_buffer(len(region) // mmap.PAGESIZE)
+    assert pages.libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p])(
+        address(region), len(region), residency) == 0
+    return sum(flag & 1 for flag in residency.raw) * mmap.PAGESIZE
+
+
+def new_region(size: int, fill_every: int = 1, reserved: bool = True) -> mmap.mmap:
+    """``size`` bytes of private anonymous memory, one byte written in every ``fill_every``-th page.
+
+    The kernel maps a new region next to the last one and joins two alike into one mapping, which
+    ``/proc/self/smaps`` counts as one: neighbours in a test differ in ``reserved``.
+    """
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (0 if reserved else MAP_NORESERVE)
+    region = mmap.mmap(-1, size, flags=flags)
+    for offset in range(0, size, mmap.PAGESIZE * fill_every):
+        region[offset] = 1
+    return region
+
+
+@pytest.fixture(scope="module")
+def collapsing_kernel() -> None:
+    """Skip unless this kernel puts a filled, private 2 MiB stretch on a huge page when asked."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("huge pages are moved on Linux only")
+    probe = new_region(3 * HUGE)
+    stretch = -(-address(probe) // HUGE) * HUGE
+    if pages.libc_madvise()(stretch, HUGE, pages.MADV_COLLAPSE) != 0:
+        pytest.skip(f"this kernel does not collapse memory into huge pages (errno {ctypes.get_errno()})")
+    probe.close()
+
+
+def test_a_block_s_filled_memory_goes_on_huge_pages_and_nothing_else_does(collapsing_kernel, monkeypatch):
+    monkeypatch.delenv(pages.SWITCH, raising=False)
+    earlier = new_region(6 * HUGE)
+    with pages.on_huge_pages() as moved:
+        filled = new_region(6 * HUGE, reserved=False)
+        sparse = new_region(6 * HUGE, fill_every=2)
+    sparse_resident = resident_bytes(sparse)
+
+    # At least the four whole, aligned stretches inside six.
+    assert huge_bytes(address(filled), address(filled) + len(filled)) >= 4 * HUGE
+    assert sum(end - start for start, end in moved) >= 4 * HUGE
+    assert all(address(filled) <= start and end <= address(filled) + len(filled) for start, end in moved)
+    # Memory mapped before the block, and memory the block left half empty, stay as they were: resident memory
+    # does not grow to fill a huge page.
+    assert huge_bytes(address(earlier), address(earlier) + len(earlier)) == 0
+    assert huge_bytes(address(sparse), address(sparse) + len(sparse)) == 0
+    assert resident_bytes(sparse) == sparse_resident == 3 * HUGE
+
+
+def test_switched_off_a_block_s_memory_stays_on_small_pages(collapsing_kernel, monkeypatch):
+    monkeypatch.setenv(pages.SWITCH, "0")
+    with pages.on_huge_pages() as moved:
+        filled = new_region(6 * HUGE)
+    assert moved == [] and huge_bytes(address(filled), address(filled) + len(filled)) == 0
+
+
+class Wide(torch.nn.Module):
+    """One linear of 8 MiB of float32 weights: every engine here packs it into memory of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(1024, 2048, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x))
+
+
+ENGINES = {
+    "onnxruntime": ("onnxruntime", aotstack.OrtPartitioner),
+    "openvino": ("openvino", aotstack.OpenVinoPartitioner),
+    "xnnpack": ("executorch", aotstack.XnnpackPartitioner),
+}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_the_weights_an_engine_packs_go_on_huge_pages_by_the_first_call(collapsing_kernel, engine, tmp_path,
+                                                                        monkeypatch):
+    module, partitioner = ENGINES[engine]
+    pytest.importorskip(module)
+    if module == "executorch" and executorch_problem() is not None:
+        pytest.skip(str(executorch_problem()))
+    model, x = Wide().eval(), torch.randn(2, 1024)
+    path = tmp_path / f"{engine}.pt2"
+    aotstack.lower(aotstack.export(model, {"forward": (x,)}), [partitioner()]).save(path)
+    with torch.no_grad():
+        expected = model(x)
+
+    def huge_bytes_added_by_load_and_call(switch: str) -> int:
+        monkeypatch.setenv(pages.SWITCH, switch)
+        gc.collect()  # what earlier tests left, freed now rather than while this one counts
+        before = huge_bytes()
+        loaded = aotstack.load(path)
+        torch.testing.assert_close(loaded.forward(x), expected, atol=1e-4, rtol=1e-4)
+        added = huge_bytes() - before
+        del loaded
+        return added
+
+    # Switched off first: the engine's own allocations put nothing on huge pages, so what follows is this.
+    assert huge_bytes_added_by_load_and_call("0") <= 0
+    assert huge_bytes_added_by_load_and_call("1") >= HUGE
