@@ -53,7 +53,8 @@ Engines (columns), every one given the same thread count (``torch.set_num_thread
 - aotstack XNNPACK+AOTI: ``[XnnpackPartitioner(), AotiCpuPartitioner()]``
 - aotstack ORT+AOTI: ``[OrtPartitioner(), AotiCpuPartitioner()]``
 - aotstack OV+AOTI:  ``[OpenVinoPartitioner(), AotiCpuPartitioner()]``, where aotstack has it
-- aotstack auto:     ``lower(program, "auto")``, where aotstack takes it
+- aotstack auto:     ``lower(program, "auto")``, where aotstack takes it; the decoder's step timed halfway through
+                     the reply (``Auto(inputs=...)`` at position 40), as ``export-hf`` times one
 
 A column the environment lacks (executorch not installed, a partitioner aotstack does not have yet)
 says "unavailable" with the reason under the table. OpenVINO compiles in a child process first
@@ -621,7 +622,7 @@ def executorch_runner(case: Case, threads: int, settings: Settings) -> Runner:
     return Runner(lambda ids, pos: method[0].execute([ids, pos])[0], reset, detail, [path], ("executorch", path))
 
 
-def aotstack_partitioners(engine: str) -> list[aotstack.Partitioner] | str:
+def aotstack_partitioners(engine: str, case: Case) -> list[aotstack.Partitioner] | aotstack.Auto:
     if engine == STACK:
         return [aotstack.AotiCpuPartitioner()]
     if engine == STACK_ORT:
@@ -638,7 +639,12 @@ def aotstack_partitioners(engine: str) -> list[aotstack.Partitioner] | str:
         except (AttributeError, ImportError) as exc:
             raise Unavailable(f"aotstack has no OpenVinoPartitioner yet ({type(exc).__name__})") from exc
         return [openvino_partitioner(), aotstack.AotiCpuPartitioner()]
-    return "auto"
+    if not case.decoder:
+        return aotstack.Auto()
+    # A decoder's step timed where the benchmark's generation spends it, halfway through the reply (as export-hf
+    # times one): at position 0 an attention that reads only the keys filled so far reads one.
+    halfway = decoder_inputs(position=len(PROMPT) + TOKENS[case.size] // 2)
+    return aotstack.Auto(inputs={"forward": ((), dict(zip(("input_ids", "cache_position"), halfway)))})
 
 
 def aotstack_runner(engine: str) -> Callable[[Case, int, Settings], Runner]:
@@ -646,13 +652,13 @@ def aotstack_runner(engine: str) -> Callable[[Case, int, Settings], Runner]:
         tag = engine.removeprefix("aotstack").strip().replace("+", "-").lower() or "aoti"
         path = settings.path(f"peers-{case.name}-{threads}t-aotstack-{tag}.pt2")
         program = aotstack.Program({"forward": case.exported})
-        partitioners = aotstack_partitioners(engine)
+        partitioners = aotstack_partitioners(engine, case)
         started = time.perf_counter()
         fell_back = ""
         try:
             lowered = aotstack.lower(program, partitioners)
         except (TypeError, aotstack.LoweringError) as exc:
-            if partitioners == "auto" and (isinstance(exc, TypeError) or "Partitioner" in str(exc)):
+            if isinstance(partitioners, aotstack.Auto) and (isinstance(exc, TypeError) or "Partitioner" in str(exc)):
                 raise Unavailable(f"lower(program, 'auto') not taken yet: {exc}") from exc
             if "failed to compile" not in str(exc):
                 raise
@@ -661,7 +667,7 @@ def aotstack_runner(engine: str) -> Callable[[Case, int, Settings], Runner]:
             progress(f"{case.name}: {engine}: {short(exc, 400)}; again with on_compile_error='fallback'")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                lowered = aotstack.lower(aotstack.Program({"forward": case.exported}), aotstack_partitioners(engine),
+                lowered = aotstack.lower(aotstack.Program({"forward": case.exported}), partitioners,
                                          on_compile_error="fallback")
             failures = lowered.compile_failures.get("forward", [])
             fell_back = (f"; on_compile_error='fallback': {len(failures)} partition(s) failed to compile "

@@ -9,14 +9,15 @@ file fare better: the kernel's page cache holds large files in 2 MiB pages alrea
 
 ``on_huge_pages`` turns what a block of code mapped and filled into 2 MiB pages after it
 (``MADV_COLLAPSE``, Linux 6.1 and later): every 2 MiB stretch of newly mapped private memory whose
-pages are all resident. A stretch the engine left partly empty is left alone, so resident memory
-does not grow, and nothing is asked of memory mapped before the block. Where the kernel refuses
+pages are all resident (the memory earlier such blocks mapped counts too: one delegate's weights
+may end in a stretch the next one's fill). A stretch left partly empty is left alone, so resident
+memory does not grow, and nothing is asked of memory mapped outside such blocks. Where the kernel refuses
 (an older kernel, huge pages turned off), the memory stays as it was. ``AOTSTACK_HUGE_PAGES=0``
 turns it off.
 
-The 99.5 M Llama's ``8da4w`` decode (1 thread, cache 256, this 2-core VM): XNNPACK+AOTInductor
-188 and 180 tokens/s before, 215 and 214 after; ONNX Runtime+AOTInductor 101 and 127 before,
-114 and 147 after (``bench/decode.py``-style loops, alternating processes).
+The 99.5 M Llama's ``8da4w`` decode (1 thread, cache 256, a 2-core VM; processes alternating):
+XNNPACK+AOTInductor 174 and 208 tokens/s switched off, 209 and 283 on; ONNX Runtime+AOTInductor 113
+and 105 off, 153 and 126 on.
 """
 
 from __future__ import annotations
