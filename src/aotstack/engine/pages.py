@@ -33,6 +33,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from ..format.archive import merged
+
 HUGE_PAGE = 2 << 20
 # Linux's advice numbers (``<asm-generic/mman-common.h>``); Python's ``mmap`` names MADV_COLLAPSE
 # only from 3.13 on.
@@ -122,17 +124,6 @@ def added_spans(before: Sequence[Span], after: Sequence[Span]) -> list[Span]:
         if start < end:
             added.append((start, end))
     return added
-
-
-def merged(spans: Sequence[Span]) -> list[Span]:
-    """``spans`` sorted, those that overlap or touch joined into one."""
-    joined: list[Span] = []
-    for start, end in sorted(spans):
-        if joined and start <= joined[-1][1]:
-            joined[-1] = (joined[-1][0], max(end, joined[-1][1]))
-        else:
-            joined.append((start, end))
-    return joined
 
 
 def filled_stretches(spans: Sequence[Span]) -> list[int]:
