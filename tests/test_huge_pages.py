@@ -2,11 +2,13 @@
 
 Whether a stretch of memory is on huge pages is read from ``/proc/self/smaps`` (``AnonHugePages``).
 Each test first asks the kernel to collapse a stretch itself: where it cannot (another system, an
-older kernel, huge pages turned off), the tests skip, saying why.
+older kernel, huge pages turned off), or where it gives every process huge pages unasked (THP
+``always``), the tests skip, saying why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import mmap
@@ -68,6 +70,9 @@ def collapsing_kernel() -> None:
     """Skip unless this kernel puts a filled, private 2 MiB stretch on a huge page when asked."""
     if not sys.platform.startswith("linux"):
         pytest.skip("huge pages are moved on Linux only")
+    with contextlib.suppress(OSError), open("/sys/kernel/mm/transparent_hugepage/enabled") as mode:
+        if "[always]" in mode.read():
+            pytest.skip("this kernel gives all memory huge pages as it is touched (THP 'always'): nothing to compare")
     probe = new_region(3 * HUGE)
     stretch = -(-address(probe) // HUGE) * HUGE
     if pages.libc_madvise()(stretch, HUGE, pages.MADV_COLLAPSE) != 0:
