@@ -8,10 +8,13 @@ address cache, and inside a virtual machine each miss walks two page tables. Wei
 file fare better: the kernel's page cache holds large files in 2 MiB pages already.
 
 ``on_huge_pages`` turns what a block of code mapped and filled into 2 MiB pages after it
-(``MADV_COLLAPSE``, Linux 6.1 and later): every 2 MiB stretch of newly mapped private memory whose
-pages are all resident (the memory earlier such blocks mapped counts too: one delegate's weights
-may end in a stretch the next one's fill). A stretch left partly empty is left alone, so resident
-memory does not grow, and nothing is asked of memory mapped outside such blocks. Where the kernel refuses
+(``MADV_COLLAPSE``, Linux 6.1 and later): every 2 MiB stretch of newly mapped private memory, and of
+malloc's heap, whose pages are all resident. The memory earlier such blocks mapped counts too: one
+delegate's weights may end in a stretch the next one's fill. The heap, because a process that has
+run a while (a server that loaded a model before, a test suite) has freed heap memory, which
+malloc hands the engine's packing again rather than mapping more. A stretch left partly empty is
+left alone, so resident memory does not grow, and nothing is asked of other memory mapped outside
+such blocks. Where the kernel refuses
 (an older kernel, huge pages turned off), the memory stays as it was. ``AOTSTACK_HUGE_PAGES=0``
 turns it off.
 
@@ -52,7 +55,7 @@ def enabled() -> bool:
 
 @contextlib.contextmanager
 def on_huge_pages() -> Iterator[list[Span]]:
-    """Run the block, then put what it mapped and filled on huge pages; the list it yields gets the stretches moved.
+    """Run the block, then put what it mapped and filled on huge pages; the list it yields gets the stretches there.
 
     >>> with on_huge_pages() as moved:
     ...     session = open_session(...)   # packs its weights into memory of its own
@@ -63,11 +66,13 @@ def on_huge_pages() -> Iterator[list[Span]]:
         return
     before = private_memory()
     yield moved
-    moved.extend(PACKED.collapse_after(added_spans(before, private_memory())))
+    after = private_memory()
+    # malloc's heap too: in a process that has run a while, an engine packs into heap memory freed before.
+    moved.extend(PACKED.collapse_after([*added_spans(before, after), *private_memory(heap_only=True)]))
 
 
 class PackedMemory:
-    """The memory engines mapped while packing, in this process, and the stretches of it already on huge pages.
+    """The memory engines mapped while packing, in this process.
 
     Kept across blocks: one delegate's packed weights may end in a 2 MiB stretch that the next
     delegate's fill, and neither block alone maps the whole of it.
@@ -75,23 +80,22 @@ class PackedMemory:
 
     def __init__(self) -> None:
         self.spans: list[Span] = []
-        self.done: set[int] = set()
         self.lock = threading.Lock()
 
     def collapse_after(self, added: Sequence[Span]) -> list[Span]:
-        """Add ``added``; the stretches of all the spans, filled now and not moved before, moved onto huge pages."""
+        """Add ``added``; every stretch of all the spans that is filled now, put on a huge page (a no-op for one
+        that is already); the stretches the kernel put there."""
         with self.lock:
             self.spans = merged([*self.spans, *added])
-            moved = collapsed([start for start in filled_stretches(self.spans) if start not in self.done])
-            self.done.update(start for start, _ in moved)
-        return moved
+            return collapsed(filled_stretches(self.spans))
 
 
 PACKED = PackedMemory()
 
 
-def private_memory() -> list[Span]:
-    """The process's private, writable, anonymous mappings (malloc's heap among them), from ``/proc/self/maps``."""
+def private_memory(heap_only: bool = False) -> list[Span]:
+    """The process's private, writable, anonymous mappings (malloc's heap among them; with ``heap_only``, it alone),
+    from ``/proc/self/maps``."""
     spans = []
     try:
         with open("/proc/self/maps") as maps:
@@ -100,7 +104,8 @@ def private_memory() -> list[Span]:
         return []
     for line in lines:
         fields = line.split()
-        anonymous = len(fields) == 5 or (len(fields) == 6 and fields[5] == "[heap]")
+        heap = len(fields) == 6 and fields[5] == "[heap]"
+        anonymous = heap or (len(fields) == 5 and not heap_only)
         if anonymous and fields[1].startswith("rw") and fields[1][3] == "p":
             start, end = fields[0].split("-")
             spans.append((int(start, 16), int(end, 16)))
