@@ -44,6 +44,9 @@ HUGE_PAGE = 2 << 20
 MADV_COLLAPSE = 25
 SWITCH = "AOTSTACK_HUGE_PAGES"
 
+# Each byte of mincore's answer to 1 where its page is resident, to 0 where not (its other bits are reserved).
+RESIDENT_BIT = bytes(value & 1 for value in range(256))
+
 # [start, end) in the process's address space.
 Span = tuple[int, int]
 
@@ -64,11 +67,11 @@ def on_huge_pages() -> Iterator[list[Span]]:
     if not enabled():
         yield moved
         return
-    before = private_memory()
+    before, _ = private_memory()
     yield moved
-    after = private_memory()
+    after, heap = private_memory()
     # malloc's heap too: in a process that has run a while, an engine packs into heap memory freed before.
-    moved.extend(PACKED.collapse_after([*added_spans(before, after), *private_memory(heap_only=True)]))
+    moved.extend(PACKED.collapse_after([*added_spans(before, after), *heap]))
 
 
 class PackedMemory:
@@ -93,23 +96,24 @@ class PackedMemory:
 PACKED = PackedMemory()
 
 
-def private_memory(heap_only: bool = False) -> list[Span]:
-    """The process's private, writable, anonymous mappings (malloc's heap among them; with ``heap_only``, it alone),
-    from ``/proc/self/maps``."""
-    spans = []
+def private_memory() -> tuple[list[Span], list[Span]]:
+    """The process's private, writable, anonymous mappings (malloc's heap among them), and the heap's alone, from
+    ``/proc/self/maps``."""
+    spans, heap = [], []
     try:
         with open("/proc/self/maps") as maps:
             lines = maps.readlines()
     except OSError:
-        return []
+        return [], []
     for line in lines:
         fields = line.split()
-        heap = len(fields) == 6 and fields[5] == "[heap]"
-        anonymous = heap or (len(fields) == 5 and not heap_only)
-        if anonymous and fields[1].startswith("rw") and fields[1][3] == "p":
+        named_heap = len(fields) == 6 and fields[5] == "[heap]"
+        if (len(fields) == 5 or named_heap) and fields[1].startswith("rw") and fields[1][3] == "p":
             start, end = fields[0].split("-")
             spans.append((int(start, 16), int(end, 16)))
-    return spans
+            if named_heap:
+                heap.append(spans[-1])
+    return spans, heap
 
 
 def added_spans(before: Sequence[Span], after: Sequence[Span]) -> list[Span]:
@@ -140,7 +144,7 @@ def filled_stretches(spans: Sequence[Span]) -> list[int]:
     for start, end in spans:
         first = -(-start // HUGE_PAGE) * HUGE_PAGE
         for stretch in range(first, end - HUGE_PAGE + 1, HUGE_PAGE):
-            if mincore(stretch, HUGE_PAGE, residency) == 0 and all(flag & 1 for flag in residency.raw):
+            if mincore(stretch, HUGE_PAGE, residency) == 0 and 0 not in residency.raw.translate(RESIDENT_BIT):
                 starts.append(stretch)
     return starts
 
