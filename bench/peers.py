@@ -36,7 +36,8 @@ program's tensors (torchao holds an int4 value in an int8); and the resident mem
 adds by load + one call (``bench/child.py load``, over its RSS after ``import torch, aotstack``; what
 the load imports counts) for plain AOTI, ExecuTorch and each aotstack file, against the weights. Then
 the quantization issue's targets, met or not: 8da4w aotstack (its fastest order, and auto) >= 3x the
-tokens/s of fp32 aotstack (AOTI alone) and >= 1.0x ExecuTorch XNNPACK alone; each aotstack order's
+tokens/s of fp32 aotstack (AOTI alone; its file, saved by the fp32 case, timed again in the scheme's own
+rounds, since the machine's speed drifts between cases) and >= 1.2x ExecuTorch XNNPACK alone; each aotstack order's
 8da4w file <= 0.3x the fp32 aotstack file; its RSS after load <= 1.15x the quantized weights.
 ``bench/run.py --only quantized`` runs llama at fp32 and the four schemes at ``--threads``.
 
@@ -161,6 +162,9 @@ STACKING_TARGET = 1.1  # ORT+AOTI at 2 threads / the slower of ORT alone and AOT
 EAGER, AOTI, ORT, OV, ET = "eager", "plain AOTI", "ONNX Runtime", "OpenVINO", "ExecuTorch"
 STACK, STACK_ORT, STACK_OV, STACK_AUTO = "aotstack", "aotstack ORT+AOTI", "aotstack OV+AOTI", "aotstack auto"
 STACK_XNN = "aotstack XNNPACK+AOTI"
+# The fp32 aotstack (AOTI) file again, timed in a quantized decode's rounds: the speed-up target is a ratio, and the
+# fp32 case's own rounds ran minutes earlier on a machine whose memory bandwidth drifts between them.
+FP32_BESIDE = "aotstack fp32, same rounds"
 ENGINES = (EAGER, AOTI, ORT, OV, ET, STACK, STACK_XNN, STACK_ORT, STACK_OV, STACK_AUTO)
 SINGLE = (AOTI, ORT, OV, ET)  # one engine on the whole model: what an aotstack file is compared with
 AOTSTACK_ENGINES = (STACK, STACK_XNN, STACK_ORT, STACK_OV, STACK_AUTO)
@@ -647,10 +651,20 @@ def aotstack_partitioners(engine: str, case: Case) -> list[aotstack.Partitioner]
     return aotstack.Auto(inputs={"forward": ((), dict(zip(("input_ids", "cache_position"), halfway)))})
 
 
+def aotstack_path(settings: Settings, case_name: str, threads: int, engine: str) -> str:
+    tag = engine.removeprefix("aotstack").strip().replace("+", "-").lower() or "aoti"
+    return settings.path(f"peers-{case_name}-{threads}t-aotstack-{tag}.pt2")
+
+
+def decoder_runner(path: str, detail: str) -> Runner:
+    loaded = aotstack.load(path)  # after torch.set_num_threads: its ONNX Runtime sessions read it here
+    return Runner(lambda ids, pos: loaded.forward(input_ids=ids, cache_position=pos), loaded.reset, detail,
+                  [path], ("aotstack", path))
+
+
 def aotstack_runner(engine: str) -> Callable[[Case, int, Settings], Runner]:
     def build(case: Case, threads: int, settings: Settings) -> Runner:
-        tag = engine.removeprefix("aotstack").strip().replace("+", "-").lower() or "aoti"
-        path = settings.path(f"peers-{case.name}-{threads}t-aotstack-{tag}.pt2")
+        path = aotstack_path(settings, case.name, threads, engine)
         program = aotstack.Program({"forward": case.exported})
         partitioners = aotstack_partitioners(engine, case)
         started = time.perf_counter()
@@ -685,10 +699,9 @@ def aotstack_runner(engine: str) -> Callable[[Case, int, Settings], Runner]:
             progress(f"{case.name}: {engine} measured {measured}; kept: {selection.reason}")
         if any(d.backend_id == "openvino" for d in lowered.delegates("forward")):
             probe_aotstack(case, path, threads, settings)  # OpenVINO's compile can kill the process
-        loaded = aotstack.load(path)  # after torch.set_num_threads: its ONNX Runtime sessions read it here
         if case.decoder:
-            return Runner(lambda ids, pos: loaded.forward(input_ids=ids, cache_position=pos), loaded.reset, detail,
-                          [path], ("aotstack", path))
+            return decoder_runner(path, detail)
+        loaded = aotstack.load(path)
         args = case.args
         return Runner(lambda: loaded.forward(*args), detail=detail, files=[path])
 
@@ -860,8 +873,24 @@ def measure_rounds(case: Case, runners: dict[str, Runner], cells: dict[str, Cell
     progress(f"{case.name}: range over the rounds: {spread}")
 
 
-def run_threads(case: Case, threads: int, settings: Settings, rounds: int) -> dict[str, Cell]:
-    """Every engine on ``case`` at ``threads``: built, checked against eager, timed."""
+def fp32_beside(results: Results, settings: Settings, case: Case, threads: int) -> dict[str, tuple[str, Cell]]:
+    """For a quantized decode, the fp32 aotstack file its fp32 case saved and timed here: to time in the same rounds."""
+    if not case.decoder or case.dtype not in QUANTIZED:
+        return {}
+    fp32 = results.get((case.workload, "fp32", threads), {}).get(STACK)
+    path = aotstack_path(settings, f"{case.workload}-fp32", threads, STACK)
+    if fp32 is None or fp32.value is None or not os.path.exists(path):
+        return {}
+    return {FP32_BESIDE: (path, fp32)}
+
+
+def run_threads(case: Case, threads: int, settings: Settings, rounds: int,
+                beside: dict[str, tuple[str, Cell]] | None = None) -> dict[str, Cell]:
+    """Every engine on ``case`` at ``threads``: built, checked against eager, timed.
+
+    ``beside``: more aotstack decoder files, by name, timed in the same rounds; each repeats the tokens of the cell
+    given with it, and its cell holds the figure (no column shows it).
+    """
     torch.set_num_threads(threads)
     eager = eager_runner(case, threads, settings)
     with torch.no_grad():  # the reference, at this thread count: summing in another order may change a token
@@ -900,6 +929,9 @@ def run_threads(case: Case, threads: int, settings: Settings, rounds: int) -> di
     if not case.decoder:
         differences = ", ".join(f"{n} {c.difference:.1e}" for n, c in cells.items() if c.difference is not None)
         progress(f"{case.name} {threads}t: max |engine - eager|: {differences}")
+    for name, (path, source) in (beside or {}).items():
+        runners[name] = decoder_runner(path, source.detail)
+        cells[name] = Cell(detail=source.detail, tokens=source.tokens)
     progress(f"{case.name} {threads}t: timing {len(runners)} engines, {rounds} rounds ...")
     measure_rounds(case, runners, cells, rounds)
     return cells
@@ -989,6 +1021,10 @@ def quantized_report(results: Results, weights: dict[tuple[str, str], tuple[int,
         print_table(["dtype", *ENGINES, "fastest single"], rows)
         for text, number in notes.items():
             print(f"  [{number}] {text}")
+        again = [f"{d} {results[('llama', d, threads)][FP32_BESIDE].text()}" for d in dtypes
+                 if FP32_BESIDE in results[("llama", d, threads)]]
+        if again:
+            print(f"  fp32 {STACK} (AOTI) timed again in each scheme's rounds, tokens/s: {', '.join(again)}")
         figures.update(quantized_targets(results, threads))
     # Files and memory: the same at every thread count; the first one's.
     threads = threads_run[0]
@@ -1020,6 +1056,18 @@ def best_aotstack(cells: dict[str, Cell], engines: Sequence[str] = AOTSTACK_ENGI
     return max(measured, key=lambda item: item[1]) if measured else None
 
 
+def fp32_baseline(scheme: dict[str, Cell], fp32: dict[str, Cell] | None) -> tuple[float | None, str]:
+    """The fp32 aotstack figure a scheme is compared with, and where it was timed: in the scheme's own rounds where
+    it could be, else in the fp32 case's."""
+    own = None if fp32 is None else fp32[STACK].value
+    in_fp32_case = "fp32 not run" if own is None else f"its own case's rounds {quantity(own, 'tokens/s')}"
+    beside = scheme.get(FP32_BESIDE)
+    if beside is not None and beside.value is not None:
+        return beside.value, f"timed in the same rounds ({in_fp32_case})"
+    reason = f": {beside.reason}" if beside is not None and beside.kind else ""
+    return own, f"timed in the fp32 case's rounds, not in these{reason}" if own is not None else in_fp32_case
+
+
 def quantized_targets(results: Results, threads: int) -> Figures:
     """8da4w aotstack (its fastest order, and auto) >= 3x fp32 aotstack, and >= ExecuTorch XNNPACK alone."""
     figures: Figures = {}
@@ -1027,15 +1075,15 @@ def quantized_targets(results: Results, threads: int) -> Figures:
     if scheme is None:
         return figures
     fp32 = results.get(("llama", "fp32", threads))
+    baseline, source = fp32_baseline(scheme, fp32)
     best = best_aotstack(scheme)
     picks = {"fastest order": best, "auto": (STACK_AUTO, scheme[STACK_AUTO].value)}
     for label, pick in picks.items():
         name, value = pick if pick is not None else ("-", None)
         what = f"{name}" if label == "auto" else f"{label}: {name}"
-        baseline = None if fp32 is None else fp32[STACK].value
         figures[f"llama 8da4w {threads}t: aotstack {label} / fp32 aotstack, tokens/s"] = Figure(
             value, "tokens/s", baseline, None if baseline is None else SPEEDUP_TARGET, higher_is_better=True,
-            note=f"{what}; baseline fp32 {STACK} (AOTI)" + ("" if fp32 else ": fp32 not run"))
+            note=f"{what}; baseline fp32 {STACK} (AOTI), {source}")
         executorch = scheme[ET].value
         figures[f"llama 8da4w {threads}t: aotstack {label} / {ET} XNNPACK alone, tokens/s"] = Figure(
             value, "tokens/s", executorch, None if executorch is None else VS_EXECUTORCH_TARGET, higher_is_better=True,
@@ -1160,7 +1208,8 @@ def peers(
                 case = build_case(workload, dtype, size)
                 weights[(workload, dtype)] = (case.weights, case.program_weights)
                 for count in threads:
-                    results[(workload, dtype, count)] = run_threads(case, count, settings, rounds)
+                    beside = fp32_beside(results, settings, case, count)
+                    results[(workload, dtype, count)] = run_threads(case, count, settings, rounds, beside)
                 del case
                 gc.collect()
     finally:
