@@ -185,7 +185,7 @@ def test_float32_stays_float32_where_openvino_would_pick_bfloat16(tmp_path):
     files = ov_run.OpenVinoRuntime().delegate_files(delegate.processed_bytes, delegate.named_data,
                                                     delegate.compile_specs)
     part = ov_run.read_part(files)
-    in_bf16 = ov_run.compiled_model(ov_run.read_model(part, files.label), "bf16", files.label)
+    in_bf16 = ov_run.compiled_model(ov_run.read_model(part, files.label), "bf16", 1, files.label)
     request = in_bf16.create_infer_request()
     request.infer({0: x.numpy()})
     with pytest.raises(AssertionError):

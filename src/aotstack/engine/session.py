@@ -6,7 +6,7 @@ without, and the buffers the delegate owns (state it updates in place, ``OwnedBu
 reads and checks them once, here, and hands them to the engine's ``open`` as one
 ``DelegateFiles``; the engine only opens its session, and the weights it packs while it does go
 on huge pages (``pages.py``). Their compile sides share
-``check_host_target``: these engines run on the CPU only.
+``check_host_target``: these engines run on the CPU only. ``session_threads``: the threads a session runs on.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ..errors import CompileSpecError, PackageError
 from ..format import processed as processed_json
 from ..format.boundary import Boundary
 from ..format.processed import OwnedBuffer
-from ..format.specs import CompileSpec, SpecKey, compile_spec_value, partition_label
+from ..format.specs import CompileSpec, SpecKey, compile_spec_value, count_spec, partition_label
 from ..format.tensor_data import BytesLike
 from .interface import BackendRuntime
 from .pages import on_huge_pages
@@ -125,7 +125,18 @@ def plain_contiguous(value: torch.Tensor) -> torch.Tensor:
 
 
 def check_host_target(compile_specs: list[CompileSpec], engine: str) -> None:
-    """A host session engine runs on the CPU only: another ``target_device`` is a bad spec."""
+    """A host session engine runs on the CPU only: another ``target_device`` is a bad spec; so is a ``threads`` spec
+    that is not a positive integer."""
+    session_threads(compile_specs)
     device = compile_spec_value(compile_specs, SpecKey.TARGET_DEVICE)
     if device is not None and device.decode().split(":")[0] != "cpu":
         raise CompileSpecError(f"compile spec 'target_device': {engine} runs on the CPU, got {device!r}")
+
+
+def session_threads(compile_specs: list[CompileSpec]) -> int:
+    """The threads a delegate's session runs on: its ``threads`` compile spec, else torch's thread count now.
+
+    A spec that is not a positive integer raises ``CompileSpecError``, at compile (each session engine's
+    ``preprocess`` asks) as well as at load.
+    """
+    return count_spec(compile_specs, SpecKey.THREADS) or torch.get_num_threads()

@@ -28,6 +28,9 @@ class SpecKey:
     PROVIDERS = "providers"
     # AOTInductor on the CPU: the threads its generated loops run on, a positive integer (default: torch's thread
     # count when compiling, which the code bakes in). ATen calls inside the library follow torch's count at run.
+    # ONNX Runtime, OpenVINO and XNNPACK: the threads their session runs on (default: torch's count at load; for
+    # XNNPACK, at the first call). On a small decode step XNNPACK's pool gains nothing from a second thread and
+    # loses to waking it at every op (measured: 1 thread inside a 2-thread process, 1.2x the tokens/s).
     THREADS = "threads"
 
 

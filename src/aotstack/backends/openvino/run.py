@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ...engine.session import DelegateFiles, SessionRuntime, plain_contiguous
+from ...engine.session import DelegateFiles, SessionRuntime, plain_contiguous, session_threads
 from ...errors import DelegateInitError, PackageError, RunError
 from ...format import processed as processed_json
 from ...format.boundary import Boundary, BoundaryCheck
@@ -92,7 +92,7 @@ class OpenVinoRuntime(SessionRuntime):
         import numpy
 
         part = read_part(delegate)
-        compiled, kept = compiled_keeping(part, delegate.keepable, label)
+        compiled, kept = compiled_keeping(part, delegate.keepable, session_threads(delegate.compile_specs), label)
         kept_results = {result for result, _ in kept}
         returned = part.outputs[len(part.state):]
         handle = OpenVinoHandle(
@@ -227,7 +227,9 @@ def read_model(part: Part, label: str) -> Any:
     return model
 
 
-def compiled_keeping(part: Part, keepable: Collection[str], label: str) -> tuple[Any, list[tuple[int, OwnedBuffer]]]:
+def compiled_keeping(
+    part: Part, keepable: Collection[str], threads: int, label: str
+) -> tuple[Any, list[tuple[int, OwnedBuffer]]]:
     """The part compiled with the buffers of ``keepable`` it can keep as state variables, and those buffers.
 
     Where OpenVINO cannot make or compile the stateful model, the part is compiled as stored,
@@ -236,13 +238,13 @@ def compiled_keeping(part: Part, keepable: Collection[str], label: str) -> tuple
     model = read_model(part, label)
     kept = kept_buffers(model, part, keepable)
     if not kept:
-        return compiled_model(model, part.precision, label), []
+        return compiled_model(model, part.precision, threads, label), []
     try:
         made_stateful(model, kept, label)
-        return compiled_model(model, part.precision, label), kept
+        return compiled_model(model, part.precision, threads, label), kept
     except DelegateInitError as error:
         logger.warning("%s: its buffers stay bound in place, not kept in OpenVINO: %s", label, error)
-        return compiled_model(read_model(part, label), part.precision, label), []
+        return compiled_model(read_model(part, label), part.precision, threads, label), []
 
 
 def kept_buffers(model: Any, part: Part, keepable: Collection[str]) -> list[tuple[int, OwnedBuffer]]:
@@ -293,12 +295,12 @@ def variable_id(buffer: OwnedBuffer, result: int) -> str:
     return f"{buffer.input}{OUTPUT_ROLE}{result}"
 
 
-def compiled_model(model: Any, precision: str, label: str) -> Any:
-    """``model`` compiled for the CPU plugin, in ``precision``."""
+def compiled_model(model: Any, precision: str, threads: int, label: str) -> Any:
+    """``model`` compiled for the CPU plugin, in ``precision``, to run on ``threads`` threads."""
     try:
         return core().compile_model(model, "CPU", {
             "INFERENCE_PRECISION_HINT": precision,
-            "INFERENCE_NUM_THREADS": torch.get_num_threads(),
+            "INFERENCE_NUM_THREADS": threads,
             "PERFORMANCE_HINT": "LATENCY",
             "ENABLE_CPU_PINNING": False,
             # Left on, OpenVINO quantizes the activations of a compressed-weight matmul by itself,

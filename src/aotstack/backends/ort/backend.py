@@ -10,6 +10,7 @@ from torch.export import ExportedProgram
 
 from ...compile.program_parts import partition_boundary, program_weights, state_as_arguments
 from ...engine.interface import Backend
+from ...engine.session import session_threads
 from ...errors import CompileSpecError, LoweringError
 from ...format.processed import state_record
 from ...format.specs import CompileSpec, PreprocessResult, compile_spec_value, partition_label
@@ -41,7 +42,9 @@ class OrtBackend(Backend):
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
     ) -> PreprocessResult:
         label = partition_label(self.backend_id, compile_specs)
-        providers(compile_specs)  # a bad spec fails here, not in the process that loads the package
+        # A bad spec fails here, not in the process that loads the package.
+        providers(compile_specs)
+        session_threads(compile_specs)
         check_boundary_dtypes(exported_program, label)
         # A buffer the partition owns is the model's trailing input and leading output.
         program, state = state_as_arguments(exported_program)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ...engine.session import DelegateFiles, SessionRuntime, plain_contiguous
+from ...engine.session import DelegateFiles, SessionRuntime, plain_contiguous, session_threads
 from ...errors import DelegateInitError, InputError, LoweringError, PackageError
 from ...format import processed as processed_json
 from ...format.boundary import BoundaryCheck
@@ -54,7 +54,7 @@ class OrtRuntime(SessionRuntime):
         weights = processed_json.weights(processed, delegate.named_data, label)
         return open_session(
             bytes(delegate.blob(MODEL_NAME)), weights, providers(delegate.compile_specs), input_names, output_names,
-            label, check=boundary.checker(label), state=delegate.state,
+            label, check=boundary.checker(label), state=delegate.state, threads=session_threads(delegate.compile_specs),
         )
 
     def execute(self, handle: OrtHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -104,6 +104,7 @@ def open_session(
     label: str,
     check: BoundaryCheck | None = None,
     state: list[OwnedBuffer] | None = None,
+    threads: int | None = None,
 ) -> OrtHandle:
     """An ``InferenceSession`` for ``model``, its external initializers taken from ``weights``.
 
@@ -133,7 +134,7 @@ def open_session(
     options = onnxruntime.SessionOptions()
     # Warnings about graph optimisations it skips are not the user's to act on; errors still show.
     options.log_severity_level = 3
-    options.intra_op_num_threads = torch.get_num_threads()
+    options.intra_op_num_threads = threads or torch.get_num_threads()
     options.inter_op_num_threads = 1
     # Its threads spin between the ops of one run, which is fast, but also for a while after the
     # run, on the cores the next engine (OpenMP's pool, another session) then needs: on 2 cores a

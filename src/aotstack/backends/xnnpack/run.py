@@ -38,6 +38,7 @@ from ...errors import AotstackError, DelegateInitError, PackageError, RunError
 from ...format import processed as processed_json
 from ...format.archive import page_ranges
 from ...format.boundary import BoundaryCheck
+from ...format.specs import SpecKey, count_spec
 from ...format.tensor_data import BytesLike
 from .packages import require_executorch
 
@@ -138,7 +139,8 @@ class XnnpackRuntime(SessionRuntime):
         base = memoryview(frame).nbytes
         packed = packed_spans(processed, segments, base, label)
         return XnnpackHandle(module, [program, data_map], outputs, label, delegate.boundary.checker(label),
-                             packed=packed, read=read_spans(segments, base, packed))
+                             packed=packed, read=read_spans(segments, base, packed),
+                             threads=count_spec(delegate.compile_specs, SpecKey.THREADS))
 
     def execute(self, handle: XnnpackHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         return run(handle, inputs)
@@ -255,6 +257,8 @@ class XnnpackHandle:
     # and of what it reads at every call.
     packed: list[Span] = field(default_factory=list)
     read: list[Span] = field(default_factory=list)
+    # Its ``threads`` spec: the pool's size at its first call; None follows torch's thread count.
+    threads: int | None = None
 
 
 def run(handle: XnnpackHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -264,9 +268,9 @@ def run(handle: XnnpackHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]
     # ExecuTorch takes exactly torch.Tensor (not a Parameter), contiguous, with no pending negation.
     feeds = [plain_contiguous(value) for value in inputs]
     with _RUNTIME_LOCK:
-        # XNNPACK's pool follows torch's thread count, as every other engine here does, while no started
-        # delegate holds it.
-        _POOL.follow(torch.get_num_threads())
+        # XNNPACK's pool follows the delegate's threads spec, else torch's thread count as every other engine here
+        # does, while no started delegate holds it.
+        _POOL.follow(handle.threads or torch.get_num_threads())
         if not handle.started:
             _POOL.started.add(handle)
         try:
