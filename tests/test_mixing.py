@@ -192,7 +192,8 @@ def test_auto_times_a_plan_again_with_aotis_parts_on_one_thread_and_keeps_it_fro
 
     chosen = lowered.placements["forward"].selection
     labels = [candidate.engines for candidate in chosen.candidates]
-    assert labels == [["aoti_cpu"], ["xnnpack", "aoti_cpu"], ["xnnpack", "aoti_cpu (1 thread)"]]
+    assert labels == [["aoti_cpu"], ["xnnpack", "aoti_cpu"], ["xnnpack", "aoti_cpu (1 thread)"],
+                      ["xnnpack (1 thread)", "aoti_cpu"]]
     assert chosen.candidates[-1].seconds is not None
     assert set(chosen.candidates[-1].engine_seconds) == {"xnnpack", "aoti_cpu"}
     assert "xnnpack > aoti_cpu (1 thread) is xnnpack > aoti_cpu with aoti_cpu's parts compiled for one" in chosen.reason
@@ -211,3 +212,30 @@ def test_auto_times_a_plan_again_with_aotis_parts_on_one_thread_and_keeps_it_fro
     again = aotstack.lower(program, auto, progress=False)
     assert [c.engines for c in again.placements["forward"].selection.candidates] == labels
     assert aoti_threads(again) == [b"1"]
+
+    # The plan with XNNPACK's session on one thread instead, kept: its XNNPACK part says so, AOTInductor's does not.
+    def opening_kept(method, candidates, threads):
+        [index] = [i for i, c in enumerate(candidates) if c.engines[0] == "xnnpack (1 thread)"]
+        return dataclasses.replace(choose(method, candidates, threads), chosen=index)
+
+    monkeypatch.setattr(lower_module, "selection", opening_kept)
+    opening = aotstack.lower(program, auto, progress=False)
+    xnnpack_threads = [compile_spec_value(d.compile_specs, "threads") for d in opening.delegates("forward")
+                       if d.backend_id == "xnnpack"]
+    assert xnnpack_threads and set(xnnpack_threads) == {b"1"}
+    assert aoti_threads(opening) == [None]
+    opening.save(tmp_path / "opening.pt2")
+    for got, expected in zip(aotstack.load(tmp_path / "opening.pt2").forward(*inputs), model(*inputs), strict=True):
+        torch.testing.assert_close(got, expected.detach())
+
+
+def test_a_spec_only_a_run_side_reads_leaves_the_compile_caches_key_as_it_was():
+    """A session engine's thread count is read when its session opens: the plan on one thread compiles nothing."""
+    from aotstack.backends.ort.backend import OrtBackend
+    from aotstack.compile.cache import backend_key
+    from aotstack.format.specs import CompileSpec, SpecKey
+
+    one_thread = [CompileSpec(SpecKey.THREADS, b"1")]
+    assert backend_key(OrtBackend(), one_thread, "program") == backend_key(OrtBackend(), [], "program")
+    providers = [CompileSpec(SpecKey.PROVIDERS, b"CPUExecutionProvider")]
+    assert backend_key(OrtBackend(), providers, "program") != backend_key(OrtBackend(), [], "program")

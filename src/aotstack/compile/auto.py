@@ -21,7 +21,9 @@ The algorithm, kept small so a report can explain it:
    another engine's (where it is within ``CONTENDING`` of the fastest) is lowered once more with
    those parts compiled for one thread (``SpecKey.THREADS``), and timed like the others: there
    AOTInductor's OpenMP threads, waiting for the next loop, spin on the cores the other engine's
-   own pool needs (``one_thread_base``).
+   own pool needs (``one_thread_base``). It is lowered once more with the other engines' sessions
+   on one thread instead (the same spec, which only their run sides read, so nothing compiles
+   again): a decode step's small ops do not pay for waking a pool's second thread at each.
 5. Per method, the fastest plan wins; boundary costs are in its time, as they are in a user's
    call. Within ``TIE`` of AOTInductor alone, AOTInductor alone wins: one engine and no
    boundaries for a difference the measurement cannot tell apart. Otherwise, among the plans
@@ -147,14 +149,20 @@ def candidate_plans(auto: Auto) -> list[Plan]:
     return [(last,), *((name, last) for name in others)]
 
 
-def plan_partitioners(plan: Plan, device: str, closing_threads: int | None = None) -> list[Partitioner]:
+def plan_partitioners(
+    plan: Plan, device: str, closing_threads: int | None = None, opening_threads: int | None = None
+) -> list[Partitioner]:
     """The partitioners of ``plan``, each with its defaults; AOTInductor for ``device``, its generated code on
-    ``closing_threads`` threads where given."""
+    ``closing_threads`` threads where given; the other engines' sessions on ``opening_threads`` where given."""
     partitioners = []
     for backend_id in plan:
         cls = BUILT_IN[backend_id].partitioner_class()
-        closing = BUILT_IN[backend_id].takes_every_op
-        partitioners.append(aoti_partitioner(cls, device, closing_threads) if closing else cls())
+        if BUILT_IN[backend_id].takes_every_op:
+            partitioners.append(aoti_partitioner(cls, device, closing_threads))
+        elif opening_threads is not None:
+            partitioners.append(cls(compile_specs=[CompileSpec(SpecKey.THREADS, str(opening_threads).encode())]))
+        else:
+            partitioners.append(cls())
     return partitioners
 
 
@@ -317,10 +325,13 @@ def failed_candidate(plan: Sequence[str], error: BaseException) -> Candidate:
     return Candidate(list(plan), None, {}, f"{type(error).__name__}: {error}"[:2000])
 
 
-def mix_partitioners(mix: Mix, device: str, closing_threads: int | None = None) -> list[Partitioner]:
+def mix_partitioners(
+    mix: Mix, device: str, closing_threads: int | None = None, opening_threads: int | None = None
+) -> list[Partitioner]:
     """The mixed plan's partitioners: each engine kept to its regions, in order, then the closing engine."""
     restricted: list[Partitioner] = [
-        RegionPartitioner(plan_partitioners((engine,), device)[0], engine, mix.regions(engine))
+        RegionPartitioner(plan_partitioners((engine,), device, opening_threads=opening_threads)[0], engine,
+                          mix.regions(engine))
         for engine in mix.engines
     ]
     return [*restricted, *plan_partitioners((mix.closing,), device, closing_threads)]
@@ -366,14 +377,29 @@ def one_thread_base(listed: Mapping[Plan, Measurement], closing: str, threads: i
     return base if timed[base] <= min(timed.values()) * (1 + CONTENDING) else None
 
 
-def one_thread_plan(base: Plan, partitioners: Callable[[int], list[Partitioner]], key: str) -> AddedPlan:
-    """``base`` with its closing engine's parts compiled for one thread (``partitioners(1)``), ``key`` its own
-    measurement's cache key."""
-    label = (*base[:-1], f"{base[-1]} (1 thread)")
-    explanation = (f"{plan_text(label)} is {plan_text(base)} with {base[-1]}'s parts compiled for one thread, "
-                   "so that no thread of theirs waits spinning on a core the other engines' threads need")
-    digest = hashlib.sha256(f"{key}\0closing engine on one thread".encode()).hexdigest()
-    return AddedPlan(label, lambda: partitioners(1), digest, explanation)
+def one_thread_plans(base: Plan, partitioners: Callable[..., list[Partitioner]], key: str) -> list[AddedPlan]:
+    """``base`` with its closing engine's parts compiled for one thread (``partitioners(closing_threads=1)``), and
+    with the other engines' sessions on one thread (``opening_threads=1``); ``key`` is ``base``'s measurement's
+    cache key, from which each takes its own.
+
+    The second because a decode step's small linears gain nothing from a second thread of XNNPACK's pool and pay
+    for waking it at every op (measured: 1.2x the tokens/s of a 2-thread `8da4w` decode with XNNPACK on one).
+    """
+    closing = (*base[:-1], f"{base[-1]} (1 thread)")
+    opening = (*(f"{engine} (1 thread)" for engine in base[:-1]), base[-1])
+    others = ", ".join(base[:-1])
+    return [
+        AddedPlan(closing, lambda: partitioners(closing_threads=1), variant_key(key, "closing engine on one thread"),
+                  f"{plan_text(closing)} is {plan_text(base)} with {base[-1]}'s parts compiled for one thread, so "
+                  "that no thread of theirs waits spinning on a core the other engines' threads need"),
+        AddedPlan(opening, lambda: partitioners(opening_threads=1), variant_key(key, "opening engines on one thread"),
+                  f"{plan_text(opening)} is {plan_text(base)} with {others} on one thread, whose pool's second "
+                  "thread a small op's work does not pay for"),
+    ]
+
+
+def variant_key(key: str, variant: str) -> str:
+    return hashlib.sha256(f"{key}\0{variant}".encode()).hexdigest()
 
 
 def selection(method: str, candidates: list[Candidate], threads: int) -> Selection:

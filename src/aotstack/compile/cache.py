@@ -90,7 +90,7 @@ def backend_key(backend: Backend, compile_specs: list[CompileSpec], program: str
         return None
     parts = [backend.backend_id, type(backend).__qualname__, torch.__version__, __version__,
              str(torch.get_num_threads()), f"revision {backend.compile_revision}", processor_fingerprint()]
-    parts += [f"{spec.key}={spec.value.hex()}" for spec in compile_specs]
+    parts += [f"{spec.key}={spec.value.hex()}" for spec in compile_specs if spec.key not in backend.run_side_specs]
     parts += [f"{name}={package_version(name)}" for name in backend.cached_by_packages]
     digest = hashlib.sha256("\0".join(parts).encode())
     digest.update(program.encode())

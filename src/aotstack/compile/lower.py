@@ -49,7 +49,7 @@ from .auto import (
     mix_key,
     mix_partitioners,
     one_thread_base,
-    one_thread_plan,
+    one_thread_plans,
     plan_partitioners,
     plan_text,
     selection,
@@ -334,7 +334,7 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
     added: dict[str, dict[Plan, AddedPlan]] = {name: {} for name in program.methods}
     added_lowerings: dict[tuple[str, Plan], LoweredProgram] = {}
     for name in program.methods:
-        builds: dict[Plan, Callable[[int | None], list[Partitioner]]] = {
+        builds: dict[Plan, Callable[..., list[Partitioner]]] = {
             plan: partial(plan_partitioners, plan, auto.device) for plan in listed[name]
         }
         keys_by_plan = {plan: keys[name, plan] for plan in listed[name]}
@@ -348,8 +348,7 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
             measure_added(program.only([name]), name, inputs[name].call, mixed, lower_plan, listed, added,
                           added_lowerings, saved)
         base = one_thread_base(listed[name], closing, threads, auto.device)
-        if base is not None:
-            one_thread = one_thread_plan(base, builds[base], keys_by_plan[base])
+        for one_thread in one_thread_plans(base, builds[base], keys_by_plan[base]) if base is not None else []:
             logger.info("auto: %s: %s is measured too", name, plan_text(one_thread.label))
             measure_added(program.only([name]), name, inputs[name].call, one_thread, lower_plan, listed, added,
                           added_lowerings, saved)

@@ -154,6 +154,9 @@ class Backend(BackendRuntime):
     # ``preprocess``'s results that lowering keeps for this backend (``compile/cache.py``), so an
     # unchanged partition is not compiled twice; None: no such cache (or the backend keeps its own).
     cached_by_packages: ClassVar[tuple[str, ...] | None] = None
+    # Compile specs that only the run side reads (a session's thread count): that cache's key leaves them out, so a
+    # plan differing from a compiled one only in them compiles nothing again.
+    run_side_specs: ClassVar[tuple[str, ...]] = ()
     # Raised when ``preprocess`` writes something else for the same partition (a fix in the compile
     # side): results kept under an earlier revision, and auto's measurements of them, are not read.
     compile_revision: ClassVar[int] = 1

@@ -33,7 +33,7 @@ from ...engine.interface import Backend
 from ...engine.session import check_host_target
 from ...errors import LoweringError
 from ...format.processed import state_record
-from ...format.specs import CompileSpec, PreprocessResult, partition_label
+from ...format.specs import CompileSpec, PreprocessResult, SpecKey, partition_label
 from ...format.tensor_data import dtype_from_name, weights_as_named_data
 from .compile import convert_partition
 from .frontend import decompositions, dtype_refusal
@@ -49,6 +49,7 @@ class OpenVinoBackend(Backend):
 
     backend_id = "openvino"
     cached_by_packages = ("openvino",)
+    run_side_specs = (SpecKey.THREADS,)
     # 2: int4 values held in int8 weights are stored two a byte and read by OpenVINO as i4; 3: broadcasts to the
     # shape their input has are read as that input (compile.without_identity_broadcasts); 4: index_add decomposed.
     compile_revision = 4

@@ -13,7 +13,7 @@ from ...engine.interface import Backend
 from ...engine.session import session_threads
 from ...errors import CompileSpecError, LoweringError
 from ...format.processed import state_record
-from ...format.specs import CompileSpec, PreprocessResult, compile_spec_value, partition_label
+from ...format.specs import CompileSpec, PreprocessResult, SpecKey, compile_spec_value, partition_label
 from ...format.tensor_data import weights_as_named_data
 from .compile import OnnxPartition, export_partition
 from .run import HOST_PROVIDERS, MODEL_NAME, PROCESSED_VERSION, providers
@@ -30,6 +30,7 @@ class OrtBackend(Backend):
 
     backend_id = "onnxruntime"
     cached_by_packages = ("onnx", "onnxscript")
+    run_side_specs = (SpecKey.THREADS,)
     # 2: the small constants the exporter computes are folded (``compile.fold_small_constants``).
     compile_revision = 2
     # Exporting a part to ONNX: 5-6 s for a 4-layer BERT encoder.

@@ -17,7 +17,7 @@ from ...compile.cache import structure_key
 from ...compile.program_parts import partition_boundary, program_structure
 from ...engine.interface import Backend
 from ...engine.session import check_host_target
-from ...format.specs import CompileSpec, PreprocessResult, partition_label
+from ...format.specs import CompileSpec, PreprocessResult, SpecKey, partition_label
 from .compile import lower_partition, warmed_lowering
 from .run import FRAME_NAME, PROCESSED_VERSION, PROGRAM_NAME
 from .shared import from_template, keep_template, role_tensors
@@ -28,6 +28,7 @@ class XnnpackBackend(Backend):
 
     backend_id = "xnnpack"
     cached_by_packages = ("executorch", "torchao")
+    run_side_specs = (SpecKey.THREADS,)
     # A model's repeated layers lower once (``shared.py``), where XNNPACK stores their weights as they are.
     shares_code_across_weights = True
 
