@@ -288,6 +288,7 @@ def cached_outcomes(jobs: Sequence[CompileJob], progress: Progress) -> dict[Comp
     for job in jobs:
         started = time.perf_counter()
         try:
+            job.backend.check_specs(job.compile_specs)
             with quiet_torch_warnings():
                 result = job.backend.cached_preprocess(job.program, job.compile_specs) or kept_result(job)
         except Exception:
@@ -362,6 +363,7 @@ def compiled(job: CompileJob) -> CompileOutcome:
     """``job``'s outcome: its backend's result kept from an earlier lowering, or a compile now."""
     started = time.perf_counter()
     try:
+        job.backend.check_specs(job.compile_specs)  # the key may leave a spec out: checked before it is read
         # Keyed before preprocess, which may change the program it is given.
         key = preprocess_key(job.backend, job.program, job.compile_specs)
         result = None if key is None else kept_preprocess(key, job.program)

@@ -184,6 +184,13 @@ class Backend(BackendRuntime):
         """Compile one partition ahead of time."""
         raise NotImplementedError
 
+    def check_specs(self, compile_specs: list[CompileSpec]) -> None:
+        """Raise ``CompileSpecError`` for a spec this backend cannot take (the default takes any).
+
+        ``lower`` asks before it reads a compile cache, whose key leaves ``run_side_specs`` out: a
+        bad one is then refused even where the partition's compile is cached.
+        """
+
     def cached_preprocess(
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
     ) -> PreprocessResult | None:

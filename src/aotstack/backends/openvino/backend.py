@@ -59,6 +59,9 @@ class OpenVinoBackend(Backend):
     def custom_ops_called(self, claimed: list[str], result: PreprocessResult) -> list[str]:
         return []  # it claims only ops it translates into its own
 
+    def check_specs(self, compile_specs: list[CompileSpec]) -> None:
+        check_host_target(compile_specs, "OpenVinoBackend")
+
     def preprocess(
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
     ) -> PreprocessResult:

@@ -39,13 +39,15 @@ class OrtBackend(Backend):
     def custom_ops_called(self, claimed: list[str], result: PreprocessResult) -> list[str]:
         return []  # it claims only ops it translates into its own
 
+    def check_specs(self, compile_specs: list[CompileSpec]) -> None:
+        providers(compile_specs)
+        session_threads(compile_specs)
+
     def preprocess(
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
     ) -> PreprocessResult:
         label = partition_label(self.backend_id, compile_specs)
-        # A bad spec fails here, not in the process that loads the package.
-        providers(compile_specs)
-        session_threads(compile_specs)
+        self.check_specs(compile_specs)  # a bad spec fails here, not in the process that loads the package
         check_boundary_dtypes(exported_program, label)
         # A buffer the partition owns is the model's trailing input and leading output.
         program, state = state_as_arguments(exported_program)

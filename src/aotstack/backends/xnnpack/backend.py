@@ -32,6 +32,9 @@ class XnnpackBackend(Backend):
     # A model's repeated layers lower once (``shared.py``), where XNNPACK stores their weights as they are.
     shares_code_across_weights = True
 
+    def check_specs(self, compile_specs: list[CompileSpec]) -> None:
+        check_host_target(compile_specs, "XnnpackBackend")
+
     def preprocess(
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
     ) -> PreprocessResult:
