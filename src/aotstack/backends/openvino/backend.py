@@ -66,7 +66,7 @@ class OpenVinoBackend(Backend):
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
     ) -> PreprocessResult:
         label = partition_label(self.backend_id, compile_specs)
-        check_host_target(compile_specs, "OpenVinoBackend")
+        self.check_specs(compile_specs)
         # OpenVINO is handed numpy views of host memory.
         boundary = partition_boundary(exported_program, label, "cpu")
         for index, item in enumerate(boundary.inputs):

@@ -39,7 +39,7 @@ class XnnpackBackend(Backend):
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
     ) -> PreprocessResult:
         label = partition_label(self.backend_id, compile_specs)
-        check_host_target(compile_specs, "XnnpackBackend")
+        self.check_specs(compile_specs)
         # ExecuTorch reads host memory.
         boundary = partition_boundary(exported_program, label, "cpu")
         partition = lower_partition(exported_program, label)
@@ -68,7 +68,7 @@ class XnnpackBackend(Backend):
     def cached_preprocess(
         self, exported_program: ExportedProgram, compile_specs: list[CompileSpec]
     ) -> PreprocessResult | None:
-        check_host_target(compile_specs, "XnnpackBackend")
+        self.check_specs(compile_specs)
         structure = program_structure(exported_program)
         key = structure_key(self, structure, compile_specs)
         made = None if key is None else from_template(
