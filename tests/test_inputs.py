@@ -52,6 +52,8 @@ def test_keyword_arguments_in_any_order_or_by_position(keyword_program):
         (lambda f, x, s: f(x, scale=s, steps=4), "argument 'steps' is 4, but the method was exported for 3"),
         (lambda f, x, s: f(x, scale=s, steps=True), "argument 'steps' must be int, got bool"),
         (lambda f, x, s: f(x, scale=s.double(), steps=3), "argument 'scale' has dtype torch.float64"),
+        (lambda f, x, s: f(scale=s, steps=3), "missing positional argument(s) 'x'"),
+        (lambda f, x, s: f(x, scale=(s,), steps=3), "argument 'scale' must be a tensor, got tuple"),
     ],
 )
 def test_bad_calls_raise_input_error_naming_the_argument(keyword_program, call, message):

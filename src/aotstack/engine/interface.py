@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from ..format.boundary import BoundaryInput
 from ..format.custom_ops import is_custom_op_name
 from ..format.specs import CompileSpec, PreprocessResult
 from ..format.tensor_data import BytesLike
@@ -103,6 +104,16 @@ class BackendRuntime:
         The default keeps nothing: ``init``, with every buffer updated in place.
         """
         return self.init(processed_bytes, named_data, compile_specs), frozenset()
+
+    def trust_inputs(self, handle: Any, proven: Mapping[int, BoundaryInput]) -> None:
+        """Told, once after ``init``, what the loaded plan guarantees some inputs are at every call.
+
+        ``proven`` maps an input's index to its dtype, device type and static sizes, where the
+        plan knows them without looking: the output of a compiled part on the host, a weight, or
+        an argument the method's own check has read. An engine that checks its inputs at each
+        call (``format/boundary.py``) may leave those out: ``BoundaryCheck.trusting``. The
+        default checks everything, as before.
+        """
 
     def load_state(self, handle: Any, buffers: Collection[str]) -> None:
         """Set each of ``buffers`` (kept by ``handle``) inside the engine from its shared memory.

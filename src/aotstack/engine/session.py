@@ -19,7 +19,7 @@ import torch
 
 from ..errors import CompileSpecError, PackageError
 from ..format import processed as processed_json
-from ..format.boundary import Boundary
+from ..format.boundary import Boundary, BoundaryInput
 from ..format.processed import OwnedBuffer
 from ..format.specs import CompileSpec, SpecKey, compile_spec_value, count_spec, partition_label
 from ..format.tensor_data import BytesLike
@@ -105,6 +105,11 @@ class SessionRuntime(BackendRuntime):
     def open(self, delegate: DelegateFiles) -> Any:
         """The handle ``execute`` runs: the engine's session over ``delegate``'s files."""
         raise NotImplementedError
+
+    def trust_inputs(self, handle: Any, proven: Mapping[int, BoundaryInput]) -> None:
+        # Every session handle keeps its boundary's check as ``check`` (None: checks nothing).
+        if handle.check is not None:
+            handle.check = handle.check.trusting(proven)
 
     def released_named_data(self, handle: Any, named_data: Collection[str], called: bool) -> Collection[str]:
         # Opening a session copies the model it reads and packs the weights its kernels repack into

@@ -28,6 +28,7 @@ a symbol's range being ``[min, max]`` with ``max`` null where it is unbounded.
 from __future__ import annotations
 
 import ast
+import copy
 import keyword
 import operator
 from collections.abc import Callable, Mapping, Sequence
@@ -170,16 +171,38 @@ class BoundaryCheck:
         self.specs = [
             input_spec(item, boundary.symbols, plan[0], plan[1]) for item, plan in zip(boundary.inputs, plans)
         ]
+        # (index, spec) of each input a call checks: all of them, but those ``trusting`` leaves out.
+        self.checked = list(enumerate(self.specs))
         # (input, axis, text, evaluator): expressions of bound symbols, checked once every input bound them.
         self.expressions = [entry for plan in plans for entry in plan[2]]
+
+    def trusting(self, proven: Mapping[int, BoundaryInput]) -> BoundaryCheck | None:
+        """This check without the inputs ``proven`` vouches for; None where nothing is left to check.
+
+        ``proven`` maps an input's index to what its caller guarantees it is at every call. An
+        input is left out only where that is exactly this boundary's input and every size of it
+        is an int: a static input binds no symbol another input's check needs.
+
+        Example: ``handle.check = handle.check.trusting({0: BoundaryInput("float32", "cpu", [1, 768])})``.
+        """
+        kept = [
+            (index, spec)
+            for index, spec in self.checked
+            if not (spec.static_shape is not None and proven.get(index) == self.boundary.inputs[index])
+        ]
+        if not kept and not self.expressions:
+            return None
+        trusting = copy.copy(self)
+        trusting.checked = kept
+        return trusting
 
     def __call__(self, inputs: Sequence[Any]) -> None:
         specs = self.specs
         if len(inputs) != len(specs):
             raise InputError(f"{self.label}: takes {len(specs)} input(s), got {len(inputs)}")
         sizes: dict[str, int] = {}
-        for index, value in enumerate(inputs):
-            spec = specs[index]
+        for index, spec in self.checked:
+            value = inputs[index]
             if (
                 type(value) not in PLAIN_TENSOR_TYPES
                 or value.dtype != spec.dtype

@@ -56,6 +56,11 @@ class InputCheck:
         self.positional_count, self.keywords = call_shape(in_spec)
         # Plain positional arguments, the usual case, need no pytree walk.
         self.flat_positional = in_spec == pytree.tree_flatten((tuple(range(len(inputs))), {}))[1]
+        # Nor do keyword arguments where every argument is one tensor or scalar (a decoder's step:
+        # ``input_ids=..., cache_position=...``): bound in order, they are the flat list.
+        self.flat_keywords = in_spec == pytree.tree_flatten(
+            (tuple(range(self.positional_count)), dict.fromkeys(self.keywords, 0))
+        )[1]
         self.checks = [argument_check(method, record) for record in inputs]
 
     def flat_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Sequence[Any]:
@@ -73,6 +78,12 @@ class InputCheck:
 
     def structured_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         args, kwargs = self.bound(args, kwargs)
+        if self.flat_keywords:
+            if len(args) != self.positional_count:
+                missing = self.names[len(args):self.positional_count]
+                raise InputError(f"{self.method}(): missing positional argument(s) {', '.join(map(repr, missing))}")
+            # A nested value where an argument is one leaf is refused by that argument's check.
+            return [*args, *kwargs.values()]
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self.in_spec:
             raise InputError(f"{self.method}(): arguments structured as {spec}, expected {self.in_spec}")

@@ -16,6 +16,7 @@ from torch.utils import _pytree as pytree
 from ..engine.registry import runtime_class
 from ..errors import AotstackError, DelegateInitError, MethodNotFoundError, PackageError, RunError
 from ..format.archive import PackageContents, advise_dont_need, read_package
+from ..format.boundary import BoundaryInput
 from ..format.custom_ops import allowed_op_names, check_custom_ops
 from ..format.devices import HOST, Device
 from ..format.manifest import DelegateRecord, InputRecord, MethodRecord, WeightRecord
@@ -28,6 +29,7 @@ from .graphs import CudaGraphs, GraphedCall, GraphMaker, graphed_methods, use_gr
 from .handover import Handover
 from .inputs import InputCheck
 from .interpreter import LoadedDelegate, StepProgram, write_back
+from .proven import proven_inputs
 
 
 class Method:
@@ -489,7 +491,8 @@ def load_method(
     except PackageError as exc:
         raise PackageError(f"method {name!r}: {exc}") from None
     if opened:
-        method.after_first_call = lambda: released_after_first_call(state, opened)
+        proven = proven_inputs(record, weights)
+        method.after_first_call = lambda: after_first_call(state, opened, proven)
     return method
 
 
@@ -530,11 +533,22 @@ def loaded_delegate(state: ProgramState, method: str, record: DelegateRecord) ->
     return loaded
 
 
-def released_after_first_call(state: ProgramState, delegates: list[tuple[str, DelegateRecord, LoadedDelegate]]) -> None:
-    """Drop the file's pages of what each delegate's engine packed by its first call (``released_named_data``)."""
+def after_first_call(
+    state: ProgramState,
+    delegates: list[tuple[str, DelegateRecord, LoadedDelegate]],
+    proven: Mapping[str, Mapping[int, BoundaryInput]],
+) -> None:
+    """Once a method's first call has run: drop the file's pages of what each delegate's engine packed by then
+    (``released_named_data``), and tell each engine which inputs the plan vouches for from now on.
+
+    The first call checked every input, so a part whose outputs do not match its record has been
+    refused before any check is left out (``runtime/proven.py``).
+    """
     for reader, record, loaded in delegates:
         try:
             released = loaded.runtime.released_named_data(loaded.handle, list(record.named_data), True)
+            if record.id in proven:
+                loaded.runtime.trust_inputs(loaded.handle, proven[record.id])
         except Exception as exc:
-            raise RunError(f"delegate {record.id} ({record.backend_id}): released_named_data failed: {exc}") from exc
+            raise RunError(f"delegate {record.id} ({record.backend_id}): after its first call: {exc}") from exc
         state.drop_reader(reader, record, released)

@@ -31,7 +31,7 @@ from ...engine.processor import missing_features
 from ...errors import CompileSpecError, CustomOpError, DelegateInitError, PackageError
 from ...forking import pause_openmp, remove_at_exit
 from ...format import processed as processed_json
-from ...format.boundary import BoundaryCheck
+from ...format.boundary import BoundaryCheck, BoundaryInput
 from ...format.custom_ops import registered_op
 from ...format.devices import HOST, Device, DeviceType
 from ...format.seal import is_hex
@@ -101,6 +101,10 @@ class AotiRuntime(BackendRuntime):
     def execute(self, handle: AotiHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         return run(handle, inputs)
 
+    def trust_inputs(self, handle: AotiHandle, proven: Mapping[int, BoundaryInput]) -> None:
+        if handle.check is not None:
+            handle.check = handle.check.trusting(proven)
+
     def released_named_data(self, handle: AotiHandle, named_data: Collection[str], called: bool) -> Collection[str]:
         # The library and its extern nodes were copied into a file at init, a device's weights
         # onto the device, and a weight the runner does not ask for was folded into the code.
@@ -151,8 +155,9 @@ class AotiHandle:
     input_strides: list[tuple[int, ...] | None]
     # The runner reads user-managed weights in place; they must live as long as it does.
     constants: dict[str, torch.Tensor]
-    # Every call's inputs against what the library was compiled for (format/boundary.py).
-    check: BoundaryCheck
+    # Every call's inputs against what the library was compiled for (format/boundary.py); None where the plan
+    # proves them all (trust_inputs).
+    check: BoundaryCheck | None
     label: str
     # The named data the runner reads where the file holds it: its weights, on the host.
     reads_in_place: frozenset[str] = frozenset()
@@ -357,7 +362,8 @@ def bind_constants(
 
 def run(handle: AotiHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Check the inputs against the boundary, lay each out as the code indexes it, run the library."""
-    handle.check(inputs)
+    if handle.check is not None:
+        handle.check(inputs)
     strides = handle.input_strides
     for index, tensor in enumerate(inputs):
         # The code reads memory, not the view: a negated view would be read unnegated.

@@ -75,7 +75,7 @@ def providers(compile_specs: list[CompileSpec]) -> list[str]:
     return names
 
 
-@dataclass(frozen=True)
+@dataclass
 class OrtHandle:
     session: Any
     input_names: list[str]
@@ -84,7 +84,8 @@ class OrtHandle:
     # [the weights by name (views of the mapped package), the OrtValues over them in the same order].
     keep_alive: list[Any]
     label: str = "an onnxruntime partition"
-    # Every call's inputs against what the model was exported for; None checks nothing (a bare session).
+    # Every call's inputs against what the model was exported for; None checks nothing (a bare session, or
+    # every input proven by the plan: trust_inputs).
     check: BoundaryCheck | None = None
     # The exceptions ONNX Runtime raises for arguments it refuses.
     argument_errors: tuple[type[BaseException], ...] = ()
