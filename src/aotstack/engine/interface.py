@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from ..format.boundary import BoundaryInput
+from ..format.boundary import ProvenInput
 from ..format.custom_ops import is_custom_op_name
 from ..format.specs import CompileSpec, PreprocessResult
 from ..format.tensor_data import BytesLike
@@ -105,7 +105,7 @@ class BackendRuntime:
         """
         return self.init(processed_bytes, named_data, compile_specs), frozenset()
 
-    def trust_inputs(self, handle: Any, proven: Mapping[int, BoundaryInput]) -> None:
+    def trust_inputs(self, handle: Any, proven: Mapping[int, ProvenInput]) -> None:
         """Told, once after ``init``, what the loaded plan guarantees some inputs are at every call.
 
         ``proven`` maps an input's index to its dtype, device type and static sizes, where the

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import CompileSpecError, PackageError
 from ..format import processed as processed_json
-from ..format.boundary import Boundary, BoundaryInput
+from ..format.boundary import Boundary, ProvenInput
 from ..format.processed import OwnedBuffer
 from ..format.specs import CompileSpec, SpecKey, compile_spec_value, count_spec, partition_label
 from ..format.tensor_data import BytesLike
@@ -106,16 +106,31 @@ class SessionRuntime(BackendRuntime):
         """The handle ``execute`` runs: the engine's session over ``delegate``'s files."""
         raise NotImplementedError
 
-    def trust_inputs(self, handle: Any, proven: Mapping[int, BoundaryInput]) -> None:
-        # Every session handle keeps its boundary's check as ``check`` (None: checks nothing).
+    def trust_inputs(self, handle: Any, proven: Mapping[int, ProvenInput]) -> None:
+        # Every session handle keeps its boundary's check as ``check`` (None: checks nothing), and the inputs it
+        # makes plain and contiguous at each call as ``unsettled`` (``engine_inputs``).
         if handle.check is not None:
             handle.check = handle.check.trusting(proven)
+        handle.unsettled = [index for index in handle.unsettled if not (index in proven and proven[index].contiguous)]
 
     def released_named_data(self, handle: Any, named_data: Collection[str], called: bool) -> Collection[str]:
         # Opening a session copies the model it reads and packs the weights its kernels repack into
         # the engine's own memory; a weight still read in place (a gather's table) is read back from
         # the file at the first call, and stays.
         return () if called else named_data
+
+
+def engine_inputs(inputs: list[torch.Tensor], unsettled: list[int]) -> list[torch.Tensor]:
+    """``inputs`` as a session engine reads them: each of ``unsettled`` made plain memory (``plain_contiguous``).
+
+    The others are so already at every call, as the plan vouches (``SessionRuntime.trust_inputs``):
+    a decode step's inputs are mostly other parts' outputs and weights, and testing each at each
+    call costs five attribute reads.
+    """
+    feeds = list(inputs)
+    for index in unsettled:
+        feeds[index] = plain_contiguous(feeds[index])
+    return feeds
 
 
 def plain_contiguous(value: torch.Tensor) -> torch.Tensor:

@@ -63,6 +63,29 @@ class BoundaryInput:
 
 
 @dataclass(frozen=True)
+class ProvenInput:
+    """What a method's plan guarantees one delegate input is at every call (``runtime/proven.py``)."""
+
+    spec: BoundaryInput
+    # Its strides at every call, where it is also a plain tensor (no subclass, no gradient, no negation or
+    # conjugation bit) laid out the same way each time: a weight, or a host part's output. None: not vouched for.
+    strides: tuple[int, ...] | None = None
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether ``strides`` are vouched for and lay the sizes out contiguously (a size-1 axis's stride aside)."""
+        sizes = self.spec.sizes
+        if self.strides is None or len(self.strides) != len(sizes) or not all(isinstance(s, int) for s in sizes):
+            return False
+        expected = 1
+        for size, stride in zip(reversed(sizes), reversed(self.strides)):
+            if size != 1 and stride != expected:
+                return False
+            expected *= int(size)
+        return True
+
+
+@dataclass(frozen=True)
 class Boundary:
     """The inputs a compiled part takes, and the range of each symbol their sizes use."""
 
@@ -176,19 +199,20 @@ class BoundaryCheck:
         # (input, axis, text, evaluator): expressions of bound symbols, checked once every input bound them.
         self.expressions = [entry for plan in plans for entry in plan[2]]
 
-    def trusting(self, proven: Mapping[int, BoundaryInput]) -> BoundaryCheck | None:
+    def trusting(self, proven: Mapping[int, ProvenInput]) -> BoundaryCheck | None:
         """This check without the inputs ``proven`` vouches for; None where nothing is left to check.
 
         ``proven`` maps an input's index to what its caller guarantees it is at every call. An
         input is left out only where that is exactly this boundary's input and every size of it
         is an int: a static input binds no symbol another input's check needs.
 
-        Example: ``handle.check = handle.check.trusting({0: BoundaryInput("float32", "cpu", [1, 768])})``.
+        Example: ``check.trusting({0: ProvenInput(BoundaryInput("float32", "cpu", [1, 768]))})``.
         """
+        inputs = self.boundary.inputs
         kept = [
             (index, spec)
             for index, spec in self.checked
-            if not (spec.static_shape is not None and proven.get(index) == self.boundary.inputs[index])
+            if not (spec.static_shape is not None and index in proven and proven[index].spec == inputs[index])
         ]
         if not kept and not self.expressions:
             return None

@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 from ..engine.registry import runtime_class
 from ..errors import AotstackError, DelegateInitError, MethodNotFoundError, PackageError, RunError
 from ..format.archive import PackageContents, advise_dont_need, read_package
-from ..format.boundary import BoundaryInput
+from ..format.boundary import ProvenInput
 from ..format.custom_ops import allowed_op_names, check_custom_ops
 from ..format.devices import HOST, Device
 from ..format.manifest import DelegateRecord, InputRecord, MethodRecord, WeightRecord
@@ -28,8 +28,8 @@ from ..format.tensor_data import WEIGHT_PREFIX, BytesLike, NamedDataValue, dtype
 from .graphs import CudaGraphs, GraphedCall, GraphMaker, graphed_methods, use_graphs
 from .handover import Handover
 from .inputs import InputCheck
-from .interpreter import LoadedDelegate, StepProgram, write_back
-from .proven import proven_inputs
+from .interpreter import LoadedDelegate, Slots, StepProgram, write_back
+from .proven import proven_inputs, vouched_inputs
 
 
 class Method:
@@ -59,8 +59,9 @@ class Method:
         # buffer that some method or delegate updates; LoadedProgram sets it. None: nothing this
         # method reads changes, so calls run concurrently, from any number of threads.
         self.lock: threading.Lock | None = None
-        # Run once, after the first call: its delegates' engines say what they packed by then.
-        self.after_first_call: Callable[[], None] | None = None
+        # Run once, after the first call, on its slots: its delegates' engines say what they packed by then, and
+        # are told what the plan vouches for (runtime/proven.py).
+        self.after_first_call: Callable[[Slots], None] | None = None
         # Where engines keep buffers this method touches: moves them to where it reads them
         # (``Handover.claim``), under the state lock, before its plan runs.
         self.claim_state: Callable[[], None] | None = None
@@ -98,7 +99,7 @@ class Method:
         write_back(self.mutations, slots)
         if self.after_first_call is not None:
             done, self.after_first_call = self.after_first_call, None
-            done()
+            done(slots)
         return slots
 
 
@@ -491,8 +492,11 @@ def load_method(
     except PackageError as exc:
         raise PackageError(f"method {name!r}: {exc}") from None
     if opened:
-        proven = proven_inputs(record, weights)
-        method.after_first_call = lambda: after_first_call(state, opened, proven)
+        vouched = vouched_inputs(record, weights)
+        slot_of = method.body.slot
+        method.after_first_call = lambda slots: after_first_call(
+            state, opened, proven_inputs(vouched, lambda name: slots[slot_of(name)])
+        )
     return method
 
 
@@ -536,7 +540,7 @@ def loaded_delegate(state: ProgramState, method: str, record: DelegateRecord) ->
 def after_first_call(
     state: ProgramState,
     delegates: list[tuple[str, DelegateRecord, LoadedDelegate]],
-    proven: Mapping[str, Mapping[int, BoundaryInput]],
+    proven: Mapping[str, Mapping[int, ProvenInput]],
 ) -> None:
     """Once a method's first call has run: drop the file's pages of what each delegate's engine packed by then
     (``released_named_data``), and tell each engine which inputs the plan vouches for from now on.

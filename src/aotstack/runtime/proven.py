@@ -19,15 +19,23 @@ Anything else (a plain op's result, an output of a part on a device, a dynamic s
 nothing, and the delegate checks it as before. Engines are told only after the method's first
 call has passed every check (``load.after_first_call``): a part whose outputs do not match its
 record is refused then, before any check is left out.
+
+The first call also shows each weight's and host part's output's layout, which is the same at
+every call (the same tensor; compiled code with static shapes): where it is a plain tensor, its
+strides go with the proof, so an engine need not test at each call whether to copy it into the
+layout it reads (``ProvenInput.strides``). An argument's layout is the caller's, and is not
+vouched for.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from ..format.boundary import BoundaryInput
+from ..format.boundary import BoundaryInput, ProvenInput
 from ..format.devices import HOST
 from ..format.manifest import DelegateRecord, InputRecord, MethodRecord
 from ..format.plan import DelegateStep, InputStep, WeightStep
@@ -35,33 +43,67 @@ from ..format.state import delegate_device
 from ..format.tensor_data import dtype_name
 
 
-def proven_inputs(record: MethodRecord, weights: Mapping[str, torch.Tensor]) -> dict[str, dict[int, BoundaryInput]]:
-    """Per delegate id, each input index the plan vouches for and what it is at every call."""
+@dataclass(frozen=True)
+class Vouched:
+    """A value of the plan known at load to have one dtype, device type and static shape at every call."""
+
+    spec: BoundaryInput
+    # A weight or a host part's output: one layout at every call too. False for an argument.
+    fixed_layout: bool
+
+
+# Per delegate id: each input index the plan vouches for, with the name of the value fed to it.
+VouchedInputs = dict[str, dict[int, tuple[str, Vouched]]]
+
+
+def vouched_inputs(record: MethodRecord, weights: Mapping[str, torch.Tensor]) -> VouchedInputs:
+    """Per delegate id, each input index the plan vouches for, and the value feeding it."""
     known = known_values(record, weights)
-    proven: dict[str, dict[int, BoundaryInput]] = {}
+    vouched: VouchedInputs = {}
     for step in record.plan.steps:
         if isinstance(step, DelegateStep):
-            vouched = {index: known[name] for index, name in enumerate(step.inputs) if name in known}
-            if vouched:
-                proven[step.delegate] = vouched
-    return proven
+            fed = {index: (name, known[name]) for index, name in enumerate(step.inputs) if name in known}
+            if fed:
+                vouched[step.delegate] = fed
+    return vouched
 
 
-def known_values(record: MethodRecord, weights: Mapping[str, torch.Tensor]) -> dict[str, BoundaryInput]:
+def proven_inputs(vouched: VouchedInputs, value_of: Callable[[str], Any]) -> dict[str, dict[int, ProvenInput]]:
+    """What each engine is told after the first call: ``vouched``, with the layout the first call showed where
+    it is fixed; ``value_of`` reads a value of that call by name."""
+    return {
+        delegate: {
+            index: ProvenInput(entry.spec, fixed_strides(entry, value_of(name))) for index, (name, entry) in fed.items()
+        }
+        for delegate, fed in vouched.items()
+    }
+
+
+def fixed_strides(entry: Vouched, value: Any) -> tuple[int, ...] | None:
+    """``value``'s strides, where its layout is fixed and it is a plain tensor an engine reads as it is."""
+    if not entry.fixed_layout or type(value) is not torch.Tensor:
+        return None
+    if value.requires_grad or value.is_neg() or value.is_conj():
+        return None
+    return tuple(value.stride())
+
+
+def known_values(record: MethodRecord, weights: Mapping[str, torch.Tensor]) -> dict[str, Vouched]:
     """Each value of the plan (by name) whose dtype, device type and static sizes hold at every call."""
     delegates = {delegate.id: delegate for delegate in record.delegates}
     arguments = iter(record.inputs)
-    known: dict[str, BoundaryInput] = {}
+    known: dict[str, Vouched] = {}
     for step in record.plan.steps:
         if isinstance(step, InputStep):
             argument = next(arguments, None)
             checked = argument is not None and checked_argument(argument)
             if checked:
-                known[step.name] = checked
+                known[step.name] = Vouched(checked, fixed_layout=False)
         elif isinstance(step, WeightStep):
             tensor = weights.get(step.fqn)
             if isinstance(tensor, torch.Tensor):
-                known[step.name] = BoundaryInput(dtype_name(tensor.dtype), tensor.device.type, list(tensor.shape))
+                spec = BoundaryInput(dtype_name(tensor.dtype), tensor.device.type, list(tensor.shape))
+                known[step.name] = Vouched(spec, fixed_layout=True)
         elif isinstance(step, DelegateStep) and step.delegate in delegates:
             known.update(host_outputs(step, delegates[step.delegate]))
     return known
@@ -77,7 +119,7 @@ def checked_argument(argument: InputRecord) -> BoundaryInput | None:
     return BoundaryInput(argument.dtype, argument.device, list(shape))
 
 
-def host_outputs(step: DelegateStep, delegate: DelegateRecord) -> dict[str, BoundaryInput]:
+def host_outputs(step: DelegateStep, delegate: DelegateRecord) -> dict[str, Vouched]:
     """The outputs ``step`` names that its delegate returns on the host with static shapes."""
     if delegate_device(delegate.target_device) != HOST:
         return {}
@@ -85,5 +127,5 @@ def host_outputs(step: DelegateStep, delegate: DelegateRecord) -> dict[str, Boun
     for index, name in step.outputs:
         spec = delegate.outputs[index] if 0 <= index < len(delegate.outputs) else None
         if spec is not None and all(isinstance(size, int) for size in spec.shape):
-            outputs[name] = BoundaryInput(spec.dtype, HOST.type.value, list(spec.shape))
+            outputs[name] = Vouched(BoundaryInput(spec.dtype, HOST.type.value, list(spec.shape)), fixed_layout=True)
     return outputs

@@ -31,7 +31,7 @@ from ...engine.processor import missing_features
 from ...errors import CompileSpecError, CustomOpError, DelegateInitError, PackageError
 from ...forking import pause_openmp, remove_at_exit
 from ...format import processed as processed_json
-from ...format.boundary import BoundaryCheck, BoundaryInput
+from ...format.boundary import BoundaryCheck, ProvenInput
 from ...format.custom_ops import registered_op
 from ...format.devices import HOST, Device, DeviceType
 from ...format.seal import is_hex
@@ -90,7 +90,7 @@ class AotiRuntime(BackendRuntime):
         in_place = in_place if device == HOST else set()
         handle = AotiHandle(
             runner=runner, input_strides=strides, constants=bound, check=boundary.checker(label), label=label,
-            reads_in_place=frozenset(in_place), gathered=gathered & in_place,
+            unsettled=list(range(len(strides))), reads_in_place=frozenset(in_place), gathered=gathered & in_place,
             threads=count_spec(compile_specs, SpecKey.THREADS) if device == HOST else None,
         )
         if device != HOST:
@@ -101,9 +101,13 @@ class AotiRuntime(BackendRuntime):
     def execute(self, handle: AotiHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         return run(handle, inputs)
 
-    def trust_inputs(self, handle: AotiHandle, proven: Mapping[int, BoundaryInput]) -> None:
+    def trust_inputs(self, handle: AotiHandle, proven: Mapping[int, ProvenInput]) -> None:
         if handle.check is not None:
             handle.check = handle.check.trusting(proven)
+        handle.unsettled = [
+            index for index in handle.unsettled
+            if not (index in proven and laid_out_as_compiled(proven[index], handle.input_strides[index]))
+        ]
 
     def released_named_data(self, handle: AotiHandle, named_data: Collection[str], called: bool) -> Collection[str]:
         # The library and its extern nodes were copied into a file at init, a device's weights
@@ -159,6 +163,8 @@ class AotiHandle:
     # proves them all (trust_inputs).
     check: BoundaryCheck | None
     label: str
+    # The inputs a call lays out as the code indexes them: every one, until the plan vouches for some (trust_inputs).
+    unsettled: list[int]
     # The named data the runner reads where the file holds it: its weights, on the host.
     reads_in_place: frozenset[str] = frozenset()
     # Of those, the ones it reads a few rows of a call (embedding tables).
@@ -365,7 +371,8 @@ def run(handle: AotiHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     if handle.check is not None:
         handle.check(inputs)
     strides = handle.input_strides
-    for index, tensor in enumerate(inputs):
+    for index in handle.unsettled:
+        tensor = inputs[index]
         # The code reads memory, not the view: a negated view would be read unnegated.
         if tensor.is_neg() or tensor.is_conj():
             tensor = inputs[index] = tensor.resolve_neg().resolve_conj()
@@ -380,6 +387,11 @@ def run(handle: AotiHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     if threads is None or threads == torch.get_num_threads():
         return handle.runner.run(inputs)
     return run_on_threads(handle.runner, inputs, threads)
+
+
+def laid_out_as_compiled(proven: ProvenInput, strides: tuple[int, ...] | None) -> bool:
+    """Whether an input the plan vouches for is always laid out as the code indexes it (None: contiguously)."""
+    return proven.contiguous if strides is None else proven.strides == strides
 
 
 def run_on_threads(runner: Any, inputs: list[torch.Tensor], threads: int) -> list[torch.Tensor]:

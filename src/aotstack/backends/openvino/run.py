@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from ...engine.session import DelegateFiles, SessionRuntime, plain_contiguous, session_threads
+from ...engine.session import DelegateFiles, SessionRuntime, engine_inputs, session_threads
 from ...errors import DelegateInitError, PackageError, RunError
 from ...format import processed as processed_json
 from ...format.boundary import Boundary, BoundaryCheck
@@ -109,6 +109,7 @@ class OpenVinoRuntime(SessionRuntime):
             state_inputs=[buffer.tensor for buffer in part.state],
             label=label,
             check=part.boundary.checker(label),
+            unsettled=list(range(len(part.boundary.inputs))),
             keep_alive=[part.weights, part.constants],
             copyto=numpy.copyto,
             infer=base_infer(),
@@ -528,6 +529,8 @@ class OpenVinoHandle:
     state_inputs: list[torch.Tensor]
     label: str
     check: BoundaryCheck | None
+    # The inputs a call makes plain and contiguous (``engine_inputs``): every one, until the plan vouches for some.
+    unsettled: list[int]
     # The package's views that the model's constants point into: they must outlive it.
     keep_alive: list[Any]
     # ``numpy.copyto``, imported with OpenVINO rather than with this module.
@@ -609,6 +612,7 @@ def run(handle: OpenVinoHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor
     """One call: inputs checked, then handed over; outputs in new torch tensors."""
     if handle.check is not None:
         handle.check(inputs)
+    inputs = engine_inputs(inputs, handle.unsettled)
     if handle.state_inputs:
         inputs = [*inputs, *handle.state_inputs]
     try:
@@ -623,13 +627,8 @@ def run(handle: OpenVinoHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor
         for port, index, copied, to_numpy, wrap in handle.feed_steps:
             value = inputs[index]
             if copied:
-                try:
-                    array = to_numpy(value)
-                except RuntimeError:  # numpy takes no tensor that asks for gradients or is a negated view
-                    array = to_numpy(value.detach().resolve_neg().resolve_conj())
-                handle.copyto(slot.inputs[port], array)
+                handle.copyto(slot.inputs[port], to_numpy(value))
                 continue
-            value = plain_contiguous(value)
             shared.append(value)
             # The same memory and shape as last time: the request already points at it.
             key = (value.data_ptr(), value.shape)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ...engine.session import DelegateFiles, SessionRuntime, plain_contiguous, session_threads
+from ...engine.session import DelegateFiles, SessionRuntime, engine_inputs, session_threads
 from ...errors import DelegateInitError, InputError, LoweringError, PackageError
 from ...format import processed as processed_json
 from ...format.boundary import BoundaryCheck
@@ -83,6 +83,8 @@ class OrtHandle:
     # ONNX Runtime documents that the buffers behind external initializers must outlive the session:
     # [the weights by name (views of the mapped package), the OrtValues over them in the same order].
     keep_alive: list[Any]
+    # The inputs a call makes plain and contiguous (``engine_inputs``): every one, until the plan vouches for some.
+    unsettled: list[int]
     label: str = "an onnxruntime partition"
     # Every call's inputs against what the model was exported for; None checks nothing (a bare session, or
     # every input proven by the plan: trust_inputs).
@@ -156,6 +158,7 @@ def open_session(
         raise DelegateInitError(f"{label}: ONNX Runtime could not open the model: {error}") from error
     return OrtHandle(
         session, input_names, output_names, keep_alive=[weights, values], label=label, check=check,
+        unsettled=list(range(len(input_names))),
         argument_errors=argument_errors(), state=state or [],
         binding=bound_state(session, state, output_names) if state else None,
         bound_outputs=bound_output_order(state or [], output_names),
@@ -197,8 +200,7 @@ def run(handle: OrtHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     # numpy() refuses a tensor that asks for gradients or carries a negation or conjugation bit; a
     # view ONNX Runtime would read as laid out (strided, expanded) is copied to contiguous memory.
     feeds = {
-        name: plain_contiguous(value).numpy()
-        for name, value in zip(handle.input_names, inputs)
+        name: value.numpy() for name, value in zip(handle.input_names, engine_inputs(inputs, handle.unsettled))
     }
     if handle.binding is not None:
         return run_bound(handle, feeds)

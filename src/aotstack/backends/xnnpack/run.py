@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ...engine.pages import libc_madvise, on_huge_pages
-from ...engine.session import DelegateFiles, SessionRuntime, plain_contiguous
+from ...engine.session import DelegateFiles, SessionRuntime, engine_inputs
 from ...errors import AotstackError, DelegateInitError, PackageError, RunError
 from ...format import processed as processed_json
 from ...format.archive import page_ranges
@@ -139,6 +139,7 @@ class XnnpackRuntime(SessionRuntime):
         base = memoryview(frame).nbytes
         packed = packed_spans(processed, segments, base, label)
         return XnnpackHandle(module, [program, data_map], outputs, label, delegate.boundary.checker(label),
+                             unsettled=list(range(len(delegate.boundary.inputs))),
                              packed=packed, read=read_spans(segments, base, packed),
                              threads=count_spec(delegate.compile_specs, SpecKey.THREADS))
 
@@ -251,6 +252,8 @@ class XnnpackHandle:
     outputs: int
     label: str
     check: BoundaryCheck | None
+    # The inputs a call makes plain and contiguous (``engine_inputs``): every one, until the plan vouches for some.
+    unsettled: list[int]
     # Whether a call has run: ExecuTorch sets XNNPACK up at the first.
     started: bool = False
     # (start, end) in the data file of the constants XNNPACK reads only to pack them, at the first call,
@@ -266,7 +269,7 @@ def run(handle: XnnpackHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]
     if handle.check is not None:
         handle.check(inputs)
     # ExecuTorch takes exactly torch.Tensor (not a Parameter), contiguous, with no pending negation.
-    feeds = [plain_contiguous(value) for value in inputs]
+    feeds = engine_inputs(inputs, handle.unsettled)
     with _RUNTIME_LOCK:
         # XNNPACK's pool follows the delegate's threads spec, else torch's thread count as every other engine here
         # does, while no started delegate holds it.
