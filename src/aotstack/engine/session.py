@@ -127,6 +127,8 @@ def engine_inputs(inputs: list[torch.Tensor], unsettled: list[int]) -> list[torc
     a decode step's inputs are mostly other parts' outputs and weights, and testing each at each
     call costs five attribute reads.
     """
+    if not unsettled:
+        return inputs
     feeds = list(inputs)
     for index in unsettled:
         feeds[index] = plain_contiguous(feeds[index])

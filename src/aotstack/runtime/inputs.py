@@ -61,6 +61,7 @@ class InputCheck:
         self.flat_keywords = in_spec == pytree.tree_flatten(
             (tuple(range(self.positional_count)), dict.fromkeys(self.keywords, 0))
         )[1]
+        self.keyword_order = tuple(self.keywords)
         self.checks = [argument_check(method, record) for record in inputs]
 
     def flat_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Sequence[Any]:
@@ -77,6 +78,9 @@ class InputCheck:
         return [check(value, sizes) for check, value in zip(self.checks, flat)]
 
     def structured_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        if self.flat_keywords and len(args) == self.positional_count and tuple(kwargs) == self.keyword_order:
+            # Every keyword given, in the order exported: a decoder's step, called as generate calls it.
+            return [*args, *kwargs.values()]
         args, kwargs = self.bound(args, kwargs)
         if self.flat_keywords:
             if len(args) != self.positional_count:

@@ -17,7 +17,6 @@ imports ExecuTorch's whole compiler (and torch's) for a warning class, about 2 s
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import logging
@@ -270,23 +269,30 @@ def run(handle: XnnpackHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]
         handle.check(inputs)
     # ExecuTorch takes exactly torch.Tensor (not a Parameter), contiguous, with no pending negation.
     feeds = engine_inputs(inputs, handle.unsettled)
+    if not handle.started:
+        return first_run(handle, feeds)
     with _RUNTIME_LOCK:
         # XNNPACK's pool follows the delegate's threads spec, else torch's thread count as every other engine here
         # does, while no started delegate holds it.
         _POOL.follow(handle.threads or torch.get_num_threads())
-        if not handle.started:
-            _POOL.started.add(handle)
         try:
-            # XNNPACK packs its weights at the first call.
-            with on_huge_pages() if not handle.started else contextlib.nullcontext():
+            return handle.module.run_method(METHOD, feeds, True)
+        except RuntimeError as error:
+            raise RunError(f"{handle.label}: ExecuTorch could not run it: {error}") from error
+
+
+def first_run(handle: XnnpackHandle, feeds: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The first call, which sets XNNPACK up: it packs its weights (on huge pages), and its outputs are counted."""
+    with _RUNTIME_LOCK:
+        _POOL.follow(handle.threads or torch.get_num_threads())
+        _POOL.started.add(handle)
+        try:
+            with on_huge_pages():
                 outputs = handle.module.run_method(METHOD, feeds, True)
         except RuntimeError as error:
-            # XNNPACK starts at the first call: a failure there is one of setting it up.
-            kind = RunError if handle.started else DelegateInitError
-            raise kind(f"{handle.label}: ExecuTorch could not run it: {error}") from error
-        if not handle.started:
-            handle.started = True
-            release_packed(handle)
+            raise DelegateInitError(f"{handle.label}: ExecuTorch could not run it: {error}") from error
+        handle.started = True
+        release_packed(handle)
     if len(outputs) != handle.outputs:
         raise PackageError(f"{handle.label}: the program returned {len(outputs)} outputs, its record says "
                            f"{handle.outputs}")
