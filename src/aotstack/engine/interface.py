@@ -106,13 +106,15 @@ class BackendRuntime:
         return self.init(processed_bytes, named_data, compile_specs), frozenset()
 
     def trust_inputs(self, handle: Any, proven: Mapping[int, ProvenInput]) -> None:
-        """Told, once after ``init``, what the loaded plan guarantees some inputs are at every call.
+        """Told, once, after the method's first call, what the loaded plan guarantees some inputs are at every call.
 
         ``proven`` maps an input's index to its dtype, device type and static sizes, where the
         plan knows them without looking: the output of a compiled part on the host, a weight, or
         an argument the method's own check has read. An engine that checks its inputs at each
-        call (``format/boundary.py``) may leave those out: ``BoundaryCheck.trusting``. The
-        default checks everything, as before.
+        call (``format/boundary.py``) may leave those out: ``BoundaryCheck.trusting``. Where
+        ``ProvenInput.strides`` is set, the input is also a plain tensor laid out so at every
+        call, and an engine need not test whether to copy it into the layout it reads. The
+        default checks and lays out everything, as before.
         """
 
     def load_state(self, handle: Any, buffers: Collection[str]) -> None:

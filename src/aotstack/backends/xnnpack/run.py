@@ -95,8 +95,9 @@ class ThreadPool:
             self.warned = True
             logger.warning(
                 "XNNPACK keeps the %d thread(s) its loaded delegates started on: ExecuTorch's thread pool cannot be "
-                "replaced under them, so torch.set_num_threads(%d) reaches it once they are released",
-                current, threads,
+                "replaced under them, so a call asking for %d (its delegate's threads spec, else torch's thread "
+                "count) runs on %d until they are released",
+                current, threads, current,
             )
 
 
