@@ -1,12 +1,14 @@
-"""What the benchmarks measure in a fresh process; its last line of output is one JSON object.
+"""What the benchmarks measure in a fresh process; its last line of output is one JSON object (``serve``: one each).
 
     child.py sha256 FILE                                     read and SHA-256-hash FILE once
     child.py load aotstack|aoti|executorch PACKAGE INPUTS THREADS [--import M]   load + first call; resident memory
                                                             after import, load, the call and a second call
     child.py compile aotstack|aoti WORKLOAD PACKAGE THREADS [--exclude OP ...] [--jobs N]
+    child.py serve aotstack|executorch PACKAGE THREADS       a decoder kept open: one JSON request per line on
+                                                            stdin, one JSON reply per line (``common.Worker``)
 
-Run through ``common.run_child``, which puts ``bench/`` and the repository root on the path. Imports
-are untimed: each side imports what its own load or compile needs before the clock starts.
+Run through ``common.run_child`` (``serve``: ``common.Worker``), which puts ``bench/`` and the repository root on
+the path. Imports are untimed: each side imports what its own load or compile needs before the clock starts.
 """
 
 from __future__ import annotations
@@ -165,6 +167,73 @@ def compile_package(kind: str, workload: str, package: str, threads: int, exclud
          delegates=delegates, cpu_s=cpu_s, **details)
 
 
+def open_decoder(kind: str, package: str) -> tuple[Any, Any]:
+    """``(step(ids, position) -> logits, reset())`` of a decoder file: aotstack's ``.pt2`` or ExecuTorch's ``.pte``."""
+    if kind == "aotstack":
+        import aotstack
+
+        loaded = aotstack.load(package)
+        return (lambda ids, position: loaded.forward(input_ids=ids, cache_position=position)), loaded.reset
+    import executorch.kernels.quantized  # noqa: F401  (a quantized embedding's kernels)
+    from executorch.runtime import Runtime
+
+    program = Runtime.get().load_program(package)
+    method = [program.load_method("forward")]
+
+    # ``reset`` holds ``program``: executorch 1.5 frees a program no Python object holds, and its method crashes.
+    def reset() -> None:  # the cache lives in the method's planned memory
+        method[0] = program.load_method("forward")
+
+    return (lambda ids, position: method[0].execute([ids, position])[0]), reset
+
+
+def serve(kind: str, package: str, threads: int) -> None:
+    """Answer the benchmark's requests on one open decoder until stdin closes.
+
+    ``{"generate": N}``: reset, the prompt, N greedy tokens; replies ``{"tokens", "seconds"}`` (the steps after
+    the prompt, timed here). ``{"forced": [tokens], "path": P}``: reset, one step per token, the last position's
+    logits stacked and saved to P. A failed request replies ``{"error"}``. Replies go to the stdout this process
+    started with; anything a library prints goes to stderr.
+    """
+    import gc
+    import sys
+
+    import torch
+
+    from decode import decode
+
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    torch.set_num_threads(threads)  # before the load: ONNX Runtime's sessions read it there
+    if kind == "executorch":
+        from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+
+        _unsafe_reset_threadpool(threads)  # XNNPACK's pool, one per process; nothing has started on it
+    step, reset = open_decoder(kind, package)
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            reset()
+            if "generate" in request:
+                gc.collect()
+                gc.disable()
+                try:
+                    tokens, seconds = decode(step, request["generate"])
+                finally:
+                    gc.enable()
+                reply: dict[str, Any] = {"tokens": tokens, "seconds": seconds}
+            else:
+                with torch.no_grad():
+                    logits = [step(torch.tensor([[t]]), torch.tensor([p]))[0, -1].float()
+                              for p, t in enumerate(request["forced"])]
+                torch.save(torch.stack(logits), request["path"])
+                reply = {}
+        except Exception as exc:  # the benchmark reports it in the engine's cell
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -183,11 +252,17 @@ def main() -> None:
     compiling.add_argument("threads", type=int)
     compiling.add_argument("--exclude", nargs="*", default=[])
     compiling.add_argument("--jobs", type=int, default=None)
+    serving = commands.add_parser("serve")
+    serving.add_argument("kind", choices=["aotstack", "executorch"])
+    serving.add_argument("package")
+    serving.add_argument("threads", type=int)
     args = parser.parse_args()
     if args.command == "sha256":
         sha256(args.path)
     elif args.command == "load":
         load(args.kind, args.package, args.inputs, args.threads, args.imports)
+    elif args.command == "serve":
+        serve(args.kind, args.package, args.threads)
     else:
         compile_package(args.kind, args.workload, args.package, args.threads, args.exclude, args.jobs)
 

@@ -11,6 +11,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -262,18 +263,77 @@ def measure(variants: Sequence[Variant], calls: int, warmup: int, seed: int = 0)
         gc.enable()
 
 
-def run_child(args: Sequence[str], env: dict[str, str] | None = None) -> dict[str, Any]:
-    """``python bench/child.py args...`` in a fresh process; the JSON object on its last line of output.
+def child_command(args: Sequence[str], env: dict[str, str] | None = None) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of ``python bench/child.py args...``.
 
     ``bench/`` and the repository root are on the child's path; ``env`` is added to this environment.
     """
     environment = {**os.environ, **(env or {})}
     environment["PYTHONPATH"] = os.pathsep.join(p for p in (BENCH, REPO, environment.get("PYTHONPATH")) if p)
-    command = [sys.executable, os.path.join(BENCH, "child.py"), *args]
+    return [sys.executable, os.path.join(BENCH, "child.py"), *args], environment
+
+
+def run_child(args: Sequence[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``python bench/child.py args...`` in a fresh process; the JSON object on its last line of output."""
+    command, environment = child_command(args, env)
     done = subprocess.run(command, capture_output=True, text=True, env=environment, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"child {' '.join(args)} failed ({done.returncode}):\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+class Worker:
+    """A decoder file open in a process of its own (``bench/child.py serve``), as a user's process runs one.
+
+    ExecuTorch's XNNPACK thread pool is one per process: files opened side by side in one process would all run on
+    the pool the first one started, at its thread count. ``generate`` and ``forced`` are answered there.
+    """
+
+    def __init__(self, kind: str, path: str, threads: int) -> None:
+        command, environment = child_command(["serve", kind, path, str(threads)])
+        self.name = f"{kind} {os.path.basename(path)}"
+        self.errors = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors,
+                                        text=True, env=environment)
+
+    def ask(self, **request: Any) -> dict[str, Any]:
+        try:
+            self.process.stdin.write(json.dumps(request) + "\n")
+            self.process.stdin.flush()
+            line = self.process.stdout.readline()
+        except BrokenPipeError:
+            line = ""
+        if not line:
+            self.process.wait()
+            self.errors.seek(0)
+            ended = self.process.returncode
+            raise RuntimeError(f"{self.name}: its process ended ({ended}): {self.errors.read()[-2000:]}")
+        reply = json.loads(line)
+        if "error" in reply:
+            raise RuntimeError(f"{self.name}: {reply['error']}")
+        return reply
+
+    def generate(self, tokens: int) -> tuple[list[int], float]:
+        """From a reset: the prompt, then ``tokens`` greedy tokens; the tokens and the seconds their steps took."""
+        reply = self.ask(generate=tokens)
+        return reply["tokens"], reply["seconds"]
+
+    def forced(self, sequence: Sequence[int]) -> torch.Tensor:
+        """From a reset, one step per token of ``sequence``: each step's last-position logits, stacked."""
+        with tempfile.TemporaryDirectory() as directory:
+            path = os.path.join(directory, "logits.pt")
+            self.ask(forced=list(sequence), path=path)
+            return torch.load(path, weights_only=True)
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.errors.close()
 
 
 def save_inputs(path: str, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> str:

@@ -57,6 +57,11 @@ Engines (columns), every one given the same thread count (``torch.set_num_thread
 - aotstack auto:     ``lower(program, "auto")``, where aotstack takes it; the decoder's step timed halfway through
                      the reply (``Auto(inputs=...)`` at position 40), as ``export-hf`` times one
 
+The decoder's aotstack files and ExecuTorch's program each run in a process of their own (``bench/child.py serve``,
+``common.Worker``), as a user's process runs one file: ExecuTorch's XNNPACK thread pool is one per process, so files
+side by side in one process would all run on the pool the first started, at its thread count (an auto plan that
+keeps XNNPACK on 1 thread beside AOTI on 2 would run it on 2). The worker times its own steps.
+
 A column the environment lacks (executorch not installed, a partitioner aotstack does not have yet)
 says "unavailable" with the reason under the table. OpenVINO compiles in a child process first
 (its CPU plugin has died of SIGFPE compiling a model here), and so does an aotstack file holding
@@ -120,6 +125,7 @@ from common import (
     Figure,
     Figures,
     Settings,
+    Worker,
     figure_rows,
     median,
     print_figures,
@@ -200,13 +206,36 @@ class NearTie(Exception):
 
 @dataclass
 class Runner:
-    """One engine, ready at one thread count. ``call()`` for a forward; ``call(ids, position)`` for the decoder."""
+    """One engine, ready at one thread count. ``call()`` for a forward; ``call(ids, position)`` for the decoder.
 
-    call: Callable[..., torch.Tensor]
+    A decoder held by a ``worker`` (a process of its own) has no ``call``: ``generate`` and ``forced`` go there.
+    """
+
+    call: Callable[..., torch.Tensor] | None = None
     reset: Callable[[], None] = lambda: None
     detail: str = ""  # e.g. an aotstack file's delegates per engine
     files: Sequence[str] = ()  # what the engine runs from: its size is the cell's file size
     memory: tuple[str, str] | None = None  # (bench/child.py load kind, file): resident memory, the decoder only
+    worker: Worker | None = None
+
+    def generate(self, tokens: int) -> tuple[list[int], float]:
+        """From a reset: the prompt, then ``tokens`` greedy tokens; the tokens and the seconds their steps took."""
+        if self.worker is not None:
+            return self.worker.generate(tokens)
+        self.reset()
+        return decode(self.call, tokens)
+
+    def forced(self, sequence: Sequence[int]) -> torch.Tensor:
+        """From a reset, one step per token of ``sequence`` (teacher forcing): the last position's logits, stacked."""
+        if self.worker is not None:
+            return self.worker.forced(sequence)
+        self.reset()
+        with torch.no_grad():
+            return torch.stack([self.call(*decoder_inputs(p, t))[0, -1].float() for p, t in enumerate(sequence)])
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
 
 
 @dataclass
@@ -603,6 +632,9 @@ def executorch_runner(case: Case, threads: int, settings: Settings) -> Runner:
         return path, detail
 
     path, detail = case.artifact(ET, lower)
+    if case.decoder:  # XNNPACK's thread pool is one per process: the pte runs in its own, as aotstack's files do
+        return Runner(detail=detail, files=[path], memory=("executorch", path),
+                      worker=Worker("executorch", path, threads))
     with open(path, "rb") as file:
         program_bytes = file.read()
     from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
@@ -656,10 +688,9 @@ def aotstack_path(settings: Settings, case_name: str, threads: int, engine: str)
     return settings.path(f"peers-{case_name}-{threads}t-aotstack-{tag}.pt2")
 
 
-def decoder_runner(path: str, detail: str) -> Runner:
-    loaded = aotstack.load(path)  # after torch.set_num_threads: its ONNX Runtime sessions read it here
-    return Runner(lambda ids, pos: loaded.forward(input_ids=ids, cache_position=pos), loaded.reset, detail,
-                  [path], ("aotstack", path))
+def decoder_runner(path: str, detail: str, threads: int) -> Runner:
+    """An aotstack decoder file in a process of its own (``Worker``), as a user's process runs one file."""
+    return Runner(detail=detail, files=[path], memory=("aotstack", path), worker=Worker("aotstack", path, threads))
 
 
 def aotstack_runner(engine: str) -> Callable[[Case, int, Settings], Runner]:
@@ -700,7 +731,7 @@ def aotstack_runner(engine: str) -> Callable[[Case, int, Settings], Runner]:
         if any(d.backend_id == "openvino" for d in lowered.delegates("forward")):
             probe_aotstack(case, path, threads, settings)  # OpenVINO's compile can kill the process
         if case.decoder:
-            return decoder_runner(path, detail)
+            return decoder_runner(path, detail, threads)
         loaded = aotstack.load(path)
         args = case.args
         return Runner(lambda: loaded.forward(*args), detail=detail, files=[path])
@@ -751,11 +782,9 @@ def first_difference(tokens: list[int], expected: list[int]) -> int:
     return next(i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b)
 
 
-def forced_logits(step: Callable[..., torch.Tensor], case: Case) -> torch.Tensor:
+def forced_logits(runner: Runner, case: Case) -> torch.Tensor:
     """Last-position logits of every step, fed the prompt and then eager's tokens (teacher forcing)."""
-    with torch.no_grad():
-        sequence = [*PROMPT, *case.reference]
-        return torch.stack([step(*decoder_inputs(p, t))[0, -1].float() for p, t in enumerate(sequence)])
+    return runner.forced([*PROMPT, *case.reference])
 
 
 def check_decoder(case: Case, runner: Runner, eager_logits: Callable[[], torch.Tensor]) -> list[int]:
@@ -766,14 +795,12 @@ def check_decoder(case: Case, runner: Runner, eager_logits: Callable[[], torch.T
     every step are compared with eager's: within the dtype's tolerance, a near-tie (no figure all
     the same); beyond it, wrong.
     """
-    runner.reset()
-    tokens = decode(runner.call, TOKENS[case.size])[0]
+    tokens = runner.generate(TOKENS[case.size])[0]
     if tokens == case.reference:
         return tokens
     first = first_difference(tokens, case.reference)
-    runner.reset()
     expected = eager_logits()
-    difference = (forced_logits(runner.call, case) - expected).abs().max().item()
+    difference = (forced_logits(runner, case) - expected).abs().max().item()
     allowed = TOLERANCE[case.dtype] * max(1.0, expected.abs().max().item())
     differ = f"generated tokens differ from eager's from token {first} on"
     if not difference <= allowed:
@@ -845,8 +872,7 @@ def measure_rounds(case: Case, runners: dict[str, Runner], cells: dict[str, Cell
                 started = time.perf_counter()
                 try:
                     if case.decoder:
-                        runner.reset()
-                        generated, seconds = decode(runner.call, tokens)
+                        generated, seconds = runner.generate(tokens)
                         if generated != cells[name].tokens:
                             first = first_difference(generated, cells[name].tokens)
                             raise Wrong(f"round {index + 1}: tokens differ from its first run's from token {first} on")
@@ -894,20 +920,34 @@ def run_threads(case: Case, threads: int, settings: Settings, rounds: int,
     torch.set_num_threads(threads)
     eager = eager_runner(case, threads, settings)
     with torch.no_grad():  # the reference, at this thread count: summing in another order may change a token
-        case.reference = decode(eager.call, TOKENS[case.size])[0] if case.decoder else eager.call()
+        case.reference = eager.generate(TOKENS[case.size])[0] if case.decoder else eager.call()
     logits: list[torch.Tensor] = []
 
     def eager_logits() -> torch.Tensor:  # eager's, fed its own tokens; once, where an engine's tokens differ
         if not logits:
-            logits.append(forced_logits(eager.call, case))
+            logits.append(forced_logits(eager, case))
         return logits[0]
 
     cells: dict[str, Cell] = {}
     runners: dict[str, Runner] = {}
+    built: list[Runner] = []  # closed at the end (a worker's process), failed or not
+    try:
+        time_engines(case, threads, settings, rounds, beside or {}, eager_logits, cells, runners, built)
+    finally:
+        for runner in built:
+            runner.close()
+    return cells
+
+
+def time_engines(case: Case, threads: int, settings: Settings, rounds: int, beside: dict[str, tuple[str, Cell]],
+                 eager_logits: Callable[[], torch.Tensor], cells: dict[str, Cell], runners: dict[str, Runner],
+                 built: list[Runner]) -> None:
+    """``run_threads``'s work: every engine built into ``built``, checked into ``cells``, then timed in rounds."""
     for engine in ENGINES:
         runner = None
         try:
             runner = BUILDERS[engine](case, threads, settings)
+            built.append(runner)
             if case.decoder:  # also the warm-up
                 cells[engine] = Cell(detail=runner.detail, tokens=check_decoder(case, runner, eager_logits))
             else:
@@ -929,12 +969,12 @@ def run_threads(case: Case, threads: int, settings: Settings, rounds: int,
     if not case.decoder:
         differences = ", ".join(f"{n} {c.difference:.1e}" for n, c in cells.items() if c.difference is not None)
         progress(f"{case.name} {threads}t: max |engine - eager|: {differences}")
-    for name, (path, source) in (beside or {}).items():
-        runners[name] = decoder_runner(path, source.detail)
+    for name, (path, source) in beside.items():
+        runners[name] = decoder_runner(path, source.detail, threads)
+        built.append(runners[name])
         cells[name] = Cell(detail=source.detail, tokens=source.tokens)
     progress(f"{case.name} {threads}t: timing {len(runners)} engines, {rounds} rounds ...")
     measure_rounds(case, runners, cells, rounds)
-    return cells
 
 
 # Reporting.
