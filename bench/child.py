@@ -4,8 +4,9 @@
     child.py load aotstack|aoti|executorch PACKAGE INPUTS THREADS [--import M]   load + first call; resident memory
                                                             after import, load, the call and a second call
     child.py compile aotstack|aoti WORKLOAD PACKAGE THREADS [--exclude OP ...] [--jobs N]
-    child.py serve aotstack|executorch PACKAGE THREADS       a decoder kept open: one JSON request per line on
-                                                            stdin, one JSON reply per line (``common.Worker``)
+    child.py serve aotstack|executorch PACKAGE THREADS [--inputs INPUTS]   a file kept open (a decoder, or with
+                                                            INPUTS a forward): one JSON request per line on stdin,
+                                                            one JSON reply per line (``common.Worker``)
 
 Run through ``common.run_child`` (``serve``: ``common.Worker``), which puts ``bench/`` and the repository root on
 the path. Imports are untimed: each side imports what its own load or compile needs before the clock starts.
@@ -167,13 +168,14 @@ def compile_package(kind: str, workload: str, package: str, threads: int, exclud
          delegates=delegates, cpu_s=cpu_s, **details)
 
 
-def open_decoder(kind: str, package: str) -> tuple[Any, Any]:
-    """``(step(ids, position) -> logits, reset())`` of a decoder file: aotstack's ``.pt2`` or ExecuTorch's ``.pte``."""
+def open_file(kind: str, package: str) -> tuple[Any, Any]:
+    """``(method, reset())`` of aotstack's ``.pt2`` or ExecuTorch's ``.pte``: its ``forward``, called with keywords or
+    positionally, and what puts a decoder's cache back."""
     if kind == "aotstack":
         import aotstack
 
         loaded = aotstack.load(package)
-        return (lambda ids, position: loaded.forward(input_ids=ids, cache_position=position)), loaded.reset
+        return (lambda *args, **kwargs: loaded.forward(*args, **kwargs)), loaded.reset
     import executorch.kernels.quantized  # noqa: F401  (a quantized embedding's kernels)
     from executorch.runtime import Runtime
 
@@ -184,16 +186,18 @@ def open_decoder(kind: str, package: str) -> tuple[Any, Any]:
     def reset() -> None:  # the cache lives in the method's planned memory
         method[0] = program.load_method("forward")
 
-    return (lambda ids, position: method[0].execute([ids, position])[0]), reset
+    return (lambda *args, **kwargs: method[0].execute([*args, *kwargs.values()])[0]), reset
 
 
-def serve(kind: str, package: str, threads: int) -> None:
-    """Answer the benchmark's requests on one open decoder until stdin closes.
+def serve(kind: str, package: str, threads: int, inputs: str | None) -> None:
+    """Answer the benchmark's requests on one open file until stdin closes.
 
-    ``{"generate": N}``: reset, the prompt, N greedy tokens; replies ``{"tokens", "seconds"}`` (the steps after
-    the prompt, timed here). ``{"forced": [tokens], "path": P}``: reset, one step per token, the last position's
-    logits stacked and saved to P. A failed request replies ``{"error"}``. Replies go to the stdout this process
-    started with; anything a library prints goes to stderr.
+    A forward (``inputs``: the arguments, a ``common.save_inputs`` file): ``{"output": true, "path": P}`` saves one
+    call's output to P; ``{"block": N}`` replies ``{"ms"}``, per call over N back-to-back calls. A decoder:
+    ``{"generate": N}`` resets, feeds the prompt, then N greedy tokens, and replies ``{"tokens", "seconds"}`` (the
+    steps after the prompt); ``{"forced": [tokens], "path": P}`` resets, steps once per token, and saves the last
+    position's logits, stacked, to P. A failed request replies ``{"error"}``. Replies go to the stdout this
+    process started with; anything a library prints goes to stderr.
     """
     import gc
     import sys
@@ -209,25 +213,42 @@ def serve(kind: str, package: str, threads: int) -> None:
         from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
 
         _unsafe_reset_threadpool(threads)  # XNNPACK's pool, one per process; nothing has started on it
-    step, reset = open_decoder(kind, package)
+    method, reset = open_file(kind, package)
+    call = torch.load(inputs, weights_only=True) if inputs else None
+
+    def step(ids: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        return method(input_ids=ids, cache_position=position)
+
     for line in sys.stdin:
         request = json.loads(line)
+        reply: dict[str, Any] = {}
         try:
-            reset()
-            if "generate" in request:
+            if "output" in request:
+                torch.save(method(*call["args"], **call["kwargs"]), request["path"])
+            elif "block" in request:
                 gc.collect()
                 gc.disable()
                 try:
-                    tokens, seconds = decode(step, request["generate"])
+                    started = time.perf_counter_ns()
+                    for _ in range(request["block"]):
+                        method(*call["args"], **call["kwargs"])
+                    reply["ms"] = (time.perf_counter_ns() - started) / request["block"] / 1e6
                 finally:
                     gc.enable()
-                reply: dict[str, Any] = {"tokens": tokens, "seconds": seconds}
+            elif "generate" in request:
+                reset()
+                gc.collect()
+                gc.disable()
+                try:
+                    reply["tokens"], reply["seconds"] = decode(step, request["generate"])
+                finally:
+                    gc.enable()
             else:
+                reset()
                 with torch.no_grad():
                     logits = [step(torch.tensor([[t]]), torch.tensor([p]))[0, -1].float()
                               for p, t in enumerate(request["forced"])]
                 torch.save(torch.stack(logits), request["path"])
-                reply = {}
         except Exception as exc:  # the benchmark reports it in the engine's cell
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         replies.write(json.dumps(reply) + "\n")
@@ -256,13 +277,14 @@ def main() -> None:
     serving.add_argument("kind", choices=["aotstack", "executorch"])
     serving.add_argument("package")
     serving.add_argument("threads", type=int)
+    serving.add_argument("--inputs", default=None)
     args = parser.parse_args()
     if args.command == "sha256":
         sha256(args.path)
     elif args.command == "load":
         load(args.kind, args.package, args.inputs, args.threads, args.imports)
     elif args.command == "serve":
-        serve(args.kind, args.package, args.threads)
+        serve(args.kind, args.package, args.threads, args.inputs)
     else:
         compile_package(args.kind, args.workload, args.package, args.threads, args.exclude, args.jobs)
 

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -283,14 +284,16 @@ def run_child(args: Sequence[str], env: dict[str, str] | None = None) -> dict[st
 
 
 class Worker:
-    """A decoder file open in a process of its own (``bench/child.py serve``), as a user's process runs one.
+    """A file open in a process of its own (``bench/child.py serve``), as a user's process runs one.
 
     ExecuTorch's XNNPACK thread pool is one per process: files opened side by side in one process would all run on
-    the pool the first one started, at its thread count. ``generate`` and ``forced`` are answered there.
+    the pool the first one started, at its thread count. A forward (``inputs``: a ``save_inputs`` file) answers
+    ``output`` and ``block``; a decoder ``generate`` and ``forced``.
     """
 
-    def __init__(self, kind: str, path: str, threads: int) -> None:
-        command, environment = child_command(["serve", kind, path, str(threads)])
+    def __init__(self, kind: str, path: str, threads: int, inputs: str | None = None) -> None:
+        forward = ["--inputs", inputs] if inputs else []
+        command, environment = child_command(["serve", kind, path, str(threads), *forward])
         self.name = f"{kind} {os.path.basename(path)}"
         self.errors = tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors,
@@ -304,14 +307,22 @@ class Worker:
         except BrokenPipeError:
             line = ""
         if not line:
-            self.process.wait()
+            ended = self.process.wait()
+            how = f"killed by {signal.Signals(-ended).name}" if ended < 0 else f"exit status {ended}"
             self.errors.seek(0)
-            ended = self.process.returncode
-            raise RuntimeError(f"{self.name}: its process ended ({ended}): {self.errors.read()[-2000:]}")
+            raise RuntimeError(f"{self.name}: its process ended ({how}): {self.errors.read()[-2000:]}")
         reply = json.loads(line)
         if "error" in reply:
             raise RuntimeError(f"{self.name}: {reply['error']}")
         return reply
+
+    def output(self) -> torch.Tensor:
+        """A forward's output, one call."""
+        return self.saved(output=True)
+
+    def block(self, calls: int) -> float:
+        """A forward's milliseconds per call over ``calls`` back-to-back calls."""
+        return self.ask(block=calls)["ms"]
 
     def generate(self, tokens: int) -> tuple[list[int], float]:
         """From a reset: the prompt, then ``tokens`` greedy tokens; the tokens and the seconds their steps took."""
@@ -320,9 +331,13 @@ class Worker:
 
     def forced(self, sequence: Sequence[int]) -> torch.Tensor:
         """From a reset, one step per token of ``sequence``: each step's last-position logits, stacked."""
+        return self.saved(forced=list(sequence))
+
+    def saved(self, **request: Any) -> torch.Tensor:
+        """The tensor the worker saves answering ``request``."""
         with tempfile.TemporaryDirectory() as directory:
-            path = os.path.join(directory, "logits.pt")
-            self.ask(forced=list(sequence), path=path)
+            path = os.path.join(directory, "answer.pt")
+            self.ask(**request, path=path)
             return torch.load(path, weights_only=True)
 
     def close(self) -> None:

@@ -57,15 +57,15 @@ Engines (columns), every one given the same thread count (``torch.set_num_thread
 - aotstack auto:     ``lower(program, "auto")``, where aotstack takes it; the decoder's step timed halfway through
                      the reply (``Auto(inputs=...)`` at position 40), as ``export-hf`` times one
 
-The decoder's aotstack files and ExecuTorch's program each run in a process of their own (``bench/child.py serve``,
+Each aotstack file and ExecuTorch's program runs in a process of its own (``bench/child.py serve``,
 ``common.Worker``), as a user's process runs one file: ExecuTorch's XNNPACK thread pool is one per process, so files
 side by side in one process would all run on the pool the first started, at its thread count (an auto plan that
-keeps XNNPACK on 1 thread beside AOTI on 2 would run it on 2). The worker times its own steps.
+keeps XNNPACK on 1 thread beside AOTI on 2 would run it on 2); and an engine that dies there (OpenVINO's compile,
+of SIGFPE) takes only that process. The worker times its own calls and steps.
 
 A column the environment lacks (executorch not installed, a partitioner aotstack does not have yet)
 says "unavailable" with the reason under the table. OpenVINO compiles in a child process first
-(its CPU plugin has died of SIGFPE compiling a model here), and so does an aotstack file holding
-OpenVINO delegates (``bench/child.py load``). Under ``bench/run.py`` (``make bench``) the benchmark
+(its CPU plugin has died of SIGFPE compiling a model here). Under ``bench/run.py`` (``make bench``) the benchmark
 runs at 1 and 2 threads whatever ``--threads`` says.
 
 ONNX Runtime and OpenVINO have no in-place buffers, so for the decoder the exported program's cache updates
@@ -208,7 +208,8 @@ class NearTie(Exception):
 class Runner:
     """One engine, ready at one thread count. ``call()`` for a forward; ``call(ids, position)`` for the decoder.
 
-    A decoder held by a ``worker`` (a process of its own) has no ``call``: ``generate`` and ``forced`` go there.
+    A file held by a ``worker`` (a process of its own) has no ``call``: ``output``, ``block``, ``generate`` and
+    ``forced`` go there.
     """
 
     call: Callable[..., torch.Tensor] | None = None
@@ -217,6 +218,19 @@ class Runner:
     files: Sequence[str] = ()  # what the engine runs from: its size is the cell's file size
     memory: tuple[str, str] | None = None  # (bench/child.py load kind, file): resident memory, the decoder only
     worker: Worker | None = None
+
+    def output(self) -> torch.Tensor:
+        """A forward's output."""
+        return self.worker.output() if self.worker is not None else self.call()
+
+    def block(self, calls: int) -> float:
+        """A forward's milliseconds per call over ``calls`` back-to-back calls."""
+        if self.worker is not None:
+            return self.worker.block(calls)
+        started = time.perf_counter_ns()
+        for _ in range(calls):
+            self.call()
+        return (time.perf_counter_ns() - started) / calls / 1e6
 
     def generate(self, tokens: int) -> tuple[list[int], float]:
         """From a reset: the prompt, then ``tokens`` greedy tokens; the tokens and the seconds their steps took."""
@@ -524,23 +538,6 @@ def probe_openvino(path: str, config: dict[str, Any]) -> None:
         raise RuntimeError(f"compile_model or a first call failed in a child process: {' '.join(lines[-3:])}")
 
 
-def probe_aotstack(case: Case, path: str, threads: int, settings: Settings) -> None:
-    """``aotstack.load`` and one call in a fresh process (bench/child.py), for a file OpenVINO compiles in."""
-    if case.decoder:
-        inputs = save_inputs(settings.path(f"peers-{case.name}-inputs.pt"),
-                             kwargs=dict(zip(("input_ids", "cache_position"), decoder_inputs())))
-    else:
-        inputs = save_inputs(settings.path(f"peers-{case.name}-inputs.pt"), case.args)
-    try:
-        run_child(["load", "aotstack", path, inputs, str(threads)])
-    except RuntimeError as exc:
-        status = re.search(r"failed \((-\d+)\)", str(exc))
-        if status:
-            raise RuntimeError(f"load + first call killed the process with {signal.Signals(-int(status[1])).name} "
-                               "(seen in a child process)") from None
-        raise RuntimeError(f"load + first call failed in a child process: {str(exc).splitlines()[-1]}") from None
-
-
 def ov_runner(case: Case, threads: int, settings: Settings) -> Runner:
     import openvino
 
@@ -632,30 +629,7 @@ def executorch_runner(case: Case, threads: int, settings: Settings) -> Runner:
         return path, detail
 
     path, detail = case.artifact(ET, lower)
-    if case.decoder:  # XNNPACK's thread pool is one per process: the pte runs in its own, as aotstack's files do
-        return Runner(detail=detail, files=[path], memory=("executorch", path),
-                      worker=Worker("executorch", path, threads))
-    with open(path, "rb") as file:
-        program_bytes = file.read()
-    from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
-    from executorch.runtime import Runtime
-
-    if case.dtype in QUANTIZED:  # registers the quantized kernels (quantized_decomposed::embedding_4bit)
-        importlib.import_module("executorch.kernels.quantized")
-
-    _unsafe_reset_threadpool(threads)  # XNNPACK's pool; no method is running now
-    program = Runtime.get().load_program(program_bytes)
-    method = [program.load_method("forward")]
-
-    # Every closure holds ``program``: a method points into its program, and executorch 1.5 frees a program no
-    # Python object holds, leaving the method to crash (SIGSEGV in Method::inputs_size) on its next call.
-    def reset() -> None:  # a decoder's cache lives in the method's planned memory
-        method[0] = program.load_method("forward")
-
-    if not case.decoder:
-        args = list(case.args)
-        return Runner(lambda: method[0].execute(args)[0], reset, detail, [path])
-    return Runner(lambda ids, pos: method[0].execute([ids, pos])[0], reset, detail, [path], ("executorch", path))
+    return file_runner(case, "executorch", path, detail, threads, settings)
 
 
 def aotstack_partitioners(engine: str, case: Case) -> list[aotstack.Partitioner] | aotstack.Auto:
@@ -688,9 +662,15 @@ def aotstack_path(settings: Settings, case_name: str, threads: int, engine: str)
     return settings.path(f"peers-{case_name}-{threads}t-aotstack-{tag}.pt2")
 
 
-def decoder_runner(path: str, detail: str, threads: int) -> Runner:
-    """An aotstack decoder file in a process of its own (``Worker``), as a user's process runs one file."""
-    return Runner(detail=detail, files=[path], memory=("aotstack", path), worker=Worker("aotstack", path, threads))
+def file_runner(case: Case, kind: str, path: str, detail: str, threads: int, settings: Settings) -> Runner:
+    """An aotstack file or ExecuTorch program open in a process of its own (``Worker``), as a user's process runs one.
+
+    ExecuTorch's XNNPACK thread pool is one per process. A process of its own also keeps an engine that dies
+    (OpenVINO's compile, of SIGFPE) from taking the benchmark with it.
+    """
+    inputs = None if case.decoder else save_inputs(settings.path(f"peers-{case.name}-args.pt"), case.args)
+    return Runner(detail=detail, files=[path], memory=(kind, path) if case.decoder else None,
+                  worker=Worker(kind, path, threads, inputs))
 
 
 def aotstack_runner(engine: str) -> Callable[[Case, int, Settings], Runner]:
@@ -728,13 +708,7 @@ def aotstack_runner(engine: str) -> Callable[[Case, int, Settings], Runner]:
                 for c in selection.candidates
             )
             progress(f"{case.name}: {engine} measured {measured}; kept: {selection.reason}")
-        if any(d.backend_id == "openvino" for d in lowered.delegates("forward")):
-            probe_aotstack(case, path, threads, settings)  # OpenVINO's compile can kill the process
-        if case.decoder:
-            return decoder_runner(path, detail, threads)
-        loaded = aotstack.load(path)
-        args = case.args
-        return Runner(lambda: loaded.forward(*args), detail=detail, files=[path])
+        return file_runner(case, "aotstack", path, detail, threads, settings)
 
     return build
 
@@ -768,7 +742,7 @@ def outcome(exc: BaseException) -> Cell:
 
 def check_forward(case: Case, runner: Runner) -> float:
     """Max |engine - eager|; raises Wrong beyond the dtype's tolerance."""
-    output, expected = runner.call(), case.reference
+    output, expected = runner.output(), case.reference
     if tuple(output.shape) != tuple(expected.shape):
         raise Wrong(f"output shape {tuple(output.shape)}, eager's {tuple(expected.shape)}")
     difference = (output.float() - expected.float()).abs().max().item()
@@ -834,14 +808,6 @@ def file_and_memory(case: Case, engine: str, runner: Runner, cell: Cell, setting
         progress(f"{case.name}: {engine}: resident memory not measured: {cell.rss_note}")
 
 
-def timed_block(runner: Runner, calls: int) -> float:
-    """Milliseconds per call over ``calls`` back-to-back calls."""
-    started = time.perf_counter_ns()
-    for _ in range(calls):
-        runner.call()
-    return (time.perf_counter_ns() - started) / calls / 1e6
-
-
 def measure_rounds(case: Case, runners: dict[str, Runner], cells: dict[str, Cell], rounds: int) -> None:
     """Each round times every engine once, the order rotated by one per round; medians into ``cells``.
 
@@ -853,7 +819,7 @@ def measure_rounds(case: Case, runners: dict[str, Runner], cells: dict[str, Cell
     if not case.decoder:  # a block lasts about BLOCK_SECONDS
         for name, runner in list(runners.items()):
             try:
-                per_call = timed_block(runner, 1) / 1e3
+                per_call = runner.block(1) / 1e3
             except Exception as exc:
                 cells[name], _ = outcome(exc), runners.pop(name)
                 continue
@@ -878,7 +844,7 @@ def measure_rounds(case: Case, runners: dict[str, Runner], cells: dict[str, Cell
                             raise Wrong(f"round {index + 1}: tokens differ from its first run's from token {first} on")
                         cells[name].samples.append(tokens / seconds)
                     else:
-                        cells[name].samples.append(timed_block(runner, calls[name]))
+                        cells[name].samples.append(runner.block(calls[name]))
                 except Exception as exc:
                     cells[name], _ = outcome(exc), runners.pop(name)
                 spent[name] += time.perf_counter() - started
@@ -951,7 +917,7 @@ def time_engines(case: Case, threads: int, settings: Settings, rounds: int, besi
             if case.decoder:  # also the warm-up
                 cells[engine] = Cell(detail=runner.detail, tokens=check_decoder(case, runner, eager_logits))
             else:
-                runner.call()  # the first call may set up
+                runner.output()  # the first call may set up
                 cells[engine] = Cell(difference=check_forward(case, runner), detail=runner.detail)
             runners[engine] = runner
         except NearTie as tie:  # timed all the same; the figure goes in its note
@@ -970,7 +936,7 @@ def time_engines(case: Case, threads: int, settings: Settings, rounds: int, besi
         differences = ", ".join(f"{n} {c.difference:.1e}" for n, c in cells.items() if c.difference is not None)
         progress(f"{case.name} {threads}t: max |engine - eager|: {differences}")
     for name, (path, source) in beside.items():
-        runners[name] = decoder_runner(path, source.detail, threads)
+        runners[name] = file_runner(case, "aotstack", path, source.detail, threads, settings)
         built.append(runners[name])
         cells[name] = Cell(detail=source.detail, tokens=source.tokens)
     progress(f"{case.name} {threads}t: timing {len(runners)} engines, {rounds} rounds ...")
