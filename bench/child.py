@@ -4,9 +4,10 @@
     child.py load aotstack|aoti|executorch PACKAGE INPUTS THREADS [--import M]   load + first call; resident memory
                                                             after import, load, the call and a second call
     child.py compile aotstack|aoti WORKLOAD PACKAGE THREADS [--exclude OP ...] [--jobs N]
-    child.py serve aotstack|executorch PACKAGE THREADS [--inputs INPUTS]   a file kept open (a decoder, or with
-                                                            INPUTS a forward): one JSON request per line on stdin,
-                                                            one JSON reply per line (``common.Worker``)
+    child.py serve KIND PACKAGE THREADS [--inputs F] [--state F] [--precision P]   a file kept open in an engine
+                                                            (``engine_calls``; a decoder, or with --inputs a
+                                                            forward): one JSON request per line on stdin, one
+                                                            JSON reply per line (``common.Worker``)
 
 Run through ``common.run_child`` (``serve``: ``common.Worker``), which puts ``bench/`` and the repository root on
 the path. Imports are untimed: each side imports what its own load or compile needs before the clock starts.
@@ -168,36 +169,17 @@ def compile_package(kind: str, workload: str, package: str, threads: int, exclud
          delegates=delegates, cpu_s=cpu_s, **details)
 
 
-def open_file(kind: str, package: str) -> tuple[Any, Any]:
-    """``(method, reset())`` of aotstack's ``.pt2`` or ExecuTorch's ``.pte``: its ``forward``, called with keywords or
-    positionally, and what puts a decoder's cache back."""
-    if kind == "aotstack":
-        import aotstack
+def serve(kind: str, package: str, threads: int, inputs: str | None, state: str | None, precision: str) -> None:
+    """Open ``package`` in ``kind``'s engine (``engine_calls``) and answer the benchmark's requests until stdin closes.
 
-        loaded = aotstack.load(package)
-        return (lambda *args, **kwargs: loaded.forward(*args, **kwargs)), loaded.reset
-    import executorch.kernels.quantized  # noqa: F401  (a quantized embedding's kernels)
-    from executorch.runtime import Runtime
-
-    program = Runtime.get().load_program(package)
-    method = [program.load_method("forward")]
-
-    # ``reset`` holds ``program``: executorch 1.5 frees a program no Python object holds, and its method crashes.
-    def reset() -> None:  # the cache lives in the method's planned memory
-        method[0] = program.load_method("forward")
-
-    return (lambda *args, **kwargs: method[0].execute([*args, *kwargs.values()])[0]), reset
-
-
-def serve(kind: str, package: str, threads: int, inputs: str | None) -> None:
-    """Answer the benchmark's requests on one open file until stdin closes.
-
-    A forward (``inputs``: the arguments, a ``common.save_inputs`` file): ``{"output": true, "path": P}`` saves one
-    call's output to P; ``{"block": N}`` replies ``{"ms"}``, per call over N back-to-back calls. A decoder:
-    ``{"generate": N}`` resets, feeds the prompt, then N greedy tokens, and replies ``{"tokens", "seconds"}`` (the
-    steps after the prompt); ``{"forced": [tokens], "path": P}`` resets, steps once per token, and saves the last
-    position's logits, stacked, to P. A failed request replies ``{"error"}``. Replies go to the stdout this
-    process started with; anything a library prints goes to stderr.
+    First, once: ``{"ready": true}``, or ``{"error"}`` and the process ends. A forward (``inputs``: its arguments,
+    a ``common.save_inputs`` file): ``{"output": true, "path": P}`` saves one call's output to P; ``{"block": N}``
+    replies ``{"ms"}``, per call over N back-to-back calls. A decoder (``state``: the initial cache tensors an
+    engine without buffers is handed, a ``save_inputs`` file too): ``{"generate": N}`` resets, feeds the prompt,
+    then N greedy tokens, and replies ``{"tokens", "seconds"}`` (the steps after the prompt); ``{"forced":
+    [tokens], "path": P}`` resets, steps once per token, and saves the last position's logits, stacked, to P. A
+    failed request replies ``{"error"}``. Replies go to the stdout this process started with; anything a library
+    prints goes to stderr.
     """
     import gc
     import sys
@@ -205,54 +187,57 @@ def serve(kind: str, package: str, threads: int, inputs: str | None) -> None:
     import torch
 
     from decode import decode
+    from engine_calls import open_engine
 
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    torch.set_num_threads(threads)  # before the load: ONNX Runtime's sessions read it there
-    if kind == "executorch":
-        from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
 
-        _unsafe_reset_threadpool(threads)  # XNNPACK's pool, one per process; nothing has started on it
-    method, reset = open_file(kind, package)
-    call = torch.load(inputs, weights_only=True) if inputs else None
+    def reply(**fields: Any) -> None:
+        replies.write(json.dumps(fields) + "\n")
+        replies.flush()
 
-    def step(ids: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        return method(input_ids=ids, cache_position=position)
+    def saved(path: str | None) -> list[Any] | None:
+        return torch.load(path, weights_only=True)["args"] if path else None
 
+    try:
+        opened = open_engine(kind, package, threads, saved(inputs), saved(state), precision)
+    except Exception as exc:
+        reply(error=f"{type(exc).__name__}: {exc}")
+        return
+    reply(ready=True)
     for line in sys.stdin:
         request = json.loads(line)
-        reply: dict[str, Any] = {}
+        answer: dict[str, Any] = {}
         try:
             if "output" in request:
-                torch.save(method(*call["args"], **call["kwargs"]), request["path"])
+                torch.save(opened.forward(), request["path"])
             elif "block" in request:
                 gc.collect()
                 gc.disable()
                 try:
                     started = time.perf_counter_ns()
                     for _ in range(request["block"]):
-                        method(*call["args"], **call["kwargs"])
-                    reply["ms"] = (time.perf_counter_ns() - started) / request["block"] / 1e6
+                        opened.forward()
+                    answer["ms"] = (time.perf_counter_ns() - started) / request["block"] / 1e6
                 finally:
                     gc.enable()
             elif "generate" in request:
-                reset()
+                opened.reset()
                 gc.collect()
                 gc.disable()
                 try:
-                    reply["tokens"], reply["seconds"] = decode(step, request["generate"])
+                    answer["tokens"], answer["seconds"] = decode(opened.step, request["generate"])
                 finally:
                     gc.enable()
             else:
-                reset()
+                opened.reset()
                 with torch.no_grad():
-                    logits = [step(torch.tensor([[t]]), torch.tensor([p]))[0, -1].float()
+                    logits = [opened.step(torch.tensor([[t]]), torch.tensor([p]))[0, -1].float()
                               for p, t in enumerate(request["forced"])]
                 torch.save(torch.stack(logits), request["path"])
         except Exception as exc:  # the benchmark reports it in the engine's cell
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
-        replies.write(json.dumps(reply) + "\n")
-        replies.flush()
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        reply(**answer)
 
 
 def main() -> None:
@@ -274,17 +259,19 @@ def main() -> None:
     compiling.add_argument("--exclude", nargs="*", default=[])
     compiling.add_argument("--jobs", type=int, default=None)
     serving = commands.add_parser("serve")
-    serving.add_argument("kind", choices=["aotstack", "executorch"])
+    serving.add_argument("kind", choices=["aotstack", "executorch", "aoti", "onnxruntime", "openvino"])
     serving.add_argument("package")
     serving.add_argument("threads", type=int)
     serving.add_argument("--inputs", default=None)
+    serving.add_argument("--state", default=None)
+    serving.add_argument("--precision", default="f32")
     args = parser.parse_args()
     if args.command == "sha256":
         sha256(args.path)
     elif args.command == "load":
         load(args.kind, args.package, args.inputs, args.threads, args.imports)
     elif args.command == "serve":
-        serve(args.kind, args.package, args.threads, args.inputs)
+        serve(args.kind, args.package, args.threads, args.inputs, args.state, args.precision)
     else:
         compile_package(args.kind, args.workload, args.package, args.threads, args.exclude, args.jobs)
 

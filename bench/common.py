@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
@@ -284,33 +285,44 @@ def run_child(args: Sequence[str], env: dict[str, str] | None = None) -> dict[st
 
 
 class Worker:
-    """A file open in a process of its own (``bench/child.py serve``), as a user's process runs one.
+    """A file open in an engine, in a process of its own (``bench/child.py serve``), as a user's process runs one.
 
-    ExecuTorch's XNNPACK thread pool is one per process: files opened side by side in one process would all run on
-    the pool the first one started, at its thread count. A forward (``inputs``: a ``save_inputs`` file) answers
-    ``output`` and ``block``; a decoder ``generate`` and ``forced``.
+    Engines keep thread pools per process (ExecuTorch's XNNPACK pool is one per process: files side by side would
+    all run on the pool the first one started), and one that dies (OpenVINO's compile, of SIGFPE) takes only its
+    own process. A forward (``inputs``: a ``save_inputs`` file of its arguments) answers ``output`` and ``block``;
+    a decoder ``generate`` and ``forced``. Raises where the engine cannot open the file.
     """
 
-    def __init__(self, kind: str, path: str, threads: int, inputs: str | None = None) -> None:
-        forward = ["--inputs", inputs] if inputs else []
-        command, environment = child_command(["serve", kind, path, str(threads), *forward])
+    def __init__(self, kind: str, path: str, threads: int, inputs: str | None = None, state: str | None = None,
+                 precision: str = "f32") -> None:
+        options = [*(["--inputs", inputs] if inputs else []), *(["--state", state] if state else [])]
+        command, environment = child_command(["serve", kind, path, str(threads), *options, "--precision", precision])
         self.name = f"{kind} {os.path.basename(path)}"
         self.errors = tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors,
                                         text=True, env=environment)
+        try:
+            self.answer()  # {"ready": true} once the engine has opened the file
+        except Exception:
+            self.close()
+            raise
 
     def ask(self, **request: Any) -> dict[str, Any]:
         try:
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
-            line = self.process.stdout.readline()
         except BrokenPipeError:
-            line = ""
+            pass  # the process ended: answer() says how
+        return self.answer()
+
+    def answer(self) -> dict[str, Any]:
+        line = self.process.stdout.readline()
         if not line:
             ended = self.process.wait()
             how = f"killed by {signal.Signals(-ended).name}" if ended < 0 else f"exit status {ended}"
             self.errors.seek(0)
-            raise RuntimeError(f"{self.name}: its process ended ({how}): {self.errors.read()[-2000:]}")
+            last = [line.strip() for line in self.errors.read().splitlines() if line.strip()][-3:]
+            raise RuntimeError(f"{self.name}: its process ended ({how}): {' / '.join(last)}")
         reply = json.loads(line)
         if "error" in reply:
             raise RuntimeError(f"{self.name}: {reply['error']}")
@@ -342,7 +354,8 @@ class Worker:
 
     def close(self) -> None:
         if self.process.poll() is None:
-            self.process.stdin.close()
+            with contextlib.suppress(BrokenPipeError):
+                self.process.stdin.close()
             try:
                 self.process.wait(timeout=30)
             except subprocess.TimeoutExpired:

@@ -57,15 +57,16 @@ Engines (columns), every one given the same thread count (``torch.set_num_thread
 - aotstack auto:     ``lower(program, "auto")``, where aotstack takes it; the decoder's step timed halfway through
                      the reply (``Auto(inputs=...)`` at position 40), as ``export-hf`` times one
 
-Each aotstack file and ExecuTorch's program runs in a process of its own (``bench/child.py serve``,
-``common.Worker``), as a user's process runs one file: ExecuTorch's XNNPACK thread pool is one per process, so files
-side by side in one process would all run on the pool the first started, at its thread count (an auto plan that
-keeps XNNPACK on 1 thread beside AOTI on 2 would run it on 2); and an engine that dies there (OpenVINO's compile,
-of SIGFPE) takes only that process. The worker times its own calls and steps.
+Every engine but eager runs its file in a process of its own (``bench/child.py serve``, ``common.Worker``,
+opened by ``engine_calls``), as a user's process runs one, and times its own calls and steps there. Engines
+keep thread pools per process: ExecuTorch's XNNPACK pool is one per process, so files side by side would all
+run on the pool the first one started, at its thread count (an auto plan that keeps XNNPACK on 1 thread beside
+AOTI on 2 would run it on 2), and the benchmark's own process holds every other engine's threads. An engine
+that dies there (OpenVINO 2026.4's CPU plugin, of SIGFPE compiling the bf16 Llama at 1 thread) takes only that
+process; its cell says so.
 
 A column the environment lacks (executorch not installed, a partitioner aotstack does not have yet)
-says "unavailable" with the reason under the table. OpenVINO compiles in a child process first
-(its CPU plugin has died of SIGFPE compiling a model here). Under ``bench/run.py`` (``make bench``) the benchmark
+says "unavailable" with the reason under the table. Under ``bench/run.py`` (``make bench``) the benchmark
 runs at 1 and 2 threads whatever ``--threads`` says.
 
 ONNX Runtime and OpenVINO have no in-place buffers, so for the decoder the exported program's cache updates
@@ -98,17 +99,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import importlib.metadata
 import importlib.util
 import io
-import json
 import math
 import os
 import re
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 import warnings
@@ -442,22 +440,10 @@ def aoti_runner(case: Case, threads: int, settings: Settings) -> Runner:
     with torch.no_grad():
         torch._inductor.aoti_compile_and_package(case.exported, package_path=path)
     progress(f"{case.name}: plain AOTI compiled for {threads} thread(s) in {time.perf_counter() - started:.1f} s")
-    package = torch._inductor.aoti_load_package(path)
-    if case.decoder:
-        return Runner(lambda ids, pos: package(input_ids=ids, cache_position=pos), files=[path], memory=("aoti", path))
-    args = case.args
-    return Runner(lambda: package(*args), files=[path])
-
-
-def numpy_of(tensor: torch.Tensor) -> Any:
-    if tensor.dtype == torch.bfloat16:
-        raise Unavailable("numpy, which ONNX Runtime's Python API takes, has no bfloat16")
-    return tensor.numpy()
+    return file_runner(case, "aoti", path, threads, settings)
 
 
 def ort_runner(case: Case, threads: int, settings: Settings) -> Runner:
-    import onnxruntime
-
     def export() -> str:
         path = settings.path(f"peers-{case.name}.onnx")
         program, args = (cache_in_out(case)[0], None) if case.decoder else (case.exported, case.args)
@@ -466,76 +452,17 @@ def ort_runner(case: Case, threads: int, settings: Settings) -> Runner:
         return path
 
     path = case.artifact(ORT, export)
-    options = onnxruntime.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
-    options.log_severity_level = 3
-    session = onnxruntime.InferenceSession(path, options, providers=["CPUExecutionProvider"])
-    names = [i.name for i in session.get_inputs()]
-    files = onnx_files(path)
-    if not case.decoder:
-        feeds = dict(zip(names, (numpy_of(a) for a in case.args)))
-        return Runner(lambda: torch.from_numpy(session.run(None, feeds)[0]), files=files)
-    initial = [numpy_of(t) for t in cache_in_out(case)[1].initial]  # ONNX Runtime never writes its inputs
-    cache = list(initial)
-
-    def step(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        results = session.run(None, dict(zip(names, [ids.numpy(), pos.numpy(), *cache])))
-        cache[:] = results[1:]
-        return torch.from_numpy(results[0])
-
-    def reset() -> None:
-        cache[:] = initial
-
-    return Runner(step, reset, files=files)
+    runner = file_runner(case, "onnxruntime", path, threads, settings, files=onnx_files(path))
+    if case.dtype == "bf16":  # after the session opened: where it cannot, that is the cell's reason
+        runner.close()
+        raise Unavailable("numpy, which ONNX Runtime's Python API takes, has no bfloat16")
+    return runner
 
 
 def onnx_files(path: str) -> list[str]:
     """The ONNX file and its external data files, if the exporter wrote any beside it."""
     directory, stem = os.path.dirname(path), os.path.basename(path)
     return [os.path.join(directory, name) for name in sorted(os.listdir(directory)) if name.startswith(stem)]
-
-
-def ov_tensor(tensor: torch.Tensor) -> Any:
-    import openvino
-
-    if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: the bits, typed by OpenVINO
-        return openvino.Tensor(tensor.view(torch.int16).numpy(), list(tensor.shape), openvino.Type.bf16)
-    return openvino.Tensor(tensor.numpy())
-
-
-def from_ov(tensor: Any) -> torch.Tensor:
-    import numpy
-    import openvino
-
-    copied = torch.from_numpy(numpy.array(tensor.data))  # the request reuses its output memory
-    return copied.view(torch.bfloat16) if tensor.element_type == openvino.Type.bf16 else copied
-
-
-# compile_model and one call on zeros in a child process first: OpenVINO 2026.4's CPU plugin dies of
-# SIGFPE compiling some models (the bf16 Llama at one thread), which would end the whole benchmark.
-OPENVINO_PROBE = """
-import json, sys
-import openvino
-compiled = openvino.Core().compile_model(sys.argv[1], "CPU", json.loads(sys.argv[2]))
-request = compiled.create_infer_request()
-for port in compiled.inputs:
-    tensor = openvino.Tensor(port.get_element_type(), port.get_shape())
-    tensor.data[...] = 0
-    request.set_tensor(port, tensor)
-request.infer()
-"""
-
-
-def probe_openvino(path: str, config: dict[str, Any]) -> None:
-    done = subprocess.run([sys.executable, "-c", OPENVINO_PROBE, path, json.dumps(config)],
-                          capture_output=True, text=True, check=False)
-    if done.returncode < 0:
-        raise RuntimeError(f"compile_model killed the process with {signal.Signals(-done.returncode).name} "
-                           "(seen in a child process)")
-    if done.returncode != 0:
-        lines = [line for line in done.stderr.strip().splitlines() if line.strip()]
-        raise RuntimeError(f"compile_model or a first call failed in a child process: {' '.join(lines[-3:])}")
 
 
 def ov_runner(case: Case, threads: int, settings: Settings) -> Runner:
@@ -568,37 +495,8 @@ def ov_runner(case: Case, threads: int, settings: Settings) -> Runner:
         return path
 
     path = case.artifact(OV, convert)
-    config = {
-        "INFERENCE_PRECISION_HINT": "bf16" if case.dtype == "bf16" else "f32",
-        "INFERENCE_NUM_THREADS": threads,
-        "PERFORMANCE_HINT": "LATENCY",
-    }
-    probe_openvino(path, config)
-    request = openvino.Core().compile_model(path, "CPU", config).create_infer_request()
-    if not case.decoder:
-        inputs = [ov_tensor(a) for a in case.args]
-
-        def call() -> torch.Tensor:
-            request.infer(inputs)
-            return from_ov(request.get_output_tensor(0))
-
-        return Runner(call, files=[path, path.removesuffix(".xml") + ".bin"])
-
-    initial = cache_in_out(case)[1].initial
-    outside = {i: initial[i] for i, t in enumerate(initial) if not t.is_floating_point()}  # passed in and out
-
-    def step(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        feeds = {f"cache_in_{i}": ov_tensor(t) for i, t in outside.items()}
-        request.infer({"input_ids": ov_tensor(ids), "cache_position": ov_tensor(pos), **feeds})
-        for i in outside:
-            outside[i] = from_ov(request.get_tensor(f"cache_out_{i}"))
-        return from_ov(request.get_tensor("logits"))
-
-    def reset() -> None:
-        request.reset_state()
-        outside.update({i: initial[i] for i in outside})
-
-    return Runner(step, reset, files=[path, path.removesuffix(".xml") + ".bin"])
+    return file_runner(case, "openvino", path, threads, settings, files=[path, path.removesuffix(".xml") + ".bin"],
+                       precision="bf16" if case.dtype == "bf16" else "f32")
 
 
 def executorch_runner(case: Case, threads: int, settings: Settings) -> Runner:
@@ -609,7 +507,9 @@ def executorch_runner(case: Case, threads: int, settings: Settings) -> Runner:
         with contextlib.redirect_stdout(io.StringIO()):  # torchao prints its missing CUDA libraries
             from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
             from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
-        edge = to_edge_transform_and_lower(case.exported, partitioner=[XnnpackPartitioner()])
+        # A copy: ExecuTorch's lowering rewrites the program it is given (its constant propagation replaces the
+        # constants, even where the lowering then fails), and every engine after it lowers the same program.
+        edge = to_edge_transform_and_lower(copy.deepcopy(case.exported), partitioner=[XnnpackPartitioner()])
         graph = edge.exported_program().graph
         names = [getattr(n.target, "__name__", str(n.target)) for n in graph.nodes if n.op == "call_function"]
         delegates = names.count("executorch_call_delegate")
@@ -629,7 +529,7 @@ def executorch_runner(case: Case, threads: int, settings: Settings) -> Runner:
         return path, detail
 
     path, detail = case.artifact(ET, lower)
-    return file_runner(case, "executorch", path, detail, threads, settings)
+    return file_runner(case, "executorch", path, threads, settings, detail=detail)
 
 
 def aotstack_partitioners(engine: str, case: Case) -> list[aotstack.Partitioner] | aotstack.Auto:
@@ -662,15 +562,20 @@ def aotstack_path(settings: Settings, case_name: str, threads: int, engine: str)
     return settings.path(f"peers-{case_name}-{threads}t-aotstack-{tag}.pt2")
 
 
-def file_runner(case: Case, kind: str, path: str, detail: str, threads: int, settings: Settings) -> Runner:
-    """An aotstack file or ExecuTorch program open in a process of its own (``Worker``), as a user's process runs one.
+def file_runner(case: Case, kind: str, path: str, threads: int, settings: Settings, detail: str = "",
+                files: Sequence[str] = (), precision: str = "f32") -> Runner:
+    """``path`` open in ``kind``'s engine in a process of its own (``Worker``, ``engine_calls``), as a user's runs one.
 
-    ExecuTorch's XNNPACK thread pool is one per process. A process of its own also keeps an engine that dies
-    (OpenVINO's compile, of SIGFPE) from taking the benchmark with it.
+    The decoder's cache, for the engines without buffers (ONNX Runtime, OpenVINO), starts from ``CacheInOut``'s.
     """
-    inputs = None if case.decoder else save_inputs(settings.path(f"peers-{case.name}-args.pt"), case.args)
-    return Runner(detail=detail, files=[path], memory=(kind, path) if case.decoder else None,
-                  worker=Worker(kind, path, threads, inputs))
+    inputs = state = None
+    if not case.decoder:
+        inputs = save_inputs(settings.path(f"peers-{case.name}-args.pt"), case.args)
+    elif kind in ("onnxruntime", "openvino"):
+        state = save_inputs(settings.path(f"peers-{case.name}-cache.pt"), tuple(cache_in_out(case)[1].initial))
+    memory = (kind, path) if case.decoder and kind in ("aotstack", "aoti", "executorch") else None
+    return Runner(detail=detail, files=files or [path], memory=memory,
+                  worker=Worker(kind, path, threads, inputs, state, precision))
 
 
 def aotstack_runner(engine: str) -> Callable[[Case, int, Settings], Runner]:
@@ -708,7 +613,7 @@ def aotstack_runner(engine: str) -> Callable[[Case, int, Settings], Runner]:
                 for c in selection.candidates
             )
             progress(f"{case.name}: {engine} measured {measured}; kept: {selection.reason}")
-        return file_runner(case, "aotstack", path, detail, threads, settings)
+        return file_runner(case, "aotstack", path, threads, settings, detail=detail)
 
     return build
 
@@ -936,7 +841,7 @@ def time_engines(case: Case, threads: int, settings: Settings, rounds: int, besi
         differences = ", ".join(f"{n} {c.difference:.1e}" for n, c in cells.items() if c.difference is not None)
         progress(f"{case.name} {threads}t: max |engine - eager|: {differences}")
     for name, (path, source) in beside.items():
-        runners[name] = file_runner(case, "aotstack", path, source.detail, threads, settings)
+        runners[name] = file_runner(case, "aotstack", path, threads, settings, detail=source.detail)
         built.append(runners[name])
         cells[name] = Cell(detail=source.detail, tokens=source.tokens)
     progress(f"{case.name} {threads}t: timing {len(runners)} engines, {rounds} rounds ...")
