@@ -187,7 +187,7 @@ def serve(kind: str, package: str, threads: int, inputs: str | None, state: str 
     import torch
 
     from decode import decode
-    from engine_calls import open_engine
+    from engine_calls import block_ms, forced_logits, open_engine
 
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
@@ -215,10 +215,7 @@ def serve(kind: str, package: str, threads: int, inputs: str | None, state: str 
                 gc.collect()
                 gc.disable()
                 try:
-                    started = time.perf_counter_ns()
-                    for _ in range(request["block"]):
-                        opened.forward()
-                    answer["ms"] = (time.perf_counter_ns() - started) / request["block"] / 1e6
+                    answer["ms"] = block_ms(opened.forward, request["block"])
                 finally:
                     gc.enable()
             elif "generate" in request:
@@ -231,10 +228,7 @@ def serve(kind: str, package: str, threads: int, inputs: str | None, state: str 
                     gc.enable()
             else:
                 opened.reset()
-                with torch.no_grad():
-                    logits = [opened.step(torch.tensor([[t]]), torch.tensor([p]))[0, -1].float()
-                              for p, t in enumerate(request["forced"])]
-                torch.save(torch.stack(logits), request["path"])
+                torch.save(forced_logits(opened.step, request["forced"]), request["path"])
         except Exception as exc:  # the benchmark reports it in the engine's cell
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         reply(**answer)

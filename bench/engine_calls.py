@@ -2,7 +2,8 @@
 
 ``open_engine(kind, path, threads, args, state, precision)`` gives an ``Opened``: ``forward()`` for a forward
 workload (its arguments, ``args``, converted once here, outside any timing), ``step(ids, position)`` for the
-decoder, and ``reset()``, which puts the decoder's cache back. Kinds:
+decoder, and ``reset()``, which puts the decoder's cache back. ``block_ms`` and ``forced_logits`` are what the
+benchmark asks of them, wherever the engine runs. Kinds:
 
 - aotstack:     ``aotstack.load``; the decoder's cache is the file's own state
 - executorch:   ExecuTorch's runtime; the cache lives in the method's planned memory (reset: the method again)
@@ -17,6 +18,7 @@ Only the process that opens an engine imports it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +31,21 @@ class Opened:
     forward: Callable[[], torch.Tensor] | None = None
     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     reset: Callable[[], None] = lambda: None
+
+
+def block_ms(forward: Callable[[], torch.Tensor], calls: int) -> float:
+    """Milliseconds per call over ``calls`` back-to-back calls of ``forward``."""
+    started = time.perf_counter_ns()
+    for _ in range(calls):
+        forward()
+    return (time.perf_counter_ns() - started) / calls / 1e6
+
+
+def forced_logits(step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], sequence: Sequence[int]) -> torch.Tensor:
+    """One ``step`` per token of ``sequence`` from position 0 (teacher forcing): the last position's logits, stacked."""
+    with torch.no_grad():
+        return torch.stack([step(torch.tensor([[token]]), torch.tensor([position]))[0, -1].float()
+                            for position, token in enumerate(sequence)])
 
 
 class NoBfloat16(Exception):

@@ -136,6 +136,7 @@ from common import (
     use_private_caches,
 )
 from decode import PROMPT, decode
+from engine_calls import block_ms, forced_logits
 from stacked import engines as delegate_engines
 from workloads import QUANTIZED, peer_bert, peer_llama, peer_resnet, quantized, weights_at_bits
 
@@ -223,12 +224,7 @@ class Runner:
 
     def block(self, calls: int) -> float:
         """A forward's milliseconds per call over ``calls`` back-to-back calls."""
-        if self.worker is not None:
-            return self.worker.block(calls)
-        started = time.perf_counter_ns()
-        for _ in range(calls):
-            self.call()
-        return (time.perf_counter_ns() - started) / calls / 1e6
+        return self.worker.block(calls) if self.worker is not None else block_ms(self.call, calls)
 
     def generate(self, tokens: int) -> tuple[list[int], float]:
         """From a reset: the prompt, then ``tokens`` greedy tokens; the tokens and the seconds their steps took."""
@@ -242,8 +238,7 @@ class Runner:
         if self.worker is not None:
             return self.worker.forced(sequence)
         self.reset()
-        with torch.no_grad():
-            return torch.stack([self.call(*decoder_inputs(p, t))[0, -1].float() for p, t in enumerate(sequence)])
+        return forced_logits(self.call, sequence)
 
     def close(self) -> None:
         if self.worker is not None:
@@ -661,8 +656,8 @@ def first_difference(tokens: list[int], expected: list[int]) -> int:
     return next(i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b)
 
 
-def forced_logits(runner: Runner, case: Case) -> torch.Tensor:
-    """Last-position logits of every step, fed the prompt and then eager's tokens (teacher forcing)."""
+def teacher_forced(runner: Runner, case: Case) -> torch.Tensor:
+    """Last-position logits of every step, fed the prompt and then eager's tokens."""
     return runner.forced([*PROMPT, *case.reference])
 
 
@@ -679,7 +674,7 @@ def check_decoder(case: Case, runner: Runner, eager_logits: Callable[[], torch.T
         return tokens
     first = first_difference(tokens, case.reference)
     expected = eager_logits()
-    difference = (forced_logits(runner, case) - expected).abs().max().item()
+    difference = (teacher_forced(runner, case) - expected).abs().max().item()
     allowed = TOLERANCE[case.dtype] * max(1.0, expected.abs().max().item())
     differ = f"generated tokens differ from eager's from token {first} on"
     if not difference <= allowed:
@@ -796,7 +791,7 @@ def run_threads(case: Case, threads: int, settings: Settings, rounds: int,
 
     def eager_logits() -> torch.Tensor:  # eager's, fed its own tokens; once, where an engine's tokens differ
         if not logits:
-            logits.append(forced_logits(eager, case))
+            logits.append(teacher_forced(eager, case))
         return logits[0]
 
     cells: dict[str, Cell] = {}
