@@ -16,10 +16,13 @@ the path. Imports are untimed: each side imports what its own load or compile ne
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import resource
 import time
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -169,6 +172,17 @@ def compile_package(kind: str, workload: str, package: str, threads: int, exclud
          delegates=delegates, cpu_s=cpu_s, **details)
 
 
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Collected first, then no garbage collection inside: none lands in a timed stretch."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def serve(kind: str, package: str, threads: int, inputs: str | None, state: str | None, precision: str) -> None:
     """Open ``package`` in ``kind``'s engine (``engine_calls``) and answer the benchmark's requests until stdin closes.
 
@@ -181,7 +195,6 @@ def serve(kind: str, package: str, threads: int, inputs: str | None, state: str 
     failed request replies ``{"error"}``. Replies go to the stdout this process started with; anything a library
     prints goes to stderr.
     """
-    import gc
     import sys
 
     import torch
@@ -212,20 +225,12 @@ def serve(kind: str, package: str, threads: int, inputs: str | None, state: str 
             if "output" in request:
                 torch.save(opened.forward(), request["path"])
             elif "block" in request:
-                gc.collect()
-                gc.disable()
-                try:
+                with collector_paused():
                     answer["ms"] = block_ms(opened.forward, request["block"])
-                finally:
-                    gc.enable()
             elif "generate" in request:
                 opened.reset()
-                gc.collect()
-                gc.disable()
-                try:
+                with collector_paused():
                     answer["tokens"], answer["seconds"] = decode(opened.step, request["generate"])
-                finally:
-                    gc.enable()
             else:
                 opened.reset()
                 torch.save(forced_logits(opened.step, request["forced"]), request["path"])
