@@ -1,10 +1,12 @@
 """A forked child process that runs engine code, so that an engine crashing takes only the child with it.
 
-An engine's native code can end the process it runs in (OpenVINO 2026.4 dies of SIGFPE compiling
-a bf16 Llama at one thread). Lowering runs each compile (``parallel.py``) and auto-lowering the
-timing of each plan (``measure.py``) in a child forked from the caller's process. Fork, not
-spawn: the child inherits the program, its weights and every backend the caller registered,
-however it was defined, and starts in milliseconds instead of the seconds importing torch takes.
+An engine's native code can end the process it runs in: OpenVINO 2026.4 dies of SIGFPE compiling
+a bf16 Llama at one thread on a CPU with AMX, where its CPU plugin fuses each gated MLP into one
+kernel (``LLMMLP``) that shares the down projection's columns among half its threads, none at one.
+Lowering runs each compile (``parallel.py``) and auto-lowering the timing of each plan
+(``measure.py``) in a child forked from the caller's process. Fork, not spawn: the child
+inherits the program, its weights and every backend the caller registered, however it was
+defined, and starts in milliseconds instead of the seconds importing torch takes.
 
 Fork is used where ``can_fork`` says it is safe: on Linux, before CUDA is initialised in this
 process (a CUDA context does not survive fork), outside a daemonic multiprocessing worker (which
