@@ -2,7 +2,8 @@
 
 An engine's native code can end the process it runs in: OpenVINO 2026.4 dies of SIGFPE compiling
 a bf16 Llama at one thread on a CPU with AMX, where its CPU plugin fuses each gated MLP into one
-kernel (``LLMMLP``) that shares the down projection's columns among half its threads, none at one.
+kernel (``LLMMLP``) that shares the down projection's columns among half its threads, none at one
+(its run side now steers clear of that one; the next crash is not known in advance).
 Lowering runs each compile (``parallel.py``) and auto-lowering the timing of each plan
 (``measure.py``) in a child forked from the caller's process. Fork, not spawn: the child
 inherits the program, its weights and every backend the caller registered, however it was

@@ -6,7 +6,11 @@ over the package's own mapped bytes (no copy; the CPU plugin keeps its own packe
 the weights its kernels repack), and compiles the model for OpenVINO's CPU plugin:
 
 - ``INFERENCE_PRECISION_HINT`` from the part (``f32`` unless every floating tensor in it is
-  bfloat16): on a CPU with bf16 units the plugin otherwise runs float32 models in bfloat16.
+  bfloat16): on a CPU with bf16 units the plugin otherwise runs float32 models in bfloat16. One
+  exception (``precision_to_compile``): on a CPU with AMX, the plugin (2026.4) fuses each gated
+  MLP of a bfloat16 model into one kernel that shares the down projection among half its
+  threads, and dies of SIGFPE compiling it for one thread. There a part with a gated MLP loaded
+  on one thread computes in float32, with a warning, rather than end the process.
 - ``INFERENCE_NUM_THREADS`` is ``torch.get_num_threads()`` at load, ``PERFORMANCE_HINT`` is
   ``LATENCY`` (one stream), and ``ENABLE_CPU_PINNING`` is off: the process shares its cores with
   torch and the other engines, so OpenVINO does not pin its threads to them. OpenVINO has no
@@ -42,6 +46,7 @@ from typing import Any
 
 import torch
 
+from ...engine.processor import cpu_features
 from ...engine.session import DelegateFiles, SessionRuntime, engine_inputs, session_threads
 from ...errors import DelegateInitError, PackageError, RunError
 from ...format import processed as processed_json
@@ -73,6 +78,8 @@ ELEMENT_TYPES = {
 COPY_LIMIT = 16 * 1024
 # Precisions the compile side may ask the CPU plugin to compute in.
 PRECISIONS = ("f32", "bf16")
+# The CPU features under which OpenVINO's CPU plugin fuses a bfloat16 gated MLP into its ``LLMMLP`` kernel.
+FUSED_MLP_FEATURES = frozenset({"amx_tile", "amx_bf16"})
 # A parameter of the IR is ``input:<index>`` (the partition's user input) or ``weight:<fqn>``.
 INPUT_ROLE, WEIGHT_ROLE = "input:", "weight:"
 # The friendly name the compile side gives the IR's result ``i``: ``output:<i>``.
@@ -300,7 +307,7 @@ def compiled_model(model: Any, precision: str, threads: int, label: str) -> Any:
     """``model`` compiled for the CPU plugin, in ``precision``, to run on ``threads`` threads."""
     try:
         return core().compile_model(model, "CPU", {
-            "INFERENCE_PRECISION_HINT": precision,
+            "INFERENCE_PRECISION_HINT": precision_to_compile(model, precision, threads, label),
             "INFERENCE_NUM_THREADS": threads,
             "PERFORMANCE_HINT": "LATENCY",
             "ENABLE_CPU_PINNING": False,
@@ -310,6 +317,43 @@ def compiled_model(model: Any, precision: str, threads: int, label: str) -> Any:
         })
     except Exception as error:
         raise DelegateInitError(f"{label}: OpenVINO could not compile the model: {error}") from error
+
+
+def precision_to_compile(model: Any, precision: str, threads: int, label: str) -> str:
+    """``precision``, unless the CPU plugin would die compiling ``model`` in it on ``threads`` threads: then ``f32``.
+
+    On a CPU with AMX, the plugin fuses each gated MLP of a bfloat16 model (``down(act(gate(x)) *
+    up(x))``) into one ``LLMMLP`` kernel, which gives the down projection to half its threads and
+    divides by their number: zero, on one thread (SIGFPE, OpenVINO 2026.4). No property turns the
+    fusion off, so such a model computes in float32 there, which the plugin runs unfused.
+    """
+    if precision == "f32" or threads > 1 or not FUSED_MLP_FEATURES <= cpu_features() or not has_gated_mlp(model):
+        return precision
+    logger.warning(
+        "%s: computes in float32, not %s: OpenVINO's CPU plugin dies compiling a %s gated MLP for one thread on a "
+        "CPU with AMX; load it with 2 or more threads to compute in %s", label, precision, precision, precision,
+    )
+    return "f32"
+
+
+def has_gated_mlp(model: Any) -> bool:
+    """Whether ``model`` multiplies an activated projection (``Swish``, ``Gelu``) by another, then projects that."""
+    for op in model.get_ordered_ops():
+        if op.get_type_name() != "Multiply":
+            continue
+        factors = [producer_type(op.input_value(index)) for index in range(op.get_input_size())]
+        consumers = {target.get_node().get_type_name() for target in op.output(0).get_target_inputs()}
+        if {"Swish", "Gelu"} & set(factors) and "MatMul" in consumers:
+            return True
+    return False
+
+
+def producer_type(value: Any) -> str:
+    """The type of the op that computes ``value``, looking through conversions between element types."""
+    node = value.get_node()
+    while node.get_type_name() == "Convert":
+        node = node.input_value(0).get_node()
+    return node.get_type_name()
 
 
 def byte_tensor(data: BytesLike) -> Any:
