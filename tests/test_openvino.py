@@ -220,15 +220,19 @@ def test_gated_mlps_are_told_from_plain_ones_in_the_ir(gated, act, found):
     assert ov_run.has_gated_mlp(model) is found
 
 
+# Loads argv[1] on argv[3] threads, on argv[4] cores (all where absent), and runs it on argv[2].
 ONE_THREAD_RUN = """
-import json, sys, torch, aotstack
-torch.set_num_threads(1)
+import json, os, sys, torch, aotstack
+torch.set_num_threads(int(sys.argv[3]))
+if len(sys.argv) > 4:
+    os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:int(sys.argv[4])])
 x = torch.load(sys.argv[2])
 print(json.dumps(aotstack.load(sys.argv[1]).forward(x).float().flatten().tolist()))
 """
 
 
-def test_a_bfloat16_gated_mlp_loads_on_one_thread_on_a_cpu_with_amx(tmp_path):
+@pytest.mark.parametrize("cores", [None, 1], ids=["one thread", "two threads on one core"])
+def test_a_bfloat16_gated_mlp_loads_on_one_thread_on_a_cpu_with_amx(tmp_path, cores):
     # OpenVINO's CPU plugin dies of SIGFPE compiling this for one thread on such a CPU, unless loading asks for f32.
     from aotstack.engine.processor import cpu_features
 
@@ -241,7 +245,10 @@ def test_a_bfloat16_gated_mlp_loads_on_one_thread_on_a_cpu_with_amx(tmp_path):
     lowered.save(tmp_path / "mlp.pt2")
     torch.save(x, tmp_path / "x.pt")
 
-    got = torch.tensor(run_child(ONE_THREAD_RUN, str(tmp_path / "mlp.pt2"), str(tmp_path / "x.pt")))
+    if cores is not None and not hasattr(os, "sched_setaffinity"):
+        pytest.skip("this OS sets no CPU affinity")
+    threads = ["1"] if cores is None else ["2", str(cores)]
+    got = torch.tensor(run_child(ONE_THREAD_RUN, str(tmp_path / "mlp.pt2"), str(tmp_path / "x.pt"), *threads))
     torch.testing.assert_close(got, model(x).detach().float().flatten(), rtol=1.6e-2, atol=2e-2)
 
 

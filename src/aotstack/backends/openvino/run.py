@@ -10,7 +10,7 @@ the weights its kernels repack), and compiles the model for OpenVINO's CPU plugi
   exception (``precision_to_compile``): on a CPU with AMX, the plugin (2026.4) fuses each gated
   MLP of a bfloat16 model into one kernel that shares the down projection among half its
   threads, and dies of SIGFPE compiling it for one thread. There a part with a gated MLP loaded
-  on one thread computes in float32, with a warning, rather than end the process.
+  on one thread (or one core) computes in float32, with a warning, rather than end the process.
 - ``INFERENCE_NUM_THREADS`` is ``torch.get_num_threads()`` at load, ``PERFORMANCE_HINT`` is
   ``LATENCY`` (one stream), and ``ENABLE_CPU_PINNING`` is off: the process shares its cores with
   torch and the other engines, so OpenVINO does not pin its threads to them. OpenVINO has no
@@ -50,6 +50,7 @@ from ...engine.processor import cpu_features
 from ...engine.session import DelegateFiles, SessionRuntime, engine_inputs, session_threads
 from ...errors import DelegateInitError, PackageError, RunError
 from ...format import processed as processed_json
+from ...format.archive import usable_cores
 from ...format.boundary import Boundary, BoundaryCheck
 from ...format.processed import OwnedBuffer
 from ...format.tensor_data import BytesLike, dtype_from_name
@@ -327,11 +328,14 @@ def precision_to_compile(model: Any, precision: str, threads: int, label: str) -
     divides by their number: zero, on one thread (SIGFPE, OpenVINO 2026.4). No property turns the
     fusion off, so such a model computes in float32 there, which the plugin runs unfused.
     """
-    if precision == "f32" or threads > 1 or not FUSED_MLP_FEATURES <= cpu_features() or not has_gated_mlp(model):
+    # The plugin runs on no more threads than the process has cores: two threads on one core are one.
+    alone = min(threads, usable_cores()) < 2
+    if precision == "f32" or not alone or not FUSED_MLP_FEATURES <= cpu_features() or not has_gated_mlp(model):
         return precision
     logger.warning(
         "%s: computes in float32, not %s: OpenVINO's CPU plugin dies compiling a %s gated MLP for one thread on a "
-        "CPU with AMX; load it with 2 or more threads to compute in %s", label, precision, precision, precision,
+        "CPU with AMX; load it with 2 or more threads, on 2 or more cores, to compute in %s",
+        label, precision, precision, precision,
     )
     return "f32"
 
