@@ -341,9 +341,15 @@ def precision_to_compile(model: Any, precision: str, threads: int, label: str) -
 
 
 def has_gated_mlp(model: Any) -> bool:
-    """Whether ``model`` multiplies an activated projection (``Swish``, ``Gelu``) by another, then projects that."""
+    """Whether ``model`` multiplies an activated projection (``Swish``, ``Gelu``) by another, then projects that.
+
+    Only over tokens of rank 3 (batch, sequence, features), or of a rank not known: the only ones the plugin fuses.
+    """
     for op in model.get_ordered_ops():
         if op.get_type_name() != "Multiply":
+            continue
+        rank = op.get_output_partial_shape(0).rank
+        if rank.is_static and rank.get_length() != 3:
             continue
         factors = [producer_type(op.input_value(index)) for index in range(op.get_input_size())]
         consumers = {target.get_node().get_type_name() for target in op.output(0).get_target_inputs()}
