@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import shutil
 import time
@@ -222,24 +223,46 @@ def counted_saves(monkeypatch) -> list[str]:
     return paths
 
 
-@pytest.mark.parametrize(("free_space_share", "saves"), [(0.25, 2), (0.0, 6)], ids=["kept", "disk too full to keep"])
-def test_a_plan_timed_again_is_loaded_from_the_file_saved_for_its_first_timing(
-    test_engines, cache_dir, monkeypatch, free_space_share, saves
+def counted_timing_processes(monkeypatch) -> list[str]:
+    """The paths auto's timing processes load, one for each process started from now on."""
+    paths: list[str] = []
+    real_started = measure_module.TimingProcess.started.__func__
+
+    def started(cls, path, inputs, engines):
+        paths.append(path)
+        return real_started(cls, path, inputs, engines)
+
+    monkeypatch.setattr(measure_module.TimingProcess, "started", classmethod(started))
+    return paths
+
+
+@pytest.mark.parametrize(
+    ("free_space_share", "free_memory_share", "saves", "loads"),
+    [(0.25, 0.0, 2, 2), (0.25, 2.0, 2, 6), (0.0, 2.0, 6, 6)],
+    ids=["kept loaded", "memory too short to keep it loaded", "disk too full to keep the file either"],
+)
+def test_a_plan_timed_again_is_timed_by_the_process_that_loaded_it_else_from_its_file(
+    test_engines, cache_dir, monkeypatch, free_space_share, free_memory_share, saves, loads
 ):
     shutil.rmtree(cache_dir / f".{auto_module.CACHE_KIND}", ignore_errors=True)
     timed: list[str] = []
     seconds = {"aoti_cpu": [0.015, 0.010, 0.010], SLEEPY: [0.012]}
     monkeypatch.setattr(lower_module, "measured_methods", timed_as_the_machine_did(seconds, timed))
     monkeypatch.setattr(measure_module.SavedPrograms, "FREE_SPACE_SHARE", free_space_share)
+    monkeypatch.setattr(measure_module.SavedPrograms, "FREE_MEMORY_SHARE", free_memory_share)
     saved_files = counted_saves(monkeypatch)
+    loaded_files = counted_timing_processes(monkeypatch)
     _, _, program = mlp_program()
 
     lowered = aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu", SLEEPY]), progress=False)
 
-    # Six timings of two plans: each plan saved once where the disk has room to keep both files, else every time;
-    # the folder gone once auto chose.
-    assert len(timed) == 6 and len(saved_files) == saves
+    # Six timings of two plans: each plan loaded once where memory allows to keep both loaded, else every time,
+    # from the file saved once where the disk has room to keep both files; the folder and the processes gone once
+    # auto chose.
+    assert len(timed) == 6 and len(saved_files) == saves and len(loaded_files) == loads
+    assert set(loaded_files) <= set(saved_files)
     assert not any(os.path.exists(os.path.dirname(path)) for path in saved_files)
+    assert not [child for child in multiprocessing.active_children() if child.name == "aotstack-timing"]
     assert {d.backend_id for d in lowered.delegates("forward")} == {"aoti_cpu"}
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import multiprocessing
 import os
 import resource
 import signal
@@ -17,6 +18,8 @@ import pytest
 import torch
 
 import aotstack
+from aotstack.compile import auto as auto_module
+from aotstack.compile.measure import TIMED_CALLS, WARM_UP_CALLS
 from aotstack.engine.registry import BUILT_IN, Engine
 
 TEST_PROCESS = os.getpid()
@@ -115,6 +118,19 @@ class FpeRunning(CrashingRelu):
         crash("SIGFPE")
 
 
+class FpeRunningAgain(CrashingRelu):
+    """Compiles, loads and runs as many calls as one timing makes; dies in the next, as timing it again makes."""
+
+    backend_id = "test_fpe_running_again"
+    calls = 0
+
+    def execute(self, handle, inputs):
+        FpeRunningAgain.calls += 1
+        if FpeRunningAgain.calls > WARM_UP_CALLS + TIMED_CALLS[1]:
+            crash("SIGFPE")
+        return super().execute(handle, inputs)
+
+
 class CollectingCompiling(CrashingRelu):
     """Compiles after a full garbage collection, as the allocations of a long compile start one."""
 
@@ -139,7 +155,7 @@ class ReluPartitioner(aotstack.SupportedOpsPartitioner):
 PARTITIONERS = {
     cls.backend_id: type(f"{cls.__name__}Partitioner", (ReluPartitioner,), {"backend_id": cls.backend_id})
     for cls in (FpeCompiling, SegvCompiling, AbortCompiling, ExitCompiling, SegvLoading, SegvOpening,
-                RaisingOpening, FpeRunning, CollectingCompiling)
+                RaisingOpening, FpeRunning, FpeRunningAgain, CollectingCompiling)
 }
 globals().update({partitioner.__name__: partitioner for partitioner in PARTITIONERS.values()})
 
@@ -293,6 +309,25 @@ def test_auto_drops_a_plan_whose_engine_dies_and_keeps_another(crashing_engines,
     assert reason in lowered.report().text(width=400)
     lowered.save(tmp_path / "kept.pt2")
     torch.testing.assert_close(aotstack.load(tmp_path / "kept.pt2").forward(X), torch.relu(X))
+
+
+def test_auto_keeps_a_plans_first_timing_where_its_engine_dies_as_it_is_timed_again(
+    crashing_engines, monkeypatch, caplog
+):
+    # Every plan contends, so each is timed again in the process that timed it first, which still holds it loaded.
+    monkeypatch.setattr(auto_module, "CONTENDING", 1e6)
+    monkeypatch.setattr(auto_module, "BASELINE_CONTENDING", 1e6)
+
+    with caplog.at_level("WARNING", logger="aotstack"):
+        lowered = aotstack.lower(relu_program(), aotstack.Auto(engines=["aoti_cpu", "test_fpe_running_again"]),
+                                 progress=False)
+
+    alone, again = lowered.placements["forward"].selection.candidates
+    assert again.engines == ["test_fpe_running_again", "aoti_cpu"] and again.seconds is not None
+    assert alone.seconds is not None
+    died = [r.getMessage() for r in caplog.records if "could not be timed again" in r.getMessage()]
+    assert died and "test_fpe_running_again died of SIGFPE while timing method 'forward'" in died[0], died
+    assert not [child for child in multiprocessing.active_children() if child.name == "aotstack-timing"]
 
 
 def test_auto_still_times_other_engines_in_a_child_once_openvino_ran_here(crashing_engines, tmp_path):

@@ -34,7 +34,7 @@ import warnings
 from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
-from typing import IO, Any
+from typing import IO, Any, NoReturn
 
 import torch
 
@@ -46,6 +46,8 @@ logger = logging.getLogger("aotstack")
 
 # How many lines of a dead child's Python stack an error carries.
 STACK_LINES = 40
+# How long a serving child told to end may take before it is stopped.
+ENDING_SECONDS = 10.0
 
 
 @dataclass(eq=False)
@@ -105,11 +107,22 @@ def can_run_engines_in_fork(backend_ids: Collection[str]) -> bool:
 
 def forked(target: Callable[..., Any], args: tuple[Any, ...], name: str) -> Child:
     """A child, forked now, running ``target(*args)`` in this process's thread count."""
+    return started(child_main, (target, args), name, duplex=False)
+
+
+def serving(setup: Callable[..., Any], args: tuple[Any, ...], name: str) -> Child:
+    """A child, forked now, that runs ``setup(*args)``, then answers each request (``requested``) until it is
+    ended (``ended``): a timing process keeps a plan loaded, so timing it again loads nothing."""
+    return started(server_main, (setup, args), name, duplex=True)
+
+
+def started(main: Callable[..., None], payload: tuple[Any, ...], name: str, *, duplex: bool) -> Child:
+    """A child forked now, running ``main(*payload, connection, crash_log, threads)``."""
     context = multiprocessing.get_context("fork")
-    receiving, sending = context.Pipe(duplex=False)
+    receiving, sending = context.Pipe(duplex=duplex)
     crash_log = tempfile.TemporaryFile(prefix="aotstack-crash-")
     process = context.Process(
-        target=child_main, args=(target, args, sending, crash_log, torch.get_num_threads()), name=name, daemon=True
+        target=main, args=(*payload, sending, crash_log, torch.get_num_threads()), name=name, daemon=True
     )
     pause_openmp()
     with warnings.catch_warnings(), collected_only_here():
@@ -144,6 +157,38 @@ def child_main(
     target: Callable[..., Any], args: tuple[Any, ...], connection: Connection, crash_log: IO[bytes], threads: int
 ) -> None:
     """In the child: send ``("returned", value)`` or ``("raised", error)``, then end at once."""
+    prepared_child(crash_log, threads)
+    send_outcome(connection, target, args)
+    ended_child(connection)
+
+
+def server_main(
+    setup: Callable[..., Any], args: tuple[Any, ...], connection: Connection, crash_log: IO[bytes], threads: int
+) -> None:
+    """In a serving child: ``state = setup(*args)``, then for each request ``(function, arguments)`` send back what
+    ``function(state, *arguments)`` returned or raised (where setup raised, that, and end); end on ``None``."""
+    prepared_child(crash_log, threads)
+    try:
+        state, failure = setup(*args), None
+    except Exception as error:  # noqa: BLE001 - it goes back to the parent as the answer to its request
+        state, failure = None, ("raised", portable(error))
+    while True:
+        try:
+            request = connection.recv()
+        except (EOFError, OSError):
+            break
+        if request is None:
+            break
+        if failure is not None:
+            connection.send(failure)
+            break
+        function, arguments = request
+        send_outcome(connection, function, (state, *arguments))
+    ended_child(connection)
+
+
+def prepared_child(crash_log: IO[bytes], threads: int) -> None:
+    """A child's start: its own streams, its stack written to ``crash_log`` if it dies, the parent's thread count."""
     # A live display may have put a proxy over the streams whose lock a thread of the parent
     # held at the fork; the child writes to the streams themselves.
     sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
@@ -152,14 +197,21 @@ def child_main(
     torch.set_num_threads(threads)
     # The parent reports progress; the child's own log lines would only interleave with it.
     logging.getLogger("aotstack").setLevel(logging.WARNING)
+
+
+def send_outcome(connection: Connection, function: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    """Send ``("returned", function(*args))``, or ``("raised", error)``."""
     try:
-        message: tuple[str, Any] = ("returned", target(*args))
+        message: tuple[str, Any] = ("returned", function(*args))
     except Exception as error:  # noqa: BLE001 - every failure goes back to the parent, which raises it
         message = ("raised", portable(error))
     try:
         connection.send(message)
     except Exception as error:  # noqa: BLE001 - a result that does not pickle is a failure to report too
         connection.send(("raised", LoweringError(f"the child's result could not be sent back: {error}")))
+
+
+def ended_child(connection: Connection) -> NoReturn:
     connection.close()
     for stream in (sys.stdout, sys.stderr):
         if stream is not None:
@@ -193,6 +245,16 @@ def received(child: Child) -> tuple[str, Any] | None:
         pass
     child.process.join()
     return None
+
+
+def requested(child: Child, function: Callable[..., Any], args: tuple[Any, ...]) -> tuple[str, Any] | None:
+    """What a serving child (``serving``) answered to ``function(state, *args)``; None where it ended without
+    answering. ``function`` and ``args`` are pickled: a function of a module, small arguments."""
+    try:
+        child.connection.send((function, args))
+    except (BrokenPipeError, OSError):
+        pass  # it died: ``received`` says so
+    return received(child)
 
 
 def signal_name(exitcode: int | None) -> str | None:
@@ -241,6 +303,16 @@ def closed(child: Child) -> None:
     """Let go of a child that has ended: its crash log is no longer needed."""
     child.connection.close()
     child.crash_log.close()
+
+
+def ended(child: Child) -> None:
+    """Let a serving child end by itself (so it removes what it made, ``end_child``), else stop it."""
+    try:
+        child.connection.send(None)
+    except (BrokenPipeError, OSError):
+        pass
+    child.process.join(ENDING_SECONDS)
+    stop(child)
 
 
 def stop(child: Child) -> None:

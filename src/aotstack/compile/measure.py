@@ -8,7 +8,8 @@ loading its part or running it (OpenVINO compiles its model at load, and can die
 ends the child, and the plan fails with an ``EngineCrashError`` naming the engine, what it was
 doing and the signal, for auto to report while it goes on with the other plans. The child times
 what a user's process would run: the file loaded fresh, in this process's thread count, with no
-other plan's engines loaded beside it.
+other plan's engines loaded beside it. It stays, the plan loaded and idle, while auto may time the
+plan again (``SavedPrograms``): an engine that compiles as it loads (OpenVINO) does so once.
 """
 
 from __future__ import annotations
@@ -34,11 +35,23 @@ from ..engine.interface import BackendRuntime
 from ..engine.registry import runtime_class
 from ..errors import BackendNotFoundError, EngineCrashError
 from ..format.archive import read_manifest
+from ..format.manifest import Manifest
 from ..format.records import Delegate
 from ..runtime.interpreter import LoadedDelegate
-from ..runtime.load import DelegateWrapper, loaded_program
+from ..runtime.load import DelegateWrapper, LoadedProgram, loaded_program
 from .check import placed_inputs
-from .child import Child, can_run_engines_in_fork, closed, crash_error, crash_stack, death, forked, received, stop
+from .child import (
+    Child,
+    can_run_engines_in_fork,
+    closed,
+    crash_error,
+    crash_stack,
+    death,
+    ended,
+    requested,
+    serving,
+    stop,
+)
 from .package import save
 from .parallel import quiet_torch_warnings
 
@@ -62,32 +75,41 @@ class MethodTiming:
 
 
 class SavedPrograms:
-    """The lowered programs saved to be timed, kept in one temporary folder while auto measures, so that timing one
-    again loads the file saved for its first timing instead of saving it again (0.1-0.3 s for a 115 MB encoder).
+    """The lowered programs saved to be timed, kept while auto measures: each in one temporary folder, so that timing
+    one again loads the file saved for its first timing instead of saving it again (0.1-0.3 s for a 115 MB encoder),
+    and, while memory allows, loaded in the child that timed it, so that timing it again loads nothing (an
+    OpenVINO part compiles as it loads: about 1 s for that encoder).
 
-    A file stays only while all the kept ones fill at most ``FREE_SPACE_SHARE`` of the folder's free space; the
-    folder goes when the ``with`` block ends.
+    A file stays only while all the kept ones fill at most ``FREE_SPACE_SHARE`` of the folder's free space; a
+    timing process stays only while at least ``FREE_MEMORY_SHARE`` of the machine's memory is available. Both go
+    when the ``with`` block ends.
     """
 
     FREE_SPACE_SHARE = 0.25
+    FREE_MEMORY_SHARE = 0.5
 
     def __init__(self) -> None:
         self.folder = tempfile.mkdtemp(prefix="aotstack-measure-")
         # By the programs saved (which the entry keeps alive, so their ids name no other): the file, its size.
-        self.files: dict[tuple[tuple[str, int], ...], tuple[str, int, list[ExportedProgram]]] = {}
+        self.files: dict[ProgramsKey, tuple[str, int, list[ExportedProgram]]] = {}
         self.saves = 0
+        # By the programs saved: the process keeping them loaded, and the programs (kept alive for their ids).
+        self.processes: dict[ProgramsKey, tuple[TimingProcess, list[ExportedProgram]]] = {}
 
     def __enter__(self) -> SavedPrograms:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
+        for process, _ in self.processes.values():
+            ended(process.child)
+        self.processes.clear()
         shutil.rmtree(self.folder, ignore_errors=True)
 
     @contextmanager
     def saved(self, methods: Mapping[str, ExportedProgram], delegates: Mapping[str, list[Delegate]]) -> Iterator[str]:
         """The path of ``methods`` saved with ``delegates``: the file kept from an earlier timing, or one saved now,
         kept afterwards where the free space allows."""
-        key = tuple((name, id(program)) for name, program in methods.items())
+        key = programs_key(methods)
         if key in self.files:
             yield self.files[key][0]
             return
@@ -104,6 +126,43 @@ class SavedPrograms:
             else:
                 os.remove(path)
 
+    def loaded(self, methods: Mapping[str, ExportedProgram], inputs: Mapping[str, CallInputs]) -> TimingProcess | None:
+        """A process keeping ``methods`` (and maybe others) loaded from an earlier timing on these ``inputs``; None
+        where none does."""
+        wanted = set(programs_key(methods))
+        return next((process for key, (process, _) in self.processes.items()
+                     if wanted <= set(key) and process.times(list(methods), inputs)), None)
+
+    def keep_or_end(self, methods: Mapping[str, ExportedProgram], process: TimingProcess) -> None:
+        """Keep ``process`` loaded for the next timing of ``methods`` where memory allows; else end it."""
+        if memory_to_spare(self.FREE_MEMORY_SHARE):
+            self.processes[programs_key(methods)] = (process, list(methods.values()))
+        else:
+            ended(process.child)
+
+    def drop(self, process: TimingProcess) -> None:
+        """Forget ``process`` (it failed, or died)."""
+        self.processes = {key: kept for key, kept in self.processes.items() if kept[0] is not process}
+
+
+# Which programs a file or a timing process holds: each method's name and its program's id.
+ProgramsKey = tuple[tuple[str, int], ...]
+
+
+def programs_key(methods: Mapping[str, ExportedProgram]) -> ProgramsKey:
+    return tuple((name, id(program)) for name, program in methods.items())
+
+
+def memory_to_spare(share: float) -> bool:
+    """Whether at least ``share`` of this machine's memory is available (Linux's ``MemAvailable``); False where
+    that cannot be read."""
+    try:
+        with open("/proc/meminfo") as lines:
+            fields = {line.split(":")[0]: int(line.split()[1]) for line in lines if line.split()[1:]}
+        return fields["MemAvailable"] >= fields["MemTotal"] * share
+    except (OSError, ValueError, KeyError, IndexError):
+        return False
+
 
 def measured_methods(
     methods: Mapping[str, ExportedProgram],
@@ -112,8 +171,8 @@ def measured_methods(
     saved: SavedPrograms | None = None,
 ) -> dict[str, MethodTiming]:
     """Each method of a lowered program, saved to a temporary file, loaded and timed on its ``inputs``
-    (``(args, kwargs)``, as the method is called). With ``saved``, a program timed before is loaded from the
-    file saved then.
+    (``(args, kwargs)``, as the method is called). With ``saved``, a program timed before is timed again in the
+    process that timed it, where that still holds it loaded, else loaded from the file saved then.
     Every timed call starts from the package's initial state (a KV cache is reset each time), or one call
     after it where an engine keeps the method's state inside itself (``timed_method``).
     The load and the calls run in a forked child where that is safe for the engines the plan uses
@@ -122,12 +181,30 @@ def measured_methods(
     if saved is None:
         with SavedPrograms() as own:
             return measured_methods(methods, delegates, inputs, own)
-    with saved.saved(methods, delegates) as path:
-        engines = [(d.delegate_id, d.backend_id) for name in methods for d in delegates[name]]
-        stage = Stage([delegate_id for delegate_id, _ in engines])
-        if not can_run_engines_in_fork({backend_id for _, backend_id in engines}):
-            return timings(path, list(methods), inputs, stage)
-        return timings_in_child(path, list(methods), inputs, stage, engines)
+    names = list(methods)
+    engines = [(d.delegate_id, d.backend_id) for name in methods for d in delegates[name]]
+    if not can_run_engines_in_fork({backend_id for _, backend_id in engines}):
+        with saved.saved(methods, delegates) as path:
+            return timed_methods(loaded_to_time(path, Stage([delegate_id for delegate_id, _ in engines])), names,
+                                 inputs)
+    process = saved.loaded(methods, inputs)
+    if process is None:
+        with saved.saved(methods, delegates) as path:
+            # Timed before the file may go (``saved``): the child reads it as it loads.
+            process = TimingProcess.started(path, inputs, engines)
+            try:
+                timed = process.timed(names)
+            except BaseException:
+                stop(process.child)
+                raise
+        saved.keep_or_end(methods, process)
+        return timed
+    try:
+        return process.timed(names)
+    except BaseException:
+        saved.drop(process)
+        stop(process.child)
+        raise
 
 
 class Stage:
@@ -162,31 +239,49 @@ class Stage:
         return self.slots[0], self.slots[1]
 
 
-def timings(
-    path: str, names: Sequence[str], inputs: Mapping[str, CallInputs], stage: Stage
+@dataclass
+class LoadedToTime:
+    """A saved program loaded to be timed: its delegates add each call's seconds to ``spent`` and mark ``stage``;
+    ``before`` is what this process held before it loaded it (``held_bytes``)."""
+
+    path: str
+    loaded: LoadedProgram
+    manifest: Manifest
+    spent: dict[str, list[float]]
+    stage: Stage
+    before: int | None
+
+
+def loaded_to_time(path: str, stage: Stage) -> LoadedToTime:
+    """The program saved at ``path``, loaded in this process to be timed."""
+    spent: dict[str, list[float]] = defaultdict(list)
+    before = held_bytes(path)
+    stage.loading()
+    loaded = loaded_program(path, allowed_ops=None, wrap_delegate=timing_into(spent, stage))
+    return LoadedToTime(path, loaded, read_manifest(path), spent, stage, before)
+
+
+def timed_methods(
+    program: LoadedToTime, names: Sequence[str], inputs: Mapping[str, CallInputs]
 ) -> dict[str, MethodTiming]:
-    """Each method ``names`` lists of the program saved at ``path``, loaded and timed in this process.
+    """Each method ``names`` lists of ``program``, timed on its ``inputs``.
 
     Each timing also carries the memory the loaded program added by the end of the last method's
     calls (``held_bytes``): what the engines allocated (packed weights, runtimes, state) and the
     file's pages they still read.
     """
-    spent: dict[str, list[float]] = defaultdict(list)
-    before = held_bytes(path)
-    stage.loading()
-    loaded = loaded_program(path, allowed_ops=None, wrap_delegate=timing_into(spent, stage))
-    manifest = read_manifest(path)
     result = {}
     with quiet_torch_warnings(), torch.no_grad():
         for index, name in enumerate(names):
-            stage.calling(index)
-            args, kwargs = placed_inputs(inputs[name], manifest.methods[name].inputs)
-            method = loaded.method(name)
+            program.stage.calling(index)
+            args, kwargs = placed_inputs(inputs[name], program.manifest.methods[name].inputs)
+            method = program.loaded.method(name)
             result[name] = timed_method(
-                lambda m=method, a=args, k=kwargs: m(*a, **k), loaded.reset, spent, second=name in loaded.kept_state
+                lambda m=method, a=args, k=kwargs: m(*a, **k), program.loaded.reset, program.spent,
+                second=name in program.loaded.kept_state,
             )
-    after = held_bytes(path)
-    held = None if before is None or after is None else max(after - before, 0)
+    after = held_bytes(program.path)
+    held = None if program.before is None or after is None else max(after - program.before, 0)
     return {name: replace(timing, resident_bytes=held) for name, timing in result.items()}
 
 
@@ -212,32 +307,56 @@ def held_bytes(package: str) -> int | None:
     return held
 
 
-def timings_in_child(
-    path: str,
-    names: Sequence[str],
-    inputs: Mapping[str, CallInputs],
-    stage: Stage,
-    engines: Sequence[tuple[str, str]],
-) -> dict[str, MethodTiming]:
-    """``timings`` run in a forked child; an ``EngineCrashError`` where the child dies (``engines``: each
+@dataclass(eq=False)
+class TimingProcess:
+    """A child forked to load one saved program and time its methods on ``inputs`` (by method), again at each
+    ``timed``, until it is ended; an engine crashing in it is an ``EngineCrashError`` (``engines``: each
     delegate's id and backend, in ``stage``'s order)."""
-    child = forked(timings, (path, names, inputs, stage), "aotstack-timing")
-    try:
-        message = received(child)
-    except BaseException:
-        # Interrupted: the child is not left running.
-        stop(child)
-        raise
-    try:
+
+    child: Child
+    stage: Stage
+    inputs: Mapping[str, CallInputs]
+    engines: list[tuple[str, str]]
+
+    @classmethod
+    def started(
+        cls, path: str, inputs: Mapping[str, CallInputs], engines: Sequence[tuple[str, str]]
+    ) -> TimingProcess:
+        stage = Stage([delegate_id for delegate_id, _ in engines])
+        # The inputs are the child's from the fork: a tensor sent down a pipe would go through shared memory.
+        child = serving(loaded_with_inputs, (path, stage, inputs), "aotstack-timing")
+        return cls(child, stage, dict(inputs), list(engines))
+
+    def times(self, names: Sequence[str], inputs: Mapping[str, CallInputs]) -> bool:
+        """Whether this process times each of ``names`` on these very ``inputs``."""
+        return all(name in self.inputs and inputs[name] is self.inputs[name] for name in names)
+
+    def timed(self, names: Sequence[str]) -> dict[str, MethodTiming]:
+        """Each of ``names`` timed once more (the first time, loaded first)."""
+        message = requested(self.child, timed_on_its_inputs, (list(names),))
         if message is None:
-            raise timing_crash(child, stage, names, engines)
+            error = timing_crash(self.child, self.stage, names, self.engines)
+            closed(self.child)
+            raise error
         kind, value = message
         if kind == "raised":
-            value.add_note(f"raised in the timing process {child.pid}")
+            value.add_note(f"raised in the timing process {self.child.pid}")
             raise value
         return value
-    finally:
-        closed(child)
+
+
+def loaded_with_inputs(
+    path: str, stage: Stage, inputs: Mapping[str, CallInputs]
+) -> tuple[LoadedToTime, Mapping[str, CallInputs]]:
+    """A timing process's state: the program at ``path`` loaded to be timed, and what to time it on."""
+    return loaded_to_time(path, stage), inputs
+
+
+def timed_on_its_inputs(
+    state: tuple[LoadedToTime, Mapping[str, CallInputs]], names: Sequence[str]
+) -> dict[str, MethodTiming]:
+    program, inputs = state
+    return timed_methods(program, names, inputs)
 
 
 def timing_crash(
