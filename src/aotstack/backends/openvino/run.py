@@ -245,15 +245,17 @@ def compiled_keeping(
     its buffers bound in place as before: keeping state is a speed-up, never a reason not to load.
     """
     model = read_model(part, label)
+    # Decided once: where the stateful model fails to compile, the part as stored compiles in the same precision.
+    precision = precision_to_compile(model, part.precision, threads, label)
     kept = kept_buffers(model, part, keepable)
     if not kept:
-        return compiled_model(model, part.precision, threads, label), []
+        return compiled_model(model, precision, threads, label), []
     try:
         made_stateful(model, kept, label)
-        return compiled_model(model, part.precision, threads, label), kept
+        return compiled_model(model, precision, threads, label), kept
     except DelegateInitError as error:
         logger.warning("%s: its buffers stay bound in place, not kept in OpenVINO: %s", label, error)
-        return compiled_model(read_model(part, label), part.precision, threads, label), []
+        return compiled_model(read_model(part, label), precision, threads, label), []
 
 
 def kept_buffers(model: Any, part: Part, keepable: Collection[str]) -> list[tuple[int, OwnedBuffer]]:
@@ -305,10 +307,10 @@ def variable_id(buffer: OwnedBuffer, result: int) -> str:
 
 
 def compiled_model(model: Any, precision: str, threads: int, label: str) -> Any:
-    """``model`` compiled for the CPU plugin, in ``precision``, to run on ``threads`` threads."""
+    """``model`` compiled for the CPU plugin, in ``precision`` (``precision_to_compile``), on ``threads`` threads."""
     try:
         return core().compile_model(model, "CPU", {
-            "INFERENCE_PRECISION_HINT": precision_to_compile(model, precision, threads, label),
+            "INFERENCE_PRECISION_HINT": precision,
             "INFERENCE_NUM_THREADS": threads,
             "PERFORMANCE_HINT": "LATENCY",
             "ENABLE_CPU_PINNING": False,
