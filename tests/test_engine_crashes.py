@@ -316,7 +316,6 @@ def test_auto_keeps_a_plans_first_timing_where_its_engine_dies_as_it_is_timed_ag
 ):
     # Every plan contends, so each is timed again in the process that timed it first, which still holds it loaded.
     monkeypatch.setattr(auto_module, "CONTENDING", 1e6)
-    monkeypatch.setattr(auto_module, "BASELINE_CONTENDING", 1e6)
 
     with caplog.at_level("WARNING", logger="aotstack"):
         lowered = aotstack.lower(relu_program(), aotstack.Auto(engines=["aoti_cpu", "test_fpe_running_again"]),

@@ -10,7 +10,7 @@ import torch
 import aotstack
 from aotstack.backends.xnnpack.packages import executorch_problem
 from aotstack.compile import lower as lower_module
-from aotstack.compile.auto import CONTENDING, one_thread_base
+from aotstack.compile.auto import ONE_THREAD_CONTENDING, one_thread_base
 from aotstack.compile.mixing import MARGIN, KeptRegion, MeasuredPlan, Mix, Region, RegionPartitioner, mixed_cover
 from aotstack.engine.registry import BUILT_IN
 from aotstack.format.placement import Candidate
@@ -84,7 +84,7 @@ def test_the_fastest_plan_running_aotis_parts_between_another_engines_is_timed_o
 def test_no_plan_is_timed_on_one_thread_where_none_runs_aotis_parts_between_another_engines_or_it_is_far_slower():
     whole = measured({("aoti_cpu",): (2.0, [region("aoti_cpu", "abcd", 2.0)]), ("openvino", "aoti_cpu"): (1.0, WHOLE)})
     slow = measured({("aoti_cpu",): (1.0, [region("aoti_cpu", "abcd", 1.0)]),
-                     ("xnnpack", "aoti_cpu"): (1.0 * (1 + CONTENDING) * 1.01, BETWEEN)})
+                     ("xnnpack", "aoti_cpu"): (1.0 * ONE_THREAD_CONTENDING * 1.01, BETWEEN)})
     failed = {("xnnpack", "aoti_cpu"): (Candidate(["xnnpack", "aoti_cpu"], None, {}, "broken"), {}, BETWEEN)}
 
     assert one_thread_base(whole, "aoti_cpu", 2, "cpu") is None
@@ -144,7 +144,7 @@ def test_auto_measures_the_mix_its_plans_propose_names_it_and_reads_it_back_from
         return Mix([KeptRegion(taken, taken.seconds * 2, ("aoti_cpu",))], closing)
 
     monkeypatch.setattr(lower_module, "mixed_cover", ort_region)
-    # Not the plan with AOTInductor's parts on one thread, which a timing within CONTENDING would add at 2 threads.
+    # Not the plan with AOTInductor's parts on one thread, which a timing close to the fastest would add at 2 threads.
     monkeypatch.setattr(lower_module, "one_thread_base", lambda *args: None)
     model, x = Chain().eval(), torch.randn(4, 16)
     program = aotstack.export(model, {"forward": (x,)})

@@ -18,7 +18,7 @@ The algorithm, kept small so a report can explain it:
    timed like the others (at most one more plan per method), so boundaries are in its time too,
    and the selection's reason lists the regions it kept and what each measured against.
 4. At more than one thread on the CPU, the fastest plan whose AOTInductor parts run between
-   another engine's (where it is within ``CONTENDING`` of the fastest) is lowered once more with
+   another engine's (where it is within ``ONE_THREAD_CONTENDING`` of the fastest) is lowered once more with
    those parts compiled for one thread (``SpecKey.THREADS``), and timed like the others: there
    AOTInductor's OpenMP threads, waiting for the next loop, spin on the cores the other engine's
    own pool needs (``one_thread_base``). It is lowered once more with the other engines' sessions
@@ -29,8 +29,8 @@ The algorithm, kept small so a report can explain it:
    boundaries for a difference the measurement cannot tell apart. Otherwise, among the plans
    within ``TIE`` of the fastest, one holding at least ``LIGHTER`` less memory once loaded and
    called (an engine that repacks weights keeps its own copy of them) wins over the fastest.
-   The kept plan, AOTInductor alone where the kept plan beat it, and every other plan within
-   ``CONTENDING`` of the fastest are timed again, alternately, ``CONFIRMING_ROUNDS`` times each
+   The kept plan and every other plan within ``CONTENDING`` of the fastest (AOTInductor alone
+   among them) are timed again, alternately, ``CONFIRMING_ROUNDS`` times each
    (``lower.confirmed_selection``), each keeping its median timing, and the choice is made again.
    Methods choose separately, so one file may run ``prefill`` in one engine and ``decode`` in
    another.
@@ -76,17 +76,20 @@ LIGHTER = 0.10
 # Times the contending plans (``contenders``) are timed again, alternately, before the choice is made again: a stretch
 # of load (or of quiet) on a shared machine then changes a timing of each, not every timing of one.
 CONFIRMING_ROUNDS = 2
-# A plan whose first timing is within this much of the fastest contends: load while it was timed once would otherwise
-# rule it out for good (measured: OpenVINO's plan for a BERT encoder at 1.31x the time it took when timed again).
-CONTENDING = 0.35
-# AOTInductor alone contends with a plan that beat it unless its first timing took more than this many times that
-# plan's: the worst burst of load measured here slowed a timing 1.5x, and a confirming round costs seconds cold.
-BASELINE_CONTENDING = 2.0
+# A plan whose first timing took at most this many times the fastest's contends, and is timed again: a burst of load
+# while it was timed once would otherwise rule it out for good. The worst measured here slowed a timing 1.65x
+# (OpenVINO's plan for a BERT encoder at 2 threads, 46.2 ms, against 21-29 ms in six other lowerings). Timing a
+# plan again costs its calls alone: it stays loaded in the process that timed it (``measure.SavedPrograms``).
+CONTENDING = 2.0
+# The plan whose AOTInductor parts auto compiles again for one thread (``one_thread_base``) took at most this many
+# times the fastest plan's time: that costs a compile, not a timing.
+ONE_THREAD_CONTENDING = 1.35
 # The measurements' cache; each entry keeps its plan's regions (``mixing.py``) and memory, which older entries lack,
 # older entries timed a plan keeping state in its engine with a reload of that state in every call, and older entries
-# of plans close to the fastest were timed once only, and older entries of a plan with AOTInductor's parts compiled
-# for one thread ran their ATen calls on torch's thread count.
-CACHE_KIND = "measurements-6"
+# of plans close to the fastest were timed once only (and before that kind, every plan beyond 1.35x the fastest
+# time), and older entries of a plan with AOTInductor's parts compiled for one thread ran their ATen calls on torch's
+# thread count.
+CACHE_KIND = "measurements-7"
 
 Plan = tuple[str, ...]
 
@@ -357,8 +360,9 @@ class AddedPlan:
 
 def one_thread_base(listed: Mapping[Plan, Measurement], closing: str, threads: int, device: str) -> Plan | None:
     """The plan whose ``closing`` parts auto also compiles for one thread: the fastest measured plan whose closing
-    engine runs parts between another engine's, where it is within ``CONTENDING`` of the fastest plan; None at one
-    thread, off the CPU (``SpecKey.THREADS`` is AOTInductor's on the CPU) or where there is none.
+    engine runs parts between another engine's, where it took at most ``ONE_THREAD_CONTENDING`` times the fastest
+    plan's time; None at one thread, off the CPU (``SpecKey.THREADS`` is AOTInductor's on the CPU) or where there is
+    none.
 
     Between another engine's parts, AOTInductor's parallel loops gain little (a decode step's glue is a
     few small ops) while its OpenMP threads, spinning as they wait for the next loop, hold cores that the
@@ -374,7 +378,7 @@ def one_thread_base(listed: Mapping[Plan, Measurement], closing: str, threads: i
     if not between:
         return None
     base = min(between, key=lambda plan: timed[plan])
-    return base if timed[base] <= min(timed.values()) * (1 + CONTENDING) else None
+    return base if timed[base] <= min(timed.values()) * ONE_THREAD_CONTENDING else None
 
 
 def one_thread_plans(base: Plan, partitioners: Callable[..., list[Partitioner]], key: str) -> list[AddedPlan]:
@@ -438,21 +442,15 @@ def selection(method: str, candidates: list[Candidate], threads: int) -> Selecti
 
 
 def contenders(kept: Selection) -> list[int]:
-    """The plans of ``kept`` timed again before its choice is made again, the kept plan first; none where no other
-    plan contends with it.
-
-    AOTInductor alone contends with a plan that beat it, unless it took more than ``BASELINE_CONTENDING`` times as
-    long (a burst of load while it was timed would make every boundary look worth paying for); any other plan
-    contends where its timing is within ``CONTENDING`` of the fastest.
+    """The plans of ``kept`` timed again before its choice is made again, the kept plan first: every plan whose
+    timing took at most ``CONTENDING`` times the fastest's (AOTInductor alone too, which keeps its place where a
+    burst of load made every boundary look worth paying for); none where no other plan contends with the kept one.
     """
     timed = sorted((c.seconds, index) for index, c in enumerate(kept.candidates) if c.seconds is not None)
     if not timed:
         return []
-    close = timed[0][0] * (1 + CONTENDING)
-    near = [index for seconds, index in timed if seconds <= close and index not in (0, kept.chosen)]
-    baseline, chosen = kept.candidates[0].seconds, kept.candidates[kept.chosen].seconds
-    contending = baseline is not None and chosen is not None and baseline <= chosen * BASELINE_CONTENDING
-    others = ([0] if kept.chosen != 0 and contending else []) + near
+    close = timed[0][0] * CONTENDING
+    others = [index for seconds, index in timed if seconds <= close and index != kept.chosen]
     return [kept.chosen, *others] if others else []
 
 
