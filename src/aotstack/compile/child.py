@@ -5,7 +5,8 @@ a bf16 Llama at one thread on a CPU with AMX, where its CPU plugin fuses each ga
 kernel (``LLMMLP``) that shares the down projection's columns among half its threads, none at one
 (its run side now steers clear of that one; the next crash is not known in advance).
 Lowering runs each compile (``parallel.py``) and auto-lowering the timing of each plan
-(``measure.py``) in a child forked from the caller's process. Fork, not spawn: the child
+(``measure.py``) in a child forked from the caller's process; a timing child serves (``serving``),
+keeping its plan loaded to time it again on request. Fork, not spawn: the child
 inherits the program, its weights and every backend the caller registered, however it was
 defined, and starts in milliseconds instead of the seconds importing torch takes.
 
