@@ -134,7 +134,11 @@ class SavedPrograms:
                      if wanted <= set(key) and process.times(list(methods), inputs)), None)
 
     def keep_or_end(self, methods: Mapping[str, ExportedProgram], process: TimingProcess) -> None:
-        """Keep ``process`` loaded for the next timing of ``methods`` where memory allows; else end it."""
+        """Keep ``process`` loaded for the next timing of ``methods`` where memory allows, in place of one kept for
+        them before (timing other inputs); else end it."""
+        replaced = self.processes.pop(programs_key(methods), None)
+        if replaced is not None:
+            ended(replaced[0].child)
         if memory_to_spare(self.FREE_MEMORY_SHARE):
             self.processes[programs_key(methods)] = (process, list(methods.values()))
         else:
