@@ -43,7 +43,6 @@ from .check import placed_inputs
 from .child import (
     Child,
     can_run_engines_in_fork,
-    closed,
     crash_error,
     crash_stack,
     death,
@@ -196,18 +195,13 @@ def measured_methods(
         with saved.saved(methods, delegates) as path:
             # Timed before the file may go (``saved``): the child reads it as it loads.
             process = TimingProcess.started(path, inputs, engines)
-            try:
-                timed = process.timed(names)
-            except BaseException:
-                stop(process.child)
-                raise
+            timed = process.timed(names)
         saved.keep_or_end(methods, process)
         return timed
     try:
         return process.timed(names)
     except BaseException:
         saved.drop(process)
-        stop(process.child)
         raise
 
 
@@ -336,17 +330,20 @@ class TimingProcess:
         return all(name in self.inputs and inputs[name] is self.inputs[name] for name in names)
 
     def timed(self, names: Sequence[str]) -> dict[str, MethodTiming]:
-        """Each of ``names`` timed once more (the first time, loaded first)."""
-        message = requested(self.child, timed_on_its_inputs, (list(names),))
-        if message is None:
-            error = timing_crash(self.child, self.stage, names, self.engines)
-            closed(self.child)
-            raise error
-        kind, value = message
-        if kind == "raised":
-            value.add_note(f"raised in the timing process {self.child.pid}")
-            raise value
-        return value
+        """Each of ``names`` timed once more (the first time, loaded first); where that fails (or is interrupted),
+        the process is stopped and the failure raised."""
+        try:
+            message = requested(self.child, timed_on_its_inputs, (list(names),))
+            if message is None:
+                raise timing_crash(self.child, self.stage, names, self.engines)
+            kind, value = message
+            if kind == "raised":
+                value.add_note(f"raised in the timing process {self.child.pid}")
+                raise value
+            return value
+        except BaseException:
+            stop(self.child)
+            raise
 
 
 def loaded_with_inputs(
