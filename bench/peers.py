@@ -105,6 +105,7 @@ import importlib.metadata
 import importlib.util
 import io
 import math
+import multiprocessing
 import os
 import re
 import tempfile
@@ -118,6 +119,7 @@ import torch
 from torch.export.graph_signature import InputKind, OutputKind
 
 import aotstack
+from aotstack.forking import pause_openmp
 from common import (
     FIGURE_HEADERS,
     Figure,
@@ -489,9 +491,41 @@ def ov_runner(case: Case, threads: int, settings: Settings) -> Runner:
         openvino.save_model(model, path, compress_to_fp16=False)
         return path
 
-    path = case.artifact(OV, convert)
+    path = case.artifact(OV, lambda: made_in_fork(convert))
     return file_runner(case, "openvino", path, threads, settings, files=[path, path.removesuffix(".xml") + ".bin"],
                        precision="bf16" if case.dtype == "bf16" else "f32")
+
+
+def made_in_fork(make: Callable[[], str]) -> str:
+    """``make()``'s result, made in a forked child of this process; what it raises is raised here as a RuntimeError.
+
+    For OpenVINO's conversion: once ``openvino.save_model`` (or ``serialize``) ran in a process, every
+    child forked from it later runs OpenVINO's CPU plugin on one thread, whatever its thread count
+    (OpenVINO 2026.4; ``openvino.convert_model`` alone does not do it). aotstack's auto lowering, run
+    in this process after, times each plan in such a child: it would time its OpenVINO plans at one
+    thread's speed. A user's process that lowers does not convert the peer first.
+    """
+    context = multiprocessing.get_context("fork")
+    receiving, sending = context.Pipe(duplex=False)
+
+    def run() -> None:
+        try:
+            sending.send((True, make()))
+        except BaseException as exc:  # noqa: BLE001 - sent to the parent, which raises it
+            sending.send((False, f"{type(exc).__name__}: {exc}"))
+
+    pause_openmp()  # the child runs torch (the decoder's re-export): a pool its parent used would hang it
+    process = context.Process(target=run, daemon=True)
+    process.start()
+    sending.close()
+    try:
+        made, result = receiving.recv()
+    except EOFError:
+        made, result = False, "the process converting it ended without a word"
+    process.join()
+    if not made or process.exitcode != 0:
+        raise RuntimeError(f"{result} (exit code {process.exitcode})")
+    return result
 
 
 def executorch_runner(case: Case, threads: int, settings: Settings) -> Runner:
