@@ -18,6 +18,7 @@ import torch
 import aotstack
 from aotstack.backends.openvino import run as ov_run
 from aotstack.backends.openvino.partitioner import OpenVinoPartitioner
+from aotstack.compile.measure import ONE_CORE
 from aotstack.format.archive import read_manifest
 from aotstack.format.specs import CompileSpec, SpecKey
 from aotstack.format.tensor_data import WEIGHT_PREFIX, content_key, tensor_bytes
@@ -258,6 +259,46 @@ def test_a_bfloat16_gated_mlp_loads_on_one_thread_on_a_cpu_with_amx(tmp_path, co
     threads = ["1"] if cores is None else ["2", str(cores)]
     got = torch.tensor(run_child(ONE_THREAD_RUN, str(tmp_path / "mlp.pt2"), str(tmp_path / "x.pt"), *threads))
     torch.testing.assert_close(got, model(x).detach().float().flatten(), rtol=1.6e-2, atol=2e-2)
+
+
+# Times an MLP lowered to ONNX Runtime, then to OpenVINO, as auto times two plans, on 2 threads; with argv[1]
+# "serialized", after OpenVINO serialized a model in this process, which leaves every child forked from it running
+# OpenVINO on one thread. Prints the OpenVINO timing's busy cores and the warnings.
+TIMED_AFTER_SERIALIZING = """
+import json, logging, os, sys, tempfile, torch, openvino, aotstack
+from aotstack.compile.measure import SavedPrograms, measured_methods
+torch.set_num_threads(2)
+model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)]).eval()
+x = torch.randn(256, 512)
+exported = torch.export.export(model, (x,))
+if sys.argv[1] == "serialized":
+    folder = tempfile.mkdtemp()
+    openvino.serialize(openvino.convert_model(exported), os.path.join(folder, "m.xml"), os.path.join(folder, "m.bin"))
+warned = []
+handler = logging.Handler(logging.WARNING)
+handler.emit = lambda record: warned.append(record.getMessage())
+logging.getLogger("aotstack").addHandler(handler)
+with SavedPrograms() as saved:
+    for partitioner in (aotstack.OrtPartitioner(), aotstack.OpenVinoPartitioner()):
+        lowered = aotstack.lower(aotstack.Program({"forward": exported}), [partitioner])
+        timing = measured_methods(lowered.methods, lowered.delegate_table, {"forward": ((x,), {})}, saved)
+print(json.dumps({"cores": timing["forward"].cores, "warned": warned}))
+"""
+
+
+@pytest.mark.parametrize("before", ["serialized", "nothing"])
+def test_a_plan_whose_forked_timing_ran_on_one_core_is_timed_on_its_threads_in_this_process(before):
+    from aotstack.format.archive import usable_cores
+
+    if usable_cores() < 2:
+        pytest.skip("one core: every timing runs on one")
+    pytest.importorskip("onnxruntime")
+    got = run_child(TIMED_AFTER_SERIALIZING, before)
+    assert got["cores"] > ONE_CORE, got
+    retimed = [message for message in got["warned"] if "timed again in this process" in message]
+    assert len(retimed) == (before == "serialized"), got["warned"]
+    if retimed:
+        assert "openvino" in retimed[0] and "one core" in retimed[0]
 
 
 def test_a_static_cache_decoder_generates_eager_tokens_from_a_fresh_process(tmp_path):

@@ -10,10 +10,18 @@ doing and the signal, for auto to report while it goes on with the other plans. 
 what a user's process would run: the file loaded fresh, in this process's thread count, with no
 other plan's engines loaded beside it. It stays, the plan loaded and idle, while auto may time the
 plan again (``SavedPrograms``): an engine that compiles as it loads (OpenVINO) does so once.
+
+A native library's threads may not survive fork even where the child still runs: once
+``openvino.save_model`` (or ``serialize``) ran in a process, OpenVINO (2026.4) runs on one thread
+in every child forked from it. So the child also reports how many cores its timed calls kept busy
+(``MethodTiming.cores``). A plan whose calls kept about one busy where another plan's kept two
+(``SavedPrograms.ran_on_one_core``) is timed again in this process, where its engines have their
+threads; it loaded and ran in the child already, so it is not one that crashes.
 """
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import re
@@ -61,6 +69,12 @@ WARM_UP_CALLS = 2
 # Timed calls per method: at least the first, at most the second, and no more once the budget is spent.
 TIMED_CALLS = (5, 15)
 TIME_BUDGET_SECONDS = 2.0
+# Cores a timing's calls kept busy: a plan below ONE_CORE ran on one thread, where another plan's timing reached
+# MANY_CORES (engines running on two threads keep more than 1.5 busy; their threads spin a while after each step).
+ONE_CORE = 1.15
+MANY_CORES = 1.5
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,8 @@ class MethodTiming:
     delegate_seconds: dict[str, float] = field(default_factory=dict)
     # What loading the plan's file and calling each of its methods added to resident memory (``held_bytes``).
     resident_bytes: int | None = None
+    # The cores the timed calls kept busy: the process's CPU time over their wall time.
+    cores: float | None = None
 
 
 class SavedPrograms:
@@ -94,6 +110,8 @@ class SavedPrograms:
         self.saves = 0
         # By the programs saved: the process keeping them loaded, and the programs (kept alive for their ids).
         self.processes: dict[ProgramsKey, tuple[TimingProcess, list[ExportedProgram]]] = {}
+        # The most cores a timing process kept busy so far (``ran_on_one_core``).
+        self.most_cores = 0.0
 
     def __enter__(self) -> SavedPrograms:
         return self
@@ -142,6 +160,16 @@ class SavedPrograms:
             self.processes[programs_key(methods)] = (process, list(methods.values()))
         else:
             ended(process.child)
+
+    def ran_on_one_core(self, timings: Mapping[str, MethodTiming]) -> bool:
+        """Whether a timing process ran a plan on about one core (``ONE_CORE``) where one before kept
+        ``MANY_CORES`` busy: then its engines lost their threads in the fork. A plan whose work does not
+        split, such as a small model's, runs on one core in every plan, so one alone says nothing."""
+        cores = [timing.cores for timing in timings.values() if timing.cores is not None]
+        if not cores:
+            return False
+        self.most_cores = max(self.most_cores, *cores)
+        return max(cores) < ONE_CORE and self.most_cores >= MANY_CORES
 
     def drop(self, process: TimingProcess) -> None:
         """Forget ``process`` (it failed, or died)."""
@@ -196,13 +224,35 @@ def measured_methods(
             # Timed before the file may go (``saved``): the child reads it as it loads.
             process = TimingProcess.started(path, inputs, engines)
             timed = process.timed(names)
-        saved.keep_or_end(methods, process)
-        return timed
+            if not saved.ran_on_one_core(timed):
+                saved.keep_or_end(methods, process)
+                return timed
+            ended(process.child)
+            return timed_here(path, names, inputs, engines)
     try:
-        return process.timed(names)
+        timed = process.timed(names)
     except BaseException:
         saved.drop(process)
         raise
+    if not saved.ran_on_one_core(timed):
+        return timed
+    saved.drop(process)
+    ended(process.child)
+    with saved.saved(methods, delegates) as path:
+        return timed_here(path, names, inputs, engines)
+
+
+def timed_here(
+    path: str, names: Sequence[str], inputs: Mapping[str, CallInputs], engines: Sequence[tuple[str, str]]
+) -> dict[str, MethodTiming]:
+    """A plan whose timing process ran it on one core (``SavedPrograms.ran_on_one_core``), timed in this process."""
+    logger.warning(
+        "a plan with %s ran on one core in its timing process, where another plan kept more busy: a library's "
+        "threads did not survive fork here (OpenVINO's do not, once openvino.save_model ran in this process), so "
+        "it is timed again in this process",
+        ", ".join(sorted({backend_id for _, backend_id in engines})),
+    )
+    return timed_methods(loaded_to_time(path, Stage([delegate_id for delegate_id, _ in engines])), names, inputs)
 
 
 class Stage:
@@ -416,7 +466,8 @@ def timed_method(
     lowest, highest = TIMED_CALLS
     samples: list[float] = []
     by_delegate: dict[str, list[float]] = defaultdict(list)
-    budget_end = time.perf_counter() + TIME_BUDGET_SECONDS
+    started_timing, busy_before = time.perf_counter(), time.process_time()
+    budget_end = started_timing + TIME_BUDGET_SECONDS
     while len(samples) < lowest or (len(samples) < highest and time.perf_counter() < budget_end):
         reset()
         if second:
@@ -427,9 +478,11 @@ def timed_method(
         samples.append(time.perf_counter() - started)
         for delegate_id, times in spent.items():
             by_delegate[delegate_id].append(sum(times))
+    busy, wall = time.process_time() - busy_before, time.perf_counter() - started_timing
     return MethodTiming(
         statistics.median(samples),
         {delegate_id: statistics.median(times) for delegate_id, times in by_delegate.items()},
+        cores=busy / wall if wall > 0 else None,
     )
 
 
