@@ -17,6 +17,8 @@ from aotstack.compile import lower as lower_module
 from aotstack.compile import measure as measure_module
 from aotstack.engine.registry import BUILT_IN, Engine
 from aotstack.format.placement import Candidate, placement_from_json
+from aotstack.format.records import Delegate
+from aotstack.format.specs import CompileSpec, SpecKey
 from aotstack.report.schema import REPORT_SCHEMA
 from tests import models
 from tests.schema_check import schema_errors
@@ -525,3 +527,22 @@ def test_auto_names_an_unknown_or_uninstalled_engine():
 def test_explain_says_auto_needs_compiled_parts():
     with pytest.raises(aotstack.LoweringError, match="explain is a dry run"):
         aotstack.explain(mlp_program()[2], "auto")
+
+
+def test_a_timing_counts_as_run_on_one_core_only_where_another_kept_two_busy_and_no_part_is_pinned():
+    # The ONE_CORE rule: a small model's calls keep one core busy in every plan, and a plan with auto's
+    # one-thread AOTInductor may keep one busy by design; only a plan beside one that kept two busy, with
+    # nothing pinned, lost its engines' threads in the fork.
+    def delegates(*specs: CompileSpec) -> dict[str, list[Delegate]]:
+        return {"forward": [Delegate("openvino_0", "openvino", list(specs), [], [], [], b"", {})]}
+
+    def timed(cores: float) -> dict[str, measure_module.MethodTiming]:
+        return {"forward": measure_module.MethodTiming(0.01, cores=cores)}
+
+    free, pinned = delegates(), delegates(CompileSpec(SpecKey.THREADS, b"1"))
+    with measure_module.SavedPrograms() as saved:
+        assert not saved.ran_on_one_core(timed(1.0), free)
+        assert not saved.ran_on_one_core(timed(1.9), free)
+        assert saved.ran_on_one_core(timed(1.0), free)
+        assert not saved.ran_on_one_core(timed(1.0), pinned)
+        assert not saved.ran_on_one_core(timed(1.3), free)

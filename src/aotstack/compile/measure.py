@@ -45,6 +45,7 @@ from ..errors import BackendNotFoundError, EngineCrashError
 from ..format.archive import read_manifest
 from ..format.manifest import Manifest
 from ..format.records import Delegate
+from ..format.specs import SpecKey, count_spec
 from ..runtime.interpreter import LoadedDelegate
 from ..runtime.load import DelegateWrapper, LoadedProgram, loaded_program
 from .check import placed_inputs
@@ -161,15 +162,17 @@ class SavedPrograms:
         else:
             ended(process.child)
 
-    def ran_on_one_core(self, timings: Mapping[str, MethodTiming]) -> bool:
+    def ran_on_one_core(self, timings: Mapping[str, MethodTiming], delegates: Mapping[str, list[Delegate]]) -> bool:
         """Whether a timing process ran a plan on about one core (``ONE_CORE``) where one before kept
         ``MANY_CORES`` busy: then its engines lost their threads in the fork. A plan whose work does not
-        split, such as a small model's, runs on one core in every plan, so one alone says nothing."""
+        split, such as a small model's, runs on one core in every plan, so one alone says nothing; nor
+        does one with a part compiled for a thread count of its own (auto's one-thread AOTInductor)."""
         cores = [timing.cores for timing in timings.values() if timing.cores is not None]
         if not cores:
             return False
         self.most_cores = max(self.most_cores, *cores)
-        return max(cores) < ONE_CORE and self.most_cores >= MANY_CORES
+        pinned = any(count_spec(d.compile_specs, SpecKey.THREADS) for listed in delegates.values() for d in listed)
+        return max(cores) < ONE_CORE and self.most_cores >= MANY_CORES and not pinned
 
     def drop(self, process: TimingProcess) -> None:
         """Forget ``process`` (it failed, or died)."""
@@ -224,7 +227,7 @@ def measured_methods(
             # Timed before the file may go (``saved``): the child reads it as it loads.
             process = TimingProcess.started(path, inputs, engines)
             timed = process.timed(names)
-            if not saved.ran_on_one_core(timed):
+            if not saved.ran_on_one_core(timed, delegates):
                 saved.keep_or_end(methods, process)
                 return timed
             ended(process.child)
@@ -234,7 +237,7 @@ def measured_methods(
     except BaseException:
         saved.drop(process)
         raise
-    if not saved.ran_on_one_core(timed):
+    if not saved.ran_on_one_core(timed, delegates):
         return timed
     saved.drop(process)
     ended(process.child)
