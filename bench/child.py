@@ -22,7 +22,7 @@ import json
 import os
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 
@@ -91,35 +91,41 @@ def load(kind: str, package: str, inputs: str, threads: int, imports: list[str])
         importlib.import_module(module)
 
     import_rss = status("VmRSS")  # a fresh process after `import torch, aotstack`: what each load imports counts
+    # Each opener gives the package's forward, called on ``call``'s inputs.
     if kind == "aotstack":
-        from aotstack import load as open_package
-    elif kind == "executorch":  # a .pte file, through ExecuTorch's runtime; inputs passed positionally
+        from aotstack import load as open_aotstack
 
-        def open_package(path: str) -> Any:
-            import executorch.kernels.quantized  # noqa: F401  (a quantized embedding's kernels)
-            from executorch.runtime import Runtime
+        def open_package(path: str) -> Callable[[], Any]:
+            forward = open_aotstack(path).forward
+            return lambda: forward(*call["args"], **call["kwargs"])
+    elif kind == "executorch":  # a .pte file, opened as the benchmark times it; inputs passed positionally
+        from engine_calls import open_executorch
 
-            method = Runtime.get().load_program(path).load_method("forward")
-            return lambda *args, **kwargs: method.execute([*args, *kwargs.values()])
+        def open_package(path: str) -> Callable[[], Any]:
+            positional = [*call["args"], *call["kwargs"].values()]
+            forward = open_executorch(path, threads, positional, None, "f32").forward
+            assert forward is not None
+            return forward
     else:
         import torch._inductor
 
-        open_package = torch._inductor.aoti_load_package
+        def open_package(path: str) -> Callable[[], Any]:
+            package = torch._inductor.aoti_load_package(path)
+            return lambda: package(*call["args"], **call["kwargs"])
     imported = time.perf_counter()
     torch.set_num_threads(threads)
     call = torch.load(inputs, weights_only=True)
     imported_memory = resident(package)
     begin = time.perf_counter()
-    loaded = open_package(package)
+    run = open_package(package)
     loaded_at = time.perf_counter()
     after_load = resident(package)
-    method = loaded.forward if kind == "aotstack" else loaded
-    method(*call["args"], **call["kwargs"])
+    run()
     end = time.perf_counter()
     figures = memory()
     after_call = resident(package)
     # Untimed: a page an engine gave back and reads after all comes back here.
-    method(*call["args"], **call["kwargs"])
+    run()
     emit(import_s=imported - started, load_first_s=end - begin, load_s=loaded_at - begin, import_rss=import_rss,
          resident={"import": imported_memory, "load": after_load, "call": after_call,
                    "second call": resident(package)}, **figures)
