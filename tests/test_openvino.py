@@ -18,7 +18,7 @@ import torch
 import aotstack
 from aotstack.backends.openvino import run as ov_run
 from aotstack.backends.openvino.partitioner import OpenVinoPartitioner
-from aotstack.compile.measure import ONE_CORE
+from aotstack.compile.measure import MANY_CORES, ONE_CORE
 from aotstack.format.archive import read_manifest
 from aotstack.format.specs import CompileSpec, SpecKey
 from aotstack.format.tensor_data import WEIGHT_PREFIX, content_key, tensor_bytes
@@ -278,11 +278,13 @@ warned = []
 handler = logging.Handler(logging.WARNING)
 handler.emit = lambda record: warned.append(record.getMessage())
 logging.getLogger("aotstack").addHandler(handler)
+cores = []
 with SavedPrograms() as saved:
     for partitioner in (aotstack.OrtPartitioner(), aotstack.OpenVinoPartitioner()):
         lowered = aotstack.lower(aotstack.Program({"forward": exported}), [partitioner])
         timing = measured_methods(lowered.methods, lowered.delegate_table, {"forward": ((x,), {})}, saved)
-print(json.dumps({"cores": timing["forward"].cores, "warned": warned}))
+        cores.append(timing["forward"].cores)
+print(json.dumps({"reference": cores[0], "cores": cores[1], "warned": warned}))
 """
 
 
@@ -294,6 +296,8 @@ def test_a_plan_whose_forked_timing_ran_on_one_core_is_timed_on_its_threads_in_t
         pytest.skip("one core: every timing runs on one")
     pytest.importorskip("onnxruntime")
     got = run_child(TIMED_AFTER_SERIALIZING, before)
+    if got["reference"] < MANY_CORES:  # the rule needs a plan that kept two busy: other work had the cores
+        pytest.skip(f"ONNX Runtime's timing kept only {got['reference']:.2f} cores busy")
     assert got["cores"] > ONE_CORE, got
     retimed = [message for message in got["warned"] if "timed again in this process" in message]
     assert len(retimed) == (before == "serialized"), got["warned"]
