@@ -219,8 +219,7 @@ def measured_methods(
     engines = [(d.delegate_id, d.backend_id) for name in methods for d in delegates[name]]
     if not can_run_engines_in_fork({backend_id for _, backend_id in engines}):
         with saved.saved(methods, delegates) as path:
-            return timed_methods(loaded_to_time(path, Stage([delegate_id for delegate_id, _ in engines])), names,
-                                 inputs)
+            return timed_in_this_process(path, names, inputs, engines)
     process = saved.loaded(methods, inputs)
     if process is None:
         with saved.saved(methods, delegates) as path:
@@ -255,6 +254,13 @@ def timed_here(
         "it is timed again in this process",
         ", ".join(sorted({backend_id for _, backend_id in engines})),
     )
+    return timed_in_this_process(path, names, inputs, engines)
+
+
+def timed_in_this_process(
+    path: str, names: Sequence[str], inputs: Mapping[str, CallInputs], engines: Sequence[tuple[str, str]]
+) -> dict[str, MethodTiming]:
+    """The program saved at ``path`` (its delegates: ``engines``) loaded and timed in this process."""
     return timed_methods(loaded_to_time(path, Stage([delegate_id for delegate_id, _ in engines])), names, inputs)
 
 
