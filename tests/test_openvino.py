@@ -268,8 +268,8 @@ TIMED_AFTER_SERIALIZING = """
 import json, logging, os, sys, tempfile, torch, openvino, aotstack
 from aotstack.compile.measure import SavedPrograms, measured_methods
 torch.set_num_threads(2)
-model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(6)]).eval()
-x = torch.randn(256, 512)
+model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(8)]).eval()
+x = torch.randn(256, 1024)
 exported = torch.export.export(model, (x,))
 if sys.argv[1] == "serialized":
     folder = tempfile.mkdtemp()
