@@ -22,6 +22,25 @@ class ConvModel(torch.nn.Module):
         return self.conv(image)
 
 
+class ConvNet(torch.nn.Module):
+    """A small image classifier: convolutions with a batch norm, a residual add, pooling, a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = torch.nn.Conv2d(3, 16, kernel_size=3, padding=1)
+        self.norm = torch.nn.BatchNorm2d(16)
+        self.block = torch.nn.Conv2d(16, 16, kernel_size=3, padding=1)
+        self.head = torch.nn.Linear(16, 10)
+        with torch.no_grad():
+            self.norm.running_mean.uniform_(-0.5, 0.5)
+            self.norm.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.norm(self.stem(image)))
+        hidden = torch.relu(hidden + self.block(hidden))
+        return self.head(hidden.mean(dim=(2, 3)))
+
+
 class LinearModel(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -225,6 +244,7 @@ class StateKindsModel(torch.nn.Module):
 MODELS = {
     "add": (AddModel, [(4, 5), (4, 5)]),
     "conv": (ConvModel, [(2, 3, 8, 8)]),
+    "conv_net": (ConvNet, [(1, 3, 16, 16)]),
     "linear": (LinearModel, [(4, 16)]),
     "custom_ops": (custom_ops_lib.CustomOpModel, [(4, 8), (4,)]),
     "split": (SplitModel, [(4, 16)]),

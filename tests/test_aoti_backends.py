@@ -29,6 +29,7 @@ def emulate_precision_casts(value: bytes) -> list[CompileSpec]:
 def test_cpu_compile_options_keep_weights_out_of_the_library():
     assert aotstack.AotiCpuBackend().compile_options([]) == {
         "emulate_precision_casts": False,
+        "freezing": False,
         "aot_inductor.package_constants_in_so": False,
     }
 
@@ -42,6 +43,7 @@ def test_cuda_compile_options_with_autotuning_on_by_default():
         "max_autotune": True,
         "max_autotune_gemm_backends": "ATEN,TRITON",
         "max_autotune_conv_backends": "ATEN,TRITON",
+        "freezing": False,
         "aot_inductor.package_constants_in_so": False,
     }
 
@@ -67,6 +69,7 @@ def test_metal_compile_options_and_kernel_list():
 
     assert backend.compile_options([]) == {
         "emulate_precision_casts": False,
+        "freezing": False,
         "aot_inductor.package_constants_in_so": False,
     }
     assert backend.fallback_kernels([]) == {

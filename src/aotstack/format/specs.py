@@ -24,6 +24,9 @@ class SpecKey:
     AUTOTUNE = "autotune"
     # AOTInductor: ``ON`` rounds every bf16/fp16 intermediate as eager does, ``OFF`` keeps it in float32.
     EMULATE_PRECISION_CASTS = "emulate_precision_casts"
+    # AOTInductor: ``ON`` compiles with Inductor's freezing, the weights inside the library, convolutions' and
+    # linears' prepacked for oneDNN; ``OFF`` (default) keeps them in the file's named data.
+    FREEZE_WEIGHTS = "freeze_weights"
     # ONNX Runtime: execution providers in priority order, comma-separated.
     PROVIDERS = "providers"
     # AOTInductor on the CPU: the threads its generated loops run on, a positive integer (default: torch's thread

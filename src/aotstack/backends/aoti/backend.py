@@ -95,13 +95,18 @@ class AotiBackend(Backend):
     # What every AOTI backend shares ----------------------------------------------------------
 
     def compile_options(self, compile_specs: list[CompileSpec]) -> dict[str, Any]:
-        """Every AOTInductor option a compile uses: the target's, with weights kept out of the library."""
+        """Every AOTInductor option a compile uses: the target's, with weights kept out of the library but where
+        they are frozen into it."""
+        frozen = switch_spec(compile_specs, SpecKey.FREEZE_WEIGHTS, default=False)
         return {
             **self.inductor_options(compile_specs),
             # OFF, as plain AOTInductor and torch.compile: a fused kernel keeps bf16/fp16 intermediates
             # in float32. Set either way, so that Inductor's environment variable cannot change the file.
             "emulate_precision_casts": switch_spec(compile_specs, SpecKey.EMULATE_PRECISION_CASTS, default=False),
-            "aot_inductor.package_constants_in_so": False,
+            # Set either way too (TORCHINDUCTOR_FREEZING): frozen weights are new constants, prepacked in
+            # oneDNN's layouts, that only the library can hold.
+            "freezing": frozen,
+            "aot_inductor.package_constants_in_so": frozen,
         }
 
     def target_device(self, compile_specs: list[CompileSpec]) -> Device:
@@ -207,6 +212,8 @@ class AotiBackend(Backend):
             "library_fqns": compiled.library_fqns,
             # Read a few rows a call: the run side lets their pages go after the first.
             "gathered": compiled.gathered,
+            # Frozen into the library, which asks the package for none of them ("weights" is empty).
+            "weights_in_library": compiled.holds_weights,
             "input_strides": [static_stride(node) for node in user_input_placeholders(exported_program)],
             # The CPU features its code may use: the run side refuses a CPU without them (it would die of SIGILL).
             "cpu_features": compiled.cpu_features,

