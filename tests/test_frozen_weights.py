@@ -57,3 +57,21 @@ def test_a_frozen_convolutional_network_matches_eager_in_another_process(frozen_
     _, path = frozen_conv_net
 
     assert_matches_eager(run_in_fresh_process(path, "forward", "conv_net"), "conv_net")
+
+
+def test_auto_times_a_convolutional_method_frozen_too_and_its_file_holds_the_weights_where_the_plan_has_them(
+    tmp_path,
+):
+    program = aotstack.export(models.build("conv_net"), {"forward": models.example_inputs("conv_net")})
+
+    lowered = aotstack.lower(program, aotstack.Auto(engines=[]), progress=False)
+
+    chosen = lowered.placements["forward"].selection
+    assert [c.engines for c in chosen.candidates] == [["aoti_cpu"], ["aoti_cpu (frozen)"]]
+    assert all(c.seconds is not None for c in chosen.candidates)
+    assert "with the weights frozen into its library" in chosen.reason
+    [delegate] = lowered.delegates("forward")
+    weights = [name for name in delegate.named_data if name.startswith(WEIGHT_PREFIX)]
+    assert (not weights) is (chosen.chosen == 1)
+    lowered.save(str(tmp_path / "auto.pt2"))
+    assert_matches_eager(run_in_fresh_process(tmp_path / "auto.pt2", "forward", "conv_net"), "conv_net")

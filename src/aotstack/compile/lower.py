@@ -44,6 +44,7 @@ from .auto import (
     candidate_plans,
     contenders,
     failed_candidate,
+    frozen_plans,
     measured_candidate,
     measurement_key,
     mix_key,
@@ -346,6 +347,10 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
             keys_by_plan[label] = mix_key(fingerprints[name], inputs[name], mix, threads)
             mixed = AddedPlan(label, builds[label], keys_by_plan[label], mix.explanation())
             measure_added(program.only([name]), name, inputs[name].call, mixed, lower_plan, listed, added,
+                          added_lowerings, saved)
+        for frozen in frozen_plans(listed[name], closing, program.methods[name], auto.device, builds, keys_by_plan):
+            logger.info("auto: %s: %s is measured too", name, plan_text(frozen.label))
+            measure_added(program.only([name]), name, inputs[name].call, frozen, lower_plan, listed, added,
                           added_lowerings, saved)
         base = one_thread_base(listed[name], closing, threads, auto.device)
         for one_thread in one_thread_plans(base, builds[base], keys_by_plan[base]) if base is not None else []:
