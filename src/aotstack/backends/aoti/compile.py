@@ -57,7 +57,7 @@ class CompileSteps:
 
 @dataclass
 class CompiledPartition:
-    """A shared library with its weights kept apart, keyed by their FQN in the partition."""
+    """A shared library with its weights kept apart, keyed by their FQN in the partition (none where it holds them)."""
 
     library: bytes
     constants: dict[str, torch.Tensor]
