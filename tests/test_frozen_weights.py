@@ -8,10 +8,13 @@ faster frozen). The library then holds every weight of its partition, and the fi
 from __future__ import annotations
 
 import pytest
+import torch
 
 import aotstack
 from aotstack import CompileSpec
+from aotstack.compile.auto import frozen_plans
 from aotstack.format.archive import read_manifest
+from aotstack.format.placement import Candidate
 from aotstack.format.tensor_data import WEIGHT_PREFIX
 from tests import models
 from tests.conftest import assert_matches_eager, run_in_fresh_process
@@ -75,3 +78,48 @@ def test_auto_times_a_convolutional_method_frozen_too_and_its_file_holds_the_wei
     assert (not weights) is (chosen.chosen == 1)
     lowered.save(str(tmp_path / "auto.pt2"))
     assert_matches_eager(run_in_fresh_process(tmp_path / "auto.pt2", "forward", "conv_net"), "conv_net")
+
+
+class PatchEmbedding(torch.nn.Module):
+    """A ViT's shape of work: one patch convolution, then linears that do most of the arithmetic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches = torch.nn.Conv2d(3, 64, kernel_size=8, stride=8)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.GELU(), torch.nn.Linear(512, 64))
+
+    def forward(self, image: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.patches(image).flatten(2).transpose(1, 2))
+
+
+def measured_alone(seconds: float | None) -> dict:
+    return {("aoti_cpu",): (Candidate(["aoti_cpu"], seconds), {}, [])}
+
+
+@pytest.mark.parametrize(
+    ("model", "image", "device", "seconds", "planned"),
+    [
+        (models.ConvNet, (1, 3, 16, 16), "cpu", 0.01, True),
+        (PatchEmbedding, (1, 3, 32, 32), "cpu", 0.01, False),
+        (models.ConvNet, (1, 3, 16, 16), "cuda", 0.01, False),
+        (models.ConvNet, (1, 3, 16, 16), "cpu", None, False),
+    ],
+    ids=["convolutions do most of the work", "one patch convolution", "not the cpu", "aoti alone failed"],
+)
+def test_auto_compiles_a_method_frozen_too_only_where_convolutions_do_most_of_its_work_on_the_cpu(
+    model, image, device, seconds, planned
+):
+    method = torch.export.export(model().eval(), (torch.randn(image),))
+    built: list[dict] = []
+
+    def partitioners(**options):
+        built.append(options)
+        return []
+
+    plans = frozen_plans(measured_alone(seconds), "aoti_cpu", method, device, {("aoti_cpu",): partitioners},
+                         {("aoti_cpu",): "key"})
+
+    assert [plan.label for plan in plans] == ([("aoti_cpu (frozen)",)] if planned else [])
+    for plan in plans:
+        plan.partitioners()
+    assert built == ([{"frozen": True}] if planned else [])

@@ -24,9 +24,10 @@ The algorithm, kept small so a report can explain it:
    own pool needs (``one_thread_base``). It is lowered once more with the other engines' sessions
    on one thread instead (the same spec, which only their run sides read, so nothing compiles
    again): a decode step's small ops do not pay for waking a pool's second thread at each.
-5. On the CPU, a method with convolutions is lowered once more by AOTInductor alone with its weights frozen into
-   its library (``SpecKey.FREEZE_WEIGHTS``, ``frozen_plans``), and timed like the others: there a convolution
-   runs oneDNN's kernel on weights prepacked once, where ATen's reorders them at every call.
+5. On the CPU, a method whose convolutions do most of its arithmetic is lowered once more by AOTInductor
+   alone with its weights frozen into its library (``SpecKey.FREEZE_WEIGHTS``, ``frozen_plans``), and timed
+   like the others: there a convolution runs oneDNN's kernel on weights prepacked once, where ATen's
+   reorders them at every call.
 6. Per method, the fastest plan wins; boundary costs are in its time, as they are in a user's
    call. Within ``TIE`` of AOTInductor alone, AOTInductor alone wins: one engine and no
    boundaries for a difference the measurement cannot tell apart. Otherwise, among the plans
@@ -70,6 +71,7 @@ from .measure import CallInputs, MethodTiming
 from .mixing import Mix, Region, RegionPartitioner
 from .partitioner import Partitioner
 from .quantize import op_qualname
+from .work import known_work
 
 logger = logging.getLogger("aotstack")
 
@@ -419,6 +421,9 @@ CONVOLUTIONS = frozenset({
     "aten::convolution", "aten::_convolution", "aten::conv1d", "aten::conv2d", "aten::conv3d",
     "aten::conv_transpose1d", "aten::conv_transpose2d", "aten::conv_transpose3d",
 })
+# The share of a method's arithmetic (``work.known_work``) its convolutions must do for auto to compile it frozen too:
+# a ViT's one patch convolution is not worth a second compile of the whole method.
+CONVOLVING = 0.5
 
 
 def frozen_plans(
@@ -426,15 +431,15 @@ def frozen_plans(
     builds: Mapping[Plan, Callable[..., list[Partitioner]]], keys: Mapping[Plan, str],
 ) -> list[AddedPlan]:
     """AOTInductor alone (``(closing,)``, built by ``builds``, its measurement's cache key in ``keys``) with its
-    weights frozen into its library (``SpecKey.FREEZE_WEIGHTS``), where ``method`` convolves on the CPU and
-    AOTInductor alone was measured; none elsewhere.
+    weights frozen into its library (``SpecKey.FREEZE_WEIGHTS``), where ``method``'s convolutions do at least
+    ``CONVOLVING`` of its arithmetic, on the CPU, and AOTInductor alone was measured; none elsewhere.
 
     Frozen, the library holds the weights, so no other method shares them; hence a plan of its own, kept
     only where it measures faster.
     """
     alone = (closing,)
     measured = alone in listed and listed[alone][0].seconds is not None and alone in builds
-    if not measured or parse_device_spec(device)[0].value != "cpu" or not convolves(method):
+    if not measured or parse_device_spec(device)[0].value != "cpu" or convolution_share(method) < CONVOLVING:
         return []
     label = (f"{closing} (frozen)",)
     partitioners = builds[alone]
@@ -443,10 +448,16 @@ def frozen_plans(
                       "on weights prepacked once for oneDNN")]
 
 
-def convolves(method: ExportedProgram) -> bool:
-    return any(
-        node.op == "call_function" and op_qualname(node) in CONVOLUTIONS for node in method.graph_module.graph.nodes
-    )
+def convolution_share(method: ExportedProgram) -> float:
+    """The share of ``method``'s arithmetic its convolutions do; by count of ops where a size is symbolic."""
+    nodes = [node for node in method.graph_module.graph.nodes if node.op == "call_function"]
+    convolutions = [node for node in nodes if op_qualname(node) in CONVOLUTIONS]
+    if not convolutions:
+        return 0.0
+    total, convolving = known_work(nodes), known_work(convolutions)
+    if total is None or convolving is None or not total:
+        return len(convolutions) / len(nodes)
+    return convolving / total
 
 
 def variant_key(key: str, variant: str) -> str:
