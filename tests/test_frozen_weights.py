@@ -92,19 +92,23 @@ class PatchEmbedding(torch.nn.Module):
         return self.mlp(self.patches(image).flatten(2).transpose(1, 2))
 
 
-def measured_alone(seconds: float | None) -> dict:
-    return {("aoti_cpu",): (Candidate(["aoti_cpu"], seconds), {}, [])}
+def measured(alone: float | None, other: float) -> dict:
+    """AOTInductor alone and another plan, each taking the seconds given."""
+    return {("aoti_cpu",): (Candidate(["aoti_cpu"], alone), {}, []),
+            ("onnxruntime", "aoti_cpu"): (Candidate(["onnxruntime", "aoti_cpu"], other), {}, [])}
 
 
 @pytest.mark.parametrize(
     ("model", "image", "device", "seconds", "planned"),
     [
-        (models.ConvNet, (1, 3, 16, 16), "cpu", 0.01, True),
-        (PatchEmbedding, (1, 3, 32, 32), "cpu", 0.01, False),
-        (models.ConvNet, (1, 3, 16, 16), "cuda", 0.01, False),
-        (models.ConvNet, (1, 3, 16, 16), "cpu", None, False),
+        (models.ConvNet, (1, 3, 16, 16), "cpu", (0.017, 0.010), True),
+        (PatchEmbedding, (1, 3, 32, 32), "cpu", (0.010, 0.010), False),
+        (models.ConvNet, (1, 3, 16, 16), "cuda", (0.010, 0.010), False),
+        (models.ConvNet, (1, 3, 16, 16), "cpu", (None, 0.010), False),
+        (models.ConvNet, (1, 3, 16, 16), "cpu", (0.019, 0.010), False),
     ],
-    ids=["convolutions do most of the work", "one patch convolution", "not the cpu", "aoti alone failed"],
+    ids=["convolutions do most of the work", "one patch convolution", "not the cpu", "aoti alone failed",
+         "aoti alone too slow for freezing to win"],
 )
 def test_auto_compiles_a_method_frozen_too_only_where_convolutions_do_most_of_its_work_on_the_cpu(
     model, image, device, seconds, planned
@@ -116,10 +120,17 @@ def test_auto_compiles_a_method_frozen_too_only_where_convolutions_do_most_of_it
         built.append(options)
         return []
 
-    plans = frozen_plans(measured_alone(seconds), "aoti_cpu", method, device, {("aoti_cpu",): partitioners},
+    plans = frozen_plans(measured(*seconds), "aoti_cpu", method, device, {("aoti_cpu",): partitioners},
                          {("aoti_cpu",): "key"})
 
     assert [plan.label for plan in plans] == ([("aoti_cpu (frozen)",)] if planned else [])
     for plan in plans:
         plan.partitioners()
     assert built == ([{"frozen": True}] if planned else [])
+
+
+def test_a_part_that_updates_a_buffer_is_not_frozen_and_the_error_names_the_buffer():
+    program = aotstack.export(models.build("buffer"), {"forward": models.example_inputs("buffer")})
+
+    with pytest.raises(aotstack.LoweringError, match=r"updates buffers \(running\), which cannot be frozen"):
+        aotstack.lower(program, [aotstack.AotiCpuPartitioner(compile_specs=FROZEN)], progress=False)

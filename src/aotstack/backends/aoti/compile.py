@@ -103,6 +103,13 @@ def compile_partition(
     """
     program = prepared_program(exported_program, steps)
     held = holds_weights(steps.options)
+    updated = sorted(program.graph_signature.buffers_to_mutate.values())
+    if held and updated:
+        # The library would update its own copy, not the buffer's one state that other parts, methods and reset() see.
+        raise LoweringError(
+            f"{label} updates buffers ({', '.join(updated)}), which cannot be frozen into its library; "
+            "compile it without the freeze_weights compile spec"
+        )
     constants = {} if held else program_weights(program)
     gathered = [] if held else gathered_weights(program)
     # Inductor's own cache skips code generation, where fallback kernels are recorded.
