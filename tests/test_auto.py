@@ -546,3 +546,26 @@ def test_a_timing_counts_as_run_on_one_core_only_where_another_kept_two_busy_and
         assert saved.ran_on_one_core(timed(1.0), free)
         assert not saved.ran_on_one_core(timed(1.0), pinned)
         assert not saved.ran_on_one_core(timed(1.3), free)
+        # Calls that waited (a sleep, a device) rather than ran keep less than one core busy.
+        assert not saved.ran_on_one_core(timed(0.3), free)
+
+
+class ScriptedProcess:
+    """A timing process whose timings keep the given cores busy, one after another."""
+
+    kept_many_cores = False
+
+    def __init__(self, *cores: float) -> None:
+        self.cores = list(cores)
+
+    def timed(self, names):
+        return {name: measure_module.MethodTiming(0.01, cores=self.cores.pop(0)) for name in names}
+
+
+def test_a_process_that_kept_two_cores_busy_once_has_its_threads_and_a_later_timing_on_one_is_load():
+    free = {"forward": [Delegate("openvino_0", "openvino", [], [], [], [], b"", {})]}
+    healthy, starved = ScriptedProcess(1.9, 1.0), ScriptedProcess(1.0, 1.0)
+    with measure_module.SavedPrograms() as saved:
+        assert measure_module.timed_on_its_threads(healthy, ["forward"], saved, free)["forward"].cores == 1.9
+        assert measure_module.timed_on_its_threads(healthy, ["forward"], saved, free)["forward"].cores == 1.0
+        assert measure_module.timed_on_its_threads(starved, ["forward"], saved, free) is None

@@ -71,9 +71,11 @@ WARM_UP_CALLS = 2
 # Timed calls per method: at least the first, at most the second, and no more once the budget is spent.
 TIMED_CALLS = (5, 15)
 TIME_BUDGET_SECONDS = 2.0
-# Cores a timing's calls kept busy: a plan below ONE_CORE ran on one thread (one whose engine lost its threads in
-# the fork keeps 0.97-1.02 busy), where another plan's timing reached MANY_CORES (engines running on two threads
-# mostly keep more than 1.5 busy; their threads spin a while after each step).
+# Cores a timing's calls kept busy: a plan from WAITING to ONE_CORE ran on one thread (one whose engine lost its
+# threads in the fork keeps 0.97-1.02 busy), where another plan's timing reached MANY_CORES (engines running on two
+# threads mostly keep more than 1.5 busy; their threads spin a while after each step). Below WAITING, the calls
+# waited (a sleep, a device, a lock) rather than ran, which says nothing of their threads.
+WAITING = 0.9
 ONE_CORE = 1.05
 MANY_CORES = 1.5
 
@@ -165,7 +167,7 @@ class SavedPrograms:
             ended(process.child)
 
     def ran_on_one_core(self, timings: Mapping[str, MethodTiming], delegates: Mapping[str, list[Delegate]]) -> bool:
-        """Whether a timing process ran a plan on about one core (``ONE_CORE``) where one before kept
+        """Whether a timing process ran a plan on about one core (``WAITING`` to ``ONE_CORE``) where one before kept
         ``MANY_CORES`` busy: then its engines lost their threads in the fork. A plan whose work does not
         split, such as a small model's, runs on one core in every plan, so one alone says nothing; nor
         does one with a part compiled for a thread count of its own (auto's one-thread AOTInductor)."""
@@ -174,7 +176,7 @@ class SavedPrograms:
             return False
         self.most_cores = max(self.most_cores, *cores)
         pinned = any(count_spec(d.compile_specs, SpecKey.THREADS) for listed in delegates.values() for d in listed)
-        return max(cores) < ONE_CORE and self.most_cores >= MANY_CORES and not pinned
+        return WAITING <= max(cores) < ONE_CORE and self.most_cores >= MANY_CORES and not pinned
 
     def drop(self, process: TimingProcess) -> None:
         """Forget ``process`` (it failed, or died)."""
@@ -251,10 +253,13 @@ def timed_on_its_threads(
 ) -> dict[str, MethodTiming] | None:
     """``process``'s timing of ``names``; timed once more where it ran on one core (``SavedPrograms.ran_on_one_core``),
     since a burst of other work on the machine passes, and None where it did both times: its engines lost their
-    threads in the fork."""
+    threads in the fork. A process that kept ``MANY_CORES`` busy in a timing before has its threads: a timing of it
+    on one core was the machine's load."""
     for _ in range(2):
         timed = process.timed(names)
-        if not saved.ran_on_one_core(timed, delegates):
+        lost = saved.ran_on_one_core(timed, delegates) and not process.kept_many_cores
+        process.kept_many_cores |= any((t.cores or 0.0) >= MANY_CORES for t in timed.values())
+        if not lost:
             return timed
     return None
 
@@ -389,6 +394,8 @@ class TimingProcess:
     stage: Stage
     inputs: Mapping[str, CallInputs]
     engines: list[tuple[str, str]]
+    # Whether a timing of it kept MANY_CORES busy: its engines' threads survived the fork.
+    kept_many_cores: bool = False
 
     @classmethod
     def started(
