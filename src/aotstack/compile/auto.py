@@ -70,8 +70,7 @@ from .check import check_call_inputs, example_inputs
 from .measure import CallInputs, MethodTiming
 from .mixing import Mix, Region, RegionPartitioner
 from .partitioner import Partitioner
-from .quantize import op_qualname
-from .work import known_work
+from .work import is_convolution, known_work
 
 logger = logging.getLogger("aotstack")
 
@@ -415,14 +414,9 @@ def one_thread_plans(base: Plan, partitioners: Callable[..., list[Partitioner]],
     ]
 
 
-# The ops whose weights frozen AOTInductor prepacks for oneDNN's kernels, where ATen's convolution reorders them at
-# every call: ResNet-50 ran 1.7x faster frozen (``frozen_plans``).
-CONVOLUTIONS = frozenset({
-    "aten::convolution", "aten::_convolution", "aten::conv1d", "aten::conv2d", "aten::conv3d",
-    "aten::conv_transpose1d", "aten::conv_transpose2d", "aten::conv_transpose3d",
-})
 # The share of a method's arithmetic (``work.known_work``) its convolutions must do for auto to compile it frozen too:
-# a ViT's one patch convolution is not worth a second compile of the whole method.
+# a ViT's one patch convolution is not worth a second compile of the whole method. Frozen AOTInductor prepacks their
+# weights for oneDNN's kernels, where ATen's convolution reorders them at every call (ResNet-50: 1.7x faster).
 CONVOLVING = 0.5
 # AOTInductor alone took at most this many times the fastest plan's time for auto to compile it frozen too: the most
 # freezing gained here (ResNet-50 in bf16, 41.5 to 22.7 ms; 1.7x in float32). Beyond it, the frozen plan would lose.
@@ -458,7 +452,7 @@ def frozen_plans(
 def convolution_share(method: ExportedProgram) -> float:
     """The share of ``method``'s arithmetic its convolutions do; by count of ops where a size is symbolic."""
     nodes = [node for node in method.graph_module.graph.nodes if node.op == "call_function"]
-    convolutions = [node for node in nodes if op_qualname(node) in CONVOLUTIONS]
+    convolutions = [node for node in nodes if is_convolution(node)]
     if not convolutions:
         return 0.0
     total, convolving = known_work(nodes), known_work(convolutions)

@@ -30,7 +30,7 @@ def node_work(node: Node) -> float:
         first = node.args[0].meta.get("val")
         if isinstance(first, torch.Tensor) and first.dim() and isinstance(first.shape[-1], int):
             return max(size, 1.0) * first.shape[-1]
-    if name.startswith("aten.conv") and len(node.args) > 1 and isinstance(node.args[1], Node):
+    if is_convolution(node) and len(node.args) > 1 and isinstance(node.args[1], Node):
         weight = node.args[1].meta.get("val")
         if isinstance(weight, torch.Tensor) and not has_symbols(weight) and weight.shape[0]:
             return max(size, 1.0) * (weight.numel() // weight.shape[0])
@@ -39,6 +39,11 @@ def node_work(node: Node) -> float:
         if isinstance(key, torch.Tensor) and key.dim() > 1 and isinstance(key.shape[-2], int):
             return max(size, 1.0) * key.shape[-2] * 2
     return max(size, 1.0)
+
+
+def is_convolution(node: Node) -> bool:
+    """Whether ``node`` is an ATen convolution (``conv2d``, ``convolution``, a transposed one), any overload."""
+    return isinstance(node.target, torch._ops.OperatorBase) and packet_name(node.target).startswith("aten.conv")
 
 
 def known_work(nodes: Iterable[Node]) -> float | None:
