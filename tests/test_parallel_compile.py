@@ -213,15 +213,50 @@ class DiskWarmedBackend(PidReluBackend):
             log.write(json.dumps({"pid": os.getpid(), "ended": time.time()}) + "\n")
 
 
-def test_a_warm_up_kept_on_disk_runs_first_in_a_child_then_once_here(tmp_path: Path, monkeypatch) -> None:
+def test_a_warm_up_kept_on_disk_runs_first_in_a_child_then_from_disk(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setattr(parallel, "WARMED_UP", set())
     DiskWarmedBackend.log = tmp_path / "warm-ups.jsonl"
-    for _ in range(2):
-        lowered = aotstack.lower(relu_program(), [OpPartitioner(relu="test_disk_warmed")], jobs=2, progress=False)
-    child, here = (json.loads(line) for line in DiskWarmedBackend.log.read_text().splitlines())
-    assert child["pid"] != TEST_PROCESS and here["pid"] == TEST_PROCESS
-    # The workers forked after both, so they inherited this process's warm-up; the second lowering did none.
-    assert all(record["started"] >= here["ended"] for record in compile_records(lowered))
+    first, second = (
+        aotstack.lower(relu_program(), [OpPartitioner(relu="test_disk_warmed")], jobs=2, progress=False)
+        for _ in range(2)
+    )
+    child, *after = (json.loads(line) for line in DiskWarmedBackend.log.read_text().splitlines())
+    records = compile_records(first) + compile_records(second)
+    # The first part's worker, forked while the child warmed up, waited for it, then warmed up itself from disk; the
+    # other part's worker forked after this process warmed up, and inherited that. The second lowering did none.
+    assert child["pid"] != TEST_PROCESS and len(after) == 2
+    assert sorted(warm_up["pid"] == TEST_PROCESS for warm_up in after) == [False, True]
+    first_worker = next(warm_up for warm_up in after if warm_up["pid"] != TEST_PROCESS)
+    assert first_worker["pid"] in {record["pid"] for record in compile_records(first)}
+    assert first_worker["ended"] >= child["ended"] + COMPILE_SECONDS
+    assert all(record["started"] >= child["ended"] for record in records)
+
+
+class BusyPartitioner(OpPartitioner):
+    """Takes four warm-ups' time to partition, as ExecuTorch's question of a whole method takes seconds."""
+
+    ended = 0.0
+
+    def partition(self, exported_program):
+        time.sleep(4 * COMPILE_SECONDS)
+        self.ended = time.time()
+        return super().partition(exported_program)
+
+
+def test_a_part_waiting_for_a_warm_up_compiles_as_it_ends_while_this_process_is_busy(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    monkeypatch.setattr(parallel, "WARMED_UP", set())
+    DiskWarmedBackend.log = tmp_path / "warm-ups.jsonl"
+    busy = BusyPartitioner(relu="test_pid_relu")
+    results = PlanLowering(2, Progress(), "raise", False, False).together({
+        "warmed": (relu_program(), [OpPartitioner(relu="test_disk_warmed")]),
+        "busy": (relu_program(), [busy]),
+    })
+    child = json.loads(DiskWarmedBackend.log.read_text().splitlines()[0])
+    warmed = compile_records(results["warmed"])  # type: ignore[arg-type]
+    # One part compiled once the warm-up child ended, while this process was still partitioning the next plan.
+    assert min(record["started"] for record in warmed) < busy.ended
+    assert all(record["started"] >= child["ended"] for record in warmed)
 
 
 def test_one_job_compiles_in_one_worker_at_a_time() -> None:
