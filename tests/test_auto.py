@@ -136,18 +136,43 @@ def mlp_program() -> tuple[torch.nn.Module, tuple[torch.Tensor], aotstack.Progra
     return model, inputs, aotstack.export(model, {"forward": inputs})
 
 
-def test_auto_keeps_the_plan_its_measurement_favours_and_says_why(test_engines, tmp_path):
+def relu_program() -> tuple[torch.nn.Module, tuple[torch.Tensor], aotstack.Program]:
+    """A relu alone, which a test engine takes whole: its plan leaves AOTInductor nothing, so it is timed whole."""
+    model, inputs = torch.nn.ReLU(), (torch.randn(2, 256),)
+    return model, inputs, aotstack.export(model, {"forward": inputs})
+
+
+def lowered_plans(monkeypatch) -> list[tuple[str, ...]]:
+    """The plans auto makes partitioners for, from now on, in order."""
+    plans: list[tuple[str, ...]] = []
+    real = lower_module.plan_partitioners
+
+    def partitioners(plan, *args, **kwargs):
+        plans.append(tuple(plan))
+        return real(plan, *args, **kwargs)
+
+    monkeypatch.setattr(lower_module, "plan_partitioners", partitioners)
+    return plans
+
+
+def test_auto_keeps_the_plan_its_measurement_favours_and_says_why(test_engines, tmp_path, monkeypatch):
     model, inputs, program = mlp_program()
+    plans = lowered_plans(monkeypatch)
 
     lowered = aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu", SLEEPY]), progress=False)
 
     chosen = lowered.placements["forward"].selection
-    assert [c.engines for c in chosen.candidates] == [["aoti_cpu"], [SLEEPY, "aoti_cpu"]]
+    # The sleepy engine's relu alone took longer than AOTInductor's whole call, so AOTInductor never compiled the
+    # linears it leaves: its plan is listed as its opening engine measured it, those linears run as plain ATen.
+    assert [c.engines for c in chosen.candidates] == [["aoti_cpu"], [SLEEPY]]
+    assert plans == [("aoti_cpu",), (SLEEPY,)]
     alone, sleepy = chosen.candidates
     assert sleepy.engine_seconds[SLEEPY] >= SLEEP_SECONDS and sleepy.seconds >= SLEEP_SECONDS
     assert alone.seconds < sleepy.seconds
     assert chosen.chosen == 0 and chosen.threads == torch.get_num_threads()
-    assert "aoti_cpu is the fastest" in chosen.reason and f"{SLEEPY} > aoti_cpu" in chosen.reason
+    assert "aoti_cpu is the fastest" in chosen.reason
+    assert f"{SLEEPY} > aoti_cpu was not lowered whole: {SLEEPY}'s parts alone took" in chosen.reason
+    assert "so its aoti_cpu parts were not compiled" in chosen.reason
     assert {d.backend_id for d in lowered.delegates("forward")} == {"aoti_cpu"}
 
     lowered.save(tmp_path / "auto.pt2")
@@ -163,13 +188,50 @@ def test_auto_keeps_the_plan_its_measurement_favours_and_says_why(test_engines, 
     torch.testing.assert_close(aotstack.load(tmp_path / "auto.pt2").forward(*inputs), model(*inputs).detach())
 
 
+def test_a_plan_whose_opening_engine_is_within_reach_is_lowered_whole(test_engines, cache_dir, monkeypatch):
+    # Within reach of the fastest plan however slow: its closing engine's parts are compiled, and it is timed whole.
+    shutil.rmtree(cache_dir / f".{auto_module.CACHE_KIND}", ignore_errors=True)
+    monkeypatch.setattr(auto_module, "CLOSING_CONTENDING", float("inf"))
+    _, _, program = mlp_program()
+    plans = lowered_plans(monkeypatch)
+
+    lowered = aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu", SLEEPY]), progress=False)
+
+    chosen = lowered.placements["forward"].selection
+    assert plans == [("aoti_cpu",), (SLEEPY,), (SLEEPY, "aoti_cpu")]
+    assert [c.engines for c in chosen.candidates] == [["aoti_cpu"], [SLEEPY, "aoti_cpu"]]
+    assert chosen.candidates[1].seconds >= SLEEP_SECONDS and "not lowered whole" not in chosen.reason
+
+
+def opened(engine: str, seconds: float, engine_seconds: float) -> auto_module.Measurement:
+    return Candidate([engine], seconds, {engine: engine_seconds}), {}, []
+
+
+def test_a_plan_is_lowered_whole_where_its_opening_engine_alone_is_within_reach_of_the_fastest():
+    plan = ("xnnpack", "aoti_cpu")
+    whole = {("aoti_cpu",): (Candidate(["aoti_cpu"], 0.020, {"aoti_cpu": 0.019}), {}, []),
+             ("openvino", "aoti_cpu"): (Candidate(["openvino", "aoti_cpu"], 0.010, {"openvino": 0.009}), {}, [])}
+    reach = 0.010 * auto_module.CLOSING_CONTENDING
+    # Its delegates' time is the least the whole plan can take, whatever its ops left as plain ATen took.
+    assert auto_module.closing_refusal(plan, opened("xnnpack", 0.500, reach * 0.99), whole) is None
+    refusal = auto_module.closing_refusal(plan, opened("xnnpack", 0.500, reach * 1.01), whole)
+    assert refusal == (f"xnnpack > aoti_cpu was not lowered whole: xnnpack's parts alone took "
+                       f"{reach * 1.01 * 1e3:.3g} ms a call (the ops it leaves run as plain ATen), 1.36x the "
+                       "fastest plan, openvino > aoti_cpu (10 ms), so its aoti_cpu parts were not compiled")
+    # Where either could not be timed, nothing bounds the whole plan: it is lowered whole.
+    failed = (Candidate(["xnnpack"], None, {}, "broken"), {}, [])
+    assert auto_module.closing_refusal(plan, failed, whole) is None
+    untimed = {plan: (Candidate(list(plan), None, {}, "broken"), {}, []) for plan in whole}
+    assert auto_module.closing_refusal(plan, opened("xnnpack", 0.500, 0.400), untimed) is None
+
+
 def test_auto_measures_the_memory_each_plan_holds_once_loaded_and_called(test_engines):
     _, _, program = mlp_program()
 
     lowered = aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu", SLEEPY, HOARDING]), progress=False)
 
     alone, sleepy, hoarding = lowered.placements["forward"].selection.candidates
-    assert hoarding.engines == [HOARDING, "aoti_cpu"]
+    assert hoarding.engines == [HOARDING]
     assert 0 <= sleepy.resident_bytes < HOARD_BYTES // 4, sleepy
     assert HOARD_BYTES <= hoarding.resident_bytes - sleepy.resident_bytes < HOARD_BYTES * 1.25, (sleepy, hoarding)
     assert alone.resident_bytes is not None
@@ -200,7 +262,7 @@ def test_a_plan_that_beat_aoti_alone_is_timed_again_with_it(test_engines, cache_
     timed: list[str] = []
     seconds = {"aoti_cpu": [0.015, 0.010, 0.010], SLEEPY: [0.012]}
     monkeypatch.setattr(lower_module, "measured_methods", timed_as_the_machine_did(seconds, timed))
-    _, _, program = mlp_program()
+    _, _, program = relu_program()
 
     lowered = aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu", SLEEPY]), progress=False)
 
@@ -254,7 +316,7 @@ def test_a_plan_timed_again_is_timed_by_the_process_that_loaded_it_else_from_its
     monkeypatch.setattr(measure_module.SavedPrograms, "FREE_MEMORY_SHARE", free_memory_share)
     saved_files = counted_saves(monkeypatch)
     loaded_files = counted_timing_processes(monkeypatch)
-    _, _, program = mlp_program()
+    _, _, program = relu_program()
 
     lowered = aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu", SLEEPY]), progress=False)
 
@@ -275,7 +337,7 @@ def test_aoti_alone_far_slower_than_the_plan_that_beat_it_is_not_timed_again(tes
     timed: list[str] = []
     seconds = {"aoti_cpu": [0.012 * auto_module.CONTENDING * 1.1], SLEEPY: [0.012]}
     monkeypatch.setattr(lower_module, "measured_methods", timed_as_the_machine_did(seconds, timed))
-    _, _, program = mlp_program()
+    _, _, program = relu_program()
 
     lowered = aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu", SLEEPY]), progress=False)
 
@@ -296,7 +358,7 @@ def test_a_plan_close_to_the_fastest_is_timed_again_and_wins_where_it_is_faster(
     timed: list[str] = []
     seconds = {"aoti_cpu": [0.010, 0.007, 0.010], SLEEPY: [0.0165, 0.008], HOARDING: [0.025]}
     monkeypatch.setattr(lower_module, "measured_methods", timed_as_the_machine_did(seconds, timed))
-    model, inputs, program = mlp_program()
+    model, inputs, program = relu_program()
 
     lowered = aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu", SLEEPY, HOARDING]), progress=False)
 
@@ -326,7 +388,7 @@ def test_a_warm_auto_lower_reads_its_measurements_instead_of_timing_again(test_e
         assert warm.placements[method].selection == cold.placements[method].selection
         assert {r.state for r in warm.compile_log[method]} == {"cached"}, warm.compile_log
     # The sleepy engine takes relu, which only forward calls: for score its plan is AOTInductor alone, timed once.
-    assert [c.engines for c in cold.placements["forward"].selection.candidates] == [["aoti_cpu"], [SLEEPY, "aoti_cpu"]]
+    assert [c.engines for c in cold.placements["forward"].selection.candidates] == [["aoti_cpu"], [SLEEPY]]
     assert [c.engines for c in cold.placements["score"].selection.candidates] == [["aoti_cpu"]]
     warm.save(tmp_path / "warm.pt2")
     loaded = aotstack.load(tmp_path / "warm.pt2")

@@ -226,6 +226,31 @@ def test_the_partitioner_says_why_it_leaves_each_op():
     assert all(reason.engine == "xnnpack" for reason in result.refusals.values())
 
 
+def test_executorch_is_asked_once_about_a_program_partitioned_again_and_again_about_another(monkeypatch):
+    from aotstack.backends.xnnpack import claims
+
+    asked: list[str] = []
+    real = claims.xnnpack_answer
+
+    def answer(exported_program, **kwargs):
+        asked.append(exported_program.graph_signature.parameters[0])
+        return real(exported_program, **kwargs)
+
+    monkeypatch.setattr(claims, "xnnpack_answer", answer)
+    model, changed = models.build("linear"), models.build("linear")
+    with torch.no_grad():
+        changed.linear.weight.copy_(model.linear.weight + 1.0)
+        changed.linear.bias.copy_(model.linear.bias)
+    x = models.example_inputs("linear")
+    first, again, other = (aotstack.export(m, {"forward": x}).methods["forward"] for m in (model, model, changed))
+
+    tags = [set(aotstack.XnnpackPartitioner().partition(program).partition_tags) for program in (first, again, other)]
+
+    # The same code and weights, exported again (auto lowers a method again once it has timed XNNPACK's parts alone),
+    # are answered from memory; the same code on other weights is asked about (a weight can decide a claim).
+    assert len(asked) == 2 and tags[0] == tags[1] == tags[2] != set()
+
+
 def torchao_linear_configs() -> dict[str, tuple[object, str | None]]:
     """torchao configs a user may apply: (config, what XNNPACK's refusal of the linear says; None: it takes it)."""
     from torchao.quantization import Int8DynamicActivationIntxWeightConfig, IntxWeightOnlyConfig

@@ -12,6 +12,12 @@ The algorithm, kept small so a report can explain it:
    where a call's time went. Compiles and timings run in child processes: an engine that crashes
    (a signal in its native code) fails its plan with an ``EngineCrashError`` the report names,
    and auto goes on with the others.
+   A plan lowers its opening engine first, alone (``opening_plan``), the ops it leaves run as
+   plain ATen. Where it leaves none, that is the plan. Where it leaves some, its delegates' time
+   is the least the whole plan can take: the closing engine's parts are compiled, and the plan
+   lowered and timed whole, only where that is within ``CLOSING_CONTENDING`` of the fastest
+   whole plan (``closing_refusal``). Each of those parts costs an AOTInductor compile (about
+   7 s here, however small), for a plan that would lose.
 3. Per method, the measured plans' regions propose one more plan that mixes engines region by
    region (``mixing.py``): each engine's region that measured faster than every other plan's
    estimate for the same nodes is kept, the closing engine takes the rest. It is lowered and
@@ -89,6 +95,11 @@ CONTENDING = 2.0
 # The plan whose AOTInductor parts auto compiles again for one thread (``one_thread_base``) took at most this many
 # times the fastest plan's time: that costs a compile, not a timing.
 ONE_THREAD_CONTENDING = 1.35
+# A plan's opening engine's delegates, timed with the ops it leaves run as plain ATen, took at most this many times
+# the fastest whole plan's call for auto to compile its closing engine's parts and time it whole. Their time is the
+# least the whole plan can take; the margin is one timing's noise (a burst of load slowed one 1.65x, but rarely).
+# XNNPACK's 12 parts of a BERT encoder took 1.7x OpenVINO's whole call; a decode step's took a fraction of it.
+CLOSING_CONTENDING = 1.35
 # The measurements' cache; each entry keeps its plan's regions (``mixing.py``) and memory, which older entries lack,
 # older entries timed a plan keeping state in its engine with a reload of that state in every call, and older entries
 # of plans close to the fastest were timed once only (and before that kind, every plan beyond 1.35x the fastest
@@ -317,6 +328,31 @@ def store_measurement(key: str, measured: Measurement | str) -> None:
                  "delegate_seconds": dict(delegate_seconds),
                  "regions": [{"engine": r.engine, "nodes": r.nodes, "seconds": r.seconds} for r in regions]}
     write_entry(CACHE_KIND, key + ".json", json.dumps(entry).encode())
+
+
+def opening_plan(plan: Plan) -> Plan:
+    """What auto lowers of ``plan`` first: its opening engine alone, the ops it leaves run as plain ATen."""
+    return plan[:1]
+
+
+def closing_refusal(plan: Plan, opened: Measurement, listed: Mapping[Plan, Measurement]) -> str | None:
+    """Why ``plan``'s closing engine's parts are not compiled for a method, for the report; None where they are.
+
+    ``opened`` timed the plan's opening engine alone, the ops it leaves as plain ATen; ``listed``
+    holds the whole plans measured. They are compiled where the opening engine's delegates took at
+    most ``CLOSING_CONTENDING`` times the fastest whole plan's call, or where either could not be timed.
+    """
+    candidate = opened[0]
+    took = candidate.engine_seconds.get(plan[0]) if candidate.seconds is not None else None
+    timed = [(c.seconds, whole) for whole, (c, _, _) in listed.items() if c.seconds is not None]
+    if took is None or not timed:
+        return None
+    fastest, fastest_plan = min(timed)
+    if took <= fastest * CLOSING_CONTENDING:
+        return None
+    return (f"{plan_text(plan)} was not lowered whole: {plan[0]}'s parts alone took {milliseconds(took)} a call "
+            f"(the ops it leaves run as plain ATen), {took / fastest:.2f}x the fastest plan, "
+            f"{plan_text(fastest_plan)} ({milliseconds(fastest)}), so its {plan[-1]} parts were not compiled")
 
 
 def takes_nothing(plan: Plan, backends: Sequence[str]) -> bool:

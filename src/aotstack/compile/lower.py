@@ -26,7 +26,7 @@ from ..errors import (
 from ..format.custom_ops import is_custom_op_name
 from ..format.op_names import op_name
 from ..format.ops import is_delegate_call
-from ..format.placement import DelegatePlacement, Placement, Reason, Selection, UnclaimedOp
+from ..format.placement import Candidate, DelegatePlacement, Placement, Reason, Selection, UnclaimedOp
 from ..format.plan import runs_as_plain_op
 from ..format.records import Delegate, TensorSpec
 from ..format.specs import CompileSpec, DelegationSpec, PreprocessResult, SpecKey
@@ -39,9 +39,11 @@ from .auto import (
     Auto,
     Measurement,
     Plan,
+    TimingInputs,
     auto_option,
     cached_measurement,
     candidate_plans,
+    closing_refusal,
     contenders,
     failed_candidate,
     frozen_plans,
@@ -51,6 +53,7 @@ from .auto import (
     mix_partitioners,
     one_thread_base,
     one_thread_plans,
+    opening_plan,
     plan_partitioners,
     plan_text,
     selection,
@@ -295,39 +298,90 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
     }
     # (method, plan) -> its measurement, or SAME_AS_ALONE; absent where neither is known yet.
     measured = {pair: entry for pair, key in keys.items() if (entry := cached_measurement(key, pair[1])) is not None}
-    unmeasured = [plan for plan in plans if not all((name, plan) in measured for name in program.methods)]
-    lowerings = lower_plan.together(plan_lowerings(program, unmeasured, auto.device))
-    lowered_by_plan: dict[Plan, LoweredProgram] = {}
+    # (method, plan) -> the measurement of the plan's opening engine alone, where it leaves ops to the closing one.
+    opening_keys = {
+        (name, plan): measurement_key(fingerprints[name], inputs[name], opening_plan(plan), threads)
+        for name, plan in keys if len(plan) > 1
+    }
+    opened = {
+        pair: entry for pair, key in opening_keys.items()
+        if pair not in measured and isinstance(entry := cached_measurement(key, opening_plan(pair[1])), tuple)
+    }
+    known = measured.keys() | opened.keys()
+    unmeasured = [plan for plan in plans if not all((name, plan) in known for name in program.methods)]
+    lowerings = lower_plan.together(opening_lowerings(program, unmeasured, auto.device))
+    # (method, plan) -> the plan's lowering timed now.
+    lowered_by: dict[tuple[str, Plan], LoweredProgram] = {}
+
+    def keep_whole(name: str, plan: Plan, lowered: LoweredProgram, timings: Mapping[str, MethodTiming]) -> None:
+        """Keep method ``name``'s timing of ``plan`` lowered whole, or that it is AOTInductor alone there."""
+        if name not in timings:
+            measured[name, plan] = SAME_AS_ALONE
+        else:
+            measured[name, plan] = plan_measurement(plan, lowered.delegate_table[name], timings[name])
+            lowered_by[name, plan] = lowered
+            logger.info("auto: %s: %s takes %.3g ms a call", name, plan_text(plan), timings[name].seconds * 1e3)
+        store_measurement(keys[name, plan], measured[name, plan])
+
     for plan in unmeasured:
         lowered = lowerings[plan]
         try:
             if isinstance(lowered, Exception):
                 raise lowered
-            backends = {name: [d.backend_id for d in lowered.delegate_table[name]] for name in program.methods}
-            timed = [name for name in program.methods if not takes_nothing(plan, backends[name])]
-            timings = measured_methods(
-                {name: lowered.methods[name] for name in timed},
-                {name: lowered.delegate_table[name] for name in timed},
-                {name: inputs[name].call for name in timed},
-                saved,
-            ) if timed else {}
+            timings = measured_plan(program, plan, lowered, inputs, saved)
         except Exception as error:  # noqa: BLE001 - a plan that fails is one the report names, not the end of auto
+            if len(plan) > 1 and not isinstance(lowered, Exception):
+                # Lowered whole below: the closing engine takes what its opening one left and could not run as is.
+                failed = failed_candidate(opening_plan(plan), error)
+                opened.update({(name, plan): (failed, {}, []) for name in program.methods})
+                continue
             failed = failed_candidate(plan, error)
             logger.warning("auto: %s could not be lowered or run: %s", plan_text(plan), failed.error)
             for name in program.methods:
                 measured[name, plan] = (failed, {}, [])
             continue
-        lowered_by_plan[plan] = lowered
         for name in program.methods:
-            if name not in timings:
-                measured[name, plan] = SAME_AS_ALONE
+            if name not in timings or len(plan) == 1 or not lowered.placements[name].unclaimed:
+                keep_whole(name, plan, lowered, timings)
             else:
-                measured[name, plan] = plan_measurement(plan, lowered.delegate_table[name], timings[name])
-                logger.info("auto: %s: %s takes %.3g ms a call", name, plan_text(plan), timings[name].seconds * 1e3)
-            store_measurement(keys[name, plan], measured[name, plan])
+                opening = opening_plan(plan)
+                opened[name, plan] = plan_measurement(opening, lowered.delegate_table[name], timings[name])
+                logger.info("auto: %s: %s takes %.3g ms a call, the ops it leaves run as plain ATen", name,
+                            plan_text(opening), timings[name].seconds * 1e3)
+                store_measurement(opening_keys[name, plan], opened[name, plan])
+    # Per method, the plans not lowered whole (``closing_refusal``), each as its opening engine measured, and why;
+    # the other plans whose opening engine left ops are lowered whole now, together.
+    refused: dict[str, list[tuple[Candidate, str]]] = {name: [] for name in program.methods}
+    whole: dict[Plan, list[str]] = {}
+    for (name, plan), entry in opened.items():
+        if (name, plan) in measured:
+            continue
+        measured_whole = {p: m for p in plans if isinstance(m := measured.get((name, p)), tuple)}
+        refusal = closing_refusal(plan, entry, measured_whole)
+        if refusal is None:
+            whole.setdefault(plan, []).append(name)
+        else:
+            logger.info("auto: %s: %s", name, refusal)
+            refused[name].append((entry[0], refusal))
+    closed = lower_plan.together({
+        plan: (program.only(names), plan_partitioners(plan, auto.device)) for plan, names in whole.items()
+    })
+    for plan, names in whole.items():
+        lowered = closed[plan]
+        try:
+            if isinstance(lowered, Exception):
+                raise lowered
+            timings = measured_plan(program.only(names), plan, lowered, inputs, saved)
+        except Exception as error:  # noqa: BLE001 - as above
+            failed = failed_candidate(plan, error)
+            logger.warning("auto: %s could not be lowered or run: %s", plan_text(plan), failed.error)
+            measured.update({(name, plan): (failed, {}, []) for name in names})
+            continue
+        for name in names:
+            keep_whole(name, plan, lowered, timings)
     # Per method, the plans that differ from AOTInductor alone there, with what each measured.
     listed: dict[str, dict[Plan, Measurement]] = {
-        name: {plan: entry for plan in plans if isinstance(entry := measured[name, plan], tuple)}
+        name: {plan: entry for plan in plans if isinstance(entry := measured.get((name, plan)), tuple)}
         for name in program.methods
     }
     closing = plans[0][0]
@@ -363,14 +417,15 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
     }
     for name, kept in selections.items():
         # Each plan measured now: its lowering and its measurement's cache key.
-        sources = {plan: (lowered_by_plan[plan], keys[name, plan]) for plan in listed[name] if plan in lowered_by_plan}
+        sources = {plan: (lowered_by[name, plan], keys[name, plan]) for plan in listed[name]
+                   if (name, plan) in lowered_by}
         sources.update({
             label: (added_lowerings[name, label], extra.key)
             for label, extra in added[name].items() if (name, label) in added_lowerings
         })
         selections[name] = confirmed_selection(name, inputs[name].call, kept, listed[name], sources, threads, saved)
     chosen = {name: list(listed[name])[kept.chosen] for name, kept in selections.items()}
-    by_method = {name: lowered_by_plan[plan] for name, plan in chosen.items() if plan in lowered_by_plan}
+    by_method = {name: lowered_by[name, plan] for name, plan in chosen.items() if (name, plan) in lowered_by}
     by_method.update({name: added_lowerings[name, plan] for name, plan in chosen.items()
                       if (name, plan) in added_lowerings})
     # A method whose plans were measured from the cache is lowered now, from the compile caches.
@@ -388,25 +443,45 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
     by_method = {name: by_method[name] for name in program.methods}
     merged = merged_methods(by_method)
     for name, placement in merged.placements.items():
-        kept = selections[name]
-        for extra in added[name].values():
-            kept = replace(kept, reason=f"{kept.reason}; {extra.explanation}")
+        # Listed after the plans it chose among: a plan not lowered whole cannot be chosen.
+        kept = replace(selections[name], candidates=[*selections[name].candidates,
+                                                     *(candidate for candidate, _ in refused[name])])
+        for explanation in [*(why for _, why in refused[name]), *(extra.explanation for extra in added[name].values())]:
+            kept = replace(kept, reason=f"{kept.reason}; {explanation}")
         merged.placements[name] = measured_placement(placement, kept, listed[name][chosen[name]][1])
     return merged
 
 
-def plan_lowerings(
+def opening_lowerings(
     program: Program, plans: Sequence[Plan], device: str
 ) -> dict[Plan, tuple[Program, PartitionerPlan] | Exception]:
-    """What ``PlanLowering.together`` lowers for each plan, or why its partitioners cannot be made (an engine
-    installed but unusable here, such as ExecuTorch built for another torch): that plan fails, not auto."""
+    """What ``PlanLowering.together`` lowers first for each plan, its ``opening_plan``, or why its partitioners
+    cannot be made (an engine installed but unusable here, such as ExecuTorch built for another torch): that plan
+    fails, not auto."""
     lowerings: dict[Plan, tuple[Program, PartitionerPlan] | Exception] = {}
     for plan in plans:
         try:
-            lowerings[plan] = (program, plan_partitioners(plan, device))
+            lowerings[plan] = (program, plan_partitioners(opening_plan(plan), device))
         except Exception as error:  # noqa: BLE001 - reported as the plan's failure
             lowerings[plan] = error
     return lowerings
+
+
+def measured_plan(
+    program: Program, plan: Plan, lowered: LoweredProgram, inputs: Mapping[str, TimingInputs], saved: SavedPrograms
+) -> dict[str, MethodTiming]:
+    """Each method of ``plan``'s lowering of ``program`` timed, but those its first engine took no op of, where it
+    is AOTInductor alone again (``takes_nothing``)."""
+    backends = {name: [d.backend_id for d in lowered.delegate_table[name]] for name in program.methods}
+    timed = [name for name in program.methods if not takes_nothing(plan, backends[name])]
+    if not timed:
+        return {}
+    return measured_methods(
+        {name: lowered.methods[name] for name in timed},
+        {name: lowered.delegate_table[name] for name in timed},
+        {name: inputs[name].call for name in timed},
+        saved,
+    )
 
 
 def plan_measurement(engines: Sequence[str], delegates: list[Delegate], timing: MethodTiming) -> Measurement:

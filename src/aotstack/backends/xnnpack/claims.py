@@ -41,10 +41,12 @@ from torch.utils import _pytree as pytree
 from ...compile.int8_tensor import LAYOUT_OPS, int8_linears, integer_weights_cast
 from ...compile.partitioner import get_non_lowered_nodes
 from ...compile.program_parts import (
+    UPDATED_BY_ANOTHER_METHOD,
     constant_placeholders,
     contiguous_attention_outputs,
     is_size_computation,
     mutated_buffer_names,
+    program_fingerprint,
     program_weights,
 )
 from ...compile.quantize import dequantized_weight, is_dequantize, quantized_layer_label, zero_free
@@ -78,6 +80,26 @@ class XnnpackAnswer:
         if node.name in self.claimed or node.name in self.portable:
             return None
         return self.reasons.get(node.name, "ExecuTorch's XnnpackPartitioner does not delegate it")
+
+
+# How many of the last answers are kept: auto asks again about a method it lowers whole once it has timed XNNPACK's
+# parts alone (``compile/auto.py``), and each question lowers the whole method through ExecuTorch (6 s for BERT).
+REMEMBERED_ANSWERS = 4
+_remembered: dict[tuple[str, bool, frozenset[str]], XnnpackAnswer] = {}
+
+
+def remembered_answer(exported_program: ExportedProgram, *, portable: bool = True) -> XnnpackAnswer:
+    """``xnnpack_answer``, asked only where no answer about the same program (code, weights, the buffers another
+    method updates) is remembered from this process's last ``REMEMBERED_ANSWERS`` questions."""
+    key = (program_fingerprint(exported_program), portable, frozenset(
+        node.name for node in exported_program.graph.nodes
+        if node.op == "placeholder" and UPDATED_BY_ANOTHER_METHOD in node.meta
+    ))
+    answer = _remembered.pop(key, None) or xnnpack_answer(exported_program, portable=portable)
+    _remembered[key] = answer
+    while len(_remembered) > REMEMBERED_ANSWERS:
+        del _remembered[next(iter(_remembered))]
+    return answer
 
 
 def xnnpack_answer(exported_program: ExportedProgram, *, portable: bool = True) -> XnnpackAnswer:

@@ -15,7 +15,7 @@ from ...errors import LoweringError
 from ...format.placement import Reason
 from ...format.specs import CompileSpec
 from .backend import XnnpackBackend
-from .claims import XnnpackAnswer, xnnpack_answer
+from .claims import XnnpackAnswer, remembered_answer
 from .packages import require_executorch
 
 # The dtypes ExecuTorch's edge dialect has ops for (its ``edge.yaml``): a part touching another (a float8
@@ -63,7 +63,7 @@ class XnnpackPartitioner(SupportedOpsPartitioner):
         self.answer: XnnpackAnswer | None = None
 
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
-        self.answer = xnnpack_answer(exported_program, portable=self.portable_kernels)
+        self.answer = remembered_answer(exported_program, portable=self.portable_kernels)
         return super().partition(exported_program)
 
     def supports_op(self, op: torch._ops.OpOverload | torch._ops.HigherOrderOperator) -> bool:
