@@ -98,7 +98,7 @@ ONE_THREAD_CONTENDING = 1.35
 # A plan's opening engine's delegates, timed with the ops it leaves run as plain ATen, took at most this many times
 # the fastest whole plan's call for auto to compile its closing engine's parts and time it whole. Their time is the
 # least the whole plan can take; the margin is one timing's noise (a burst of load slowed one 1.65x, but rarely).
-# XNNPACK's 12 parts of a BERT encoder took 1.7x OpenVINO's whole call; a decode step's took a fraction of it.
+# XNNPACK's 12 parts of a BERT encoder took 1.7x OpenVINO's whole call at 2 threads; a decode step's a fraction of it.
 CLOSING_CONTENDING = 1.35
 # The measurements' cache; each entry keeps its plan's regions (``mixing.py``) and memory, which older entries lack,
 # older entries timed a plan keeping state in its engine with a reload of that state in every call, and older entries
