@@ -86,8 +86,14 @@ class OrtPartitioner(SupportedOpsPartitioner):
         self.quantized: dict[Graph, QuantizedGraph] = {}
         self.weight_names: dict[Graph, frozenset[str]] = {}
         self.computable = computable_dtypes(tuple(providers_named(self.compile_specs)))
+
+    @functools.cached_property
+    def control_flow(self) -> frozenset[str]:  # type: ignore[override]
+        """The control-flow ops the exporter translates; asked at the first control-flow node, not as the partitioner
+        is made: the exporter's table takes 1-3 s to build, and auto makes its partitioners before it starts
+        AOTInductor's warm-up."""
         registry = exporter_registry()
-        self.control_flow = frozenset(
+        return frozenset(
             name for name in CONTROL_FLOW_OPS
             if hasattr(torch.ops.higher_order, name) and registry.is_registered(getattr(torch.ops.higher_order, name))
         )
