@@ -203,6 +203,32 @@ def test_a_plan_whose_opening_engine_is_within_reach_is_lowered_whole(test_engin
     assert chosen.candidates[1].seconds >= SLEEP_SECONDS and "not lowered whole" not in chosen.reason
 
 
+def test_a_plan_whose_opening_engine_alone_cannot_be_timed_is_lowered_whole(test_engines, cache_dir, monkeypatch):
+    # Ops an engine leaves can fail as plain ATen (a kernel only the closing engine has): its opening timing says
+    # nothing of the whole plan, which is lowered whole and timed like any other.
+    shutil.rmtree(cache_dir / f".{auto_module.CACHE_KIND}", ignore_errors=True)
+    _, _, program = mlp_program()
+    plans = lowered_plans(monkeypatch)
+    real, timed = lower_module.measured_plan, []
+
+    def failing_opening(program, plan, lowered, *args):
+        timed.append(plan)
+        if plan == (SLEEPY, "aoti_cpu") and timed.count(plan) == 1:
+            raise aotstack.LoweringError("an op it leaves has no ATen kernel here")
+        return real(program, plan, lowered, *args)
+
+    monkeypatch.setattr(lower_module, "measured_plan", failing_opening)
+
+    lowered = aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu", SLEEPY]), progress=False)
+
+    chosen = lowered.placements["forward"].selection
+    assert plans == [("aoti_cpu",), (SLEEPY,), (SLEEPY, "aoti_cpu")]
+    assert timed.count((SLEEPY, "aoti_cpu")) == 2
+    assert [c.engines for c in chosen.candidates] == [["aoti_cpu"], [SLEEPY, "aoti_cpu"]]
+    assert chosen.candidates[1].seconds >= SLEEP_SECONDS and chosen.candidates[1].error is None
+    assert "not lowered whole" not in chosen.reason and "no ATen kernel" not in chosen.reason
+
+
 def opened(engine: str, seconds: float, engine_seconds: float) -> auto_module.Measurement:
     return Candidate([engine], seconds, {engine: engine_seconds}), {}, []
 

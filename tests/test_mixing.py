@@ -24,12 +24,17 @@ def region(engine: str, names: str, milliseconds: float) -> Region:
     return Region(engine, {name: WORK[name] for name in names}, milliseconds / 1e3)
 
 
-ALONE = MeasuredPlan(("aoti_cpu",), [region("aoti_cpu", "abcd", 4.0)])
+def measured_plan(engines: tuple[str, ...], regions: list[Region], between_ms: float = 0.0) -> MeasuredPlan:
+    """A plan whose call took its regions' seconds, and ``between_ms`` between them."""
+    return MeasuredPlan(engines, regions, sum(r.seconds for r in regions) + between_ms / 1e3)
+
+
+ALONE = measured_plan(("aoti_cpu",), [region("aoti_cpu", "abcd", 4.0)])
 
 
 def test_each_engines_region_that_beats_every_other_plan_is_kept_and_the_rest_left_to_the_closing_engine():
-    fast_front = MeasuredPlan(("xnnpack", "aoti_cpu"), [region("xnnpack", "ab", 0.5), region("aoti_cpu", "cd", 2.0)])
-    fast_back = MeasuredPlan(("openvino", "aoti_cpu"), [region("openvino", "cd", 0.6), region("aoti_cpu", "ab", 2.0)])
+    fast_front = measured_plan(("xnnpack", "aoti_cpu"), [region("xnnpack", "ab", 0.5), region("aoti_cpu", "cd", 2.0)])
+    fast_back = measured_plan(("openvino", "aoti_cpu"), [region("openvino", "cd", 0.6), region("aoti_cpu", "ab", 2.0)])
 
     mix = mixed_cover([ALONE, fast_front, fast_back], "aoti_cpu")
 
@@ -40,17 +45,18 @@ def test_each_engines_region_that_beats_every_other_plan_is_kept_and_the_rest_le
 
 
 def test_a_region_within_the_margin_of_another_plans_estimate_is_not_kept():
-    close = MeasuredPlan(("xnnpack", "aoti_cpu"), [region("xnnpack", "ab", 2.0 * (1 - MARGIN / 2)),
+    close = measured_plan(("xnnpack", "aoti_cpu"), [region("xnnpack", "ab", 2.0 * (1 - MARGIN / 2)),
                                                    region("aoti_cpu", "cd", 2.0)])
-    fast_back = MeasuredPlan(("openvino", "aoti_cpu"), [region("openvino", "cd", 0.6), region("aoti_cpu", "ab", 2.0)])
+    fast_back = measured_plan(("openvino", "aoti_cpu"), [region("openvino", "cd", 0.6), region("aoti_cpu", "ab", 2.0)])
 
     assert mixed_cover([ALONE, close, fast_back], "aoti_cpu") is None, "openvino's own plan is no mix"
 
 
 def test_of_two_overlapping_regions_the_one_saving_more_is_kept():
-    wide = MeasuredPlan(("xnnpack", "aoti_cpu"), [region("xnnpack", "abc", 0.3), region("aoti_cpu", "d", 1.0)])
-    narrow = MeasuredPlan(("openvino", "aoti_cpu"), [region("openvino", "cd", 0.5), region("aoti_cpu", "ab", 2.0)])
-    last = MeasuredPlan(("onnxruntime", "aoti_cpu"), [region("onnxruntime", "d", 0.05), region("aoti_cpu", "abc", 3.0)])
+    wide = measured_plan(("xnnpack", "aoti_cpu"), [region("xnnpack", "abc", 0.3), region("aoti_cpu", "d", 1.0)])
+    narrow = measured_plan(("openvino", "aoti_cpu"), [region("openvino", "cd", 0.5), region("aoti_cpu", "ab", 2.0)])
+    last = measured_plan(("onnxruntime", "aoti_cpu"),
+                         [region("onnxruntime", "d", 0.05), region("aoti_cpu", "abc", 3.0)])
 
     mix = mixed_cover([ALONE, wide, narrow, last], "aoti_cpu")
 
@@ -58,6 +64,29 @@ def test_of_two_overlapping_regions_the_one_saving_more_is_kept():
     assert mix is not None
     kept = [(kept.region.engine, kept.region.names) for kept in mix.kept]
     assert kept == [("xnnpack", frozenset("abc")), ("onnxruntime", frozenset("d"))]
+
+
+def test_a_mix_whose_estimate_does_not_beat_the_fastest_plan_is_proposed_but_not_worth_measuring():
+    # BERT at one thread: XNNPACK's regions beat OpenVINO's share for their nodes, but the mix leaves the rest to
+    # AOTInductor, which spends far more on it than OpenVINO's plan, the fastest, on the whole call.
+    xnnpack = measured_plan(("xnnpack", "aoti_cpu"),
+                            [region("xnnpack", "ab", 0.8), region("xnnpack", "c", 0.6), region("aoti_cpu", "d", 0.8)])
+    openvino = measured_plan(("openvino", "aoti_cpu"), [region("openvino", "abcd", 2.0)], between_ms=0.1)
+
+    mix = mixed_cover([measured_plan(("aoti_cpu",), [region("aoti_cpu", "abcd", 4.0)], 0.3), xnnpack, openvino],
+                      "aoti_cpu")
+
+    assert mix is not None and mix.regions("xnnpack") == [frozenset("ab")]
+    # xnnpack's 0.8 ms, AOTInductor alone's 2 ms for c and d, and its 0.3 ms between delegates.
+    assert mix.estimate == pytest.approx(3.1e-3) and mix.fastest == pytest.approx(2.1e-3)
+    assert not mix.worth_measuring
+    assert "estimated at 3.1 ms a call against 2.1 ms for the fastest plan), no faster" in mix.refusal()
+
+    # Where AOTInductor alone is faster on c and d than XNNPACK's plan, the mix would beat OpenVINO's: it is measured.
+    faster = mixed_cover([measured_plan(("aoti_cpu",), [region("aoti_cpu", "abcd", 2.4)]), xnnpack, openvino],
+                         "aoti_cpu")
+    assert faster is not None and faster.estimate == pytest.approx(2.0e-3) and faster.worth_measuring
+    assert "estimated at 2 ms a call against 2.1 ms for the fastest plan" in faster.explanation()
 
 
 def measured(plans: dict[tuple[str, ...], tuple[float, list[Region]]]) -> dict:
@@ -93,7 +122,7 @@ def test_no_plan_is_timed_on_one_thread_where_none_runs_aotis_parts_between_anot
 
 
 def test_a_region_estimate_shares_a_delegates_time_by_the_work_of_its_nodes():
-    plan = MeasuredPlan(("aoti_cpu",), [Region("aoti_cpu", {"mm": 9.0, "add": 1.0}, 1.0)])
+    plan = measured_plan(("aoti_cpu",), [Region("aoti_cpu", {"mm": 9.0, "add": 1.0}, 1.0)])
 
     assert plan.estimate({"mm": 9.0}) == pytest.approx(0.9)
     assert plan.estimate({"add": 1.0, "absent": 5.0}) == pytest.approx(0.1)
@@ -166,6 +195,18 @@ def test_auto_measures_the_mix_its_plans_propose_names_it_and_reads_it_back_from
     again = aotstack.lower(program, auto, progress=False).placements["forward"].selection
     assert [c.engines for c in again.candidates] == labels
     assert [c.seconds for c in again.candidates] == [c.seconds for c in chosen.candidates]
+
+    # The same mix, estimated no faster than the fastest plan: neither measured nor read from the cache, and said why.
+    def estimated_slower(plans, closing):
+        fastest = min(plan.seconds for plan in plans)
+        return dataclasses.replace(ort_region(plans, closing), estimate=1.0, fastest=fastest)
+
+    monkeypatch.setattr(lower_module, "mixed_cover", estimated_slower)
+    unmeasured = aotstack.lower(program, auto, progress=False).placements["forward"].selection
+    assert [c.engines for c in unmeasured.candidates] == labels[:2]
+    assert "(1 region) > aoti_cpu (regions kept: onnxruntime on 3 nodes" in unmeasured.reason
+    assert "estimated at 1e+03 ms a call" in unmeasured.reason
+    assert "no faster, so it was not measured" in unmeasured.reason
 
 
 @pytest.mark.skipif(executorch_problem() is not None, reason=f"executorch: {executorch_problem()}")

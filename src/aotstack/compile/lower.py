@@ -388,13 +388,18 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
     # Per method, the plans built from what its plans measured (``AddedPlan``), and those lowered now.
     added: dict[str, dict[Plan, AddedPlan]] = {name: {} for name in program.methods}
     added_lowerings: dict[tuple[str, Plan], LoweredProgram] = {}
+    # Per method, why the mix its plans' regions propose was not measured, where it was not.
+    unmeasured_mixes: dict[str, list[str]] = {name: [] for name in program.methods}
     for name in program.methods:
         builds: dict[Plan, Callable[..., list[Partitioner]]] = {
             plan: partial(plan_partitioners, plan, auto.device) for plan in listed[name]
         }
         keys_by_plan = {plan: keys[name, plan] for plan in listed[name]}
         mix = method_mix(listed[name], closing)
-        if mix is not None:
+        if mix is not None and not mix.worth_measuring:
+            logger.info("auto: %s: %s", name, mix.refusal())
+            unmeasured_mixes[name].append(mix.refusal())
+        elif mix is not None:
             label = tuple(mix.labels)
             logger.info("auto: %s: the plans' regions propose %s (%s)", name, plan_text(label), mix.explanation())
             builds[label] = partial(mix_partitioners, mix, auto.device)
@@ -446,8 +451,9 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
         # Listed after the plans it chose among: a plan not lowered whole cannot be chosen.
         kept = replace(selections[name], candidates=[*selections[name].candidates,
                                                      *(candidate for candidate, _ in refused[name])])
-        for explanation in [*(why for _, why in refused[name]), *(extra.explanation for extra in added[name].values())]:
-            kept = replace(kept, reason=f"{kept.reason}; {explanation}")
+        explanations = [*(why for _, why in refused[name]), *unmeasured_mixes[name],
+                        *(extra.explanation for extra in added[name].values())]
+        kept = replace(kept, reason="; ".join([kept.reason, *explanations]))
         merged.placements[name] = measured_placement(placement, kept, listed[name][chosen[name]][1])
     return merged
 
@@ -562,7 +568,7 @@ def method_measurement(
 def method_mix(listed: Mapping[Plan, Measurement], closing: str) -> Mix | None:
     """The mixed plan one method's measured plans propose, where they propose one."""
     plans = [
-        MeasuredPlan(tuple(plan), regions)
+        MeasuredPlan(tuple(plan), regions, candidate.seconds)
         for plan, (candidate, _, regions) in listed.items()
         if candidate.seconds is not None and regions
     ]
