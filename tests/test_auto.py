@@ -300,6 +300,35 @@ def test_a_plan_that_beat_aoti_alone_is_timed_again_with_it(test_engines, cache_
     assert {d.backend_id for d in lowered.delegates("forward")} == {"aoti_cpu"}
 
 
+def test_a_warm_auto_lower_decides_what_to_lower_as_the_cold_one_did_though_timing_again_moved_the_figures(
+    test_engines, cache_dir, monkeypatch
+):
+    # Cold: AOTInductor alone's first timing, 30 ms, puts the sleepy plan out of reach (its relu alone takes 50 ms);
+    # timed again, AOTInductor alone takes 45 ms, within reach, and wins over the loud plan, which took 20 ms once.
+    shutil.rmtree(cache_dir / f".{auto_module.CACHE_KIND}", ignore_errors=True)
+    timed: list[str] = []
+    # The loud engine's first figure is its opening timing, the next its whole plan's.
+    seconds = {"aoti_cpu": [0.030, 0.045], LOUD: [0.010, 0.020, 0.060], SLEEPY: [0.070]}
+    monkeypatch.setattr(lower_module, "measured_methods", timed_as_the_machine_did(seconds, timed))
+    _, _, program = mlp_program()
+    auto = aotstack.Auto(engines=["aoti_cpu", LOUD, SLEEPY])
+
+    cold = aotstack.lower(program, auto, progress=False).placements["forward"].selection
+
+    assert [c.engines for c in cold.candidates] == [["aoti_cpu"], [LOUD, "aoti_cpu"], [SLEEPY]]
+    assert cold.chosen == 0 and [c.seconds for c in cold.candidates[:2]] == [0.045, 0.060]
+    assert f"{SLEEPY} > aoti_cpu was not lowered whole" in cold.reason
+
+    # Warm: the same plans, read from the cache; the sleepy one still not lowered whole, though by the medians it
+    # would be within reach.
+    monkeypatch.setattr(lower_module, "measured_methods", lambda *args: pytest.fail("a warm auto lower timed again"))
+    plans = lowered_plans(monkeypatch)
+    warm = aotstack.lower(program, auto, progress=False).placements["forward"].selection
+
+    assert plans == [("aoti_cpu",)]
+    assert warm.candidates == cold.candidates and warm.chosen == cold.chosen
+
+
 def counted_saves(monkeypatch) -> list[str]:
     """The paths auto's timings save plans to, from now on."""
     paths: list[str] = []

@@ -330,6 +330,14 @@ def store_measurement(key: str, measured: Measurement | str) -> None:
     write_entry(CACHE_KIND, key + ".json", json.dumps(entry).encode())
 
 
+def median_key(key: str) -> str:
+    """Where a plan's median over its confirming timings is kept (``confirmed_selection``). Its own ``key`` keeps its
+    first timing, which auto's choices of what else to lower (whole plans, a mix, a frozen or one-thread plan) read:
+    so a warm lowering, reading the cache, makes the same choices and finds each of those plans measured, where the
+    medians would propose another mix, to compile and time again."""
+    return f"{key}-median"
+
+
 def opening_plan(plan: Plan) -> Plan:
     """What auto lowers of ``plan`` first: its opening engine alone, the ops it leaves run as plain ATen."""
     return plan[:1]

@@ -49,6 +49,7 @@ from .auto import (
     frozen_plans,
     measured_candidate,
     measurement_key,
+    median_key,
     mix_key,
     mix_partitioners,
     one_thread_base,
@@ -416,6 +417,14 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
             logger.info("auto: %s: %s is measured too", name, plan_text(one_thread.label))
             measure_added(program.only([name]), name, inputs[name].call, one_thread, lower_plan, listed, added,
                           added_lowerings, saved)
+    for name in program.methods:
+        # A plan measured by an earlier lowering is chosen among by its median, where it was confirmed.
+        earlier = {plan: keys[name, plan] for plan in plans if plan in listed[name] and (name, plan) not in lowered_by}
+        earlier.update({label: extra.key for label, extra in added[name].items()
+                        if (name, label) not in added_lowerings})
+        for plan, key in earlier.items():
+            if isinstance(median := cached_measurement(median_key(key), plan), tuple):
+                listed[name][plan] = median
     selections = {
         name: selection(name, [candidate for candidate, _, _ in entries.values()], threads)
         for name, entries in listed.items()
@@ -507,7 +516,7 @@ def confirmed_selection(
 ) -> Selection:
     """``kept`` made again after its contending plans (``auto.contenders``: the kept plan, AOTInductor alone where
     the kept plan beat it, the plans close to the fastest) are timed ``CONFIRMING_ROUNDS`` more times, alternately,
-    each keeping its median timing (in ``listed`` and the cache).
+    each keeping its median timing (in ``listed``, and in the cache under ``median_key``).
 
     A shared machine's speed drifts both ways over seconds: a burst of load slowed one timing
     (AOTInductor alone at 1.5x its time, OpenVINO alone at 1.3x), and a quiet stretch sped one up
@@ -529,7 +538,7 @@ def confirmed_selection(
                 timings[plan].append(again)
     for plan, measured in timings.items():
         listed[plan] = median_measurement(measured)
-        store_measurement(sources[plan][1], listed[plan])
+        store_measurement(median_key(sources[plan][1]), listed[plan])
     confirmed = selection(name, [candidate for candidate, _, _ in listed.values()], threads)
     names = [plan_text(plan) for plan in timed_now]
     return replace(confirmed, reason=f"{confirmed.reason}; {', '.join(names[:-1])} and {names[-1]} were timed "
