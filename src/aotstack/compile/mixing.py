@@ -143,7 +143,8 @@ def mixed_cover(plans: Sequence[MeasuredPlan], closing: str) -> Mix | None:
     """The regions to keep from ``plans`` (the first is ``closing`` alone); None where no mix differs from them.
 
     Only the first engine's regions of each plan compete (the closing engine is the fallback for
-    everything); a kept region beats every other plan's estimate for its nodes by ``MARGIN``.
+    everything); a kept region beats every other plan's estimate for its nodes by ``MARGIN``. The mix
+    carries its own estimate beside the fastest plan's call (``Mix.worth_measuring``).
     """
     offers = []
     for plan in plans:
