@@ -398,8 +398,8 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
         keys_by_plan = {plan: keys[name, plan] for plan in listed[name]}
         mix = method_mix(listed[name], closing)
         if mix is not None and not mix.worth_measuring:
-            logger.info("auto: %s: %s", name, mix.refusal())
             unmeasured_mixes[name].append(mix.refusal())
+            logger.info("auto: %s: %s", name, unmeasured_mixes[name][-1])
         elif mix is not None:
             label = tuple(mix.labels)
             logger.info("auto: %s: the plans' regions propose %s (%s)", name, plan_text(label), mix.explanation())
