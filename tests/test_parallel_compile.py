@@ -232,6 +232,30 @@ def test_a_warm_up_kept_on_disk_runs_first_in_a_child_then_from_disk(tmp_path: P
     assert all(record["started"] >= child["ended"] for record in records)
 
 
+class OneRelu(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x)
+
+
+def test_a_later_lowering_warms_up_here_from_what_a_child_left_on_disk(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setattr(parallel, "WARMED_UP", set())
+    monkeypatch.setattr(parallel, "WARMED_UP_ON_DISK", set())
+    DiskWarmedBackend.log = tmp_path / "warm-ups.jsonl"
+    program = aotstack.export(OneRelu(), {"forward": (torch.randn(4, 8),)})
+    first, second = (
+        aotstack.lower(program, [OpPartitioner(relu="test_disk_warmed")], jobs=2, progress=False) for _ in range(2)
+    )
+    # The first lowering's one part compiled in the worker that waited for the child, and warmed up itself: this
+    # process did not. The second lowering forked no child to read what the first left on disk: this process read
+    # it, then forked the part's worker, which inherited that.
+    child, first_worker, here = (json.loads(line) for line in DiskWarmedBackend.log.read_text().splitlines())
+    (first_record,), (second_record,) = compile_records(first), compile_records(second)
+    assert child["pid"] not in {TEST_PROCESS, first_worker["pid"]}
+    assert first_worker["pid"] == first_record["pid"]
+    assert here["pid"] == TEST_PROCESS
+    assert second_record["pid"] != TEST_PROCESS and second_record["started"] >= here["ended"]
+
+
 class BusyPartitioner(OpPartitioner):
     """Takes four warm-ups' time to partition, as ExecuTorch's question of a whole method takes seconds."""
 

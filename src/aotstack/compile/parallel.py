@@ -235,7 +235,8 @@ class CompilePool:
         """
         for backend in {type(job.backend): job.backend for job in jobs}.values():
             kind = type(backend)
-            if backend.warm_up_fills_disk_cache and kind not in WARMED_UP and kind not in self.warming.values():
+            if (backend.warm_up_fills_disk_cache and kind not in WARMED_UP | WARMED_UP_ON_DISK
+                    and kind not in self.warming.values()):
                 self.warming[forked(backend.warm_up, (), f"aotstack-warm-up-{backend.backend_id}")] = kind
 
     def waits(self, job: CompileJob) -> bool:
@@ -258,9 +259,11 @@ class CompilePool:
         ready = set(wait([c.connection for c in children] + [c.process.sentinel for c in children], timeout))
         for worker in [c for c in children if c.connection in ready or c.process.sentinel in ready]:
             if worker in self.warming:
-                # How it went does not matter: this process's own warm-up does whatever is left.
-                del self.warming[worker]
-                received(worker)
+                # How it went matters only to later lowerings: this process's own warm-up does whatever is left.
+                kind = self.warming.pop(worker)
+                message = received(worker)
+                if message is not None and message[0] == "returned":
+                    WARMED_UP_ON_DISK.add(kind)
                 closed(worker)
                 continue
             if worker in self.opening:
@@ -349,6 +352,10 @@ def kept_result(job: CompileJob) -> PreprocessResult | None:
 
 # The backends whose warm-up ran in this process; forked workers inherit it.
 WARMED_UP: set[type[Backend]] = set()
+# The backends whose warm-up ran to its end in a child of this process (``warm_up_in_children``): what it keeps on
+# disk is there, so a later lowering (auto lowers several plans after its first ones) warms up here, reading it,
+# rather than forking a child that would only read it too (about 1 s for AOTInductor) before the first compile.
+WARMED_UP_ON_DISK: set[type[Backend]] = set()
 
 
 def warmed_up(backend: Backend) -> None:
