@@ -189,9 +189,11 @@ def test_auto_keeps_the_plan_its_measurement_favours_and_says_why(test_engines, 
 
 
 def test_a_plan_whose_opening_engine_is_within_reach_is_lowered_whole(test_engines, cache_dir, monkeypatch):
-    # Within reach of the fastest plan however slow: its closing engine's parts are compiled, and it is timed whole.
+    # Within reach of the fastest plan however slow: its closing engine's parts are compiled, and it is timed whole,
+    # where what they would take is worth it (here, whatever it is).
     shutil.rmtree(cache_dir / f".{auto_module.CACHE_KIND}", ignore_errors=True)
     monkeypatch.setattr(auto_module, "CLOSING_CONTENDING", float("inf"))
+    monkeypatch.setattr(auto_module, "CLOSING_WORTH", 0.0)
     _, _, program = mlp_program()
     plans = lowered_plans(monkeypatch)
 
@@ -251,6 +253,75 @@ def test_a_plan_is_lowered_whole_where_its_opening_engine_alone_is_within_reach_
     assert auto_module.closing_refusal(plan, opened("xnnpack", 0.500, 0.400), untimed) is None
 
 
+def test_a_timing_says_what_each_plain_op_took_the_first_time_a_process_times_its_method(test_engines, tmp_path):
+    # The sleepy engine takes the relu; the linears it leaves run as plain ATen, each timed on its own at the
+    # method's first timing in a process, apart from the timed calls.
+    model, inputs, program = mlp_program()
+    lowered = aotstack.lower(program, [SleepyReluPartitioner()], progress=False)
+    lowered.save(tmp_path / "sleepy.pt2")
+    stage = measure_module.Stage([d.delegate_id for d in lowered.delegates("forward")])
+    loaded = measure_module.loaded_to_time(str(tmp_path / "sleepy.pt2"), stage)
+
+    first, again = (measure_module.timed_methods(loaded, ["forward"], {"forward": (inputs, {})})["forward"]
+                    for _ in range(2))
+
+    assert set(first.plain_op_seconds) == {"linear", "linear_1"}
+    assert all(0 < seconds < SLEEP_SECONDS for seconds in first.plain_op_seconds.values())
+    assert again.plain_op_seconds == {} and again.seconds >= SLEEP_SECONDS
+
+
+def test_a_plan_whose_closing_engine_would_take_too_little_is_its_opening_engine_alone(
+    test_engines, cache_dir, monkeypatch, tmp_path
+):
+    # The linears the sleepy engine leaves in the shared MLP are lone ops beside its part, which AOTInductor would
+    # not take: lowered whole, the plan would be its opening lowering again, after AOTInductor's claim. So its
+    # opening engine alone is the plan, as it was timed, and kept where it is the fastest.
+    shutil.rmtree(cache_dir / f".{auto_module.CACHE_KIND}", ignore_errors=True)
+    monkeypatch.setattr(auto_module, "CLOSING_CONTENDING", float("inf"))
+    timed: list[str] = []
+    seconds = {"aoti_cpu": [0.030], SLEEPY: [0.010]}
+    monkeypatch.setattr(lower_module, "measured_methods", timed_as_the_machine_did(seconds, timed))
+    model, inputs, program = mlp_program()
+    auto = aotstack.Auto(engines=["aoti_cpu", SLEEPY])
+
+    lowered = aotstack.lower(program, auto, progress=False)
+
+    chosen = lowered.placements["forward"].selection
+    assert [c.engines for c in chosen.candidates] == [["aoti_cpu"], [SLEEPY]]
+    assert chosen.chosen == 1 and chosen.candidates[1].seconds == 0.010
+    assert (f"{SLEEPY} > aoti_cpu was not lowered whole: its aoti_cpu engine would take none of the ops {SLEEPY} "
+            f"leaves") in chosen.reason
+    assert [d.backend_id for d in lowered.delegates("forward")] == [SLEEPY]
+    lowered.save(tmp_path / "auto.pt2")
+    torch.testing.assert_close(aotstack.load(tmp_path / "auto.pt2").forward(*inputs), model(*inputs).detach())
+
+    # Warm: the same choice from the cache, nothing timed, the plan made again from the opening engine alone.
+    monkeypatch.setattr(lower_module, "measured_methods", lambda *args: pytest.fail("a warm auto lower timed again"))
+    plans = lowered_plans(monkeypatch)
+    warm = aotstack.lower(program, auto, progress=False).placements["forward"].selection
+    assert warm.candidates == chosen.candidates and warm.chosen == 1
+    assert plans == [(SLEEPY, "aoti_cpu"), (SLEEPY,)]
+
+
+def test_a_plan_is_lowered_whole_where_the_ops_its_closing_engine_would_take_cost_enough_as_plain_aten():
+    plan, took = ("xnnpack", "aoti_cpu"), opened("xnnpack", 0.100, 0.080)
+    worth = 0.100 * auto_module.CLOSING_WORTH
+    ops = {"embedding": worth * 0.6, "layer_norm": worth * 0.3, "sdpa": 0.010}
+    # What those ops took as plain ATen is the most the closing engine's parts could save.
+    refusal = auto_module.closing_gain_refusal(plan, took, {"embedding", "layer_norm"}, ops)
+    assert refusal == ("xnnpack > aoti_cpu was not lowered whole: the 2 ops its aoti_cpu parts would take ran "
+                       f"{worth * 0.9 * 1e3:.3g} ms a call as plain ATen beside xnnpack's parts (2.7% of the call, the "
+                       "most those parts could save; under 3%), so xnnpack alone, the ops it leaves run as plain "
+                       "ATen, is the plan")
+    assert auto_module.closing_gain_refusal(plan, took, {"embedding", "layer_norm", "sdpa"}, ops) is None
+    # Where what it would take, or what that took, is not known, or the opening engine could not be timed, it is.
+    assert auto_module.closing_gain_refusal(plan, took, None, ops) is None
+    assert auto_module.closing_gain_refusal(plan, took, {"embedding"}, None) is None
+    assert auto_module.closing_gain_refusal(plan, took, {"embedding", "gelu"}, ops) is None
+    failed = (Candidate(["xnnpack"], None, {}, "broken"), {}, [])
+    assert auto_module.closing_gain_refusal(plan, failed, {"embedding"}, ops) is None
+
+
 def test_auto_measures_the_memory_each_plan_holds_once_loaded_and_called(test_engines):
     _, _, program = mlp_program()
 
@@ -306,6 +377,7 @@ def test_a_warm_auto_lower_decides_what_to_lower_as_the_cold_one_did_though_timi
     # Cold: AOTInductor alone's first timing, 30 ms, puts the sleepy plan out of reach (its relu alone takes 50 ms);
     # timed again, AOTInductor alone takes 45 ms, within reach, and wins over the loud plan, which took 20 ms once.
     shutil.rmtree(cache_dir / f".{auto_module.CACHE_KIND}", ignore_errors=True)
+    monkeypatch.setattr(auto_module, "CLOSING_WORTH", 0.0)
     timed: list[str] = []
     # The loud engine's first figure is its opening timing, the next its whole plan's.
     seconds = {"aoti_cpu": [0.030, 0.045], LOUD: [0.010, 0.020, 0.060], SLEEPY: [0.070]}

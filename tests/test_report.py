@@ -225,8 +225,7 @@ def test_explain_on_the_command_line_takes_compiles_options(tmp_path):
 
 
 def test_a_dry_run_cannot_be_saved(tmp_path):
-    from aotstack.compile.explain import planned_outcomes
-    from aotstack.compile.lower import lowered_program, lowering_steps
+    from aotstack.compile.lower import lowered_program, lowering_steps, planned_outcomes
 
     program = aotstack.export(models.build("add"), {"forward": models.example_inputs("add")})
     steps = lowering_steps(

@@ -17,7 +17,10 @@ The algorithm, kept small so a report can explain it:
    is the least the whole plan can take: the closing engine's parts are compiled, and the plan
    lowered and timed whole, only where that is within ``CLOSING_CONTENDING`` of the fastest
    whole plan (``closing_refusal``). Each of those parts costs an AOTInductor compile (about
-   7 s here, however small), for a plan that would lose.
+   7 s here, however small), for a plan that would lose. Within reach, a dry run says which ops the
+   closing engine would take, and the opening timing what each took as plain ATen: where those ops
+   cost under ``CLOSING_WORTH`` of its call, the most the closing parts could save, the opening
+   engine alone is the plan, chosen among the others as it measured (``closing_gain_refusal``).
 3. Per method, the measured plans' regions propose one more plan that mixes engines region by
    region (``mixing.py``): each engine's region that measured faster than every other plan's
    estimate for the same nodes is kept, the closing engine takes the rest. It is lowered and
@@ -55,7 +58,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +103,10 @@ ONE_THREAD_CONTENDING = 1.35
 # least the whole plan can take; the margin is one timing's noise (a burst of load slowed one 1.65x, but rarely).
 # XNNPACK's 12 parts of a BERT encoder took 1.7x OpenVINO's whole call at 2 threads; a decode step's a fraction of it.
 CLOSING_CONTENDING = 1.35
+# The ops a plan's closing engine would take (a dry run says which) cost at least this share of its opening engine's
+# call as plain ATen there for auto to compile that engine's parts and time the plan whole: less is all they could
+# save, and a difference under ``TIE`` is one a timing cannot tell (``closing_gain_refusal``).
+CLOSING_WORTH = TIE
 # The measurements' cache; each entry keeps its plan's regions (``mixing.py``) and memory, which older entries lack,
 # older entries timed a plan keeping state in its engine with a reload of that state in every call, and older entries
 # of plans close to the fastest were timed once only (and before that kind, every plan beyond 1.35x the fastest
@@ -314,9 +321,22 @@ def cached_measurement(key: str, engines: Sequence[str]) -> Measurement | str | 
         return None
 
 
-def store_measurement(key: str, measured: Measurement | str) -> None:
-    """Keep a measured plan, or that it is AOTInductor alone for this method; a failed plan is not kept, as
-    its cause may be gone next time."""
+def cached_plain_op_seconds(key: str) -> dict[str, float] | None:
+    """The seconds each plain ATen op took a call in the measurement kept under ``key`` (``measure.plain_op_seconds``);
+    None where there is none, or it was kept without them."""
+    data = read_entry(CACHE_KIND, key + ".json")
+    try:
+        ops = None if data is None else json.loads(data).get("plain_op_seconds")
+        return None if ops is None else {str(name): float(seconds) for name, seconds in ops.items()}
+    except (ValueError, TypeError, AttributeError):
+        return None
+
+
+def store_measurement(
+    key: str, measured: Measurement | str, plain_op_seconds: Mapping[str, float] | None = None
+) -> None:
+    """Keep a measured plan (with its plain ops' seconds, where given), or that it is AOTInductor alone for this
+    method; a failed plan is not kept, as its cause may be gone next time."""
     if isinstance(measured, str):
         entry: dict[str, object] = {SAME_AS_ALONE: True}
     else:
@@ -327,6 +347,8 @@ def store_measurement(key: str, measured: Measurement | str) -> None:
                  "resident_bytes": candidate.resident_bytes,
                  "delegate_seconds": dict(delegate_seconds),
                  "regions": [{"engine": r.engine, "nodes": r.nodes, "seconds": r.seconds} for r in regions]}
+        if plain_op_seconds is not None:
+            entry["plain_op_seconds"] = dict(plain_op_seconds)
     write_entry(CACHE_KIND, key + ".json", json.dumps(entry).encode())
 
 
@@ -361,6 +383,34 @@ def closing_refusal(plan: Plan, opened: Measurement, listed: Mapping[Plan, Measu
     return (f"{plan_text(plan)} was not lowered whole: {plan[0]}'s parts alone took {milliseconds(took)} a call "
             f"(the ops it leaves run as plain ATen), {took / fastest:.2f}x the fastest plan, "
             f"{plan_text(fastest_plan)} ({milliseconds(fastest)}), so its {plan[-1]} parts were not compiled")
+
+
+def closing_gain_refusal(
+    plan: Plan, opened: Measurement, closing_nodes: Collection[str] | None, op_seconds: Mapping[str, float] | None
+) -> str | None:
+    """Why ``plan`` is not lowered whole for a method though within reach (``closing_refusal``), for the report: the
+    ops its closing engine's parts would take (``closing_nodes``, from a dry run) cost less than ``TIE`` of its
+    opening engine's call as plain ATen there (``op_seconds``), the most those parts could save; so the opening
+    engine alone, the ops it leaves run as plain ATen, is the plan. None where they cost more, or where that is not
+    known.
+
+    Each of those parts costs an AOTInductor compile: BERT's XNNPACK plan at one thread left two, its embeddings
+    and one attention (1.1-1.4 ms as ATen of a 37-42 ms call), which took 16 s of compiles for no gain.
+    """
+    call = opened[0].seconds
+    if call is None or closing_nodes is None or op_seconds is None or not set(closing_nodes) <= op_seconds.keys():
+        return None
+    took = sum(op_seconds[name] for name in closing_nodes)
+    if took >= call * CLOSING_WORTH:
+        return None
+    if not closing_nodes:
+        return (f"{plan_text(plan)} was not lowered whole: its {plan[-1]} engine would take none of the ops "
+                f"{plan[0]} leaves (each a lone op between other parts, which runs as plain ATen), so {plan[0]} "
+                "alone is the plan")
+    return (f"{plan_text(plan)} was not lowered whole: the {len(closing_nodes)} ops its {plan[-1]} parts would "
+            f"take ran {milliseconds(took)} a call as plain ATen beside {plan[0]}'s parts ({took / call:.1%} of the "
+            f"call, the most those parts could save; under {CLOSING_WORTH:.0%}), so {plan[0]} alone, the ops it "
+            "leaves run as plain ATen, is the plan")
 
 
 def takes_nothing(plan: Plan, backends: Sequence[str]) -> bool:

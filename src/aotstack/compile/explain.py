@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 from ..errors import LoweringError
-from ..format.specs import PreprocessResult
-from ..format.tensor_data import weights_as_named_data
 from ..report.model import Report
 from .auto import auto_option
 from .export import Program
-from .jobs import CompileJob, CompileOutcome
-from .lower import Claim, MethodOption, PartitionerPlan, check_lower_options, lowered_program, lowering_steps
-from .program_parts import program_weights
+from .lower import MethodOption, PartitionerPlan, check_lower_options, lowered_program, lowering_steps, planned_outcomes
 
 
 def explain(
@@ -48,13 +42,3 @@ def explain(
     )
     lowered = lowered_program(steps, planned_outcomes)
     return lowered.report()
-
-
-def planned_outcomes(claims: Mapping[str, list[Claim]]) -> dict[CompileJob, CompileOutcome]:
-    """Each claimed part as if compiled: no code, and its weights as the named data a compile would store."""
-    outcomes = {}
-    for listed in claims.values():
-        for claim in listed:
-            named_data, _ = weights_as_named_data(program_weights(claim.part.program))
-            outcomes[claim.job] = CompileOutcome(claim.job, PreprocessResult(b"", named_data))
-    return outcomes

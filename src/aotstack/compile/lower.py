@@ -30,7 +30,7 @@ from ..format.placement import Candidate, DelegatePlacement, Placement, Reason, 
 from ..format.plan import runs_as_plain_op
 from ..format.records import Delegate, TensorSpec
 from ..format.specs import CompileSpec, DelegationSpec, PreprocessResult, SpecKey
-from ..format.tensor_data import WEIGHT_PREFIX
+from ..format.tensor_data import WEIGHT_PREFIX, weights_as_named_data
 from ..report.model import Report, program_report
 from .auto import (
     CONFIRMING_ROUNDS,
@@ -42,7 +42,9 @@ from .auto import (
     TimingInputs,
     auto_option,
     cached_measurement,
+    cached_plain_op_seconds,
     candidate_plans,
+    closing_gain_refusal,
     closing_refusal,
     contenders,
     failed_candidate,
@@ -308,6 +310,8 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
         pair: entry for pair, key in opening_keys.items()
         if pair not in measured and isinstance(entry := cached_measurement(key, opening_plan(pair[1])), tuple)
     }
+    # (method, plan) -> the seconds each plain ATen op took a call in the timing of the plan's opening engine alone.
+    opened_ops = {pair: ops for pair in opened if (ops := cached_plain_op_seconds(opening_keys[pair])) is not None}
     known = measured.keys() | opened.keys()
     unmeasured = [plan for plan in plans if not all((name, plan) in known for name in program.methods)]
     lowerings = lower_plan.together(opening_lowerings(program, unmeasured, auto.device))
@@ -347,26 +351,44 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
             else:
                 opening = opening_plan(plan)
                 opened[name, plan] = plan_measurement(opening, lowered.delegate_table[name], timings[name])
+                opened_ops[name, plan] = timings[name].plain_op_seconds
                 logger.info("auto: %s: %s takes %.3g ms a call, the ops it leaves run as plain ATen", name,
                             plan_text(opening), timings[name].seconds * 1e3)
-                store_measurement(opening_keys[name, plan], opened[name, plan])
+                store_measurement(opening_keys[name, plan], opened[name, plan], opened_ops[name, plan])
     # Per method, the plans not lowered whole (``closing_refusal``), each as its opening engine measured, and why;
-    # the other plans whose opening engine left ops are lowered whole now, together.
+    # the other plans whose opening engine left ops are lowered whole now, together, but where the ops their
+    # closing engine would take cost too little to be worth its compiles (``closing_gain_refusal``): there the
+    # opening engine alone is the plan, as it measured.
     refused: dict[str, list[tuple[Candidate, str]]] = {name: [] for name in program.methods}
-    whole: dict[Plan, list[str]] = {}
+    within: dict[Plan, list[str]] = {}
     for (name, plan), entry in opened.items():
         if (name, plan) in measured:
             continue
         measured_whole = {p: m for p in plans if isinstance(m := measured.get((name, p)), tuple)}
         refusal = closing_refusal(plan, entry, measured_whole)
         if refusal is None:
-            whole.setdefault(plan, []).append(name)
+            within.setdefault(plan, []).append(name)
         else:
             logger.info("auto: %s: %s", name, refusal)
             refused[name].append((entry[0], refusal))
-    closed = lower_plan.together({
-        plan: (program.only(names), plan_partitioners(plan, auto.device)) for plan, names in whole.items()
-    })
+    # Per method, the plans kept as their opening engine alone, and why.
+    alone: dict[str, list[tuple[Plan, str]]] = {name: [] for name in program.methods}
+    whole: dict[Plan, list[str]] = {}
+    built = {plan: plan_partitioners(plan, auto.device) for plan in within}
+    for plan, names in within.items():
+        taken = closing_nodes(program.only(names), plan, built[plan], lower_plan)
+        for name in names:
+            why = closing_gain_refusal(plan, opened[name, plan], taken.get(name), opened_ops.get((name, plan)))
+            if why is None:
+                whole.setdefault(plan, []).append(name)
+                continue
+            logger.info("auto: %s: %s", name, why)
+            opening = opening_plan(plan)
+            alone[name].append((plan, why))
+            keys[name, opening] = opening_keys[name, plan]
+            if isinstance(lowerings.get(plan), LoweredProgram):
+                lowered_by[name, opening] = lowerings[plan]
+    closed = lower_plan.together({plan: (program.only(names), built[plan]) for plan, names in whole.items()})
     for plan, names in whole.items():
         lowered = closed[plan]
         try:
@@ -385,6 +407,8 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
         name: {plan: entry for plan in plans if isinstance(entry := measured.get((name, plan)), tuple)}
         for name in program.methods
     }
+    for name, kept_alone in alone.items():
+        listed[name].update({opening_plan(plan): opened[name, plan] for plan, _ in kept_alone})
     closing = plans[0][0]
     # Per method, the plans built from what its plans measured (``AddedPlan``), and those lowered now.
     added: dict[str, dict[Plan, AddedPlan]] = {name: {} for name in program.methods}
@@ -419,7 +443,8 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
                           added_lowerings, saved)
     for name in program.methods:
         # A plan measured by an earlier lowering is chosen among by its median, where it was confirmed.
-        earlier = {plan: keys[name, plan] for plan in plans if plan in listed[name] and (name, plan) not in lowered_by}
+        earlier = {plan: keys[name, plan] for plan in listed[name]
+                   if (name, plan) in keys and (name, plan) not in lowered_by}
         earlier.update({label: extra.key for label, extra in added[name].items()
                         if (name, label) not in added_lowerings})
         for plan, key in earlier.items():
@@ -460,7 +485,7 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
         # Listed after the plans it chose among: a plan not lowered whole cannot be chosen.
         kept = replace(selections[name], candidates=[*selections[name].candidates,
                                                      *(candidate for candidate, _ in refused[name])])
-        explanations = [*(why for _, why in refused[name]), *unmeasured_mixes[name],
+        explanations = [*(why for _, why in refused[name]), *(why for _, why in alone[name]), *unmeasured_mixes[name],
                         *(extra.explanation for extra in added[name].values())]
         kept = replace(kept, reason="; ".join([kept.reason, *explanations]))
         merged.placements[name] = measured_placement(placement, kept, listed[name][chosen[name]][1])
@@ -480,6 +505,30 @@ def opening_lowerings(
         except Exception as error:  # noqa: BLE001 - reported as the plan's failure
             lowerings[plan] = error
     return lowerings
+
+
+def closing_nodes(
+    program: Program, plan: Plan, partitioners: list[Partitioner], lower_plan: PlanLowering
+) -> dict[str, set[str]]:
+    """Per method of ``program``, the nodes ``plan``'s closing engine would take were it lowered whole with
+    ``partitioners``: a dry run (``planned_outcomes``), which compiles nothing; none where the dry run fails (the plan
+    is then lowered whole)."""
+    try:
+        steps = lowering_steps(
+            program,
+            partitioners,
+            skip_h2d_for_method_inputs=lower_plan.skip_h2d_for_method_inputs,
+            skip_d2h_for_method_outputs=lower_plan.skip_d2h_for_method_outputs,
+            planned=True,
+        )
+        planned = lowered_program(steps, planned_outcomes)
+    except Exception:  # noqa: BLE001 - the lowering itself meets the problem and reports it
+        logger.debug("auto: the dry run of %s failed", plan_text(plan), exc_info=True)
+        return {}
+    return {
+        name: {node for delegate in delegates if delegate.backend_id == plan[-1] for node in delegate.nodes}
+        for name, delegates in planned.delegate_table.items()
+    }
 
 
 def measured_plan(
@@ -668,6 +717,17 @@ def lowered_program(steps: LoweringSteps, compile_level: CompileLevel) -> Lowere
                 claims = steps.send(compile_level(claims))
         except StopIteration as finished:
             return finished.value
+
+
+def planned_outcomes(claims: Mapping[str, list[Claim]]) -> dict[CompileJob, CompileOutcome]:
+    """Each claimed part as if compiled, for a dry run: no code, and its weights as the named data a compile would
+    store."""
+    outcomes = {}
+    for listed in claims.values():
+        for claim in listed:
+            named_data, _ = weights_as_named_data(program_weights(claim.part.program))
+            outcomes[claim.job] = CompileOutcome(claim.job, PreprocessResult(b"", named_data))
+    return outcomes
 
 
 def lowering_steps(

@@ -35,6 +35,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -45,10 +46,11 @@ from ..engine.registry import runtime_class
 from ..errors import BackendNotFoundError, EngineCrashError
 from ..format.archive import read_manifest
 from ..format.manifest import Manifest
+from ..format.plan import OpStep
 from ..format.records import Delegate
 from ..format.specs import SpecKey, count_spec
-from ..runtime.interpreter import LoadedDelegate
-from ..runtime.load import DelegateWrapper, LoadedProgram, loaded_program
+from ..runtime.interpreter import Action, LoadedDelegate, Slots
+from ..runtime.load import DelegateWrapper, LoadedProgram, Method, loaded_program
 from .check import placed_inputs
 from .child import (
     Child,
@@ -71,6 +73,8 @@ WARM_UP_CALLS = 2
 # Timed calls per method: at least the first, at most the second, and no more once the budget is spent.
 TIMED_CALLS = (5, 15)
 TIME_BUDGET_SECONDS = 2.0
+# Calls after a method's first timing with a timer on each plain ATen op (``plain_op_seconds``).
+OP_TIMED_CALLS = 3
 # Cores a timing's calls kept busy: a plan from WAITING to ONE_CORE ran on one thread (one whose engine lost its
 # threads in the fork keeps 0.97-1.02 busy), where another plan's timing reached MANY_CORES (engines running on two
 # threads mostly keep more than 1.5 busy; their threads spin a while after each step). Below WAITING, the calls
@@ -92,6 +96,9 @@ class MethodTiming:
     resident_bytes: int | None = None
     # The cores the timed calls kept busy: the process's CPU time over their wall time.
     cores: float | None = None
+    # The median seconds each plain ATen op (a step no engine runs) took a call, by its node's name
+    # (``plain_op_seconds``); empty where it has none, or where the process timed the method before.
+    plain_op_seconds: dict[str, float] = field(default_factory=dict)
 
 
 class SavedPrograms:
@@ -327,6 +334,8 @@ class LoadedToTime:
     spent: dict[str, list[float]]
     stage: Stage
     before: int | None
+    # The methods whose plain ops this process timed (``plain_op_seconds``): at their first timing only.
+    ops_timed: set[str] = field(default_factory=set)
 
 
 def loaded_to_time(path: str, stage: Stage) -> LoadedToTime:
@@ -353,10 +362,13 @@ def timed_methods(
             program.stage.calling(index)
             args, kwargs = placed_inputs(inputs[name], program.manifest.methods[name].inputs)
             method = program.loaded.method(name)
-            result[name] = timed_method(
-                lambda m=method, a=args, k=kwargs: m(*a, **k), program.loaded.reset, program.spent,
-                second=name in program.loaded.kept_state,
-            )
+            second = name in program.loaded.kept_state
+            call = partial(method, *args, **kwargs)
+            result[name] = timed_method(call, program.loaded.reset, program.spent, second=second)
+            if name not in program.ops_timed:
+                program.ops_timed.add(name)
+                ops = plain_op_seconds(method, call, program.loaded.reset, second)
+                result[name] = replace(result[name], plain_op_seconds=ops)
     after = held_bytes(program.path)
     held = None if program.before is None or after is None else max(after - program.before, 0)
     return {name: replace(timing, resident_bytes=held) for name, timing in result.items()}
@@ -515,6 +527,47 @@ def timed_method(
         {delegate_id: statistics.median(times) for delegate_id, times in by_delegate.items()},
         cores=busy / wall if wall > 0 else None,
     )
+
+
+def plain_op_seconds(
+    method: Method, call: Callable[[], Any], reset: Callable[[], None], second: bool = False
+) -> dict[str, float]:
+    """The median seconds each plain ATen op of ``method`` (a step no engine runs) took a call, by its node's name,
+    over ``OP_TIMED_CALLS`` calls of ``call`` (each from the initial state, as ``timed_method`` makes them) with a
+    timer on each such op; empty where it has none.
+
+    Where a call's time outside its delegates goes, op by op: auto compiles a closing engine's parts only where
+    the ops they would take cost enough as they are (``auto.closing_gain``). Apart from the timed calls, whose
+    figure the timers would add to.
+    """
+    body = method.body
+    plain = [index for index, step in enumerate(body.action_steps) if isinstance(step, OpStep)]
+    if not plain:
+        return {}
+    spent: dict[str, list[float]] = defaultdict(list)
+    actions = list(body.actions)
+    for index in plain:
+        body.actions[index] = timed_action(actions[index], spent[body.action_steps[index].name])
+    try:
+        for _ in range(OP_TIMED_CALLS):
+            reset()
+            if second:
+                call()
+            call()
+    finally:
+        body.actions[:] = actions
+    return {name: statistics.median(times) for name, times in spent.items()}
+
+
+def timed_action(action: Action, times: list[float]) -> Action:
+    """``action``, adding its seconds to ``times`` at each run."""
+
+    def timed(slots: Slots) -> None:
+        started = time.perf_counter()
+        action(slots)
+        times.append(time.perf_counter() - started)
+
+    return timed
 
 
 class TimingRuntime(BackendRuntime):
