@@ -389,13 +389,13 @@ def closing_gain_refusal(
     plan: Plan, opened: Measurement, closing_nodes: Collection[str] | None, op_seconds: Mapping[str, float] | None
 ) -> str | None:
     """Why ``plan`` is not lowered whole for a method though within reach (``closing_refusal``), for the report: the
-    ops its closing engine's parts would take (``closing_nodes``, from a dry run) cost less than ``TIE`` of its
-    opening engine's call as plain ATen there (``op_seconds``), the most those parts could save; so the opening
-    engine alone, the ops it leaves run as plain ATen, is the plan. None where they cost more, or where that is not
-    known.
+    ops its closing engine's parts would take (``closing_nodes``, from a dry run) cost less than ``CLOSING_WORTH``
+    of its opening engine's call as plain ATen there (``op_seconds``), the most those parts could save; so the
+    opening engine alone, the ops it leaves run as plain ATen, is the plan. None where they cost more, or where that
+    is not known.
 
-    Each of those parts costs an AOTInductor compile: BERT's XNNPACK plan at one thread left two, its embeddings
-    and one attention (1.1-1.4 ms as ATen of a 37-42 ms call), which took 16 s of compiles for no gain.
+    Each of those parts costs an AOTInductor compile (about 8 s here however small); a part of a few cheap ops
+    (an embedding lookup, a mask) buys less than a timing can tell.
     """
     call = opened[0].seconds
     if call is None or closing_nodes is None or op_seconds is None or not set(closing_nodes) <= op_seconds.keys():

@@ -537,7 +537,7 @@ def plain_op_seconds(
     timer on each such op; empty where it has none.
 
     Where a call's time outside its delegates goes, op by op: auto compiles a closing engine's parts only where
-    the ops they would take cost enough as they are (``auto.closing_gain``). Apart from the timed calls, whose
+    the ops they would take cost enough as they are (``auto.closing_gain_refusal``). Apart from the timed calls, whose
     figure the timers would add to.
     """
     body = method.body
