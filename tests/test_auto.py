@@ -270,6 +270,25 @@ def test_a_timing_says_what_each_plain_op_took_the_first_time_a_process_times_it
     assert again.plain_op_seconds == {} and again.seconds >= SLEEP_SECONDS
 
 
+def test_a_call_failing_while_its_plain_ops_are_timed_leaves_the_timing_and_the_method_as_they_were(
+    test_engines, tmp_path, monkeypatch
+):
+    model, inputs, program = mlp_program()
+    aotstack.lower(program, [SleepyReluPartitioner()], progress=False).save(tmp_path / "sleepy.pt2")
+    loaded = measure_module.loaded_to_time(str(tmp_path / "sleepy.pt2"), measure_module.Stage([]))
+
+    def failing(action, times):
+        def run(slots):
+            raise RuntimeError("out of memory with the timers on")
+        return run
+
+    monkeypatch.setattr(measure_module, "timed_action", failing)
+    timing = measure_module.timed_methods(loaded, ["forward"], {"forward": (inputs, {})})["forward"]
+
+    assert timing.plain_op_seconds == {} and timing.seconds >= SLEEP_SECONDS
+    torch.testing.assert_close(loaded.loaded.forward(*inputs), model(*inputs).detach())
+
+
 def test_a_plan_whose_closing_engine_would_take_too_little_is_its_opening_engine_alone(
     test_engines, cache_dir, monkeypatch, tmp_path
 ):
