@@ -6,7 +6,7 @@ from ..errors import LoweringError
 from ..report.model import Report
 from .auto import auto_option
 from .export import Program
-from .lower import MethodOption, PartitionerPlan, check_lower_options, lowered_program, lowering_steps, planned_outcomes
+from .lower import MethodOption, PartitionerPlan, check_lower_options, planned_lowering
 
 
 def explain(
@@ -33,12 +33,9 @@ def explain(
             "explain is a dry run and compiles nothing, but auto chooses engines by timing compiled parts; "
             "pass the partitioners to explain, or lower with 'auto' and read lowered.report()"
         )
-    steps = lowering_steps(
+    return planned_lowering(
         program,
         partitioners,
         skip_h2d_for_method_inputs=skip_h2d_for_method_inputs,
         skip_d2h_for_method_outputs=skip_d2h_for_method_outputs,
-        planned=True,
-    )
-    lowered = lowered_program(steps, planned_outcomes)
-    return lowered.report()
+    ).report()

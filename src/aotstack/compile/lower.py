@@ -514,14 +514,12 @@ def closing_nodes(
     ``partitioners``: a dry run (``planned_outcomes``), which compiles nothing; none where the dry run fails (the plan
     is then lowered whole)."""
     try:
-        steps = lowering_steps(
+        planned = planned_lowering(
             program,
             partitioners,
             skip_h2d_for_method_inputs=lower_plan.skip_h2d_for_method_inputs,
             skip_d2h_for_method_outputs=lower_plan.skip_d2h_for_method_outputs,
-            planned=True,
         )
-        planned = lowered_program(steps, planned_outcomes)
     except Exception:  # noqa: BLE001 - the lowering itself meets the problem and reports it
         logger.debug("auto: the dry run of %s failed", plan_text(plan), exc_info=True)
         return {}
@@ -717,6 +715,25 @@ def lowered_program(steps: LoweringSteps, compile_level: CompileLevel) -> Lowere
                 claims = steps.send(compile_level(claims))
         except StopIteration as finished:
             return finished.value
+
+
+def planned_lowering(
+    program: Program,
+    partitioners: PartitionerPlan,
+    *,
+    skip_h2d_for_method_inputs: MethodOption = False,
+    skip_d2h_for_method_outputs: MethodOption = False,
+) -> LoweredProgram:
+    """``program`` as ``partitioners`` would lower it, nothing compiled: each claimed part stands in for its delegate
+    (``planned_outcomes``), so later partitioners see what they would see (``explain``'s dry run)."""
+    steps = lowering_steps(
+        program,
+        partitioners,
+        skip_h2d_for_method_inputs=skip_h2d_for_method_inputs,
+        skip_d2h_for_method_outputs=skip_d2h_for_method_outputs,
+        planned=True,
+    )
+    return lowered_program(steps, planned_outcomes)
 
 
 def planned_outcomes(claims: Mapping[str, list[Claim]]) -> dict[CompileJob, CompileOutcome]:
