@@ -314,12 +314,54 @@ def test_a_plan_whose_closing_engine_would_take_too_little_is_its_opening_engine
     lowered.save(tmp_path / "auto.pt2")
     torch.testing.assert_close(aotstack.load(tmp_path / "auto.pt2").forward(*inputs), model(*inputs).detach())
 
-    # Warm: the same choice from the cache, nothing timed, the plan made again from the opening engine alone.
+    # Warm: the same choice from the cache, nothing timed, no dry run asked again (the refusal is kept), the plan
+    # made again from the opening engine alone.
     monkeypatch.setattr(lower_module, "measured_methods", lambda *args: pytest.fail("a warm auto lower timed again"))
+    monkeypatch.setattr(lower_module, "closing_nodes", lambda *args: pytest.fail("a warm auto lower dry-ran again"))
     plans = lowered_plans(monkeypatch)
     warm = aotstack.lower(program, auto, progress=False).placements["forward"].selection
-    assert warm.candidates == chosen.candidates and warm.chosen == 1
+    assert warm.candidates == chosen.candidates and warm.chosen == 1 and warm.reason == chosen.reason
     assert plans == [(SLEEPY, "aoti_cpu"), (SLEEPY,)]
+
+
+class ReluThenAttention(torch.nn.Module):
+    """A relu for the sleepy engine, then an attention and two pointwise ops, one part, for AOTInductor."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(x)
+        return torch.nn.functional.scaled_dot_product_attention(h, h, h) * 2 + 1
+
+
+def test_a_plan_is_its_opening_engine_alone_where_its_closing_parts_cost_is_an_attention_compiled_code_calls_too(
+    test_engines, cache_dir, monkeypatch, tmp_path
+):
+    # As plain ATen the attention takes 20% of the sleepy plan's call, the two pointwise ops 2%. AOTInductor's code
+    # for the attention calls ATen's own kernel, so its part could save 2% at most: no compile is worth that.
+    shutil.rmtree(cache_dir / f".{auto_module.CACHE_KIND}", ignore_errors=True)
+    monkeypatch.setattr(auto_module, "CLOSING_CONTENDING", float("inf"))
+    timed: list[str] = []
+    scripted = timed_as_the_machine_did({"aoti_cpu": [0.030], SLEEPY: [0.010]}, timed)
+
+    def measured(*args):
+        timings = scripted(*args)
+        return {name: dataclasses.replace(t, plain_op_seconds={
+            op: 0.002 if "scaled_dot_product" in op else 0.0001 for op in t.plain_op_seconds
+        }) for name, t in timings.items()}
+
+    monkeypatch.setattr(lower_module, "measured_methods", measured)
+    model, inputs = ReluThenAttention(), (torch.randn(1, 2, 16, 8),)
+    program = aotstack.export(model, {"forward": inputs})
+
+    lowered = aotstack.lower(program, aotstack.Auto(engines=["aoti_cpu", SLEEPY]), progress=False)
+
+    chosen = lowered.placements["forward"].selection
+    assert [c.engines for c in chosen.candidates] == [["aoti_cpu"], [SLEEPY]] and chosen.chosen == 1
+    assert (f"{SLEEPY} > aoti_cpu was not lowered whole: the 3 ops its aoti_cpu parts would take ran 2.2 ms a call "
+            f"as plain ATen beside {SLEEPY}'s parts; compiled, scaled_dot_product_attention (2 ms) would still call "
+            "ATen's own kernels; so those parts could save at most 0.2 ms (2.0% of the call") in chosen.reason
+    assert [d.backend_id for d in lowered.delegates("forward")] == [SLEEPY]
+    lowered.save(tmp_path / "auto.pt2")
+    torch.testing.assert_close(aotstack.load(tmp_path / "auto.pt2").forward(*inputs), model(*inputs))
 
 
 def test_a_plan_is_lowered_whole_where_the_ops_its_closing_engine_would_take_cost_enough_as_plain_aten():
@@ -329,10 +371,30 @@ def test_a_plan_is_lowered_whole_where_the_ops_its_closing_engine_would_take_cos
     # What those ops took as plain ATen is the most the closing engine's parts could save.
     refusal = auto_module.closing_gain_refusal(plan, took, {"embedding", "layer_norm"}, ops)
     assert refusal == ("xnnpack > aoti_cpu was not lowered whole: the 2 ops its aoti_cpu parts would take ran "
-                       f"{worth * 0.9 * 1e3:.3g} ms a call as plain ATen beside xnnpack's parts (2.7% of the call, the "
-                       "most those parts could save; under 3%), so xnnpack alone, the ops it leaves run as plain "
-                       "ATen, is the plan")
+                       f"{worth * 0.9 * 1e3:.3g} ms a call as plain ATen beside xnnpack's parts; so those parts could "
+                       f"save at most {worth * 0.9 * 1e3:.3g} ms (2.7% of the call; under 3%), and xnnpack alone, the "
+                       "ops it leaves run as plain ATen, is the plan")
     assert auto_module.closing_gain_refusal(plan, took, {"embedding", "layer_norm", "sdpa"}, ops) is None
+    # But an op whose compiled code would call ATen's own kernel all the same saves nothing compiled. The costliest
+    # ops are asked first, and only until the answer is sure.
+    asked = []
+
+    def only_sdpa_calls_a_kernel(node):
+        asked.append(node)
+        return node == "sdpa"
+
+    refusal = auto_module.closing_gain_refusal(plan, took, {"embedding", "layer_norm", "sdpa"}, ops,
+                                               only_sdpa_calls_a_kernel)
+    assert asked == ["sdpa"]
+    assert refusal == ("xnnpack > aoti_cpu was not lowered whole: the 3 ops its aoti_cpu parts would take ran "
+                       f"{(worth * 0.9 + 0.010) * 1e3:.3g} ms a call as plain ATen beside xnnpack's parts; compiled, "
+                       "sdpa (10 ms) would still call ATen's own kernels; so those parts could save at most "
+                       f"{worth * 0.9 * 1e3:.3g} ms (2.7% of the call; under 3%), and xnnpack alone, the ops it "
+                       "leaves run as plain ATen, is the plan")
+    asked.clear()
+    assert auto_module.closing_gain_refusal(plan, took, {"embedding", "layer_norm", "gelu_kernel"},
+                                            {**ops, "gelu_kernel": worth * 0.5}, only_sdpa_calls_a_kernel) is None
+    assert asked == ["embedding", "gelu_kernel"]
     # Where what it would take, or what that took, is not known, or the opening engine could not be timed, it is.
     assert auto_module.closing_gain_refusal(plan, took, None, ops) is None
     assert auto_module.closing_gain_refusal(plan, took, {"embedding"}, None) is None

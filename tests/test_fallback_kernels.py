@@ -110,18 +110,50 @@ def test_metal_claims_linear_conv_and_attention_but_not_median():
         assert tags[op] == "aoti_metal_0", op
 
 
-def test_a_probe_is_asked_once_per_op_signature(monkeypatch):
+def test_a_probe_is_asked_once_per_op_signature_and_its_answer_kept_on_disk(monkeypatch, tmp_path):
     from aotstack.backends.aoti import probe
 
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path))
     calls = []
     real = probe.generated_fallback_kernels
     monkeypatch.setattr(probe, "_PROBED", {})
     monkeypatch.setattr(probe, "generated_fallback_kernels", lambda *args: calls.append(1) or real(*args))
     partitioner = aotstack.AotiCpuPartitioner(compile_specs=ONLY_ADDMM)
 
-    tags_by_op(partitioner, "median")
-    first = len(calls)
+    first = tags_by_op(partitioner, "median")
+    probed = len(calls)
     tags_by_op(partitioner, "median")
 
-    assert first == 4  # linear, relu, mul, median
-    assert len(calls) == first
+    assert probed == 4  # linear, relu, mul, median
+    assert len(calls) == probed
+    # A new process reads the answers Inductor gave, and makes the same claims.
+    monkeypatch.setattr(probe, "_PROBED", {})
+    assert tags_by_op(aotstack.AotiCpuPartitioner(compile_specs=ONLY_ADDMM), "median") == first
+    assert len(calls) == probed
+    # An answer that cannot be read is asked again.
+    for entry in (tmp_path / f".{probe.CACHE_KIND}").iterdir():
+        entry.write_text("not a list")
+    monkeypatch.setattr(probe, "_PROBED", {})
+    assert tags_by_op(aotstack.AotiCpuPartitioner(compile_specs=ONLY_ADDMM), "median") == first
+    assert len(calls) == 2 * probed
+
+
+def test_aotinductor_says_which_ops_its_code_would_hand_to_atens_own_kernel(monkeypatch, tmp_path):
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path))
+    program = aotstack.export(models.build("attention"), {"forward": models.example_inputs("attention")})
+    nodes = {str(node.target): node for node in program.methods["forward"].graph.nodes if node.op == "call_function"}
+    partitioner = aotstack.AotiCpuPartitioner()
+
+    calls_kernel = {op: partitioner.compiled_calls_aten_kernel(node) for op, node in nodes.items()}
+
+    # A matmul, a convolution and an attention run ATen's (oneDNN's) kernels compiled too; the rest is Inductor's code.
+    for op in ("aten.linear.default", "aten.conv2d.default", "aten.scaled_dot_product_attention.default"):
+        assert calls_kernel[op], op
+    for op in ("aten.relu.default", "aten.add.Tensor", "aten.transpose.int"):
+        assert not calls_kernel[op], op
+    # An engine that says nothing of its code counts every op as what compiling could save.
+    class Silent(aotstack.Partitioner):
+        def partition(self, exported_program):
+            raise AssertionError("not asked")
+
+    assert not any(Silent().compiled_calls_aten_kernel(node) for node in nodes.values())

@@ -295,6 +295,10 @@ def compile_revision(backend_id: str) -> str:
 # AOTInductor alone again, so it is neither timed nor listed (two timings of one plan would let noise choose).
 SAME_AS_ALONE = "same_as_alone"
 
+# What the cache holds, under a whole plan's key, for a plan not lowered whole for a method because its closing engine
+# could save too little there (``closing_gain_refusal``): why, so a warm lowering asks no dry run again.
+OPENING_ALONE = "opening_alone"
+
 # A plan's measurement of one method: its candidate, each delegate's seconds a call, and its delegates as regions.
 Measurement = tuple[Candidate, dict[str, float], list[Region]]
 
@@ -352,6 +356,22 @@ def store_measurement(
     write_entry(CACHE_KIND, key + ".json", json.dumps(entry).encode())
 
 
+def store_gain_refusal(key: str, why: str) -> None:
+    """Keep, under a whole plan's ``key``, that it was not lowered whole for the closing gain, and why
+    (``closing_gain_refusal``): what it is decided from is kept too, so deciding again would say the same."""
+    write_entry(CACHE_KIND, key + ".json", json.dumps({OPENING_ALONE: why}).encode())
+
+
+def cached_gain_refusal(key: str) -> str | None:
+    """Why the plan kept under ``key`` was not lowered whole (``store_gain_refusal``); None where that is not kept."""
+    data = read_entry(CACHE_KIND, key + ".json")
+    try:
+        why = None if data is None else json.loads(data).get(OPENING_ALONE)
+    except (ValueError, AttributeError):
+        return None
+    return why if isinstance(why, str) else None
+
+
 def median_key(key: str) -> str:
     """Where a plan's median over its confirming timings is kept (``confirmed_selection``). Its own ``key`` keeps its
     first timing, which auto's choices of what else to lower (whole plans, a mix, a frozen or one-thread plan) read:
@@ -386,31 +406,53 @@ def closing_refusal(plan: Plan, opened: Measurement, listed: Mapping[Plan, Measu
 
 
 def closing_gain_refusal(
-    plan: Plan, opened: Measurement, closing_nodes: Collection[str] | None, op_seconds: Mapping[str, float] | None
+    plan: Plan,
+    opened: Measurement,
+    closing_nodes: Collection[str] | None,
+    op_seconds: Mapping[str, float] | None,
+    calls_aten_kernel: Callable[[str], bool] = lambda node: False,
 ) -> str | None:
     """Why ``plan`` is not lowered whole for a method though within reach (``closing_refusal``), for the report: the
-    ops its closing engine's parts would take (``closing_nodes``, from a dry run) cost less than ``CLOSING_WORTH``
-    of its opening engine's call as plain ATen there (``op_seconds``), the most those parts could save; so the
-    opening engine alone, the ops it leaves run as plain ATen, is the plan. None where they cost more, or where that
-    is not known.
+    ops its closing engine's parts would take (``closing_nodes``, from a dry run) could save less than
+    ``CLOSING_WORTH`` of its opening engine's call; so the opening engine alone, the ops it leaves run as plain ATen,
+    is the plan. None where they could save more, or where that is not known.
+
+    What they could save is what they took as plain ATen there (``op_seconds``), but for the ops whose compiled code
+    would call ATen's own kernel all the same (``calls_aten_kernel``, asked of the closing engine: an attention, a
+    matmul). The costliest ops are asked first, and only until the answer is sure.
 
     Each of those parts costs an AOTInductor compile (about 8 s here however small); a part of a few cheap ops
-    (an embedding lookup, a mask) buys less than a timing can tell.
+    (an embedding lookup, a mask), or of an op compiled code hands back to ATen, buys less than a timing can tell.
     """
     call = opened[0].seconds
     if call is None or closing_nodes is None or op_seconds is None or not set(closing_nodes) <= op_seconds.keys():
         return None
-    took = sum(op_seconds[name] for name in closing_nodes)
-    if took >= call * CLOSING_WORTH:
+    worth = call * CLOSING_WORTH
+    took = unasked = sum(op_seconds[name] for name in closing_nodes)
+    savable, kernel_calls = 0.0, []
+    for node in sorted(closing_nodes, key=lambda name: -op_seconds[name]):
+        if savable >= worth or savable + unasked < worth:
+            break
+        unasked -= op_seconds[node]
+        if calls_aten_kernel(node):
+            kernel_calls.append(node)
+        else:
+            savable += op_seconds[node]
+    at_most = savable + max(unasked, 0.0)
+    if at_most >= worth:
         return None
     if not closing_nodes:
         return (f"{plan_text(plan)} was not lowered whole: its {plan[-1]} engine would take none of the ops "
                 f"{plan[0]} leaves (each a lone op between other parts, which runs as plain ATen), so {plan[0]} "
                 "alone is the plan")
+    handed_back = ""
+    if kernel_calls:
+        handed_back = (f"; compiled, {', '.join(kernel_calls)} ({milliseconds(took - at_most)}) would still call "
+                       "ATen's own kernels")
     return (f"{plan_text(plan)} was not lowered whole: the {len(closing_nodes)} ops its {plan[-1]} parts would "
-            f"take ran {milliseconds(took)} a call as plain ATen beside {plan[0]}'s parts ({took / call:.1%} of the "
-            f"call, the most those parts could save; under {CLOSING_WORTH:.0%}), so {plan[0]} alone, the ops it "
-            "leaves run as plain ATen, is the plan")
+            f"take ran {milliseconds(took)} a call as plain ATen beside {plan[0]}'s parts{handed_back}; so those "
+            f"parts could save at most {milliseconds(at_most)} ({at_most / call:.1%} of the call; under "
+            f"{CLOSING_WORTH:.0%}), and {plan[0]} alone, the ops it leaves run as plain ATen, is the plan")
 
 
 def takes_nothing(plan: Plan, backends: Sequence[str]) -> bool:

@@ -41,6 +41,7 @@ from .auto import (
     Plan,
     TimingInputs,
     auto_option,
+    cached_gain_refusal,
     cached_measurement,
     cached_plain_op_seconds,
     candidate_plans,
@@ -60,6 +61,7 @@ from .auto import (
     plan_partitioners,
     plan_text,
     selection,
+    store_gain_refusal,
     store_measurement,
     takes_nothing,
     timing_inputs,
@@ -312,6 +314,8 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
     }
     # (method, plan) -> the seconds each plain ATen op took a call in the timing of the plan's opening engine alone.
     opened_ops = {pair: ops for pair in opened if (ops := cached_plain_op_seconds(opening_keys[pair])) is not None}
+    # (method, plan) -> why an earlier lowering kept the plan's opening engine alone (``closing_gain_refusal``).
+    gain_refused = {pair: why for pair in opened if (why := cached_gain_refusal(keys[pair])) is not None}
     known = measured.keys() | opened.keys()
     unmeasured = [plan for plan in plans if not all((name, plan) in known for name in program.methods)]
     lowerings = lower_plan.together(opening_lowerings(program, unmeasured, auto.device))
@@ -376,13 +380,19 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
     whole: dict[Plan, list[str]] = {}
     built = {plan: plan_partitioners(plan, auto.device) for plan in within}
     for plan, names in within.items():
-        taken = closing_nodes(program.only(names), plan, built[plan], lower_plan)
+        undecided = [name for name in names if (name, plan) not in gain_refused]
+        taken = closing_nodes(program.only(undecided), plan, built[plan], lower_plan) if undecided else {}
         for name in names:
-            why = closing_gain_refusal(plan, opened[name, plan], taken.get(name), opened_ops.get((name, plan)))
+            why = gain_refused.get((name, plan)) or closing_gain_refusal(
+                plan, opened[name, plan], taken.get(name), opened_ops.get((name, plan)),
+                compiled_calls_aten_kernel(built[plan][-1], program.methods[name]),
+            )
             if why is None:
                 whole.setdefault(plan, []).append(name)
                 continue
             logger.info("auto: %s: %s", name, why)
+            if (name, plan) not in gain_refused:
+                store_gain_refusal(keys[name, plan], why)
             opening = opening_plan(plan)
             alone[name].append((plan, why))
             keys[name, opening] = opening_keys[name, plan]
@@ -527,6 +537,17 @@ def closing_nodes(
         name: {node for delegate in delegates if delegate.backend_id == plan[-1] for node in delegate.nodes}
         for name, delegates in planned.delegate_table.items()
     }
+
+
+def compiled_calls_aten_kernel(closing: Partitioner, exported: ExportedProgram) -> Callable[[str], bool]:
+    """Whether ``closing``'s engine would compile the node of ``exported`` so named to a call of ATen's own kernel
+    (``Partitioner.compiled_calls_aten_kernel``); False for a name the method's graph lacks."""
+    nodes = {node.name: node for node in exported.graph.nodes}
+
+    def calls_aten_kernel(name: str) -> bool:
+        return name in nodes and closing.compiled_calls_aten_kernel(nodes[name])
+
+    return calls_aten_kernel
 
 
 def measured_plan(

@@ -70,6 +70,16 @@ class Partitioner(ABC):
     def partition(self, exported_program: ExportedProgram) -> PartitionResult:
         """Tag the nodes this partitioner's backend takes; return the tags and their backends."""
 
+    def compiled_calls_aten_kernel(self, node: Node) -> bool:
+        """Whether this engine's code for ``node`` would still hand its work to an ATen kernel (a matmul, an
+        attention), so that compiling ``node`` saves about nothing over running it as plain ATen.
+
+        Auto asks a plan's closing engine before compiling parts that would gain too little
+        (``auto.closing_gain_refusal``). The default, False, counts all of a node's plain time as what compiling
+        it could save.
+        """
+        return False
+
 
 class SupportedOpsPartitioner(Partitioner):
     """Claims, for one backend, the maximal convex parts of a graph whose ops it supports.

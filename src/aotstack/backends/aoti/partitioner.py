@@ -117,6 +117,12 @@ class AotiPartitioner(SupportedOpsPartitioner):
             )
         return refused
 
+    def compiled_calls_aten_kernel(self, node: Node) -> bool:
+        # Inductor's code for the op alone, generated but not compiled (``probe.py``), names the ATen kernels it calls.
+        return isinstance(node.target, torch._ops.OpOverload) and bool(
+            self.aoti_backend.needed_fallback_kernels(node, self.compile_specs)
+        )
+
     def missing_kernels(self, node: Node) -> frozenset[str]:
         """The fallback kernels ``node`` would need that the target's runtime lacks."""
         if self.fallback_kernels is None or not isinstance(node.target, torch._ops.OpOverload):

@@ -1,11 +1,15 @@
 """The per-op probe: which fallback kernels one op needs on a target, asked of Inductor once per signature.
 
-A partitioner asks before claiming an op: the op alone goes through the backend's compile steps
-and Inductor's code generation, stopped before the C++ compile (``kernels.py`` records the calls).
+A partitioner asks before claiming an op, where the target's runtime has only some kernels, and auto asks
+whether compiling an op would still call ATen's kernel for it (``compiled_calls_aten_kernel``): the op alone
+goes through the backend's compile steps and Inductor's code generation, stopped before the C++ compile
+(``kernels.py`` records the calls). The answers are kept on disk beside the compiled libraries.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import tempfile
@@ -17,26 +21,57 @@ from torch.export import ExportedProgram
 from torch.fx import Graph, GraphModule, Node
 from torch.utils import _pytree as pytree
 
+from ... import __version__
+from ...compile.cache import read_entry, write_entry
+from ...engine.processor import processor_fingerprint
 from ...format.op_names import op_name
 from .compile import CompileSteps, aoti_package, prepared_program
 from .kernels import recorded_fallback_kernels, stopped_before_cpp_compile, stopped_by_probe
 
 logger = logging.getLogger("aotstack")
 
-# (backend id, device, options, op signature) -> the kernels its code calls; one probe per process.
+# (backend id, device, options, op signature) -> the kernels its code calls; one probe per process, and on disk.
 _PROBED: dict[tuple[str, ...], frozenset[str]] = {}
+CACHE_KIND = "aoti-probes"
 
 
 def needed_fallback_kernels(backend_id: str, node: Node, steps: CompileSteps) -> frozenset[str]:
-    """The fallback kernels ``node``'s op needs when compiled with ``steps``, probed once per signature."""
+    """The fallback kernels ``node``'s op needs when compiled with ``steps``, probed once per signature and kept in
+    the cache on disk, so a later lowering asks again without Inductor."""
     key = (backend_id, str(steps.device), repr(sorted(steps.options.items())), signature_key(node))
     if key not in _PROBED:
-        try:
-            _PROBED[key] = generated_fallback_kernels(single_op_program(node), steps)
-        except Exception as exc:  # an op Inductor cannot compile on its own needs ATen's own kernel
-            logger.info("%s: %s cannot be compiled on its own (%s)", backend_id, node.name, exc)
-            _PROBED[key] = frozenset({op_name(node.target)})
+        kept = kept_kernels(disk_key(key))
+        if kept is None:
+            kept = probed_kernels(backend_id, node, steps)
+            write_entry(CACHE_KIND, disk_key(key), json.dumps(sorted(kept)).encode())
+        _PROBED[key] = kept
     return _PROBED[key]
+
+
+def probed_kernels(backend_id: str, node: Node, steps: CompileSteps) -> frozenset[str]:
+    try:
+        return generated_fallback_kernels(single_op_program(node), steps)
+    except Exception as exc:  # an op Inductor cannot compile on its own needs ATen's own kernel
+        logger.info("%s: %s cannot be compiled on its own (%s)", backend_id, node.name, exc)
+        return frozenset({op_name(node.target)})
+
+
+def disk_key(key: tuple[str, ...]) -> str:
+    """A probe's name in the cache: its key, with the versions and the processor Inductor's code depends on."""
+    parts = (torch.__version__, __version__, processor_fingerprint(), *key)
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest() + ".json"
+
+
+def kept_kernels(name: str) -> frozenset[str] | None:
+    """A probe's answer kept on disk; None where there is none, or it cannot be read."""
+    data = read_entry(CACHE_KIND, name)
+    try:
+        kernels = None if data is None else json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(kernels, list) or not all(isinstance(kernel, str) for kernel in kernels):
+        return None
+    return frozenset(kernels)
 
 
 def single_op_program(node: Node) -> ExportedProgram:
