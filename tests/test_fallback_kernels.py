@@ -151,6 +151,19 @@ def test_aotinductor_says_which_ops_its_code_would_hand_to_atens_own_kernel(monk
         assert calls_kernel[op], op
     for op in ("aten.relu.default", "aten.add.Tensor", "aten.transpose.int"):
         assert not calls_kernel[op], op
+    # An op Inductor cannot compile on its own needs ATen's kernel where a partitioner asks, but is not known to call
+    # one where auto asks: all its time counts as what compiling could save. Both answers are kept on disk.
+    from aotstack.backends.aoti import probe
+
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path / "failing"))
+    monkeypatch.setattr(probe, "_PROBED", {})
+    monkeypatch.setattr(probe, "generated_fallback_kernels", lambda *args: 1 / 0)
+    linear = nodes["aten.linear.default"]
+    assert not partitioner.compiled_calls_aten_kernel(linear)
+    monkeypatch.setattr(probe, "_PROBED", {})
+    monkeypatch.setattr(probe, "generated_fallback_kernels", lambda *args: pytest.fail("asked Inductor again"))
+    assert partitioner.aoti_backend.needed_fallback_kernels(linear, []) == {"aten.linear.default"}
+    assert not partitioner.compiled_calls_aten_kernel(linear)
     # An engine that says nothing of its code counts every op as what compiling could save.
     class Silent(aotstack.Partitioner):
         def partition(self, exported_program):

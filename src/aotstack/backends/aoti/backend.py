@@ -34,7 +34,7 @@ from .compile import CompileSteps, KernelCheck, ProgramPass, compile_partition
 from .kernels import kernel_allowed, parse_kernel_list
 from .lifted_constants import with_constants_as_buffers
 from .passes import GraphPass, ReplaceViewCopyWithViewPass
-from .probe import needed_fallback_kernels
+from .probe import needed_fallback_kernels, probed_fallback_kernels
 from .run import EXTERN_NODES_NAME, LIBRARY_NAME, PROCESSED_VERSION, device_available, proxy_calls, target_device
 from .scalar_weights import with_scalar_weights_inlined
 
@@ -144,9 +144,16 @@ class AotiBackend(Backend):
         Where this machine lacks the target device, the op is probed on the host instead, which
         can differ where Inductor lowers an op differently per device; the compile re-checks.
         """
+        return needed_fallback_kernels(self.backend_id, node, self.probe_steps(compile_specs))
+
+    def probed_fallback_kernels(self, node: Node, compile_specs: list[CompileSpec]) -> frozenset[str] | None:
+        """The fallback kernels Inductor's code for ``node``'s op alone calls on this target (probed as above); None
+        where Inductor cannot compile the op on its own."""
+        return probed_fallback_kernels(self.backend_id, node, self.probe_steps(compile_specs))
+
+    def probe_steps(self, compile_specs: list[CompileSpec]) -> CompileSteps:
         target = self.target_device(compile_specs)
-        device = target if device_available(target) else HOST
-        return needed_fallback_kernels(self.backend_id, node, self.compile_steps(compile_specs, device))
+        return self.compile_steps(compile_specs, target if device_available(target) else HOST)
 
     def warm_up(self) -> None:
         # Inductor's modules take seconds to import, and its probe of the CPU's vector

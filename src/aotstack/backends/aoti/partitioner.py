@@ -119,8 +119,9 @@ class AotiPartitioner(SupportedOpsPartitioner):
 
     def compiled_calls_aten_kernel(self, node: Node) -> bool:
         # Inductor's code for the op alone, generated but not compiled (``probe.py``), names the ATen kernels it calls.
+        # An op it cannot compile alone is not known to call one: all its time counts as what compiling could save.
         return isinstance(node.target, torch._ops.OpOverload) and bool(
-            self.aoti_backend.needed_fallback_kernels(node, self.compile_specs)
+            self.aoti_backend.probed_fallback_kernels(node, self.compile_specs)
         )
 
     def missing_kernels(self, node: Node) -> frozenset[str]:

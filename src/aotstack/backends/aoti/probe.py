@@ -30,30 +30,39 @@ from .kernels import recorded_fallback_kernels, stopped_before_cpp_compile, stop
 
 logger = logging.getLogger("aotstack")
 
-# (backend id, device, options, op signature) -> the kernels its code calls; one probe per process, and on disk.
-_PROBED: dict[tuple[str, ...], frozenset[str]] = {}
+# (backend id, device, options, op signature) -> the kernels its code calls, or None where Inductor cannot compile the
+# op on its own; one probe per process, and on disk.
+_PROBED: dict[tuple[str, ...], frozenset[str] | None] = {}
 CACHE_KIND = "aoti-probes"
 
 
 def needed_fallback_kernels(backend_id: str, node: Node, steps: CompileSteps) -> frozenset[str]:
-    """The fallback kernels ``node``'s op needs when compiled with ``steps``, probed once per signature and kept in
-    the cache on disk, so a later lowering asks again without Inductor."""
+    """The fallback kernels ``node``'s op needs when compiled with ``steps``: an op Inductor cannot compile on its own
+    needs ATen's own kernel."""
+    probed = probed_fallback_kernels(backend_id, node, steps)
+    return frozenset({op_name(node.target)}) if probed is None else probed
+
+
+def probed_fallback_kernels(backend_id: str, node: Node, steps: CompileSteps) -> frozenset[str] | None:
+    """The fallback kernels Inductor's code for ``node``'s op alone calls when compiled with ``steps``; None where it
+    cannot compile the op on its own. Probed once per signature and kept in the cache on disk, so a later lowering
+    asks again without Inductor."""
     key = (backend_id, str(steps.device), repr(sorted(steps.options.items())), signature_key(node))
     if key not in _PROBED:
-        kept = kept_kernels(disk_key(key))
-        if kept is None:
-            kept = probed_kernels(backend_id, node, steps)
-            write_entry(CACHE_KIND, disk_key(key), json.dumps(sorted(kept)).encode())
-        _PROBED[key] = kept
+        found, answer = kept_answer(disk_key(key))
+        if not found:
+            answer = probe_answer(backend_id, node, steps)
+            write_entry(CACHE_KIND, disk_key(key), json.dumps(None if answer is None else sorted(answer)).encode())
+        _PROBED[key] = answer
     return _PROBED[key]
 
 
-def probed_kernels(backend_id: str, node: Node, steps: CompileSteps) -> frozenset[str]:
+def probe_answer(backend_id: str, node: Node, steps: CompileSteps) -> frozenset[str] | None:
     try:
         return generated_fallback_kernels(single_op_program(node), steps)
-    except Exception as exc:  # an op Inductor cannot compile on its own needs ATen's own kernel
+    except Exception as exc:  # noqa: BLE001 - the caller decides what an op Inductor cannot compile alone means
         logger.info("%s: %s cannot be compiled on its own (%s)", backend_id, node.name, exc)
-        return frozenset({op_name(node.target)})
+        return None
 
 
 def disk_key(key: tuple[str, ...]) -> str:
@@ -62,16 +71,18 @@ def disk_key(key: tuple[str, ...]) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest() + ".json"
 
 
-def kept_kernels(name: str) -> frozenset[str] | None:
-    """A probe's answer kept on disk; None where there is none, or it cannot be read."""
+def kept_answer(name: str) -> tuple[bool, frozenset[str] | None]:
+    """Whether a probe's answer is kept on disk under ``name``, and the answer; not found where it cannot be read."""
     data = read_entry(CACHE_KIND, name)
     try:
         kernels = None if data is None else json.loads(data)
     except ValueError:
-        return None
+        return False, None
+    if kernels is None:
+        return data is not None, None
     if not isinstance(kernels, list) or not all(isinstance(kernel, str) for kernel in kernels):
-        return None
-    return frozenset(kernels)
+        return False, None
+    return True, frozenset(kernels)
 
 
 def single_op_program(node: Node) -> ExportedProgram:
