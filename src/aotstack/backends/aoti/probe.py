@@ -49,10 +49,11 @@ def probed_fallback_kernels(backend_id: str, node: Node, steps: CompileSteps) ->
     asks again without Inductor."""
     key = (backend_id, str(steps.device), repr(sorted(steps.options.items())), signature_key(node))
     if key not in _PROBED:
-        found, answer = kept_answer(disk_key(key))
+        name = disk_key(key)
+        found, answer = kept_answer(name)
         if not found:
             answer = probe_answer(backend_id, node, steps)
-            write_entry(CACHE_KIND, disk_key(key), json.dumps(None if answer is None else sorted(answer)).encode())
+            write_entry(CACHE_KIND, name, json.dumps(None if answer is None else sorted(answer)).encode())
         _PROBED[key] = answer
     return _PROBED[key]
 
