@@ -89,6 +89,24 @@ def test_inputs_and_outputs_can_stay_on_the_gpu(tmp_path):
     torch.testing.assert_close(result.cpu(), expected, rtol=2e-3, atol=2e-3)
 
 
+@needs_cuda
+def test_aotinductor_on_cuda_says_which_ops_its_code_would_hand_to_atens_own_kernel(monkeypatch, tmp_path):
+    # Auto asks this of the closing engine before compiling its parts; on the GPU the answer is the GPU's code.
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path))
+    program = aotstack.export(models.build("attention"), {"forward": models.example_inputs("attention")})
+    nodes = {str(node.target): node for node in program.methods["forward"].graph.nodes if node.op == "call_function"}
+    partitioner = aotstack.CudaPartitioner(compile_specs=[QUICK])
+    attention = nodes["aten.scaled_dot_product_attention.default"]
+
+    assert partitioner.aoti_backend.probed_fallback_kernels(attention, partitioner.compile_specs) & set(
+        CUDA_ATTENTION_KERNELS
+    )
+    for op in ("aten.linear.default", "aten.scaled_dot_product_attention.default"):
+        assert partitioner.compiled_calls_aten_kernel(nodes[op]), op
+    for op in ("aten.relu.default", "aten.add.Tensor", "aten.transpose.int"):
+        assert not partitioner.compiled_calls_aten_kernel(nodes[op]), op
+
+
 # State on the GPU, and CUDA graphs ------------------------------------------------------------------
 
 
