@@ -26,10 +26,21 @@ if TYPE_CHECKING:
     from .report.model import Report
 
 
+# Loggers whose warnings are notes on importing an engine's library, nothing the command's user can act on: torchao's
+# on the CUDA kernels a CPU machine cannot load and on Triton's absence, and torch's on how torchao registers its
+# enums (torchao comes in with ExecuTorch, on every lowering auto times XNNPACK in).
+IMPORT_NOTES = ("torchao", "torch.utils._pytree")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argument_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    # aotstack's own progress at INFO; the engines' libraries only where they warn (their INFO notes, ExecuTorch's
+    # per-weight lines and onnxscript's optimizer passes, are many and not the user's business).
+    logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+    logging.getLogger("aotstack").setLevel(logging.INFO)
+    for name in IMPORT_NOTES:
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         return args.command(args)
     except (AotstackError, ValueError) as exc:  # ValueError: a bad op name or option value

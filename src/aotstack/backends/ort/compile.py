@@ -49,7 +49,7 @@ def export_partition(
     table = {**quantized, **(translations or {})}
     try:
         contiguous_attention_outputs(exported_program)
-        with quiet_exporter():
+        with quieted(EXPORTER_REGISTRATION_LOGGER):
             onnx_program = torch.onnx.export(
                 exported_program, (), dynamo=True, optimize=False, verbose=False,
                 # A table rebuilds the exporter's registry (about 1 s), so only a quantized partition passes one.
@@ -73,6 +73,8 @@ def export_partition(
     )
 
 
+EXPORTER_REGISTRATION_LOGGER = "torch.onnx._internal.exporter._registration"
+ONNXSCRIPT_OPTIMIZER_LOGGER = "onnxscript.optimizer"
 # The largest tensor (elements) a fold may read or write: constants the exporter computes, never a weight.
 FOLD_LIMIT = 1 << 14
 
@@ -93,8 +95,11 @@ def fold_small_constants(model: Any, weight_names: set[str]) -> None:
             return False
         return None
 
-    optimizer.fold_constants(model, input_size_limit=FOLD_LIMIT, output_size_limit=FOLD_LIMIT, should_fold=should_fold)
-    optimizer.remove_unused_nodes(model)
+    with quieted(ONNXSCRIPT_OPTIMIZER_LOGGER):
+        optimizer.fold_constants(
+            model, input_size_limit=FOLD_LIMIT, output_size_limit=FOLD_LIMIT, should_fold=should_fold
+        )
+        optimizer.remove_unused_nodes(model)
 
 
 def mark_external(initializer, onnx) -> None:  # noqa: ANN001 - onnx is imported lazily
@@ -109,14 +114,17 @@ def mark_external(initializer, onnx) -> None:  # noqa: ANN001 - onnx is imported
 
 
 @contextmanager
-def quiet_exporter() -> Iterator[None]:
-    """Silence the exporter's notes about optional packages (torchvision) it looked for."""
-    logger = logging.getLogger("torch.onnx._internal.exporter._registration")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+def quieted(*names: str) -> Iterator[None]:
+    """Only errors from the loggers ``names`` meanwhile: the exporter's notes about optional packages
+    (torchvision) it looked for, the constant folder's note on each node it cannot evaluate (left unfolded)."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 

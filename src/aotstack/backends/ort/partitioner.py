@@ -20,7 +20,7 @@ from ...format.placement import Reason
 from ...format.specs import CompileSpec, SpecKey
 from .backend import QUANTIZED_ACTIVATIONS, OrtBackend
 from .backend import quantized_activations as quantized_activations_spec
-from .compile import quiet_exporter
+from .compile import EXPORTER_REGISTRATION_LOGGER, quieted
 from .packages import require_packages
 from .quantized import QuantizedGraph, quantized_graph
 from .run import providers as providers_named
@@ -348,7 +348,7 @@ def exporter_registry() -> Any:
     """The ONNX exporter's table of translations (about 1 s to build, so built once)."""
     from torch.onnx._internal.exporter import _registration
 
-    with quiet_exporter():
+    with quieted(EXPORTER_REGISTRATION_LOGGER):
         return _registration.ONNXRegistry.from_torchlib()
 
 
