@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import multiprocessing
 import os
 import shutil
-import subprocess
-import sys
 import time
 
 import pytest
@@ -271,70 +268,6 @@ def test_a_timing_says_what_each_plain_op_took_the_first_time_a_process_times_it
     assert set(first.plain_op_seconds) == {"linear", "linear_1"}
     assert all(0 < seconds < SLEEP_SECONDS for seconds in first.plain_op_seconds.values())
     assert again.plain_op_seconds == {} and again.seconds >= SLEEP_SECONDS
-
-
-def scripted_calls(monkeypatch, slow_calls: int | None) -> tuple:
-    """A call taking 20 ms while other work holds its core (the clock of its waits advancing 15 ms) for its first
-    ``slow_calls`` timed calls (every one where None), then 1 ms undisturbed; and the list of calls made."""
-    waited = [0.0]
-    calls: list[float] = []
-
-    def call() -> None:
-        disturbed = slow_calls is None or len(calls) < measure_module.WARM_UP_CALLS + slow_calls
-        calls.append(time.perf_counter())
-        time.sleep(0.020 if disturbed else 0.001)
-        waited[0] += 0.015 if disturbed else 0.0
-
-    @contextlib.contextmanager
-    def clock():
-        yield lambda: waited[0]
-
-    monkeypatch.setattr(measure_module, "waiting_clock", clock)
-    monkeypatch.setattr(measure_module, "TIMED_CALLS", (5, 9))
-    return call, calls
-
-
-def test_a_timing_sets_aside_the_calls_other_work_kept_waiting_for_a_core(monkeypatch):
-    # Six of the first nine calls were slowed by other work on the machine: their median would be 20 ms.
-    call, calls = scripted_calls(monkeypatch, slow_calls=6)
-
-    timing = measure_module.timed_method(call, lambda: None, {})
-
-    assert timing.seconds < 0.010
-    assert len(calls) == measure_module.WARM_UP_CALLS + 6 + 9
-
-
-def test_a_timing_on_a_machine_busy_throughout_counts_every_call_once_its_budget_is_spent(monkeypatch):
-    call, calls = scripted_calls(monkeypatch, slow_calls=None)
-    monkeypatch.setattr(measure_module, "TIME_BUDGET_SECONDS", 0.2)
-
-    timing = measure_module.timed_method(call, lambda: None, {})
-
-    assert timing.seconds >= 0.020
-    assert 5 <= len(calls) - measure_module.WARM_UP_CALLS <= 15
-
-
-@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="Linux's scheduler statistics")
-def test_the_waiting_clock_runs_while_other_work_holds_the_core():
-    # This thread and two busy processes share one core: the thread waits about two thirds of the time.
-    core = min(os.sched_getaffinity(0))
-    before_affinity = os.sched_getaffinity(0)
-    spin = f"import os; os.sched_setaffinity(0, {{{core}}})\nwhile True: pass"
-    busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
-    try:
-        os.sched_setaffinity(0, {core})
-        time.sleep(0.3)  # the busy processes start
-        with measure_module.waiting_clock() as waited_seconds:
-            before, started = waited_seconds(), time.perf_counter()
-            while time.perf_counter() - started < 0.5:
-                pass
-            waited = waited_seconds() - before
-    finally:
-        os.sched_setaffinity(0, before_affinity)
-        for process in busy:
-            process.kill()
-            process.wait()
-    assert waited > 0.1
 
 
 def test_a_call_failing_while_its_plain_ops_are_timed_leaves_the_timing_and_the_method_as_they_were(

@@ -82,10 +82,6 @@ OP_TIMED_CALLS = 3
 WAITING = 0.9
 ONE_CORE = 1.05
 MANY_CORES = 1.5
-# A timed call during which the calling thread waited, runnable, for a core for more than this share of its time
-# was disturbed by other work on the machine. Seen here: a 12 µs call timed at 24 ms while two compiles ran beside
-# it, which ruled its plan out before the confirming rounds.
-STARVED = 0.1
 
 logger = logging.getLogger(__name__)
 
@@ -506,75 +502,31 @@ def timed_method(
     again), which a decode loop pays once per generation, not once per token. Timing the first
     call would charge that engine's plans a copy of the whole KV cache every call.
     ``spent`` is where the delegates' wrappers add each call's seconds, by delegate id.
-
-    A call during which this thread waited for a core for more than ``STARVED`` of its time (other work on the
-    machine took it) is set aside while the time budget lasts: the median is of the undisturbed calls where
-    ``TIMED_CALLS[0]`` of them ran, else of every call.
     """
     for _ in range(WARM_UP_CALLS):
         reset()
         call()
-    undisturbed: list[tuple[float, dict[str, float]]] = []
-    disturbed: list[tuple[float, dict[str, float]]] = []
+    lowest, highest = TIMED_CALLS
+    samples: list[float] = []
+    by_delegate: dict[str, list[float]] = defaultdict(list)
     started_timing, busy_before = time.perf_counter(), time.process_time()
     budget_end = started_timing + TIME_BUDGET_SECONDS
-    with waiting_clock() as waited_seconds:
-        while not enough_calls(len(undisturbed), len(disturbed), time.perf_counter() >= budget_end):
-            reset()
-            if second:
-                call()
-            spent.clear()
-            waited_before = waited_seconds()
-            started = time.perf_counter()
+    while len(samples) < lowest or (len(samples) < highest and time.perf_counter() < budget_end):
+        reset()
+        if second:
             call()
-            elapsed = time.perf_counter() - started
-            sample = (elapsed, {delegate_id: sum(times) for delegate_id, times in spent.items()})
-            (disturbed if waited_seconds() - waited_before > STARVED * elapsed else undisturbed).append(sample)
+        spent.clear()
+        started = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - started)
+        for delegate_id, times in spent.items():
+            by_delegate[delegate_id].append(sum(times))
     busy, wall = time.process_time() - busy_before, time.perf_counter() - started_timing
-    samples = undisturbed if len(undisturbed) >= TIMED_CALLS[0] else undisturbed + disturbed
-    by_delegate: dict[str, list[float]] = defaultdict(list)
-    for _, delegates in samples:
-        for delegate_id, seconds in delegates.items():
-            by_delegate[delegate_id].append(seconds)
     return MethodTiming(
-        statistics.median(seconds for seconds, _ in samples),
+        statistics.median(samples),
         {delegate_id: statistics.median(times) for delegate_id, times in by_delegate.items()},
         cores=busy / wall if wall > 0 else None,
     )
-
-
-def enough_calls(undisturbed: int, disturbed: int, budget_spent: bool) -> bool:
-    """Whether a timing has its calls: ``TIMED_CALLS[1]`` undisturbed ones, or once the budget is spent, at least
-    ``TIMED_CALLS[0]`` of any kind."""
-    lowest, highest = TIMED_CALLS
-    return undisturbed >= highest or (budget_spent and undisturbed + disturbed >= lowest)
-
-
-@contextmanager
-def waiting_clock() -> Iterator[Callable[[], float]]:
-    """A clock of the seconds this thread has spent runnable but waiting for a core, from Linux's scheduler
-    statistics; one that stands still where the system does not keep them.
-
-    Only this thread's: an engine's own threads outnumbering the cores (XNNPACK's pool beside AOTInductor's
-    OpenMP threads) wait on a quiet machine too, while the thread that calls waits only where other work takes its
-    core (measured here: no wait at all in 40 calls of each engine's plan, quiet, at 1 and 2 threads).
-    """
-    try:
-        descriptor = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-    except OSError:
-        yield lambda: 0.0
-        return
-
-    def waited_seconds() -> float:
-        try:
-            return int(os.pread(descriptor, 128, 0).split()[1]) / 1e9
-        except (OSError, ValueError, IndexError):
-            return 0.0
-
-    try:
-        yield waited_seconds
-    finally:
-        os.close(descriptor)
 
 
 def plain_op_seconds(
