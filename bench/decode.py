@@ -7,9 +7,10 @@ in buffers, exported once; every variant runs that same program's model:
 - torch.compile:   the same module through ``torch.compile``
 - plain AOTI:      ``aoti_compile_and_package`` of the exported program, ``aoti_load_package``
 - aotstack:        ``lower(Program({"forward": ep}), [AotiCpuPartitioner()])``, saved, ``load``
-- aotstack, sampled: the same file, each token sampled as ``aotstack generate --temperature 0.8 --top-k 50
-                   --top-p 0.9 --repetition-penalty 1.1`` samples it (the sampling's cost per token),
-                   with and without ``--seed``
+- aotstack, generate: the same file through ``aotstack generate``'s own loop (``decoding.continued``), greedy
+- aotstack, sampled: the same loop, each token sampled as ``aotstack generate --temperature 0.8 --top-k 50
+                   --top-p 0.9 --repetition-penalty 1.1`` samples it (the sampling's cost per token, against
+                   the greedy loop), with and without ``--seed``
 
 Rounds alternate between the variants; each round decodes ``--tokens`` tokens after resetting the
 cache. Then a fresh process measures resident memory added by ``aotstack.load`` and one call
@@ -43,7 +44,7 @@ from typing import Any
 import torch
 
 import aotstack
-from aotstack.integrations.decoding import TokenChooser, generation_settings
+from aotstack.integrations.decoding import continued, generation_settings
 from common import (
     Figure,
     Figures,
@@ -92,36 +93,45 @@ def language_model(vocab: int, hidden: int, layers: int, arch: str = "llama") ->
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def decode(step: Step, tokens: int, chooser: TokenChooser | None = None) -> tuple[list[int], float]:
+@dataclass(frozen=True)
+class Generation:
+    """How ``aotstack generate`` chooses tokens: its settings, and a seed or none."""
+
+    config: Any
+    seed: int | None = None
+
+
+def decode(step: Step, tokens: int, generation: Generation | None = None) -> tuple[list[int], float]:
     """Prompt token by token, then ``tokens`` steps; the tokens and the seconds the steps took.
 
-    Greedy (an argmax) without a ``chooser``; with one, each token is chosen as ``aotstack generate``
-    chooses it, its logits processors seeing the whole history.
+    Greedy (an argmax) in a bare loop without ``generation``; with it, through ``aotstack generate``'s
+    own loop, each token chosen as it chooses them (its logits processors seeing the whole history).
     """
     with torch.no_grad():
         for position, token in enumerate(PROMPT):
             logits = step(torch.tensor([[token]]), torch.tensor([position]))
-        generated = []
-        history = torch.tensor([PROMPT])
         started = time.perf_counter()
+        if generation is not None:
+            # One token more than steps: the loop chooses the last token and stops, as the bare loop steps.
+            config = generation_settings(generation.config, max_new_tokens=tokens + 1)
+            last = lambda ids, pos: step(ids, pos)[:, -1]  # noqa: E731 - generate's methods give [1, vocabulary]
+            generated = list(continued(logits[:, -1], torch.tensor([PROMPT]), last, config, generation.seed))
+            return generated[:tokens], time.perf_counter() - started
+        generated = []
         for position in range(len(PROMPT), len(PROMPT) + tokens):
-            if chooser is None:
-                generated.append(int(logits[0, -1].argmax()))
-            else:
-                chosen = chooser.next_tokens(history, logits[:, -1])
-                history = torch.cat([history, chosen[:, None]], dim=1)
-                generated.append(int(chosen))
+            generated.append(int(logits[0, -1].argmax()))
             logits = step(torch.tensor([[generated[-1]]]), torch.tensor([position]))
         return generated, time.perf_counter() - started
 
 
-def sampler(seed: int | None) -> Callable[[], TokenChooser]:
-    """Sampling as a chat model's generation config often asks: temperature, top-k, top-p, repetition penalty.
-
-    With a seed, each draw is over the whole vocabulary, as transformers' seeded ``generate`` draws.
-    """
-    config = generation_settings(temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1)
-    return lambda: TokenChooser(config, len(PROMPT), seed=seed)
+# Sampling as a chat model's generation config often asks: temperature, top-k, top-p, repetition penalty. With a
+# seed, each draw is over the whole vocabulary, as transformers' seeded ``generate`` draws.
+SAMPLED = generation_settings(temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1)
+GENERATIONS = {
+    "aotstack, generate": Generation(generation_settings(do_sample=False)),
+    "aotstack, sampled": Generation(SAMPLED),
+    "aotstack, sampled, seeded": Generation(SAMPLED, seed=0),
+}
 
 
 def decode_rates(
@@ -172,9 +182,8 @@ def decode_rates(
         "plain AOTI": lambda ids, pos: raw(input_ids=ids, cache_position=pos),
         "aotstack": lambda ids, pos: loaded.forward(input_ids=ids, cache_position=pos),
     }
-    choosers = {"aotstack, sampled": sampler(None), "aotstack, sampled, seeded": sampler(0)}
-    variants.update(dict.fromkeys(choosers, variants["aotstack"]))
-    resets = dict.fromkeys(["aotstack", *choosers], loaded.reset)
+    variants.update(dict.fromkeys(GENERATIONS, variants["aotstack"]))
+    resets = dict.fromkeys(["aotstack", *GENERATIONS], loaded.reset)
     started = time.perf_counter()
     reference, _ = decode(variants["eager"], tokens)
     decode(variants["torch.compile"], 2)  # compiles, untimed
@@ -185,8 +194,7 @@ def decode_rates(
     for _ in range(rounds):
         for name, step in variants.items():
             resets.get(name, lambda: None)()
-            chooser = choosers[name]() if name in choosers else None
-            generated, elapsed = decode(step, tokens, chooser)
+            generated, elapsed = decode(step, tokens, GENERATIONS.get(name))
             seconds[name].append(elapsed)
             agrees[name] = agrees.get(name, True) and generated == reference
 
@@ -199,7 +207,8 @@ def decode_rates(
     rate = {name: tokens / median(values) for name, values in seconds.items()}
     rows = [
         [name, f"{rate[name]:.1f}", f"{rate[name] / rate['plain AOTI']:.3f}x",
-         "sampled" if name in choosers else "yes" if agrees[name] else "NO"]
+         "sampled" if GENERATIONS.get(name, GENERATIONS["aotstack, generate"]).config.do_sample
+         else "yes" if agrees[name] else "NO"]
         for name in variants
     ]
     print_table(["variant", "tokens/s (median)", "vs plain AOTI", "same tokens as eager"], rows)
@@ -212,12 +221,16 @@ def decode_rates(
         "aotstack / torch.compile, tokens/s": Figure(
             rate["aotstack"], "tokens/s", rate["torch.compile"], higher_is_better=True
         ),
+        "aotstack generate's loop / a bare loop, greedy, time per token": Figure(
+            rate["aotstack"], "tokens/s", rate["aotstack, generate"],
+            note="" if agrees["aotstack, generate"] else "generate's loop chose other tokens than eager's",
+        ),
         "aotstack sampled / greedy, time per token": Figure(
-            rate["aotstack"], "tokens/s", rate["aotstack, sampled"], 1.05,
-            note="temperature 0.8, top-k 50, top-p 0.9, repetition penalty 1.1, chosen in torch after each call",
+            rate["aotstack, generate"], "tokens/s", rate["aotstack, sampled"], 1.05,
+            note="temperature 0.8, top-k 50, top-p 0.9, repetition penalty 1.1; both in generate's loop",
         ),
         "aotstack sampled with a seed / greedy, time per token": Figure(
-            rate["aotstack"], "tokens/s", rate["aotstack, sampled, seeded"],
+            rate["aotstack, generate"], "tokens/s", rate["aotstack, sampled, seeded"],
             note="a seeded draw is over the whole vocabulary, as transformers' generate draws",
         ),
         "RSS added by load + one call / weights": Figure(

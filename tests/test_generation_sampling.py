@@ -231,7 +231,7 @@ def test_an_unseeded_sample_draws_from_the_kept_tokens_distribution():
     scores = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0] + [-4.0] * 11])
     chooser = TokenChooser(generation_settings(temperature=1.0, top_k=5), prompt_length=1)
     torch.manual_seed(0)
-    drawn = torch.cat([chooser.next_tokens(torch.tensor([[1]]), scores) for _ in range(20000)])
+    drawn = torch.tensor([chooser.next_token([1], scores) for _ in range(20000)])
     assert int(drawn.max()) < 5, "only the top 5 tokens are drawn"
     frequencies = torch.bincount(drawn, minlength=5).float() / len(drawn)
     torch.testing.assert_close(frequencies, torch.softmax(scores[0, :5], -1), atol=0.015, rtol=0)
@@ -242,24 +242,32 @@ def test_an_unseeded_sample_draws_from_the_kept_tokens_distribution():
     {"top_k": 20},
     {"temperature": 1.7, "top_k": 400, "top_p": 0.5},
     {"top_p": 0.95, "repetition_penalty": 1.4},  # top-k 50 by default
+    {"temperature": 0.6, "top_k": 30, "repetition_penalty": 0.7},  # raises the seen tokens' scores
 ])
 def test_the_short_way_draws_from_the_distribution_transformers_warpers_give(settings):
-    """:class:`KeptTokenSampler`'s tokens and probabilities equal those left by transformers' own processors."""
+    """:class:`KeptTokenSampler`'s tokens and probabilities equal those left by transformers' own processors,
+    also where the history holds the highest-scoring tokens (the penalty then reorders the top)."""
     from aotstack.integrations.decoding import KeptTokenSampler, generation_settings, logits_processors
 
     processors = logits_processors(generation_settings(**settings), prompt_length=6)
     sampler = KeptTokenSampler.for_processors(processors)
     assert sampler is not None
     generator = torch.Generator().manual_seed(3)
-    for vocabulary in (64, 5000):
+    for vocabulary, repeated in ((64, "random"), (5000, "random"), (5000, "top"), (5000, "below the top")):
         logits = torch.randn(1, vocabulary, generator=generator) * 3
         history = torch.randint(0, vocabulary, (1, 6), generator=generator)
+        ranked = logits.topk(min(sampler.top_k * 6, vocabulary)).indices
+        if repeated == "top":  # three in four of the top 4k: more than the top 2k holds
+            history = torch.cat([history, ranked[:, :sampler.top_k * 4].reshape(-1, 4)[:, 1:].reshape(1, -1)], 1)
+        elif repeated == "below the top":  # ranked 4k to 6k: a penalty under 1 raises them into the top k
+            history = torch.cat([history, ranked[:, sampler.top_k * 4:]], dim=1)
         scores = logits
         for processor in processors:
             scores = processor(history, scores)
         expected = torch.softmax(scores[0], dim=-1)
-        tokens, probabilities = sampler.distribution(history, logits)
-        got = torch.zeros(vocabulary).index_put_((tokens,), probabilities)
+        tokens, probabilities = sampler.distribution(history[0].tolist(), logits)
+        assert probabilities == sorted(probabilities, reverse=True)
+        got = torch.zeros(vocabulary).index_put_((torch.tensor(tokens),), torch.tensor(probabilities))
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
     # Settings it does not cover take the general way.
     assert KeptTokenSampler.for_processors(logits_processors(generation_settings(top_k=0, temperature=0.7), 6)) is None
