@@ -9,6 +9,7 @@ once across methods, packed; the errors of each side. Every lowering is made onc
 from __future__ import annotations
 
 import json
+import os
 import threading
 from pathlib import Path
 
@@ -530,6 +531,37 @@ def test_loading_imports_only_executorchs_runtime(lowered_with):
     modules = run_child(LOAD_ONLY, str(path))
     assert "executorch.extension.pybindings._C" in modules
     assert not [m for m in modules if m.startswith(("executorch.exir", "torch._dynamo", "torch._inductor"))]
+
+
+STDERR_OF_A_CALL = """
+import json, os, sys, tempfile, torch
+caught = tempfile.TemporaryFile()
+os.dup2(caught.fileno(), 2)
+import aotstack
+from tests import models
+torch.set_num_threads(1)
+aotstack.load(sys.argv[1]).forward(*models.example_inputs("stacked"))
+os.write(2, b"a line of the caller's own\\n")
+caught.seek(0)
+print(json.dumps(caught.read().decode(errors="replace")))
+"""
+
+
+def test_a_call_prints_none_of_executorchs_notes_as_its_thread_pool_starts_or_is_resized(lowered_with):
+    """ExecuTorch's C++ runtime printed six lines at the first call of every XNNPACK file ("Failed to open midr
+    file ..." on an x86 machine, "Resetting threadpool to 1 threads.")."""
+    _, path = lowered_with("stacked", "xnnpack-xnnpack-aoti", ORDERS["xnnpack-aoti"][0])
+    stderr = run_child(STDERR_OF_A_CALL, str(path))
+
+    assert "cpuinfo_utils.cpp" not in stderr and "threadpool.cpp" not in stderr
+    assert "a line of the caller's own" in stderr
+
+
+def test_only_executorchs_pool_notes_are_dropped_from_what_reaches_stderr_meanwhile(capfd):
+    with xnn_run.pool_notes_dropped():
+        os.write(2, b"[cpuinfo_utils.cpp:71] Reading file /sys/devices/soc0/image_version\n"
+                    b"another thread's line\n[threadpool.cpp:66] Resetting threadpool to 1 threads.\n")
+    assert capfd.readouterr().err == "another thread's line\n"
 
 
 THREAD_COUNTS = """

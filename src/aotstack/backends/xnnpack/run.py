@@ -21,11 +21,15 @@ import ctypes
 import functools
 import logging
 import mmap
+import os
+import re
 import sys
+import tempfile
 import threading
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,11 +89,13 @@ class ThreadPool:
             # ExecuTorch costs about 2 µs, at each of a decode step's dozen XNNPACK calls.
             return
         # Read otherwise: whoever else holds ExecuTorch's runtime in this process may have resized it.
-        current = self.seen = runtime_module()._threadpool_get_thread_count()
+        with pool_notes_dropped():
+            current = self.seen = runtime_module()._threadpool_get_thread_count()
         if current == threads:
             return
         if not self.started:
-            runtime_module()._unsafe_reset_threadpool(threads)
+            with pool_notes_dropped():
+                runtime_module()._unsafe_reset_threadpool(threads)
             self.seen = threads
         elif not self.warned:
             self.warned = True
@@ -102,6 +108,34 @@ class ThreadPool:
 
 
 _POOL = ThreadPool()
+
+# What ExecuTorch's C++ runtime prints to stderr as its pool starts (what it read of the CPU: on an x86 machine,
+# "Failed to open midr file", an ARM register) or is resized: notes, at every load of an XNNPACK file, not problems.
+POOL_NOTES = re.compile(rb"\[(cpuinfo_utils|threadpool)\.cpp:\d+\] ")
+
+
+@contextmanager
+def pool_notes_dropped() -> Iterator[None]:
+    """The block run with the process's stderr (file descriptor 2) caught, and what it caught written back but for
+    ExecuTorch's pool notes (``POOL_NOTES``): another thread's lines in the meantime come out after it, not lost.
+    ExecuTorch's Python bindings have no log level to set instead."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError):  # no stderr to catch (a closed or replaced one): the notes go where they go
+        yield
+        return
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().splitlines(keepends=True) if not POOL_NOTES.match(line)]
+            if kept:
+                os.write(2, b"".join(kept))
 
 
 @dataclass(frozen=True)
