@@ -112,6 +112,8 @@ _POOL = ThreadPool()
 # What ExecuTorch's C++ runtime prints to stderr as its pool starts (what it read of the CPU: on an x86 machine,
 # "Failed to open midr file", an ARM register) or is resized: notes, at every load of an XNNPACK file, not problems.
 POOL_NOTES = re.compile(rb"\[(cpuinfo_utils|threadpool)\.cpp:\d+\] ")
+# One catch at a time: a second, nested in another thread's, would put back the first one's file as stderr.
+_STDERR_LOCK = threading.Lock()
 
 
 @contextmanager
@@ -119,23 +121,24 @@ def pool_notes_dropped() -> Iterator[None]:
     """The block run with the process's stderr (file descriptor 2) caught, and what it caught written back but for
     ExecuTorch's pool notes (``POOL_NOTES``): another thread's lines in the meantime come out after it, not lost.
     ExecuTorch's Python bindings have no log level to set instead."""
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError):  # no stderr to catch (a closed or replaced one): the notes go where they go
-        yield
-        return
-    with tempfile.TemporaryFile() as caught:
-        os.dup2(caught.fileno(), 2)
+    with _STDERR_LOCK:
         try:
+            sys.stderr.flush()
+            saved = os.dup(2)
+        except (OSError, ValueError):  # no stderr to catch (a closed or replaced one): the notes go where they go
             yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            caught.seek(0)
-            kept = [line for line in caught.read().splitlines(keepends=True) if not POOL_NOTES.match(line)]
-            if kept:
-                os.write(2, b"".join(kept))
+            return
+        with tempfile.TemporaryFile() as caught:
+            os.dup2(caught.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+                caught.seek(0)
+                kept = [line for line in caught.read().splitlines(keepends=True) if not POOL_NOTES.match(line)]
+                if kept:
+                    os.write(2, b"".join(kept))
 
 
 @dataclass(frozen=True)
