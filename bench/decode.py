@@ -207,8 +207,7 @@ def decode_rates(
     rate = {name: tokens / median(values) for name, values in seconds.items()}
     rows = [
         [name, f"{rate[name]:.1f}", f"{rate[name] / rate['plain AOTI']:.3f}x",
-         "sampled" if GENERATIONS.get(name, GENERATIONS["aotstack, generate"]).config.do_sample
-         else "yes" if agrees[name] else "NO"]
+         "sampled" if name in GENERATIONS and GENERATIONS[name].config.do_sample else "yes" if agrees[name] else "NO"]
         for name in variants
     ]
     print_table(["variant", "tokens/s (median)", "vs plain AOTI", "same tokens as eager"], rows)
