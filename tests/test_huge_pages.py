@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import gc
 import mmap
 import sys
@@ -22,11 +23,26 @@ from aotstack.backends.xnnpack.packages import executorch_problem
 from aotstack.engine import pages
 
 HUGE = pages.HUGE_PAGE
-MAP_NORESERVE = 0x4000  # Linux's; Python's mmap does not name it
+PROT_NONE = 0
 
 
-def address(region: mmap.mmap) -> int:
-    return ctypes.addressof(ctypes.c_char.from_buffer(region))
+@dataclasses.dataclass
+class Region:
+    """``size`` bytes of private anonymous memory at ``start``, between two inaccessible guard pages.
+
+    The kernel joins a new mapping to an alike neighbour (another test's memory, a thread's malloc
+    arena), and ``/proc/self/smaps`` then counts the two as one: the guards differ from any neighbour.
+    """
+
+    mapping: mmap.mmap
+    start: int
+    size: int
+
+    def __setitem__(self, offset: int, value: int) -> None:
+        self.mapping[mmap.PAGESIZE + offset] = value
+
+    def close(self) -> None:
+        self.mapping.close()
 
 
 def huge_bytes(start: int = 0, end: int = 1 << 64) -> int:
@@ -45,21 +61,26 @@ def huge_bytes(start: int = 0, end: int = 1 << 64) -> int:
     return total
 
 
-def resident_bytes(region: mmap.mmap) -> int:
-    residency = ctypes.create_string_buffer(len(region) // mmap.PAGESIZE)
+def huge_bytes_of(region: Region) -> int:
+    return huge_bytes(region.start, region.start + region.size)
+
+
+def resident_bytes(region: Region) -> int:
+    residency = ctypes.create_string_buffer(region.size // mmap.PAGESIZE)
     assert pages.libc_function("mincore", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p])(
-        address(region), len(region), residency) == 0
+        region.start, region.size, residency) == 0
     return sum(flag & 1 for flag in residency.raw) * mmap.PAGESIZE
 
 
-def new_region(size: int, fill_every: int = 1, reserved: bool = True) -> mmap.mmap:
-    """``size`` bytes of private anonymous memory, one byte written in every ``fill_every``-th page.
-
-    The kernel maps a new region next to the last one and joins two alike into one mapping, which
-    ``/proc/self/smaps`` counts as one: neighbours in a test differ in ``reserved``.
-    """
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (0 if reserved else MAP_NORESERVE)
-    region = mmap.mmap(-1, size, flags=flags)
+def new_region(size: int, fill_every: int = 1) -> Region:
+    """``size`` bytes of private anonymous memory, guarded on both sides, one byte written in every
+    ``fill_every``-th page."""
+    mapping = mmap.mmap(-1, size + 2 * mmap.PAGESIZE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    start = ctypes.addressof(ctypes.c_char.from_buffer(mapping)) + mmap.PAGESIZE
+    mprotect = pages.libc_function("mprotect", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
+    for guard in (start - mmap.PAGESIZE, start + size):
+        assert mprotect(guard, mmap.PAGESIZE, PROT_NONE) == 0, f"errno {ctypes.get_errno()}"
+    region = Region(mapping, start, size)
     for offset in range(0, size, mmap.PAGESIZE * fill_every):
         region[offset] = 1
     return region
@@ -74,7 +95,7 @@ def collapsing_kernel() -> None:
         if "[always]" in mode.read():
             pytest.skip("this kernel gives all memory huge pages as it is touched (THP 'always'): nothing to compare")
     probe = new_region(3 * HUGE)
-    stretch = -(-address(probe) // HUGE) * HUGE
+    stretch = -(-probe.start // HUGE) * HUGE
     if pages.libc_madvise()(stretch, HUGE, pages.MADV_COLLAPSE) != 0:
         pytest.skip(f"this kernel does not collapse memory into huge pages (errno {ctypes.get_errno()})")
     probe.close()
@@ -84,18 +105,18 @@ def test_a_block_s_filled_memory_goes_on_huge_pages_and_nothing_else_does(collap
     monkeypatch.delenv(pages.SWITCH, raising=False)
     earlier = new_region(6 * HUGE)
     with pages.on_huge_pages() as moved:
-        filled = new_region(6 * HUGE, reserved=False)
+        filled = new_region(6 * HUGE)
         sparse = new_region(6 * HUGE, fill_every=2)
     sparse_resident = resident_bytes(sparse)
 
     # At least the four whole, aligned stretches inside six.
-    assert huge_bytes(address(filled), address(filled) + len(filled)) >= 4 * HUGE
-    low, high = address(filled), address(filled) + len(filled)
+    assert huge_bytes_of(filled) >= 4 * HUGE
+    low, high = filled.start, filled.start + filled.size
     assert len([start for start, end in moved if low <= start and end <= high]) >= 4
     # Memory mapped before the block, and memory the block left half empty, stay as they were: resident memory
     # does not grow to fill a huge page.
-    assert huge_bytes(address(earlier), address(earlier) + len(earlier)) == 0
-    assert huge_bytes(address(sparse), address(sparse) + len(sparse)) == 0
+    assert huge_bytes_of(earlier) == 0
+    assert huge_bytes_of(sparse) == 0
     assert resident_bytes(sparse) == sparse_resident == 3 * HUGE
 
 
@@ -103,7 +124,7 @@ def test_switched_off_a_block_s_memory_stays_on_small_pages(collapsing_kernel, m
     monkeypatch.setenv(pages.SWITCH, "0")
     with pages.on_huge_pages() as moved:
         filled = new_region(6 * HUGE)
-    assert moved == [] and huge_bytes(address(filled), address(filled) + len(filled)) == 0
+    assert moved == [] and huge_bytes_of(filled) == 0
 
 
 class Wide(torch.nn.Module):
