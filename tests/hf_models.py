@@ -148,6 +148,17 @@ def roberta() -> torch.nn.Module:
     return Outputs(RobertaForSequenceClassification(config), ("logits",))
 
 
+def deberta_v2() -> torch.nn.Module:
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    # Disentangled attention: content-to-position and position-to-content scores gathered from log buckets of the
+    # relative distance.
+    config = DebertaV2Config(**TEXT, max_position_embeddings=64, relative_attention=True,
+                             pos_att_type=["p2c", "c2p"], position_buckets=16, max_relative_positions=32,
+                             num_labels=3)
+    return Outputs(DebertaV2ForSequenceClassification(config), ("logits",))
+
+
 def t5() -> torch.nn.Module:
     from transformers import T5Config, T5ForConditionalGeneration
 
@@ -203,6 +214,15 @@ def beit() -> torch.nn.Module:
     return Outputs(BeitForImageClassification(config), ("logits",))
 
 
+def swin() -> torch.nn.Module:
+    from transformers import SwinConfig, SwinForImageClassification
+
+    # Two blocks a stage: the second attends within windows shifted by half a window (a roll and a mask).
+    config = SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4,
+                        num_labels=5)
+    return Outputs(SwinForImageClassification(config), ("logits",))
+
+
 def redrawn(model: torch.nn.Module) -> torch.nn.Module:
     """Every parameter drawn anew: a head whose initial features are all zero would hide any error."""
     with torch.no_grad():
@@ -241,6 +261,7 @@ CORPUS = {
         Architecture("qwen3_moe", "mixture of experts", seeded(qwen3_moe), token_inputs),
         Architecture("bert", "encoder", seeded(bert), token_and_mask_inputs),
         Architecture("roberta", "encoder", seeded(roberta), token_and_mask_inputs),
+        Architecture("deberta_v2", "relative-position encoder", seeded(deberta_v2), token_and_mask_inputs),
         Architecture("t5", "encoder-decoder", seeded(t5), seq2seq_inputs),
         Architecture("bart", "encoder-decoder", seeded(bart), seq2seq_inputs),
         Architecture("resnet", "convolutional vision", seeded(resnet), image_inputs),
@@ -248,6 +269,7 @@ CORPUS = {
         Architecture("efficientnet", "convolutional vision", seeded(efficientnet), image_inputs),
         Architecture("vit", "transformer vision", seeded(vit), image_inputs),
         Architecture("beit", "transformer vision", seeded(beit), image_inputs),
+        Architecture("swin", "shifted-window vision", seeded(swin), image_inputs),
         Architecture("wav2vec2", "speech encoder", seeded(wav2vec2), audio_inputs),
         Architecture("whisper", "speech encoder", seeded(whisper), mel_inputs),
     )
