@@ -103,6 +103,8 @@ def collapsing_kernel() -> None:
 
 def test_a_block_s_filled_memory_goes_on_huge_pages_and_nothing_else_does(collapsing_kernel, monkeypatch):
     monkeypatch.delenv(pages.SWITCH, raising=False)
+    # What engines in earlier tests mapped counts in later blocks, and `earlier` may reuse its addresses.
+    monkeypatch.setattr(pages, "PACKED", pages.PackedMemory())
     earlier = new_region(6 * HUGE)
     with pages.on_huge_pages() as moved:
         filled = new_region(6 * HUGE)
