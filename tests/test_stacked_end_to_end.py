@@ -236,3 +236,38 @@ def test_a_tensor_sized_by_a_sum_of_data_dependent_sizes_crosses_into_aotinducto
         torch.testing.assert_close(loaded.forward(x, slot), model(x, slot))
     nothing_routed = -torch.ones(6, 3)
     torch.testing.assert_close(loaded.forward(nothing_routed, slot), torch.zeros(4, 3))
+
+
+class FlattenedTokens(torch.nn.Module):
+    """Batch and sequence flattened into one dimension for a matmul, as every transformers linear is traced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(16)
+        self.weight = torch.nn.Parameter(torch.randn(16, 32, generator=torch.Generator().manual_seed(0)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = self.norm(x).reshape(-1, 16)
+        return torch.relu(torch.nn.functional.gelu(torch.mm(rows, self.weight)).reshape(x.shape[0], x.shape[1], 32))
+
+
+def test_a_tensor_sized_by_a_product_of_dynamic_sizes_crosses_into_aotinductor(tmp_path):
+    model = FlattenedTokens().eval()
+    batch, length = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("length", min=2, max=32)
+    program = aotstack.export(model, {"forward": (torch.randn(2, 8, 16),)},
+                              dynamic_shapes={"forward": ({0: batch, 1: length},)})
+    # ONNX Runtime normalizes and flattens (rows: batch * length), and unflattens after the mm and gelu it declines;
+    # AOTInductor's partition has no input sized by batch or length alone, so it reads the rows' count from the
+    # tensor fed (it cannot solve one product for the sizes it multiplies).
+    ort = aotstack.OrtPartitioner(ops=["aten.layer_norm", "aten.view", "aten.relu"], min_island_work=0)
+    lowered = aotstack.lower(program, [ort, aotstack.AotiCpuPartitioner()])
+    delegates = lowered.delegates("forward")
+    assert [d.ops for d in delegates if d.backend_id == "aoti_cpu"] == [["aten.gelu.default", "aten.mm.default"]]
+    assert any("aten.layer_norm.default" in d.ops for d in delegates if d.backend_id == "onnxruntime")
+    lowered.save(tmp_path / "flattened.pt2")
+
+    loaded = aotstack.load(tmp_path / "flattened.pt2")
+    with torch.no_grad():
+        for shape in ((2, 8), (1, 2), (5, 31)):
+            x = torch.randn(*shape, 16)
+            torch.testing.assert_close(loaded.forward(x), model(x))

@@ -248,23 +248,22 @@ def contiguous_like(value: torch.Tensor, stand_ins: Mapping[Any, torch.SymInt] |
 
 
 def compound_size_stand_ins(inputs: list[torch.Tensor]) -> dict[Any, torch.SymInt]:
-    """For each size of ``inputs`` computed from data-dependent sizes no input has as a size of its own, a fresh one.
+    """For each size of ``inputs`` computed from sizes no input has as a size of its own, a fresh data-dependent one.
 
-    ``u0 + u1``: rows routed to two experts, concatenated by one engine and read by another. An
-    engine reads an input's sizes from the tensor it is fed, and cannot solve one sum for the
-    sizes it adds up (AOTInductor asserts it has them), unless another input has them as sizes.
-    Otherwise the sum stands as a data-dependent size of its own (one per distinct expression, so
-    inputs of the same size keep sharing it).
+    ``batch * length``: tokens flattened for a matmul by one engine and read by another (every
+    transformers linear, where an engine declines the matmul); ``u0 + u1``: rows routed to two
+    experts, concatenated. An engine reads an input's sizes from the tensor it is fed, and cannot
+    solve one product or sum for the sizes in it (AOTInductor asserts it has them), unless another
+    input has them as sizes. Otherwise the expression stands as a size of its own (one per distinct
+    expression, so inputs of the same size keep sharing it).
     """
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
     sizes = [size.node.expr for value in inputs for size in value.shape if isinstance(size, torch.SymInt)]
     read = {expr for expr in sizes if expr.is_Symbol}
     fake_mode = detect_fake_mode(inputs)
     shape_env = getattr(fake_mode, "shape_env", None)
     stand_ins: dict[Any, torch.SymInt] = {}
     for expr in dict.fromkeys(sizes):
-        if shape_env is None or expr.is_Symbol or free_unbacked_symbols(expr) <= read:
+        if shape_env is None or expr.is_Symbol or expr.free_symbols <= read:
             continue
         # An input's size is bound by the tensor fed, not computed by an op of the partition.
         with shape_env.ignore_fresh_unbacked_symbols():
