@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -248,7 +250,8 @@ class FlattenedTokens(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = self.norm(x).reshape(-1, 16)
-        return torch.relu(torch.nn.functional.gelu(torch.mm(rows, self.weight)).reshape(x.shape[0], x.shape[1], 32))
+        hidden = torch.mm(rows, self.weight)
+        return torch.relu((torch.nn.functional.silu(hidden) * hidden).reshape(x.shape[0], x.shape[1], 32))
 
 
 def test_a_tensor_sized_by_a_product_of_dynamic_sizes_crosses_into_aotinductor(tmp_path):
@@ -256,18 +259,23 @@ def test_a_tensor_sized_by_a_product_of_dynamic_sizes_crosses_into_aotinductor(t
     batch, length = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("length", min=2, max=32)
     program = aotstack.export(model, {"forward": (torch.randn(2, 8, 16),)},
                               dynamic_shapes={"forward": ({0: batch, 1: length},)})
-    # ONNX Runtime normalizes and flattens (rows: batch * length), and unflattens after the mm and gelu it declines;
-    # AOTInductor's partition has no input sized by batch or length alone, so it reads the rows' count from the
-    # tensor fed (it cannot solve one product for the sizes it multiplies).
+    # ONNX Runtime normalizes and flattens (rows: batch * length), and unflattens after the ops it declines.
+    # AOTInductor's partition has no input sized by batch or length alone: it reads the rows' count from the
+    # tensor fed (it cannot solve one product for the sizes in it), up to the product's largest value (an
+    # engine that plans memory at a size's largest, ExecuTorch, needs one).
     ort = aotstack.OrtPartitioner(ops=["aten.layer_norm", "aten.view", "aten.relu"], min_island_work=0)
     lowered = aotstack.lower(program, [ort, aotstack.AotiCpuPartitioner()])
     delegates = lowered.delegates("forward")
-    assert [d.ops for d in delegates if d.backend_id == "aoti_cpu"] == [["aten.gelu.default", "aten.mm.default"]]
     assert any("aten.layer_norm.default" in d.ops for d in delegates if d.backend_id == "onnxruntime")
+    [aoti] = [d for d in delegates if d.backend_id == "aoti_cpu"]
+    assert aoti.ops == ["aten.mm.default", "aten.mul.Tensor", "aten.silu.default"]
+    boundary = json.loads(aoti.processed_bytes)["boundary"]
+    rows = boundary["inputs"][0]["sizes"][0]
+    assert boundary["symbols"][rows] == [0, 8 * 32], "any count of rows up to the product's largest"
     lowered.save(tmp_path / "flattened.pt2")
 
     loaded = aotstack.load(tmp_path / "flattened.pt2")
     with torch.no_grad():
-        for shape in ((2, 8), (1, 2), (5, 31)):
+        for shape in ((2, 8), (1, 2), (8, 32), (5, 31)):
             x = torch.randn(*shape, 16)
             torch.testing.assert_close(loaded.forward(x), model(x))

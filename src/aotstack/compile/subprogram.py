@@ -139,7 +139,7 @@ def partition_program(
         graph=module.graph,
         graph_signature=signature,
         state_dict=state_dict,
-        range_constraints=copy.copy(exported.range_constraints),
+        range_constraints={**exported.range_constraints, **stand_in_ranges(stand_ins)},
         module_call_graph=[ModuleCallEntry("", call_signature)],
         example_inputs=(example_inputs, {}),
         constants=sub_constants,
@@ -247,6 +247,11 @@ def contiguous_like(value: torch.Tensor, stand_ins: Mapping[Any, torch.SymInt] |
         return torch.empty(shape, dtype=value.dtype, device=value.device)
 
 
+def stand_in_ranges(stand_ins: Mapping[Any, torch.SymInt]) -> dict[Any, Any]:
+    """Each stand-in size's range, as its program's ``range_constraints`` records a size's: what its boundary checks."""
+    return {size.node.expr: size.node.shape_env.var_to_range[size.node.expr] for size in stand_ins.values()}
+
+
 def compound_size_stand_ins(inputs: list[torch.Tensor]) -> dict[Any, torch.SymInt]:
     """For each size of ``inputs`` computed from sizes no input has as a size of its own, a fresh data-dependent one.
 
@@ -269,5 +274,10 @@ def compound_size_stand_ins(inputs: list[torch.Tensor]) -> dict[Any, torch.SymIn
         with shape_env.ignore_fresh_unbacked_symbols():
             stand_in = shape_env.create_unbacked_symint()
         torch._check(stand_in >= 0)
+        # The expression's largest value carries over: an engine that plans memory at a size's largest (ExecuTorch)
+        # needs one. Not its smallest: the shape environment takes a dynamic size to be at least 2, an input may be 1.
+        upper = shape_env.bound_sympy(expr).upper
+        if upper.is_Integer:  # torch's int_oo is not
+            torch._check(stand_in <= int(upper))
         stand_ins[expr] = stand_in
     return stand_ins
