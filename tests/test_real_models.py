@@ -141,3 +141,23 @@ def test_corpus_model_matches_eager_from_a_fresh_process(corpus, name, lowering)
         assert re.fullmatch(r"aoti_cpu x1 \(\d+ ops\)", result.engines), "AOTInductor alone takes the whole model"
     else:
         assert FIRST_ENGINE[lowering] in result.engines
+
+
+@pytest.mark.parametrize("first", ["ort+aoti", "ov+aoti"])
+def test_a_mixture_of_experts_with_dynamic_batch_and_length_matches_eager_at_other_sizes(tmp_path, first):
+    # The experts' linears read tokens flattened (batch * length) by the engine first; AOTInductor takes the
+    # grouped matmul that engine declines, with no input sized by batch or length alone.
+    model = hf_models.build("mixtral")
+    batch, length = torch.export.Dim("batch", min=1, max=4), torch.export.Dim("length", min=2, max=16)
+    program = aotstack.export(model, {"forward": hf_models.example_inputs("mixtral")},
+                              dynamic_shapes={"forward": (({0: batch, 1: length},),)})
+    lowered = aotstack.lower(program, LOWERINGS[first]())
+    assert FIRST_ENGINE[first] in engines_text(lowered) and "aoti_cpu" in engines_text(lowered)
+    lowered.save(tmp_path / "moe.pt2")
+
+    loaded = aotstack.load(tmp_path / "moe.pt2")
+    with torch.no_grad():
+        for rows, tokens in ((1, 2), (3, 11), (4, 16)):
+            ids = hf_models.tokens(rows, tokens)
+            for got, want in zip(loaded.forward(ids), model(ids), strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
