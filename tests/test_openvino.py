@@ -764,3 +764,31 @@ def test_index_add_as_export_writes_it_converts(tmp_path):
     lowered.save(tmp_path / "index_add.pt2")
     with torch.no_grad():
         torch.testing.assert_close(aotstack.load(tmp_path / "index_add.pt2").forward(*inputs), model(*inputs))
+
+
+class CacheFromEmpty(torch.nn.Module):
+    """Keys concatenated onto an empty start, as transformers' ``DynamicCache`` does on a model's first step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        keys = torch.cat([torch.tensor([]), self.project(x)], dim=-2)
+        return torch.softmax(x @ keys.transpose(-1, -2), dim=-1) @ keys
+
+
+def test_a_concatenation_onto_an_empty_start_is_converted_whole(tmp_path):
+    # torch skips the empty operand; OpenVINO's Concat would refuse its rank (the partition failed to convert).
+    model, x = CacheFromEmpty().eval(), torch.randn(1, 2, 5, 8)
+    length = torch.export.Dim("length", min=2, max=32)
+    program = aotstack.export(model, {"forward": (x,)}, dynamic_shapes={"forward": ({2: length},)})
+    lowered = aotstack.lower(program, [aotstack.OpenVinoPartitioner(), aotstack.AotiCpuPartitioner()])
+    assert [d.backend_id for d in lowered.delegates("forward")] == ["openvino"]
+    lowered.save(tmp_path / "cache.pt2")
+
+    loaded = aotstack.load(tmp_path / "cache.pt2")
+    with torch.no_grad():
+        for size in (5, 2, 17):
+            x = torch.randn(1, 2, size, 8)
+            torch.testing.assert_close(loaded.forward(x), model(x), rtol=1e-5, atol=1e-5)

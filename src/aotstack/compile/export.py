@@ -14,6 +14,7 @@ from torch.export import ExportedProgram
 
 from ..errors import ExportError
 from .attention import with_grouped_attention
+from .empty_concat import with_empty_concat_operands_dropped
 from .int8_tensor import with_signed_int8_products
 from .pooling import with_pooling_windows_fitted
 from .program_parts import updated_buffers
@@ -52,6 +53,7 @@ class Program:
         # - one exported from a model quantized with torchao holds its weights as tensor subclasses, which
         #   decomposing unwraps into the plain tensors they pack, which the file can store;
         # - a pooling window may overhang its input (``ceil_mode``), which every engine handles badly or not at all;
+        # - a concatenation may start from an empty cache (``torch.tensor([])``), an operand OpenVINO refuses;
         # - a one-token attention may read its key/value heads repeated per query head, a copy of the cache per call;
         # - torchao's dynamic int8 layers take a form of their own on CPUs with VNNI and without AMX.
         self.methods = {name: normalized(program) for name, program in self.methods.items()}
@@ -128,11 +130,12 @@ def functional(exported: ExportedProgram) -> ExportedProgram:
 
 def normalized(exported: ExportedProgram) -> ExportedProgram:
     """``exported`` as ``export`` would have made it: functional, in the inference IR, its pooling windows
-    fitted, its one-token attention over repeated key/value heads run on the heads themselves, and its int8
-    products in the one form torchao exports them in on any CPU."""
+    fitted, its concatenations rid of skipped empty operands, its one-token attention over repeated key/value
+    heads run on the heads themselves, and its int8 products in the one form torchao exports them in on any CPU."""
     if exported.dialect == "TRAINING" or mutates_in_place(exported) or holds_subclass_weights(exported):
         exported = functional(exported)
-    return with_signed_int8_products(with_grouped_attention(with_pooling_windows_fitted(exported)))
+    fitted = with_empty_concat_operands_dropped(with_pooling_windows_fitted(exported))
+    return with_signed_int8_products(with_grouped_attention(fitted))
 
 
 def mutates_in_place(exported: ExportedProgram) -> bool:
