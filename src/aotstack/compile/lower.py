@@ -94,7 +94,7 @@ from .splice import (
     drop_unused_subgraphs,
     splice_delegate_call,
 )
-from .subprogram import PartitionProgram, partition_program
+from .subprogram import PartitionProgram, partition_program, views_as_reshapes
 from .work import node_work
 
 
@@ -828,6 +828,8 @@ def lowering_steps(
                 states[name].splice(listed, sent)
     methods: dict[str, ExportedProgram] = {}
     for name, state in states.items():
+        # A view left to plain ATen was valid for the layout eager gave its input; a delegate's output may have another.
+        views_as_reshapes(state.working.graph)
         propagate_device_pass(
             state.working,
             {d.delegate_id: (d.backend_id, d.target_device) for d in state.delegates},
