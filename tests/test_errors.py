@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import zipfile
@@ -202,3 +203,37 @@ def test_a_partition_that_cannot_be_a_delegate_names_method_partition_and_node()
     message = str(raised.value)
     assert "method 'forward', partition 'sizes' (aoti_cpu)" in message
     assert "node 'sym_size_int" in message and "gives a SymInt to nodes outside its partition" in message
+
+
+@dataclasses.dataclass
+class Halves:
+    """A model's output type of its own, registered with torch's pytree as transformers registers its outputs."""
+
+    first: torch.Tensor
+    second: torch.Tensor
+
+
+class Halving(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> Halves:
+        return Halves(x[:2] * 2, x[2:] + 1)
+
+
+def test_an_output_type_no_module_registered_here_names_the_module_to_import(tmp_path):
+    def registered() -> None:
+        torch.utils._pytree.register_dataclass(Halves, serialized_type_name="tests.test_errors.Halves")
+
+    registered()
+    try:
+        program = aotstack.export(Halving(), {"forward": (torch.randn(4, 3),)})
+        aotstack.lower(program, []).save(tmp_path / "halves.pt2")
+    finally:
+        torch.utils._pytree._deregister_pytree_node(Halves)
+    # As in a process that has not imported the module (transformers, for its ModelOutput classes): aotstack
+    # imports nothing a file names, so the user is told what to import.
+    with pytest.raises(aotstack.PackageError, match=r"outputs are a tests.test_errors.Halves, .* import tests before"):
+        aotstack.load(tmp_path / "halves.pt2")
+    registered()
+    try:
+        assert isinstance(aotstack.load(tmp_path / "halves.pt2").forward(torch.randn(4, 3)), Halves)
+    finally:
+        torch.utils._pytree._deregister_pytree_node(Halves)

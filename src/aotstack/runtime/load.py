@@ -504,8 +504,25 @@ def treespec(method: str, what: str, text: str) -> pytree.TreeSpec:
     try:
         return pytree.treespec_loads(text)
     except Exception as exc:
+        unregistered = unregistered_type(exc)
+        if unregistered is not None:
+            module = unregistered.rpartition(".")[0] or unregistered
+            raise PackageError(
+                f"method {method!r}: its {'inputs' if what == 'in_spec' else 'outputs'} are a {unregistered}, a type "
+                f"its module registers with torch's pytree when imported; import {module.split('.')[0]} before "
+                "aotstack.load (a file never makes aotstack import anything)"
+            ) from None
         # treespec_loads raises what its JSON and its registry raise; each means a bad spec.
         raise PackageError(f"method {method!r}: unreadable {what} ({type(exc).__name__}: {exc})") from None
+
+
+def unregistered_type(error: Exception) -> str | None:
+    """The serialized name of the pytree type ``error`` says no module registered in this process, or None."""
+    text = str(error)
+    prefix, suffix = "Deserializing ", " in pytree is not registered"
+    if not isinstance(error, NotImplementedError) or not text.startswith(prefix) or suffix not in text:
+        return None
+    return text[len(prefix):text.index(suffix)]
 
 
 def loaded_delegate(state: ProgramState, method: str, record: DelegateRecord) -> LoadedDelegate:
