@@ -143,8 +143,16 @@ def test_corpus_model_matches_eager_from_a_fresh_process(corpus, name, lowering)
         assert FIRST_ENGINE[lowering] in result.engines
 
 
+# torch 2.11's export cannot keep a mixture of experts' length dynamic: the experts' routing leaves a guard it cannot
+# prove for every length (min(8*length, 16*length) == 8*length: "Constraints violated"), for plain torch.export too.
+DYNAMIC_MOE_EXPORT = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
+NO_DYNAMIC_MOE_EXPORT = "torch.export before 2.13 cannot keep a mixture of experts' length dynamic"
+
+
 @pytest.mark.parametrize("first", ["ort+aoti", "ov+aoti"])
 def test_a_mixture_of_experts_with_dynamic_batch_and_length_matches_eager_at_other_sizes(tmp_path, first):
+    if not DYNAMIC_MOE_EXPORT:
+        pytest.skip(NO_DYNAMIC_MOE_EXPORT)
     # The experts' linears read tokens flattened (batch * length) by the engine first; AOTInductor takes the
     # grouped matmul that engine declines, with no input sized by batch or length alone.
     model = hf_models.build("mixtral")
@@ -170,6 +178,8 @@ def test_a_decoder_base_model_exported_for_its_features_matches_eager(tmp_path, 
     # laid out otherwise than eager's (XNNPACK first: the file failed at its first call).
     if engines.startswith("xnnpack") and executorch_problem() is not None:
         pytest.skip(executorch_problem())
+    if not DYNAMIC_MOE_EXPORT:
+        pytest.skip(NO_DYNAMIC_MOE_EXPORT)
     import transformers
 
     from tests import hf_folders
