@@ -171,15 +171,7 @@ def test_a_mixture_of_experts_with_dynamic_batch_and_length_matches_eager_at_oth
                 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("engines", ["ov,aoti", "xnnpack,aoti"])
-def test_a_decoder_base_model_exported_for_its_features_matches_eager(tmp_path, engines):
-    # export-hf's feature-extraction exports the model's own forward, its DynamicCache on. Its keys start from
-    # torch.tensor([]) (OpenVINO refused the concatenation), and views left to plain ATen read delegates' outputs
-    # laid out otherwise than eager's (XNNPACK first: the file failed at its first call).
-    if engines.startswith("xnnpack") and executorch_problem() is not None:
-        pytest.skip(executorch_problem())
-    if not DYNAMIC_MOE_EXPORT:
-        pytest.skip(NO_DYNAMIC_MOE_EXPORT)
+def mixtral_base_model() -> torch.nn.Module:
     import transformers
 
     from tests import hf_folders
@@ -187,14 +179,58 @@ def test_a_decoder_base_model_exported_for_its_features_matches_eager(tmp_path, 
     torch.manual_seed(0)
     config = transformers.MixtralConfig(**hf_folders.TEXT, num_key_value_heads=2, num_local_experts=4,
                                         num_experts_per_tok=2)
-    model = transformers.MixtralModel(config).eval()
+    return transformers.MixtralModel(config).eval()
+
+
+def test_a_decoder_base_model_exported_for_its_features_returns_them_alone(tmp_path):
+    if not DYNAMIC_MOE_EXPORT:
+        pytest.skip(NO_DYNAMIC_MOE_EXPORT)
+    from tests import hf_folders
+
+    model = mixtral_base_model()
+    assert model.config.use_cache, "the model's own forward returns its cache"
     folder = hf_folders.saved(model, tmp_path / "mixtral")
     hf_folders.export_hf(str(folder), "-o", str(tmp_path / "out"), "--task", "feature-extraction",
-                         "--engines", engines)
+                         "--engines", "ov,aoti")
 
     loaded = aotstack.load(tmp_path / "out" / "model.pt2")
     with torch.no_grad():
         for rows, tokens in ((2, 8), (1, 3), (3, 13)):
             ids = hf_models.tokens(rows, tokens, vocab=hf_folders.VOCAB)
-            got = loaded.forward(ids, torch.ones_like(ids)).last_hidden_state
-            torch.testing.assert_close(got, model(ids, torch.ones_like(ids)).last_hidden_state, rtol=1e-4, atol=1e-5)
+            got = loaded.forward(ids, torch.ones_like(ids))
+            assert list(got.keys()) == ["last_hidden_state"], "no layer's keys and values beside the features"
+            torch.testing.assert_close(got.last_hidden_state, model(ids, torch.ones_like(ids)).last_hidden_state,
+                                       rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("engines", ["ov,aoti", "xnnpack,aoti"])
+def test_a_decoder_base_models_forward_with_its_cache_on_matches_eager(tmp_path, engines):
+    # Its DynamicCache's keys start from torch.tensor([]) (OpenVINO refused the concatenation), and views left to
+    # plain ATen read delegates' outputs laid out otherwise than eager's (XNNPACK first: the file failed at its
+    # first call).
+    if engines.startswith("xnnpack") and executorch_problem() is not None:
+        pytest.skip(executorch_problem())
+    if not DYNAMIC_MOE_EXPORT:
+        pytest.skip(NO_DYNAMIC_MOE_EXPORT)
+    from transformers.exporters.auto import get_exporter_class
+
+    from aotstack.integrations.transformers import AotstackConfig
+    from tests import hf_folders
+
+    model = mixtral_base_model()
+    ids = hf_models.tokens(2, 8, vocab=hf_folders.VOCAB)
+    batch, length = torch.export.Dim("batch", min=1, max=8), torch.export.Dim("length", min=2, max=32)
+    exporter = get_exporter_class("aotstack")(progress=False)
+    exported = exporter.export(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, AotstackConfig(
+        engines=engines, dynamic_shapes={"input_ids": {0: batch, 1: length}, "attention_mask": {0: batch, 1: length}}))
+    exported.save_pretrained(tmp_path / "out")
+
+    loaded = aotstack.load(tmp_path / "out" / "model.pt2")
+    with torch.no_grad():
+        for rows, tokens in ((2, 8), (1, 3), (3, 13)):
+            ids = hf_models.tokens(rows, tokens, vocab=hf_folders.VOCAB)
+            got = torch.utils._pytree.tree_leaves(loaded.forward(ids, torch.ones_like(ids)))
+            want = torch.utils._pytree.tree_leaves(model(ids, torch.ones_like(ids)))
+            assert len(got) == len(want) > 1, "the features and every layer's keys and values"
+            for got_leaf, want_leaf in zip(got, want, strict=True):
+                torch.testing.assert_close(got_leaf, want_leaf, rtol=1e-4, atol=1e-5)

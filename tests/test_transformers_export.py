@@ -85,6 +85,15 @@ def test_export_hf_then_generate_gives_transformers_greedy_text(decoder_export, 
     assert aotstack_hf.generate(exported, ids, NEW_TOKENS) == expected
 
 
+def test_one_new_token_is_reported_without_a_rate(decoder_export, capsys):
+    out = decoder_export[1]
+    capsys.readouterr()
+    assert main(["generate", str(out), "--prompt", PROMPT, "--max-new-tokens", "1", "--greedy"]) == 0
+    err = capsys.readouterr().err
+    assert "1 token after a " in err and "first token" in err
+    assert "tokens/s" not in err, "one token has no decoding rate"
+
+
 def test_prefill_and_decode_share_each_weight_in_one_file(decoder_export):
     from aotstack.format.archive import read_manifest
 

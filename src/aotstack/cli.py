@@ -402,9 +402,11 @@ def generate_command(args: argparse.Namespace) -> int:
     )
     print(("" if args.stream else result.text), flush=True)
     source = f"from {args.audio}" if args.audio else f"after a {result.prompt_tokens}-token prompt"
-    print(f"{len(result.tokens)} tokens {source}; loaded in "
-          f"{result.load_seconds * 1e3:.0f} ms, first token {result.first_token_seconds * 1e3:.1f} ms, then "
-          f"{result.decode_tokens_per_second:.1f} tokens/s", file=sys.stderr)
+    count = len(result.tokens)
+    # A rate needs two tokens at least: the first one's time is the prompt's, given on its own.
+    rate = f", then {result.decode_tokens_per_second:.1f} tokens/s" if count > 1 else ""
+    print(f"{count} token{'s' if count != 1 else ''} {source}; loaded in {result.load_seconds * 1e3:.0f} ms, "
+          f"first token {result.first_token_seconds * 1e3:.1f} ms{rate}", file=sys.stderr)
     return 0
 
 

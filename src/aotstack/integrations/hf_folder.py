@@ -188,6 +188,8 @@ def export_folder(
     task = checked_task(task, config)
     say(f"task {task}; loading {model_dir}")
     model = load_model(model_dir, task, config)
+    if task not in GENERATION_TASKS:
+        without_cache(model)
     preprocessor = load_preprocessor(model_dir, task, model)
     seconds = {"load": time.perf_counter() - started}
 
@@ -273,6 +275,18 @@ def load_model(model_dir: Path, task: str, config: Any) -> torch.nn.Module:
     if task == "text-generation" and config.is_encoder_decoder:
         raise UnsupportedModelError(f"{type(model).__name__} is an encoder-decoder; use --task text2text-generation")
     return model.eval()
+
+
+def without_cache(model: torch.nn.Module) -> None:
+    """Turn off the key-value cache a decoder's forward returns by default (``config.use_cache``).
+
+    One forward computes the features; no step follows to read a cache, so returning every layer's keys
+    and values beside them would only cost each call the time and memory to make and hand them over.
+    """
+    configs = {id(config): config for config in (model.config, model.config.get_text_config())}
+    for config in configs.values():
+        if getattr(config, "use_cache", False):
+            config.use_cache = False
 
 
 PROCESSOR_FILES = (PROCESSOR_FILE, "processor_config.json")
