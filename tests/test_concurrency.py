@@ -245,25 +245,50 @@ scratch, path = sys.argv[1], sys.argv[2]
 tempfile.tempdir = scratch
 
 def load_and_call():
-    # The first library this process opens: the child makes its own directory for it.
+    # The first library this process opens.
     loaded = aotstack.load(path)
     loaded.run("forward", torch.ones(2, 256))
-    return glob.glob(os.path.join(scratch, "aotstack-libraries-*"))
+    opened = [line.split()[-2] for line in open("/proc/self/maps") if "memfd:aotstack-" in line]
+    return [sorted(set(opened)), glob.glob(os.path.join(scratch, "*"))]
 
 child = forked(load_and_call, (), "loader")
 outcome = received(child)
 child.process.join()
-print(json.dumps({"outcome": outcome[0], "while_running": outcome[1],
-                  "after": glob.glob(os.path.join(scratch, "aotstack-libraries-*"))}))
+print(json.dumps({"outcome": outcome[0], "while_running": outcome[1], "after": glob.glob(os.path.join(scratch, "*"))}))
+"""
+
+KILLED_AFTER_LOADING = """
+import glob, json, os, signal, subprocess, sys
+
+scratch, path = sys.argv[1], sys.argv[2]
+loader = (
+    "import os, signal, sys, tempfile, torch, aotstack\\n"
+    "tempfile.tempdir = sys.argv[1]\\n"
+    "aotstack.load(sys.argv[2]).run('forward', torch.ones(2, 256))\\n"
+    "os.kill(os.getpid(), signal.SIGKILL)\\n"
+)
+ended = subprocess.run([sys.executable, "-c", loader, scratch, path], capture_output=True, text=True)
+print(json.dumps({"returncode": ended.returncode, "stderr": ended.stderr[-2000:],
+                  "left": glob.glob(os.path.join(scratch, "*"))}))
 """
 
 
-def test_a_lowering_child_that_opens_a_library_removes_its_directory_when_it_ends(wide_path, tmp_path):
+def test_a_lowering_child_that_opens_a_library_leaves_nothing_in_the_temporary_folder(wide_path, tmp_path):
     """Auto's timing and the opening check load files in forked children, which end with ``os._exit``: each
-    left a directory of libraries in the temporary folder, as its exit hooks never ran."""
+    left a directory of libraries in the temporary folder, as its exit hooks never ran. A library is now opened
+    from sealed memory, which ends with the process."""
     result = run_child(LIBRARIES_IN_A_CHILD, str(tmp_path), str(wide_path))
 
     assert result["outcome"] == "returned"
-    assert len(result["while_running"]) == 1, "the child wrote the library to a directory of its own"
-    assert result["after"] == [], "the child removed it as it ended"
-    assert list(tmp_path.glob("aotstack-libraries-*")) == []
+    opened, files = result["while_running"]
+    assert len(opened) == 1 and opened[0].startswith("/memfd:aotstack-"), "the library mapped from sealed memory"
+    assert files == [], "no file written while it runs"
+    assert result["after"] == []
+
+
+def test_a_process_killed_after_loading_leaves_no_library_behind(wide_path, tmp_path):
+    """A server stopped by SIGTERM or SIGKILL runs no exit hook: a library written to the temporary folder stayed."""
+    result = run_child(KILLED_AFTER_LOADING, str(tmp_path), str(wide_path))
+
+    assert result["returncode"] == -9, result["stderr"]
+    assert result["left"] == []

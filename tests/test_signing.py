@@ -97,7 +97,8 @@ from aotstack.backends.aoti import run as aoti_run
 
 def mapped_libraries():
     with open("/proc/self/maps") as maps:
-        return sorted({line.split()[-1] for line in maps if "aotstack-libraries" in line})
+        # A library opened from sealed memory ("/memfd:aotstack-<key>.so (deleted)") or from a private folder.
+        return sorted({line.split()[5] for line in maps if "/memfd:aotstack-" in line or "aotstack-libraries" in line})
 
 cases, good, public = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
 opened = []

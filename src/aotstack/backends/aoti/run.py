@@ -321,26 +321,65 @@ def visible_devices() -> str:
 
 
 _LIBRARY_PATHS: dict[str, str] = {}
+# The sealed copies' descriptors, open for the process's life: their paths name them.
+_SEALED_LIBRARIES: list[int] = []
+SEALS = ("F_SEAL_WRITE", "F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_SEAL")
 
 
 def library_path(library: BytesLike, key: str, extern_nodes: BytesLike | None = None) -> str:
-    """A private file holding ``library``, written once per process for each distinct library.
+    """A path the dynamic loader opens ``library`` from, made once per process for each distinct library.
 
     Delegates compiled to the same code share it, so the dynamic loader opens it once; each
     runner still keeps its own weights. ``key`` is the library's hash, recorded when it was
-    compiled, so loading does not hash it a second time. ``extern_nodes`` goes beside it, named
-    as the runner looks for it (the same code makes the same calls, so it is written once too).
+    compiled, so loading does not hash it a second time.
+
+    The library goes into sealed anonymous memory (``sealed_library``): no file is left behind by a
+    process that ends without running its exit hooks (a SIGTERM, a SIGKILL, a crash), and nothing
+    can change the verified bytes before the loader reads them. Where the runner needs a file beside
+    the library (``extern_nodes``, named as it looks for the proxy executor's calls) or the system
+    has no sealed memory (macOS), it goes into a private directory removed at exit.
     """
     if key not in _LIBRARY_PATHS:
-        directory = private_directory()
-        fd, path = tempfile.mkstemp(prefix=key[:16] + "-", suffix=".so", dir=directory)
-        with os.fdopen(fd, "wb") as file:
-            file.write(library)
-        if extern_nodes is not None:
-            with open(path.removesuffix(".so") + ".json", "xb") as file:
-                file.write(extern_nodes)
-        _LIBRARY_PATHS[key] = path
+        sealed = sealed_library(library, key) if extern_nodes is None else None
+        _LIBRARY_PATHS[key] = sealed or written_library(library, key, extern_nodes)
     return _LIBRARY_PATHS[key]
+
+
+def sealed_library(library: BytesLike, key: str) -> str | None:
+    """``library`` in a sealed memory file, as ``/proc/self/fd/N``; None where the system cannot make one."""
+    import fcntl
+
+    if not (hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and os.path.isdir("/proc/self/fd")):
+        return None
+    try:
+        fd = os.memfd_create(f"aotstack-{key[:16]}.so", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError:
+        return None
+    try:
+        with memoryview(library).cast("B") as remaining:
+            while remaining:
+                remaining = remaining[os.write(fd, remaining):]
+        seals = 0
+        for name in SEALS:
+            seals |= getattr(fcntl, name)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except OSError:
+        os.close(fd)
+        return None
+    _SEALED_LIBRARIES.append(fd)
+    return f"/proc/self/fd/{fd}"
+
+
+def written_library(library: BytesLike, key: str, extern_nodes: BytesLike | None) -> str:
+    """``library`` written to a private file, ``extern_nodes`` beside it as the runner looks for them."""
+    directory = private_directory()
+    fd, path = tempfile.mkstemp(prefix=key[:16] + "-", suffix=".so", dir=directory)
+    with os.fdopen(fd, "wb") as file:
+        file.write(library)
+    if extern_nodes is not None:
+        with open(path.removesuffix(".so") + ".json", "xb") as file:
+            file.write(extern_nodes)
+    return path
 
 
 @functools.cache
