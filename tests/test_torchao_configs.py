@@ -489,3 +489,20 @@ def test_one_token_through_aotinductor_reads_each_kind_of_intx_weight_right(tmp_
     assert not [shape for dtype, shape in stored if dtype == "uint8"], stored
     assert all(entry in stored for entry in [("float32", [HIDDEN, DIM // 8]), ("float32", [VOCAB, DIM // 8]),
                                              ("float32", [HIDDEN, DIM // 16]), ("float32", [VOCAB, DIM // 16])])
+
+
+@pytest.mark.parametrize("name", ["int8-weight-only", "8da4w-g32"])
+def test_quantized_weights_that_ask_for_gradients_export(name):
+    """transformers loads a torchao checkpoint's weights as parameters asking for gradients; unwrapping their
+    integer parts failed ("Only Tensors of floating point and complex dtype can require gradients")."""
+    torch.manual_seed(0)
+    model = Tiny().eval()
+    quantize_(model, CONFIGS[name].linear())
+    for module in (model.up, model.down, model.head):
+        module.weight = torch.nn.Parameter(module.weight, requires_grad=True)
+
+    program = aotstack.export(model, {"forward": (IDS,)})
+
+    assert model.up.weight.requires_grad, "the caller's model keeps its parameters as they were"
+    with torch.no_grad():
+        torch.testing.assert_close(program.methods["forward"].module()(IDS), model(IDS))

@@ -315,3 +315,26 @@ def test_exporter_config_quantizes_a_copy_and_refuses_a_transformers_quantizer(t
         exporter.export(model, dict(inputs), aotstack_hf.AotstackConfig(engines="ov", quantizer=object()))
     with pytest.raises(aotstack.QuantizationError, match="unknown linear quantization 'int4'"):
         aotstack_hf.AotstackConfig(engines="ov", qlinear="int4")
+
+
+def test_a_torchao_checkpoint_saved_by_transformers_generates_its_greedy_text(tmp_path, capsys):
+    """A folder as torchao-quantized checkpoints ship: ``from_pretrained(quantization_config=TorchAoConfig(...))``,
+    then ``save_pretrained``. Its weights load as parameters asking for gradients, which export could not unwrap."""
+    torchao = pytest.importorskip("torchao.quantization")
+
+    model = decoder_lm("llama").eval()
+    saved(model, tmp_path / "float")
+    quantized = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "float", quantization_config=transformers.TorchAoConfig(torchao.Int8WeightOnlyConfig()))
+    saved(quantized, tmp_path / "quantized")
+    export_hf(str(tmp_path / "quantized"), "-o", str(tmp_path / "out"), "--engines", "aoti", "--max-cache-len", "32")
+
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "quantized").eval()
+    assert type(loaded.model.layers[0].mlp.up_proj.weight) is not torch.nn.Parameter, "torchao's weights"
+    expected = greedy_reference(loaded, tokenizer()(PROMPT)["input_ids"])
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "out"), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS)]) == 0
+    assert capsys.readouterr().out.strip() == tokenizer().decode(expected, skip_special_tokens=True)
+    report = aotstack.file_report(tmp_path / "out" / "model.pt2")
+    assert {label for method in report.methods for d in method.delegates for label in d.quantized} == {
+        "linear 8w, per channel"}

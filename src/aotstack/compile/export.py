@@ -111,9 +111,25 @@ def export_method(
         # An inference program: a buffer updated from a weight (a KV cache) must not ask for gradients.
         with torch.no_grad():
             exported = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=strict)
-            return functional(exported)
+            return functional(with_subclass_weights_frozen(exported))
     except Exception as exc:
         raise ExportError(f"torch.export failed for method {name!r}: {exc}") from exc
+
+
+def with_subclass_weights_frozen(exported: ExportedProgram) -> ExportedProgram:
+    """``exported`` whose tensor-subclass parameters ask for no gradients: the same data, in parameters of its own.
+
+    transformers loads a torchao checkpoint's quantized weights (``Int8Tensor``, ``IntxUnpackedToInt8Tensor``) as
+    parameters that ask for gradients, and ``run_decompositions`` cannot unwrap those into their integer parts
+    ("Only Tensors of floating point and complex dtype can require gradients"). The caller's model keeps its own.
+    """
+    frozen: dict[int, torch.nn.Parameter] = {}  # by the original: tied weights stay one parameter
+    for name, value in exported.state_dict.items():
+        if isinstance(value, torch.nn.Parameter) and value.requires_grad and type(value) not in PLAIN_TENSOR_TYPES:
+            if id(value) not in frozen:
+                frozen[id(value)] = torch.nn.Parameter(value.detach(), requires_grad=False)
+            exported.state_dict[name] = frozen[id(value)]
+    return exported
 
 
 def functional(exported: ExportedProgram) -> ExportedProgram:
