@@ -328,6 +328,7 @@ def test_a_torchao_checkpoint_saved_by_transformers_generates_its_greedy_text(tm
         tmp_path / "float", quantization_config=transformers.TorchAoConfig(torchao.Int8WeightOnlyConfig()))
     saved(quantized, tmp_path / "quantized")
     export_hf(str(tmp_path / "quantized"), "-o", str(tmp_path / "out"), "--engines", "aoti", "--max-cache-len", "32")
+    assert "its checkpoint is quantized already: torchao Int8WeightOnlyConfig" in capsys.readouterr().err
 
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "quantized").eval()
     assert type(loaded.model.layers[0].mlp.up_proj.weight) is not torch.nn.Parameter, "torchao's weights"

@@ -195,7 +195,9 @@ def export_folder(
 
     exporter = AotstackExporter(progress=progress, jobs=jobs)
     quantization = quantization or Quantization()
-    say(f"exporting {type(model).__name__} with engines {engines}, quantization {quantization.describe()}")
+    stored = stored_quantization(raw)
+    say(f"exporting {type(model).__name__} with engines {engines}, quantization {quantization.describe()}"
+        + (f" (its checkpoint is quantized already: {stored})" if stored else ""))
     # The model was loaded for this export alone: quantized in place, not copied.
     quantization.apply(model)
     try:
@@ -275,6 +277,20 @@ def load_model(model_dir: Path, task: str, config: Any) -> torch.nn.Module:
     if task == "text-generation" and config.is_encoder_decoder:
         raise UnsupportedModelError(f"{type(model).__name__} is an encoder-decoder; use --task text2text-generation")
     return model.eval()
+
+
+def stored_quantization(raw_config: dict[str, Any]) -> str | None:
+    """How the checkpoint's weights were quantized (``"torchao Int8WeightOnlyConfig"``), from its config.json;
+    None for float weights. Only float layers are quantized again by ``--qlinear`` and ``--qembedding``."""
+    stored = raw_config.get("quantization_config")
+    if not isinstance(stored, dict):
+        return None
+    method = str(stored.get("quant_method", "unknown method"))
+    kinds = stored.get("quant_type")
+    if isinstance(kinds, dict):
+        names = sorted({str(kind["_type"]) for kind in kinds.values() if isinstance(kind, dict) and "_type" in kind})
+        return f"{method} {', '.join(names)}" if names else method
+    return method
 
 
 def without_cache(model: torch.nn.Module) -> None:
