@@ -66,6 +66,14 @@ def bart() -> torch.nn.Module:
     return model.eval()
 
 
+def marian() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.MarianMTModel(transformers.MarianConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=MAX_SOURCE,
+        pad_token_id=0, decoder_start_token_id=2)).eval()
+
+
 @dataclass
 class Seq2SeqExport:
     model: torch.nn.Module
@@ -139,6 +147,30 @@ def test_encode_gives_each_decoder_layers_cross_attention_keys_and_values(seq2se
 
 def test_decode_does_not_project_the_encoder_state_again(seq2seq):
     assert seq2seq.decode_projections == []
+
+
+@pytest.mark.parametrize("first", ["ort", "ov"])
+def test_an_engine_first_takes_the_decode_of_an_encoder_decoder_and_matches_eager(tmp_path, first):
+    """The cross-attention inputs share the source's length, which Marian's decode guards; the engine's program (its
+    cache as arguments, so other inputs) carried those guards over the method's inputs, and tracing it again failed
+    ("tuple index out of range"): Marian, Pegasus, mT5 and UMT5, ONNX Runtime or OpenVINO first."""
+    engine = {"ort": aotstack.OrtPartitioner, "ov": aotstack.OpenVinoPartitioner}[first]
+    model = marian()
+    program = export_encoder_decoder_lm(model, CACHE, max_source_len=MAX_SOURCE)
+    lowered = aotstack.lower(program, [engine(), aotstack.AotiCpuPartitioner()])
+    assert [delegate.backend_id for delegate in lowered.delegates("decode")] == [engine.backend_id]
+    lowered.save(tmp_path / "marian.pt2")
+
+    loaded = aotstack.load(tmp_path / "marian.pt2")
+    ids = decoder_ids(model)
+    for length in (len(SOURCE), 37):
+        source = torch.tensor([(SOURCE * 5)[:length]])
+        with torch.no_grad():
+            expected = model(input_ids=source, decoder_input_ids=torch.tensor([ids])).logits[0]
+        state = loaded.encode(source)
+        for position, token in enumerate(ids):
+            logits = loaded.decode(torch.tensor([[token]]), *state, torch.tensor([position]))
+            torch.testing.assert_close(logits[0], expected[position], atol=1e-4, rtol=1e-4)
 
 
 def test_a_cache_longer_than_the_decoders_positions_is_refused():

@@ -8,7 +8,7 @@ from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, OutputKind, OutputSpec, TensorArgument
 from torch.fx import Graph, Node
 
-from .program_parts import constant_placeholders
+from .program_parts import constant_placeholders, with_guards_of
 
 
 def without_unused_constants(exported: ExportedProgram, read_before: set[str]) -> ExportedProgram:
@@ -31,7 +31,7 @@ def without_unused_constants(exported: ExportedProgram, read_before: set[str]) -
         output_specs=renamed_output_specs(exported.graph_signature, graph),
     )
     kept_targets = {s.target for s in signature.input_specs}
-    return ExportedProgram(
+    program = ExportedProgram(
         root=exported.graph_module,
         graph=graph,
         graph_signature=signature,
@@ -41,6 +41,7 @@ def without_unused_constants(exported: ExportedProgram, read_before: set[str]) -
         example_inputs=exported.example_inputs,
         constants={k: v for k, v in exported.constants.items() if k in kept_targets},
     )
+    return with_guards_of(program, exported)
 
 
 def renamed_signature(signature: ExportGraphSignature, graph: Graph) -> ExportGraphSignature:

@@ -13,6 +13,7 @@ from torch.fx.experimental.symbolic_shapes import compute_unbacked_bindings
 from torch.utils import _pytree as pytree
 
 from .constants import renamed_signature
+from .program_parts import rebuilt
 
 
 def edited_copy(exported: ExportedProgram, edit: Callable[[Graph, dict[Node, Node]], None]) -> ExportedProgram:
@@ -25,7 +26,7 @@ def edited_copy(exported: ExportedProgram, edit: Callable[[Graph, dict[Node, Nod
     graph.output(graph.graph_copy(exported.graph, copies))
     edit(graph, copies)
     module = GraphModule(exported.graph_module, graph)
-    return exported._update(module, renamed_signature(exported.graph_signature, graph))
+    return rebuilt(exported, module, renamed_signature(exported.graph_signature, graph))
 
 
 def inserted_call(

@@ -25,7 +25,7 @@ from ..format.state import state_devices
 from ..format.tensor_data import BytesLike, content_key, dtype_name, tensor_buffer, tensor_is_viewable
 from .custom_ops import custom_op_records
 from .plan import method_plan
-from .program_parts import program_weights
+from .program_parts import program_weights, rebuilt
 
 
 class BlobStore(Mapping[str, BytesLike]):
@@ -182,16 +182,14 @@ def weightless(program: ExportedProgram) -> ExportedProgram:
             return torch.nn.Parameter(empty, requires_grad=value.requires_grad)
         return empty
 
-    copy = program._update(
+    # The guards the serializer writes are the original's.
+    return rebuilt(
+        program,
         program.graph_module,
         program.graph_signature,
         state_dict={name: meta(value) for name, value in program.state_dict.items()},
         constants={name: meta(value) for name, value in program.constants.items()},
     )
-    # _update starts a program afresh; the guards the serializer writes are the original's.
-    if hasattr(program, "_guards_code"):
-        copy._guards_code = program._guards_code
-    return copy
 
 
 def method_record(

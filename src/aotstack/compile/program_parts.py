@@ -313,6 +313,37 @@ def contiguous_attention_outputs(exported_program: ExportedProgram) -> None:
     exported_program.graph_module.recompile()
 
 
+def without_outer_guards(exported_program: ExportedProgram) -> ExportedProgram:
+    """Drop the shape guards a program inherits from its method's, in place, and return it.
+
+    A part's fake tensors share the method's shape environment, so a program built over them gets
+    the method's guards, written over the method's inputs (``L['flat_args'][3]``). An engine that
+    traces the program again (the ONNX exporter, OpenVINO's decompositions) evaluates them over the
+    program's own inputs, and fails (``name 'L' is not defined``, ``tuple index out of range``)
+    wherever the two differ. The method checks its inputs itself, and each run side its part's.
+    """
+    if hasattr(exported_program, "_guards_code"):
+        exported_program._guards_code = []
+    return exported_program
+
+
+def rebuilt(exported_program: ExportedProgram, module: GraphModule, signature: Any, **changes: Any) -> ExportedProgram:
+    """``exported_program._update(module, signature, **changes)``, keeping ``exported_program``'s own guards.
+
+    A new program computes its guards afresh from its shape environment, which a part shares with
+    its method: a part's rebuilt program would get the method's guards back (``without_outer_guards``).
+    """
+    program = exported_program._update(module, signature, **changes)
+    return with_guards_of(program, exported_program)
+
+
+def with_guards_of(program: ExportedProgram, source: ExportedProgram) -> ExportedProgram:
+    """``program`` guarded as ``source`` is (in place), where this torch keeps guards on a program."""
+    if hasattr(source, "_guards_code"):
+        program._guards_code = list(source._guards_code)
+    return program
+
+
 def state_as_arguments(exported_program: ExportedProgram) -> tuple[ExportedProgram, list[str]]:
     """``exported_program`` with each buffer it updates taken as a trailing input and given back as a leading output.
 
@@ -375,7 +406,8 @@ def state_as_arguments(exported_program: ExportedProgram) -> tuple[ExportedProgr
         example_inputs=(example_inputs, {}),
         constants={fqn: value for fqn, value in exported_program.constants.items() if fqn not in fqns},
     )
-    return program, fqns
+    # Its inputs are no longer the method's: buffers became arguments.
+    return without_outer_guards(program), fqns
 
 
 # The size an example tensor gives a data-dependent dimension (a count of routed tokens), which has no hint;

@@ -30,6 +30,7 @@ from .program_parts import (
     is_size_computation,
     mutated_buffer_names,
     program_weights,
+    without_outer_guards,
 )
 
 
@@ -146,20 +147,6 @@ def partition_program(
     )
     without_outer_guards(sub_program)
     return PartitionProgram(sub_program, user_inputs, outputs, [fqn for fqn, _ in updated.values()])
-
-
-def without_outer_guards(exported_program: ExportedProgram) -> None:
-    """Drop the shape guards a partition inherits from its method's program, in place.
-
-    A partition's fake tensors share the method's shape environment, so torch gives the partition
-    the method's guards, written over the method's inputs (``L['x']``, ``L['y']``). An engine that
-    traces the partition again (the ONNX exporter, OpenVINO's decompositions) evaluates them over
-    the partition's own inputs, and fails (``name 'L' is not defined``) wherever the two differ, as
-    with two inputs sharing a dynamic size. The method checks its inputs itself, and each run side
-    the partition's.
-    """
-    if hasattr(exported_program, "_guards_code"):
-        exported_program._guards_code = []
 
 
 def buffers_updated_only_by(

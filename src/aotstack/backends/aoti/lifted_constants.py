@@ -17,6 +17,8 @@ import dataclasses
 from torch.export import ExportedProgram
 from torch.export.graph_signature import ExportGraphSignature, InputKind
 
+from ...compile.program_parts import rebuilt
+
 
 def with_constants_as_buffers(exported_program: ExportedProgram) -> ExportedProgram:
     """``exported_program`` with each lifted constant tensor an input buffer that is not persistent.
@@ -31,6 +33,5 @@ def with_constants_as_buffers(exported_program: ExportedProgram) -> ExportedProg
         if spec.kind is InputKind.CONSTANT_TENSOR else spec
         for spec in signature.input_specs
     ]
-    return exported_program._update(
-        exported_program.graph_module, ExportGraphSignature(input_specs=inputs, output_specs=signature.output_specs)
-    )
+    return rebuilt(exported_program, exported_program.graph_module,
+                   ExportGraphSignature(input_specs=inputs, output_specs=signature.output_specs))

@@ -47,7 +47,7 @@ from torch.fx import Graph, GraphModule, Node
 from ...compile.constants import renamed_signature
 from ...compile.graph_edits import inserted_call
 from ...compile.packed_integers import WORDS, fit_signed, packed_words, signed_range, slots_in
-from ...compile.program_parts import constant_placeholders, program_weights
+from ...compile.program_parts import constant_placeholders, program_weights, rebuilt
 from ...compile.quantize import is_dequantize, zero_free
 
 aten = torch.ops.aten
@@ -129,7 +129,7 @@ def with_packed_weights(exported_program: ExportedProgram) -> ExportedProgram:
     state_dict = {fqn: stored_as(value, packed.get(fqn)) for fqn, value in exported_program.state_dict.items()}
     constants = {fqn: stored_as(value, packed.get(fqn)) for fqn, value in exported_program.constants.items()}
     signature = renamed_signature(exported_program.graph_signature, graph)
-    return exported_program._update(module, signature, state_dict=state_dict, constants=constants)
+    return rebuilt(exported_program, module, signature, state_dict=state_dict, constants=constants)
 
 
 def packable_weights(graph: Graph, fqns: dict[Node, str], weights: dict[str, torch.Tensor]) -> list[PackableWeight]:

@@ -17,7 +17,7 @@ from torch.export import ExportedProgram
 from torch.fx import Graph, GraphModule, Node
 
 from ...compile.constants import renamed_signature, without_unused_constants
-from ...compile.program_parts import constant_placeholders, program_weights
+from ...compile.program_parts import constant_placeholders, program_weights, rebuilt
 
 # The dtypes whose every value ``full`` makes exactly from the Python number ``item()`` gives.
 WRITABLE_DTYPES = frozenset({
@@ -46,7 +46,7 @@ def with_scalar_weights_inlined(exported_program: ExportedProgram) -> ExportedPr
         with graph.inserting_after(last_placeholder):
             copies[original].replace_all_uses_with(full_call(graph, copies[original], value))
     module = GraphModule(exported_program.graph_module, graph)
-    program = exported_program._update(module, renamed_signature(exported_program.graph_signature, graph))
+    program = rebuilt(exported_program, module, renamed_signature(exported_program.graph_signature, graph))
     return without_unused_constants(program, read_before={copies[original].name for original in scalars})
 
 

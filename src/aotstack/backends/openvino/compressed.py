@@ -35,6 +35,7 @@ from ...compile.int8_tensor import (
     is_call,
     is_torchao,
 )
+from ...compile.program_parts import rebuilt
 
 aten = torch.ops.aten
 
@@ -55,7 +56,7 @@ def with_compressed_int8_linears(exported_program: ExportedProgram) -> ExportedP
     for embedding in quantized_embeddings(graph):
         gather_then_dequantize(graph, embedding)
     module = GraphModule(exported_program.graph_module, graph)
-    return exported_program._update(module, renamed_signature(exported_program.graph_signature, graph))
+    return rebuilt(exported_program, module, renamed_signature(exported_program.graph_signature, graph))
 
 
 def quantized_embeddings(graph: Graph) -> list[Node]:

@@ -20,7 +20,7 @@ from torch.export.graph_signature import ExportGraphSignature, InputKind, InputS
 from torch.fx import Graph, GraphModule, Node
 
 from ...compile.int8_tensor import int8_linears
-from ...compile.program_parts import program_weights
+from ...compile.program_parts import program_weights, rebuilt
 from ...errors import LoweringError
 from .packing import PackedWeights, block_packed, channel_transposed
 from .quantized import QuantizedLayer, quantized_graph
@@ -245,8 +245,8 @@ def with_quantized_kernels(
     signature = rebuilt_signature(exported_program, graph, inserted, renamed)
     state_dict = {name: value for name, value in exported_program.state_dict.items() if name not in removed}
     kept_constants = {name: value for name, value in exported_program.constants.items() if name not in removed}
-    program = exported_program._update(module, signature, state_dict=state_dict, constants={**kept_constants,
-                                                                                              **constants})
+    program = rebuilt(exported_program, module, signature, state_dict=state_dict,
+                      constants={**kept_constants, **constants})
     return program, translations()
 
 
