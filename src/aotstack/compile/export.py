@@ -141,7 +141,21 @@ def functional(exported: ExportedProgram) -> ExportedProgram:
     with warnings.catch_warnings():
         # torch's TreeSpec warns about its own deprecated LeafSpec while being deep-copied.
         warnings.simplefilter("ignore", FutureWarning)
-        return exported.run_decompositions({})
+        return without_unnamed_weights(exported.run_decompositions({}))
+
+
+def without_unnamed_weights(exported: ExportedProgram) -> ExportedProgram:
+    """``exported`` without the weights its signature does not name, in place.
+
+    Unwrapping tensor-subclass weights into their parts leaves behind, under its old name, each one
+    the graph never read: Whisper's ``decode`` kept the encoder's torchao weights, whole, and reading
+    them (to fingerprint the program) failed, as a torchao tensor cannot be flattened.
+    """
+    named = {spec.target for spec in exported.graph_signature.input_specs if spec.target is not None}
+    for table in (exported.state_dict, exported.constants):
+        for fqn in [fqn for fqn in table if fqn not in named]:
+            del table[fqn]
+    return exported
 
 
 def normalized(exported: ExportedProgram) -> ExportedProgram:
