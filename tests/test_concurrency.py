@@ -292,3 +292,16 @@ def test_a_process_killed_after_loading_leaves_no_library_behind(wide_path, tmp_
 
     assert result["returncode"] == -9, result["stderr"]
     assert result["left"] == []
+
+
+def test_an_opened_library_cannot_be_changed_after_it_was_verified(wide_path):
+    """The loader reads the library from sealed memory: neither this process nor another can write it."""
+    from aotstack.backends.aoti import run as aoti_run
+
+    aotstack.load(wide_path).run("forward", torch.ones(2, 256))
+    assert aoti_run._SEALED_LIBRARIES, "the library was opened from sealed memory"
+    for fd in aoti_run._SEALED_LIBRARIES:
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"\0", 0)
+        with pytest.raises(PermissionError), open(f"/proc/self/fd/{fd}", "r+b") as reopened:
+            reopened.write(b"\0")

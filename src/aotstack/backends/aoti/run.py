@@ -323,7 +323,6 @@ def visible_devices() -> str:
 _LIBRARY_PATHS: dict[str, str] = {}
 # The sealed copies' descriptors, open for the process's life: their paths name them.
 _SEALED_LIBRARIES: list[int] = []
-SEALS = ("F_SEAL_WRITE", "F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_SEAL")
 
 
 def library_path(library: BytesLike, key: str, extern_nodes: BytesLike | None = None) -> str:
@@ -359,10 +358,8 @@ def sealed_library(library: BytesLike, key: str) -> str | None:
         with memoryview(library).cast("B") as remaining:
             while remaining:
                 remaining = remaining[os.write(fd, remaining):]
-        seals = 0
-        for name in SEALS:
-            seals |= getattr(fcntl, name)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        sealed = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, sealed)
     except OSError:
         os.close(fd)
         return None
