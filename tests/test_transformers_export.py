@@ -213,6 +213,57 @@ def test_image_classification_folder_matches_eager(tmp_path, capsys):
         torch.testing.assert_close(got.logits, model(pixel_values=pixels).logits, rtol=1e-4, atol=1e-5)
 
 
+def bert_with_head(task: str) -> torch.nn.Module:
+    """A BERT with ``task``'s head, every weight drawn anew: a head that starts near zero would hide an error."""
+    from aotstack.integrations.hf_folder import auto_class
+
+    torch.manual_seed(0)
+    model = auto_class(task).from_config(transformers.BertConfig(**TEXT)).eval()
+    for weight in model.parameters():
+        if weight.dim() > 1:
+            torch.nn.init.normal_(weight, std=0.2)
+    return model
+
+
+@pytest.mark.parametrize(("task", "engines"), [
+    ("text-classification", "ort"), ("token-classification", "ov"), ("question-answering", "ort"), ("fill-mask", "ov"),
+])
+def test_a_fine_tuned_heads_task_is_read_from_its_config_and_its_outputs_match_eager(tmp_path, capsys, task, engines):
+    """A sentiment classifier, a tagger, an extractive reader, a masked LM: each keeps its head, at any batch and
+    length, padding included (its mask is the tokenizer's)."""
+    model = bert_with_head(task)
+    export_hf(str(saved(model, tmp_path / "model")), "-o", str(tmp_path / "out"), "--engines", engines)
+    assert f"({task}: forward;" in capsys.readouterr().out
+    exported = ExportedModel.from_pretrained(tmp_path / "out")
+    for batch, length in ((3, 5), (1, 11)):
+        ids = torch.randint(4, VOCAB, (batch, length), generator=torch.Generator().manual_seed(length))
+        mask = torch.ones_like(ids)
+        mask[0, -2:] = 0
+        got = exported(input_ids=ids, attention_mask=mask)
+        with torch.no_grad():
+            want = model(input_ids=ids, attention_mask=mask)
+        names = [name for name, value in want.items() if isinstance(value, torch.Tensor)]
+        assert names and names == [name for name in got.keys() if name in names]
+        for name in names:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4)
+
+
+def test_a_head_no_task_covers_is_refused_rather_than_dropped(tmp_path, capsys):
+    """A multiple-choice BERT is not taken for its base model; asked for features, it gives them."""
+    model = bert_with_head("text-classification")
+    folder = saved(transformers.BertForMultipleChoice(model.config).eval(), tmp_path / "model")
+    with pytest.raises(UnsupportedModelError, match="no task here exports the head of BertForMultipleChoice .*"
+                                                    "pass --task feature-extraction"):
+        export_folder(folder, tmp_path / "out", engines="ort")
+    assert_nothing_written(tmp_path)
+    export_hf(str(folder), "-o", str(tmp_path / "out"), "--engines", "ort", "--task", "feature-extraction")
+    ids = torch.randint(4, VOCAB, (2, 6), generator=torch.Generator().manual_seed(2))
+    got = ExportedModel.from_pretrained(tmp_path / "out")(input_ids=ids, attention_mask=torch.ones_like(ids))
+    base = transformers.BertModel.from_pretrained(folder).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(got.last_hidden_state, base(input_ids=ids).last_hidden_state, rtol=1e-4, atol=1e-4)
+
+
 # Errors: each names what is wrong and what is expected, and leaves nothing in or beside the output.
 
 

@@ -29,9 +29,21 @@ from ..errors import AotstackError, GenerationError, ModelFolderError, Unsupport
 logger = logging.getLogger("aotstack")
 
 GENERATION_TASKS = ("text-generation", "text2text-generation", "automatic-speech-recognition")
-TASKS = (*GENERATION_TASKS, "feature-extraction", "image-classification", "audio-classification")
+# One forward each, its head's outputs returned as transformers' model returns them. In the order a task is
+# inferred in: an architecture some head task names is never taken for the base model.
+HEAD_TASKS = {
+    "text-classification": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+    "token-classification": ("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
+    "question-answering": ("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"),
+    "fill-mask": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    "image-classification": ("AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+    "audio-classification": ("AutoModelForAudioClassification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"),
+}
+TASKS = (*GENERATION_TASKS, *HEAD_TASKS, "feature-extraction")
 TASK_ALIASES = {"text2text": "text2text-generation", "causal-lm": "text-generation", "seq2seq": "text2text-generation",
-                "asr": "automatic-speech-recognition", "speech-recognition": "automatic-speech-recognition"}
+                "asr": "automatic-speech-recognition", "speech-recognition": "automatic-speech-recognition",
+                "sequence-classification": "text-classification", "sentiment-analysis": "text-classification",
+                "ner": "token-classification", "masked-lm": "fill-mask"}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 PROCESSOR_FILE = "preprocessor_config.json"
@@ -44,13 +56,13 @@ def auto_class(task: str) -> type:
     """The ``transformers`` auto class that loads a model for ``task``."""
     import transformers
 
+    if task in HEAD_TASKS:
+        return getattr(transformers, HEAD_TASKS[task][0])
     return getattr(transformers, {
         "text-generation": "AutoModelForCausalLM",
         "text2text-generation": "AutoModelForSeq2SeqLM",
         "automatic-speech-recognition": "AutoModelForSpeechSeq2Seq",
         "feature-extraction": "AutoModel",
-        "image-classification": "AutoModelForImageClassification",
-        "audio-classification": "AutoModelForAudioClassification",
     }[task])
 
 
@@ -68,14 +80,17 @@ def task_architectures() -> dict[str, set[str]]:
         "text-generation": names(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
         "text2text-generation": names(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
         "automatic-speech-recognition": names(auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES),
-        "image-classification": names(auto.MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES),
-        "audio-classification": names(auto.MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES),
+        **{task: names(getattr(auto, mapping)) for task, (_, mapping) in HEAD_TASKS.items()},
         "feature-extraction": names(auto.MODEL_MAPPING_NAMES),
     }
 
 
 def infer_task(config: Any) -> str:
-    """The task ``config.architectures`` names; a base model, or a head no task here covers, is feature extraction."""
+    """The task ``config.architectures`` names; a config naming none is a base model's, feature extraction.
+
+    A head no task here covers (``BertForMultipleChoice``) is refused rather than exported without
+    it: the outputs would not be the ones the checkpoint was trained to give.
+    """
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
 
     architectures = list(getattr(config, "architectures", None) or [])
@@ -84,10 +99,15 @@ def infer_task(config: Any) -> str:
         for task in TASKS:
             if architecture in by_task[task]:
                 return task
+    if architectures:
+        raise UnsupportedModelError(
+            f"no task here exports the head of {', '.join(architectures)} (model type {config.model_type!r}); "
+            f"pass --task feature-extraction for its base model's hidden states alone, or one of: {', '.join(TASKS)}"
+        )
     if config.model_type in MODEL_MAPPING_NAMES:
         return "feature-extraction"
     raise UnsupportedModelError(
-        f"cannot tell the task of model type {config.model_type!r} (architectures {architectures}); "
+        f"cannot tell the task of model type {config.model_type!r} (its config names no architectures); "
         f"pass --task, one of: {', '.join(TASKS)}"
     )
 
