@@ -393,6 +393,30 @@ def test_a_tanh_gelu_runs_in_xnnpacks_part_spelled_out_as_the_approximation_it_i
         torch.testing.assert_close(aotstack.load(tmp_path / "gelu.pt2").forward(x), model(x), rtol=2e-6, atol=2e-6)
 
 
+class RotaryByComplexNumbers(torch.nn.Module):
+    """Llama 4's rotary embedding: query pairs as complex numbers, turned by multiplying with unit ones."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project = torch.nn.Linear(16, 16)
+        self.register_buffer("turns", torch.polar(torch.ones(8, 8), torch.randn(8, 8)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pairs = torch.view_as_complex(self.project(x).reshape(*x.shape[:-1], -1, 2))
+        return self.project(torch.view_as_real(pairs * self.turns).flatten(-2))
+
+
+def test_a_method_with_complex_numbers_lowers_xnnpack_first_and_leaves_them_to_the_next_engine(tmp_path):
+    # ExecuTorch's edge passes traced the method with gradients on, which views of complex tensors refuse.
+    model, x = RotaryByComplexNumbers().eval(), torch.randn(8, 16)
+    lowered = aotstack.lower(aotstack.export(model, {"forward": (x,)}),
+                             [aotstack.XnnpackPartitioner(), aotstack.AotiCpuPartitioner(min_block_size=1)])
+    assert {delegate.backend_id for delegate in lowered.delegates("forward")} == {"xnnpack", "aoti_cpu"}
+    lowered.save(tmp_path / "rotary.pt2")
+    with torch.no_grad():
+        torch.testing.assert_close(aotstack.load(tmp_path / "rotary.pt2").forward(x), model(x), rtol=1e-5, atol=1e-5)
+
+
 def test_min_block_size_leaves_small_parts(lowered_with):
     lowered, _ = lowered_with(
         "stacked", "xnnpack-min3",

@@ -508,7 +508,7 @@ def tagged_edge_program(exported_program: ExportedProgram) -> tuple[ExportedProg
 
     asker = asker_for(XnnpackPartitioner())
     try:
-        with quiet_executorch():
+        with quiet_executorch(), torch.no_grad():
             # Validity is not checked: the program may call delegates other engines took, which are not core ATen.
             to_edge_transform_and_lower(
                 exported_program, partitioner=[asker], compile_config=EdgeCompileConfig(_check_ir_validity=False)

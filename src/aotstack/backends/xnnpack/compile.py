@@ -74,7 +74,7 @@ def lower_partition(exported_program: ExportedProgram, label: str) -> XnnpackPar
     exported_program = with_tanh_gelus_spelled_out(exported_program)
     contiguous_attention_outputs(exported_program)
     try:
-        with quiet_executorch():
+        with quiet_executorch(), torch.no_grad():
             edge = to_edge_transform_and_lower(
                 exported_program, transform_passes=[constants_kept_outside], partitioner=[XnnpackPartitioner()]
             )
