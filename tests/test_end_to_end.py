@@ -123,6 +123,42 @@ def test_dynamic_batch_and_an_input_named_like_a_builtin(tmp_path):
         loaded.forward(torch.randn(3, 15))
 
 
+class FloorOfPositives(torch.nn.Module):
+    """Makes a tensor as it runs, in a submodule (GPT-Neo's and Falcon's attention make their mask value so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.project(x)
+        return torch.where(h > 0, h, torch.tensor(torch.finfo(h.dtype).min, dtype=h.dtype, device=h.device))
+
+
+class MethodsOverALayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Sequential(FloorOfPositives())
+
+    def prefill(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x).amax(dim=0)
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) * 2
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_a_tensor_a_submodule_makes_in_a_named_method_is_kept_by_the_program(tmp_path, strict):
+    model, x = MethodsOverALayer().eval(), torch.randn(4, 8)
+    program = aotstack.export(model, {"prefill": (x,), "decode": (x,)}, strict=strict)
+    lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner(exclude_ops=["aten.where"])])
+    lowered.save(tmp_path / "made.pt2")
+    loaded = aotstack.load(tmp_path / "made.pt2")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.prefill(x), model.prefill(x))
+        torch.testing.assert_close(loaded.decode(x), model.decode(x))
+
+
 @pytest.mark.skipif(not processor.capabilities(), reason="torch cannot tell this CPU's features")
 def test_a_cpu_library_records_the_instructions_it_needs_and_a_cpu_without_them_is_refused(lowered_package, tmp_path):
     from torch._inductor.cpu_vec_isa import pick_vec_isa

@@ -190,8 +190,11 @@ def module_calling(model: torch.nn.Module, name: str) -> torch.nn.Module:
     """A shallow copy of ``model`` whose ``forward`` is its method ``name``.
 
     Sharing the submodules keeps every weight's FQN as it is in ``model``, and the method's own
-    signature names the program's inputs.
+    signature names the program's inputs. The method becomes the copy's class's ``forward``: bound
+    to the model and set on the copy, TorchDynamo reached the model through ``forward.__self__``, and
+    a tensor the method makes as it runs was lifted under that path, which the program's module lacks.
     """
     shallow = copy.copy(model)
-    shallow.forward = getattr(model, name)
+    method = getattr(model, name).__func__
+    shallow.__class__ = type(type(model).__name__, (type(model),), {"forward": method, "__module__": model.__module__})
     return shallow
