@@ -276,6 +276,31 @@ def test_ort_claims_ops_whose_decomposition_reads_list_and_keyword_arguments(tmp
     torch.testing.assert_close(aotstack.load(tmp_path / "lists.pt2").forward(x), model(x))
 
 
+class CountsPerBin(torch.nn.Module):
+    """A mixture of experts' count of tokens per expert: ``histc`` over a range given, or the data's own."""
+
+    def __init__(self, **bounds: float) -> None:
+        super().__init__()
+        self.bounds = bounds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.histc(x * 3, bins=4, **self.bounds) * 2
+
+
+@pytest.mark.parametrize(("bounds", "claimed"), [({"min": 0, "max": 3}, True), ({}, False)])
+def test_ort_claims_a_histc_only_over_a_range_given(tmp_path, bounds, claimed):
+    # The exporter's translation fixes the bins' edges; with min == max torch finds them in the data.
+    x, model = torch.rand(32), CountsPerBin(**bounds)
+    program = aotstack.export(model, {"forward": (x,)})
+    result = aotstack.OrtPartitioner().partition(program.methods["forward"])
+    refused = {name: reason.detail for name, reason in result.refusals.items()}
+    assert refused == ({} if claimed else {"histc": "the ONNX exporter's histc needs its range given (min < max); "
+                                                    "this one takes the data's"})
+    lowered = aotstack.lower(program, [aotstack.OrtPartitioner()])
+    lowered.save(tmp_path / "counts.pt2")
+    torch.testing.assert_close(aotstack.load(tmp_path / "counts.pt2").forward(x), model(x))
+
+
 def test_ort_ops_narrows_what_it_claims():
     program = exported("stacked")
     aotstack.OrtPartitioner(ops=["aten.linear", torch.ops.aten.tanh.default]).partition(program)

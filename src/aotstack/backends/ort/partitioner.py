@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch.export import ExportedProgram
 from torch.fx import Graph, GraphModule, Node
+from torch.fx.operator_schemas import normalize_function
 from torch.utils._pytree import tree_leaves
 
 from ...compile.partitioner import CONTROL_FLOW_OPS, MIN_ISLAND_WORK, PartitionResult, SupportedOpsPartitioner
@@ -121,6 +122,9 @@ class OrtPartitioner(SupportedOpsPartitioner):
                 f"ONNX Runtime's {', '.join(providers_named(self.compile_specs))} has no arithmetic kernels "
                 f"for {', '.join(uncomputable)}",
             )
+        limited = translation_limit(node)
+        if limited is not None:
+            return self.refusal("unsupported", limited)
         refused = super().node_refusal(node, owner)
         if refused is not None and refused.detail == UNTRACEABLE and isinstance(node.target, torch._ops.OpOverload):
             # The schema's stand-in arguments do not fit every op (an index must be an integer tensor);
@@ -159,6 +163,17 @@ class OrtPartitioner(SupportedOpsPartitioner):
             return self.refusal("excluded", "the user's ops= list does not name it")
         untranslatable = exporter_refusal(op)
         return None if untranslatable is None else self.refusal("unsupported", untranslatable)
+
+
+def translation_limit(node: Node) -> str | None:
+    """Why the ONNX exporter's translation of ``node``'s op refuses its arguments, where it has one that does."""
+    if node.target is torch.ops.aten.histc.default:
+        # The translation fixes the bins' edges when it is made; with min == max torch takes them from the data.
+        arguments = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+        low, high = (arguments.kwargs["min"], arguments.kwargs["max"]) if arguments else (None, None)
+        if low == high:
+            return "the ONNX exporter's histc needs its range given (min < max); this one takes the data's"
+    return None
 
 
 def node_dtypes(node: Node) -> set[torch.dtype]:
