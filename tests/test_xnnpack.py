@@ -417,6 +417,39 @@ def test_a_method_with_complex_numbers_lowers_xnnpack_first_and_leaves_them_to_t
         torch.testing.assert_close(aotstack.load(tmp_path / "rotary.pt2").forward(x), model(x), rtol=1e-5, atol=1e-5)
 
 
+class ReshapesOverTwoDynamicSizes(torch.nn.Module):
+    """SqueezeBERT's and ConvBERT's layers over a batch and a length both dynamic: a 1-D convolution, an unsqueeze."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project = torch.nn.Linear(8, 8)
+        self.mix = torch.nn.Conv1d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.project(x)
+        mixed = self.mix(h.transpose(1, 2)).transpose(1, 2)
+        return self.project(mixed * h.mean(-1).unsqueeze(-1))
+
+
+def test_reshapes_with_two_dynamic_sizes_are_left_to_the_next_engine(tmp_path):
+    # ExecuTorch's partitioner takes them, then its lowering refuses them: XNNPACK reshapes with one dynamic size.
+    model = ReshapesOverTwoDynamicSizes().eval()
+    batch, length = torch.export.Dim("batch", min=1, max=16), torch.export.Dim("length", min=2, max=32)
+    program = aotstack.export(model, {"forward": (torch.randn(2, 5, 8),)},
+                              dynamic_shapes={"forward": ({0: batch, 1: length},)})
+    result = aotstack.XnnpackPartitioner().partition(program.methods["forward"])
+    refused = {name: reason.detail for name, reason in result.refusals.items()}
+    assert {name for name, detail in refused.items() if "at most one dynamic dimension" in detail} == {
+        "conv1d", "unsqueeze"}
+    lowered = aotstack.lower(program, [aotstack.XnnpackPartitioner(), aotstack.AotiCpuPartitioner(min_block_size=1)])
+    lowered.save(tmp_path / "reshapes.pt2")
+    loaded = aotstack.load(tmp_path / "reshapes.pt2")
+    with torch.no_grad():
+        for shape in ((3, 7, 8), (1, 2, 8)):
+            x = torch.randn(*shape)
+            torch.testing.assert_close(loaded.forward(x), model(x), rtol=1e-5, atol=1e-5)
+
+
 def test_min_block_size_leaves_small_parts(lowered_with):
     lowered, _ = lowered_with(
         "stacked", "xnnpack-min3",

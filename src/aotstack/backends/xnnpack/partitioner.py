@@ -26,6 +26,35 @@ EXECUTORCH_DTYPES = frozenset({
 })
 
 
+# Ops XNNPACK lowers to its static reshape, which takes at most one dynamic dimension.
+STATIC_RESHAPES = frozenset({
+    torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.default, torch.ops.aten.squeeze.dim,
+    torch.ops.aten.squeeze.dims,
+})
+
+
+CONVOLUTIONS = frozenset({torch.ops.aten.conv1d.default, torch.ops.aten.convolution.default})
+
+
+def reshaped_dynamic_dimensions(node: Node) -> int:
+    """The most dynamic dimensions a static reshape XNNPACK would lower ``node`` with has; 0 for no reshape.
+
+    A 1-D convolution is lowered as a 2-D one between an unsqueeze of its input and a squeeze of its output.
+    """
+    if node.target in STATIC_RESHAPES:
+        return dynamic_dimensions(node.meta.get("val"))
+    if node.target in CONVOLUTIONS and node.args and isinstance(node.args[0], Node):
+        source = node.args[0].meta.get("val")
+        if isinstance(source, torch.Tensor) and source.dim() == 3:
+            return max(dynamic_dimensions(source), dynamic_dimensions(node.meta.get("val")))
+    return 0
+
+
+def dynamic_dimensions(value: object) -> int:
+    """How many of the sizes of ``value`` are symbolic; 0 for anything not a tensor."""
+    return sum(not isinstance(size, int) for size in value.shape) if isinstance(value, torch.Tensor) else 0
+
+
 class XnnpackPartitioner(SupportedOpsPartitioner):
     """Claims, for ExecuTorch's XNNPACK delegate on the CPU, every node ExecuTorch's ``XnnpackPartitioner`` delegates.
 
@@ -77,6 +106,11 @@ class XnnpackPartitioner(SupportedOpsPartitioner):
         dtype = next((tensor.dtype for tensor in node_tensors(node) if tensor.dtype not in EXECUTORCH_DTYPES), None)
         if dtype is not None:
             return self.refusal("unsupported", f"it reads or makes a {dtype} tensor, which ExecuTorch has no ops for")
+        dynamic = reshaped_dynamic_dimensions(node)
+        if dynamic > 1:
+            return self.refusal("unsupported", f"XNNPACK reshapes with at most one dynamic dimension, and this "
+                                               f"one has {dynamic} (ExecuTorch's partitioner takes it, then cannot "
+                                               "lower it)")
         if self.answer is None:
             return self.refusal("not_claimed", "ExecuTorch is asked when a whole program is partitioned")
         detail = self.answer.refusal(node)
