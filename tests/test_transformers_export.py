@@ -264,6 +264,50 @@ def test_a_head_no_task_covers_is_refused_rather_than_dropped(tmp_path, capsys):
         torch.testing.assert_close(got.last_hidden_state, base(input_ids=ids).last_hidden_state, rtol=1e-4, atol=1e-4)
 
 
+def vision_head(task: str) -> torch.nn.Module:
+    """A SegFormer that segments, a DETR that detects (on a ResNet of its own, no timm), a GLPN that estimates depth."""
+    from aotstack.integrations.hf_folder import auto_class
+
+    stages = {"num_encoder_blocks": 2, "depths": [1, 1], "sr_ratios": [2, 1], "hidden_sizes": [16, 32],
+              "num_attention_heads": [1, 2], "strides": [4, 2], "patch_sizes": [7, 3], "mlp_ratios": [2, 2]}
+    config = {
+        "semantic-segmentation": lambda: transformers.SegformerConfig(**stages, decoder_hidden_size=32, num_labels=3),
+        "depth-estimation": lambda: transformers.GLPNConfig(**stages, decoder_hidden_size=16),
+        "object-detection": lambda: transformers.DetrConfig(
+            use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=transformers.ResNetConfig(
+                embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], out_features=["stage1", "stage2"]),
+            d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
+            encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=5, num_labels=3),
+    }[task]()
+    torch.manual_seed(0)
+    model = auto_class(task).from_config(config).eval()
+    for weight in model.parameters():
+        if weight.dim() > 1:
+            torch.nn.init.normal_(weight, std=0.1)
+    return model
+
+
+@pytest.mark.parametrize(("task", "engines"), [
+    ("semantic-segmentation", "ort"), ("object-detection", "ov"), ("depth-estimation", "ort"),
+])
+def test_a_vision_heads_task_is_read_from_its_config_at_its_processors_image_size(tmp_path, capsys, task, engines):
+    """Exported at the size the processor makes (48 by 40 here; none of these configs names one), every output
+    of the head as the model gives it."""
+    model = vision_head(task)
+    processor = {"image_processor_type": "ViTImageProcessor", "size": {"height": 48, "width": 40}}
+    export_hf(str(saved(model, tmp_path / "model", processor)), "-o", str(tmp_path / "out"), "--engines", engines)
+    assert f"({task}: forward;" in capsys.readouterr().out
+    exported = ExportedModel.from_pretrained(tmp_path / "out")
+    pixels = torch.randn(2, 3, 48, 40, generator=torch.Generator().manual_seed(2))
+    got = exported(pixel_values=pixels)
+    with torch.no_grad():
+        want = model(pixel_values=pixels)
+    names = [name for name, value in want.items() if isinstance(value, torch.Tensor)]
+    assert names and all(name in got for name in names)
+    for name in names:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4)
+
+
 # Errors: each names what is wrong and what is expected, and leaves nothing in or beside the output.
 
 

@@ -96,7 +96,8 @@ def argument_parser() -> argparse.ArgumentParser:
     export_hf.add_argument("--task", default=None, metavar="TASK",
                            help="text-generation, text2text-generation, automatic-speech-recognition, "
                                 "text-classification, token-classification, question-answering, fill-mask, "
-                                "image-classification, audio-classification or feature-extraction "
+                                "image-classification, object-detection, semantic-segmentation, depth-estimation, "
+                                "audio-classification or feature-extraction "
                                 "(default: from the model's config)")
     export_hf.add_argument("--engines", default="auto", metavar="auto|ENGINE,...",
                            help="auto (default: time each installed engine's plan, keep the fastest per method), "

@@ -37,6 +37,9 @@ HEAD_TASKS = {
     "question-answering": ("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"),
     "fill-mask": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
     "image-classification": ("AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+    "object-detection": ("AutoModelForObjectDetection", "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES"),
+    "semantic-segmentation": ("AutoModelForSemanticSegmentation", "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES"),
+    "depth-estimation": ("AutoModelForDepthEstimation", "MODEL_FOR_DEPTH_ESTIMATION_MAPPING_NAMES"),
     "audio-classification": ("AutoModelForAudioClassification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"),
 }
 TASKS = (*GENERATION_TASKS, *HEAD_TASKS, "feature-extraction")
@@ -400,8 +403,7 @@ def example_inputs(
                 inputs[name] = torch.zeros_like(ids)
         return inputs, {name: {0: batch, 1: length} for name in inputs}
     if main_input == "pixel_values":
-        size = getattr(config, "image_size", 224)
-        height, width = (size, size) if isinstance(size, int) else tuple(size)
+        height, width = image_size(preprocessor.settings, config)
         channels = getattr(config, "num_channels", 3)
         pixels = torch.randn(EXAMPLE_BATCH, channels, height, width, generator=generator)
         return {"pixel_values": pixels}, {"pixel_values": {0: batch}}
@@ -414,6 +416,22 @@ def example_inputs(
         features = torch.randn(EXAMPLE_BATCH, config.num_mel_bins, frames, generator=generator)
         return {"input_features": features}, {"input_features": {0: batch}}
     raise UnsupportedModelError(f"{type(model).__name__} takes {main_input!r}, an input aotstack cannot make up")
+
+
+def image_size(settings: dict[str, Any], config: Any) -> tuple[int, int]:
+    """The height and width of the images the processor makes: its center crop, else the size it resizes to (a
+    square of its shortest edge, for one that keeps the aspect ratio), else the config's ``image_size``, else 224.
+    """
+    crop = settings.get("crop_size") if settings.get("do_center_crop") else None
+    for size in (crop, settings.get("size")):
+        if isinstance(size, int):
+            return size, size
+        if isinstance(size, dict) and isinstance(size.get("height"), int) and isinstance(size.get("width"), int):
+            return size["height"], size["width"]
+        if isinstance(size, dict) and isinstance(size.get("shortest_edge"), int):
+            return size["shortest_edge"], size["shortest_edge"]
+    size = getattr(config, "image_size", 224)
+    return (size, size) if isinstance(size, int) else (int(size[0]), int(size[1]))
 
 
 @dataclass
