@@ -24,8 +24,10 @@ import torch
 pytest.importorskip("transformers.exporters")
 
 import transformers  # noqa: E402
+from transformers.exporters import ExportedModel  # noqa: E402
 
 import aotstack  # noqa: E402
+from aotstack.cli import main  # noqa: E402
 from aotstack.errors import AudioFileError, ExportError, GenerationError  # noqa: E402
 from aotstack.integrations.audio import (  # noqa: E402
     audio_features,
@@ -262,6 +264,61 @@ def test_whisper_export_transcribes_as_transformers_generate(whisper_export):
             torch.testing.assert_close(logits[0], eager[position], atol=1e-4, rtol=1e-4)
 
 
+LETTERS = ["<pad>", "<s>", "</s>", "<unk>", "|", *"etaoinshrdlucmfw"]
+
+
+def small_wav2vec2(head: type, folder: Path) -> torch.nn.Module:
+    """A tiny wav2vec2 with ``head``, saved with its feature extractor."""
+    torch.manual_seed(0)
+    model = head(transformers.Wav2Vec2Config(
+        vocab_size=len(LETTERS), hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        conv_dim=(16, 16, 16), conv_stride=(5, 4, 2), conv_kernel=(10, 4, 2), num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4, pad_token_id=0, initializer_range=0.5, num_labels=3)).eval()
+    model.save_pretrained(folder)
+    transformers.Wav2Vec2FeatureExtractor(sampling_rate=SAMPLING_RATE, do_normalize=True).save_pretrained(folder)
+    return model
+
+
+def ctc_recogniser(folder: Path) -> torch.nn.Module:
+    """A tiny wav2vec2 with a CTC head, saved with a character tokenizer made here."""
+    model = small_wav2vec2(transformers.Wav2Vec2ForCTC, folder)
+    (folder / "vocab.json").write_text(json.dumps({letter: index for index, letter in enumerate(LETTERS)}))
+    transformers.Wav2Vec2CTCTokenizer(str(folder / "vocab.json"), word_delimiter_token="|").save_pretrained(folder)
+    return model
+
+
+def test_an_audio_classifier_takes_clips_of_any_length(tmp_path):
+    model = small_wav2vec2(transformers.Wav2Vec2ForSequenceClassification, tmp_path / "wav2vec2")
+    assert export_folder(tmp_path / "wav2vec2", tmp_path / "out", engines="ov").task == "audio-classification"
+    exported = ExportedModel.from_pretrained(tmp_path / "out")
+    for seconds in (0.4, 1.0, 3.1):
+        values = torch.tensor(speech(SAMPLING_RATE, seconds), dtype=torch.float32)[None]
+        with torch.no_grad():
+            torch.testing.assert_close(exported(input_values=values).logits, model(input_values=values).logits,
+                                       rtol=1e-4, atol=1e-4)
+
+
+def test_a_ctc_recogniser_exports_for_any_length_and_transcribes_as_eager(tmp_path, capsys):
+    model = ctc_recogniser(tmp_path / "wav2vec2")
+    result = export_folder(tmp_path / "wav2vec2", tmp_path / "out", engines="ort")
+    assert (result.task, result.methods) == ("automatic-speech-recognition", ["forward"])
+    extractor = transformers.Wav2Vec2FeatureExtractor.from_pretrained(tmp_path / "out")
+    texts = []
+    for seconds in (0.7, 2.3):  # lengths other than the one it was traced at
+        wav = write_wav(tmp_path / f"{seconds}.wav", speech(SAMPLING_RATE, seconds), SAMPLING_RATE)
+        values = extractor(read_wav(wav)[0], sampling_rate=SAMPLING_RATE, return_tensors="pt").input_values
+        with torch.no_grad():
+            labels = model(input_values=values).logits.argmax(-1)[0].tolist()
+        expected = transformers.AutoTokenizer.from_pretrained(tmp_path / "out").decode(labels)
+        assert len(set(labels)) > 2, "a model that labels every frame alike would prove little"
+        assert main(["generate", str(tmp_path / "out"), "--audio", str(wav), "--no-stream"]) == 0
+        out, err = capsys.readouterr()
+        assert out.strip() == expected.strip()
+        assert f"from {wav}; loaded in" in err and " ms, all in " in err
+        texts.append(expected)
+    assert texts[0] != texts[1]
+
+
 def test_whisper_export_folder_holds_tokenizer_and_feature_extractor(whisper_export):
     _, output, _ = whisper_export
     assert (output / "preprocessor_config.json").is_file()
@@ -375,8 +432,6 @@ def test_a_seeded_sample_from_an_encoder_decoder_is_transformers_sample(seq2seq)
 
 def test_generate_transcribes_a_wav_file_from_the_command_line(whisper_export, tmp_path, capsys):
     """``aotstack generate OUT --audio FILE.wav``, following the folder's suppress tokens as Whisper's generate."""
-    from aotstack.cli import main
-
     model, output, wav = whisper_export
     features = audio_features(output, wav)
     with torch.no_grad():

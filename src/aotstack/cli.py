@@ -405,10 +405,15 @@ def generate_command(args: argparse.Namespace) -> int:
     print(("" if args.stream else result.text), flush=True)
     source = f"from {args.audio}" if args.audio else f"after a {result.prompt_tokens}-token prompt"
     count = len(result.tokens)
-    # A rate needs two tokens at least: the first one's time is the prompt's, given on its own.
-    rate = f", then {result.decode_tokens_per_second:.1f} tokens/s" if count > 1 else ""
+    # A rate needs two tokens at least: the first one's time is the prompt's, given on its own. A frame-labelling
+    # recogniser's transcript comes whole, from one call.
+    timing = f"first token {result.first_token_seconds * 1e3:.1f} ms"
+    if count > 1 and result.decode_seconds:
+        timing += f", then {result.decode_tokens_per_second:.1f} tokens/s"
+    elif count > 1:
+        timing = f"all in {result.first_token_seconds * 1e3:.1f} ms"
     print(f"{count} token{'s' if count != 1 else ''} {source}; loaded in {result.load_seconds * 1e3:.0f} ms, "
-          f"first token {result.first_token_seconds * 1e3:.1f} ms{rate}", file=sys.stderr)
+          f"{timing}", file=sys.stderr)
     return 0
 
 

@@ -3,8 +3,9 @@
 - :func:`read_wav` reads PCM WAV files (8, 16, 24 or 32-bit integers) with the standard library's
   ``wave`` module, mixing several channels down to one.
 - :func:`resampled` converts samples to another rate with a windowed-sinc filter (numpy only).
-- :func:`audio_features` gives ``input_features`` ``[1, mel bins, frames]`` as the feature extractor
-  saved in an export folder computes them, after resampling to its ``sampling_rate``.
+- :func:`audio_features` gives the model's input (Whisper's log-mel ``input_features``, wav2vec2's
+  ``input_values``) as the feature extractor saved in an export folder computes it, after resampling
+  to its ``sampling_rate``.
 - :func:`whisper_decoder_prompt` gives the decoder tokens Whisper's ``generate`` starts from:
   the decoder start token, then the language, task and no-timestamps tokens its generation config
   asks for.
@@ -115,7 +116,8 @@ def feature_extractor(folder: str | os.PathLike[str]) -> Any:
 
 
 def audio_features(folder: str | os.PathLike[str], wav_path: str | os.PathLike[str]) -> torch.Tensor:
-    """``input_features`` ``[1, mel bins, frames]`` of a WAV file, as the feature extractor in ``folder`` makes them.
+    """The model's input for a WAV file, as the feature extractor in ``folder`` makes it: Whisper's ``input_features``
+    ``[1, mel bins, frames]``, wav2vec2's ``input_values`` ``[1, samples]``.
 
     The audio is resampled to the extractor's ``sampling_rate``; the extractor pads or cuts it
     to its ``chunk_length`` seconds, so a longer file is transcribed from its first chunk only.
@@ -129,7 +131,7 @@ def audio_features(folder: str | os.PathLike[str], wav_path: str | os.PathLike[s
         logger.warning("%s lasts %.1f s; only its first %.1f s are transcribed", wav_path, samples.size / target,
                        chunk / target)
     features = extractor(samples, sampling_rate=target, return_tensors="pt")
-    return features["input_features"]
+    return features[extractor.model_input_names[0]]
 
 
 def whisper_decoder_prompt(generation_config: Any, config: Any, detected_language: int | None = None) -> list[int]:

@@ -62,6 +62,7 @@ def auto_class(task: str) -> type:
     if task in HEAD_TASKS:
         return getattr(transformers, HEAD_TASKS[task][0])
     return getattr(transformers, {
+        "ctc": "AutoModelForCTC",
         "text-generation": "AutoModelForCausalLM",
         "text2text-generation": "AutoModelForSeq2SeqLM",
         "automatic-speech-recognition": "AutoModelForSpeechSeq2Seq",
@@ -82,10 +83,23 @@ def task_architectures() -> dict[str, set[str]]:
     return {
         "text-generation": names(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
         "text2text-generation": names(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
-        "automatic-speech-recognition": names(auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES),
+        "automatic-speech-recognition": names(auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES) | ctc_architectures(),
         **{task: names(getattr(auto, mapping)) for task, (_, mapping) in HEAD_TASKS.items()},
         "feature-extraction": names(auto.MODEL_MAPPING_NAMES),
     }
+
+
+def ctc_architectures() -> set[str]:
+    """The speech recognisers that label each audio frame (wav2vec2's ``ForCTC`` heads): one forward, no decoder."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CTC_MAPPING_NAMES
+
+    return set(MODEL_FOR_CTC_MAPPING_NAMES.values())
+
+
+def is_ctc(task: str, config: Any) -> bool:
+    """Whether ``task`` on a model of ``config`` is speech recognition by a frame-labelling (CTC) head."""
+    architectures = set(getattr(config, "architectures", None) or [])
+    return task == "automatic-speech-recognition" and bool(architectures & ctc_architectures())
 
 
 def infer_task(config: Any) -> str:
@@ -211,7 +225,8 @@ def export_folder(
     task = checked_task(task, config)
     say(f"task {task}; loading {model_dir}")
     model = load_model(model_dir, task, config)
-    if task not in GENERATION_TASKS:
+    generation = task in GENERATION_TASKS and not is_ctc(task, config)
+    if not generation:
         without_cache(model)
     preprocessor = load_preprocessor(model_dir, task, model)
     seconds = {"load": time.perf_counter() - started}
@@ -224,7 +239,7 @@ def export_folder(
     # The model was loaded for this export alone: quantized in place, not copied.
     quantization.apply(model)
     try:
-        if task in GENERATION_TASKS:
+        if generation:
             exported = exporter.export_for_generation(
                 model, {"input_ids": torch.zeros(1, 4, dtype=torch.long)},
                 AotstackConfig(engines=engines, device=device, max_cache_len=max_cache_len),
@@ -288,7 +303,7 @@ def install(staging: Path, output: Path) -> None:
 
 def load_model(model_dir: Path, task: str, config: Any) -> torch.nn.Module:
     """The model for ``task`` from safetensors, in eval mode; a mismatch of task and architecture is named."""
-    cls = auto_class(task)
+    cls = auto_class("ctc" if is_ctc(task, config) else task)
     try:
         model = cls.from_pretrained(model_dir, config=config, local_files_only=True, use_safetensors=True)
     except ValueError as exc:
@@ -410,7 +425,9 @@ def example_inputs(
     if main_input == "input_values":
         rate = int(preprocessor.settings.get("sampling_rate", 16000))
         audio = torch.randn(EXAMPLE_BATCH, rate * AUDIO_SECONDS, generator=generator)
-        return {"input_values": audio}, {"input_values": {0: batch}}
+        # A hint rather than a named Dim: a convolution stack's strides leave guards on the length
+        # (its frames' count divides its own multiples) that hold for every length but that torch cannot prove.
+        return {"input_values": audio}, {"input_values": {0: batch, 1: Dim.DYNAMIC}}
     if main_input == "input_features":
         frames = 2 * getattr(config, "max_source_positions", 1500)
         features = torch.randn(EXAMPLE_BATCH, config.num_mel_bins, frames, generator=generator)
@@ -490,6 +507,11 @@ def generate_text(
     started = time.perf_counter()
     exported = ExportedModel.from_pretrained(folder, local_files_only=True)
     runner = runner_of(exported)
+    if audio is not None and is_ctc("automatic-speech-recognition", exported.config):
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        if prompt is not None or messages is not None or chat:
+            raise GenerationError("a transcript is generated from audio alone; give either audio or a prompt")
+        return transcript_of_frames(exported, tokenizer, folder, audio, time.perf_counter() - started, on_text)
     if "decode" not in runner.methods:
         raise UnsupportedModelError(f"{folder} holds methods {runner.methods}, not a text generation export")
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
@@ -533,6 +555,25 @@ def generate_text(
             on_text(piece)
     first = stamps[0] - began if stamps else 0.0
     return Generation(text, tokens, len(ids), load_seconds, first, stamps[-1] - stamps[0] if stamps else 0.0)
+
+
+def transcript_of_frames(
+    exported: Any, tokenizer: Any, folder: Path, audio: str | os.PathLike[str], load_seconds: float,
+    on_text: Callable[[str], None] | None,
+) -> Generation:
+    """The transcript a CTC speech recogniser gives a WAV file: each frame's likeliest label, repeats and
+    blanks dropped by its tokenizer. One forward over the whole file; its text arrives at once."""
+    from .audio import audio_features
+
+    values = audio_features(folder, audio)
+    began = time.perf_counter()
+    labels = exported(input_values=values).logits.argmax(dim=-1)[0].tolist()
+    text = tokenizer.decode(labels)
+    seconds = time.perf_counter() - began
+    if on_text is not None:
+        on_text(text)
+    tokens = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+    return Generation(text, list(tokens), 0, load_seconds, seconds, 0.0)
 
 
 def prompt_ids(
