@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
 
 from ..errors import ExportError
 from .attention import with_grouped_attention
@@ -111,7 +112,7 @@ def export_method(
         # An inference program: a buffer updated from a weight (a KV cache) must not ask for gradients.
         with torch.no_grad():
             exported = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=strict)
-            return functional(with_subclass_weights_frozen(exported))
+            return functional(with_subclass_weights_frozen(with_made_tensors_renamed(exported)))
     except Exception as exc:
         raise ExportError(f"torch.export failed for method {name!r}: {exc}") from exc
 
@@ -190,11 +191,27 @@ def module_calling(model: torch.nn.Module, name: str) -> torch.nn.Module:
     """A shallow copy of ``model`` whose ``forward`` is its method ``name``.
 
     Sharing the submodules keeps every weight's FQN as it is in ``model``, and the method's own
-    signature names the program's inputs. The method becomes the copy's class's ``forward``: bound
-    to the model and set on the copy, TorchDynamo reached the model through ``forward.__self__``, and
-    a tensor the method makes as it runs was lifted under that path, which the program's module lacks.
+    signature names the program's inputs. The method stays bound to ``model``, so a method calling
+    ``self.forward`` calls the model's own.
     """
     shallow = copy.copy(model)
-    method = getattr(model, name).__func__
-    shallow.__class__ = type(type(model).__name__, (type(model),), {"forward": method, "__module__": model.__module__})
+    shallow.forward = getattr(model, name)
     return shallow
+
+
+# Where TorchDynamo reaches a module through ``module_calling``'s copy: its ``forward`` is the model's bound method.
+BOUND_METHOD_PATH = "forward.__self__."
+
+
+def with_made_tensors_renamed(exported: ExportedProgram) -> ExportedProgram:
+    """``exported`` with each tensor a method made as it ran named by its module's path, in place.
+
+    Strictly traced through ``module_calling``'s copy, such a tensor (GPT-Neo's attention makes its
+    mask value) is lifted under ``forward.__self__.<module>``, a path the program's module lacks.
+    """
+    for spec in exported.graph_signature.input_specs:
+        if spec.kind == InputKind.CONSTANT_TENSOR and (spec.target or "").startswith(BOUND_METHOD_PATH):
+            renamed = spec.target.removeprefix(BOUND_METHOD_PATH)
+            exported.constants[renamed] = exported.constants.pop(spec.target)
+            spec.target = renamed
+    return exported
