@@ -317,6 +317,8 @@ def test_a_ctc_recogniser_exports_for_any_length_and_transcribes_as_eager(tmp_pa
         assert f"from {wav}; loaded in" in err and " ms, all in " in err
         texts.append(expected)
     assert texts[0] != texts[1]
+    with pytest.raises(GenerationError, match="transcribes speech: give it a WAV file"):
+        generate_text(tmp_path / "out", "the cat")
 
 
 def test_whisper_export_folder_holds_tokenizer_and_feature_extractor(whisper_export):

@@ -504,13 +504,15 @@ def generate_text(
     if not is_aotstack_export(folder):
         raise ModelFolderError(f"{folder} holds no aotstack export (export.json); make one with aotstack export-hf")
     require_any(folder, TOKENIZER_FILES, "tokenizer", "generate")
+    if audio is not None and (prompt is not None or messages is not None or chat):
+        raise GenerationError("a transcript is generated from audio alone; give either audio or a prompt")
     started = time.perf_counter()
     exported = ExportedModel.from_pretrained(folder, local_files_only=True)
     runner = runner_of(exported)
-    if audio is not None and is_ctc("automatic-speech-recognition", exported.config):
+    if is_ctc("automatic-speech-recognition", exported.config):
+        if audio is None:
+            raise GenerationError(f"{folder} transcribes speech: give it a WAV file (--audio FILE.wav)")
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        if prompt is not None or messages is not None or chat:
-            raise GenerationError("a transcript is generated from audio alone; give either audio or a prompt")
         return transcript_of_frames(exported, tokenizer, folder, audio, time.perf_counter() - started, on_text)
     if "decode" not in runner.methods:
         raise UnsupportedModelError(f"{folder} holds methods {runner.methods}, not a text generation export")
@@ -518,8 +520,6 @@ def generate_text(
     load_seconds = time.perf_counter() - started
     decoder_prompt = None
     if audio is not None:
-        if prompt is not None or messages is not None or chat:
-            raise GenerationError("a transcript is generated from audio alone; give either audio or a prompt")
         from .audio import audio_features, speech_decoder_prompt
 
         source: Any = audio_features(folder, audio)
