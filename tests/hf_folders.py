@@ -24,16 +24,19 @@ TEXT = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hi
         "eos_token_id": 2}
 
 
-def tokenizer() -> transformers.PreTrainedTokenizerFast:
-    """A word-level tokenizer of ``VOCAB`` entries, made here, not downloaded."""
+def tokenizer(image_token: str | None = None) -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer of ``VOCAB`` entries, made here, not downloaded; with ``image_token``, that special
+    token is its last entry (``VOCAB - 1``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    names = SPECIAL + WORDS + [f"w{i}" for i in range(VOCAB - len(SPECIAL) - len(WORDS))]
+    specials = [image_token] if image_token else []
+    names = SPECIAL + WORDS + [f"w{i}" for i in range(VOCAB - len(SPECIAL) - len(WORDS) - len(specials))] + specials
     model = Tokenizer(models.WordLevel({name: i for i, name in enumerate(names)}, unk_token="<unk>"))
     model.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     model.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    extra = {"extra_special_tokens": {"image_token": image_token}} if image_token else {}
     return transformers.PreTrainedTokenizerFast(tokenizer_object=model, pad_token="<pad>", bos_token="<s>",
-                                                eos_token="</s>", unk_token="<unk>")
+                                                eos_token="</s>", unk_token="<unk>", **extra)
 
 
 def saved(model: torch.nn.Module, folder: Path, processor: dict | None = None) -> Path:

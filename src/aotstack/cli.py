@@ -94,7 +94,8 @@ def argument_parser() -> argparse.ArgumentParser:
     export_hf.add_argument("-o", "--output", required=True, metavar="OUT_DIR",
                            help="the folder to write; written beside it first and renamed when complete")
     export_hf.add_argument("--task", default=None, metavar="TASK",
-                           help="text-generation, text2text-generation, automatic-speech-recognition, "
+                           help="image-text-to-text, text-generation, text2text-generation, "
+                                "automatic-speech-recognition, "
                                 "text-classification, token-classification, question-answering, fill-mask, "
                                 "image-classification, object-detection, semantic-segmentation, depth-estimation, "
                                 "audio-classification or feature-extraction "
@@ -113,7 +114,7 @@ def argument_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser(
         "generate", help="generate text from an export-hf folder, as its generation config says (greedy or sampled); "
-                         "--audio transcribes speech"
+                         "--audio transcribes speech, --image reads a picture with the prompt"
     )
     generate.add_argument("folder", metavar="OUT_DIR", help="a folder aotstack export-hf wrote")
     generate.add_argument("--prompt", default=None, metavar="TEXT", help="the text to continue (or, with --chat, "
@@ -124,6 +125,9 @@ def argument_parser() -> argparse.ArgumentParser:
                           help='a conversation through the chat template: [{"role": "user", "content": "..."}, ...]')
     generate.add_argument("--audio", default=None, metavar="FILE.wav",
                           help="transcribe a WAV file (an automatic-speech-recognition export, e.g. Whisper)")
+    generate.add_argument("--image", default=None, metavar="FILE",
+                          help="an image the prompt is about (an image-text-to-text export, e.g. LLaVA or Gemma 3); "
+                               "read with Pillow through the model's processor")
     generate.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
                           help="generate at most N tokens (default: the generation config's, else 32); fewer when "
                                "the model ends its text")
@@ -398,7 +402,8 @@ def generate_command(args: argparse.Namespace) -> int:
 
     result = generate_text(
         args.folder, args.prompt, args.max_new_tokens, chat=args.chat,
-        messages=read_messages(args.messages) if args.messages else None, audio=args.audio, seed=args.seed,
+        messages=read_messages(args.messages) if args.messages else None, audio=args.audio, image=args.image,
+        seed=args.seed,
         on_text=printed if args.stream else None, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, eos=args.eos, do_sample=False if args.greedy else None,
     )

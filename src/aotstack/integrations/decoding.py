@@ -349,11 +349,34 @@ class TokenChooser:
         return self.draws.pop()
 
 
-def stream_decoder(program: Any, prompt: Sequence[int], config: Any, seed: int | None = None) -> Iterator[int]:
+@dataclass
+class PromptImages:
+    """The images of a prompt for a vision-language export (``encode_images``, ``prefill_images``).
+
+    ``pixel_values`` are as the model's processor made them (``[images, channels, height, width]``,
+    or with a leading batch of 1); the prompt holds ``image_token`` once per row of their features.
+    ``prompt_inputs`` are the processor's other outputs ``prefill_images`` reads (Gemma 3's
+    ``token_type_ids``), in its order; where the caller has none, they are made from the prompt.
+    """
+
+    pixel_values: torch.Tensor
+    image_token: int
+    prompt_inputs: tuple[torch.Tensor, ...] = ()
+
+
+def image_prompt_input(tokens: torch.Tensor, image_token: int) -> torch.Tensor:
+    """``token_type_ids`` as Gemma 3's processor makes them: 1 on an image's tokens, 0 elsewhere."""
+    return (tokens == image_token).long()
+
+
+def stream_decoder(
+    program: Any, prompt: Sequence[int], config: Any, seed: int | None = None, images: PromptImages | None = None
+) -> Iterator[int]:
     """The tokens a decoder-only program (``prefill``, ``decode``) appends to ``prompt``, each as it is chosen.
 
     It stops after an eos token of ``config`` or after its new-token limit. ``prefill`` writes the
     cache from slot 0 and the causal mask hides the slots after it, so an earlier prompt's cache is harmless.
+    ``images`` go through ``encode_images`` and ``prefill_images`` in place of ``prefill``.
     """
     if new_token_limit(config, len(prompt)) < 1:
         return iter(())
@@ -361,8 +384,33 @@ def stream_decoder(program: Any, prompt: Sequence[int], config: Any, seed: int |
         raise GenerationError("the prompt is empty: a decoder-only model needs at least one token to start from")
     history = torch.tensor([list(prompt)], dtype=torch.long)
     with torch.no_grad():
-        logits = prompt_logits(program, history)
+        logits = prompt_logits(program, history) if images is None else images_prompt_logits(program, history, images)
     return continued(logits, history, program.decode, config, seed)
+
+
+def images_prompt_logits(program: Any, history: torch.Tensor, images: PromptImages) -> torch.Tensor:
+    """The logits after ``history`` (``[1, length]``), whose image tokens take the features of ``images``."""
+    if "prefill_images" not in program_methods(program):
+        raise GenerationError(f"this export takes no images: it has methods {program_methods(program)}")
+    rank = len(program.method("encode_images").inputs[0].shape)
+    pixels = images.pixel_values
+    per_image = pixels.reshape(-1, *pixels.shape[-3:]) if pixels.dim() >= 4 else pixels.reshape(1, *pixels.shape)
+    features = torch.cat([program.encode_images(image.reshape((1,) * (rank - 3) + tuple(image.shape)))
+                          for image in per_image])
+    slots = int((history == images.image_token).sum())
+    if slots != features.shape[0]:
+        raise GenerationError(
+            f"the prompt holds {slots} image tokens (id {images.image_token}) and its {per_image.shape[0]} image(s) "
+            f"give {features.shape[0]} rows of features: make the prompt and the images with the model's processor "
+            "in one call, which puts as many image tokens in the prompt as its images need"
+        )
+    wanted = len(program.method("prefill_images").inputs) - 2
+    prompt_inputs = images.prompt_inputs or tuple(image_prompt_input(history, images.image_token)
+                                                  for _ in range(wanted))
+    if len(prompt_inputs) != wanted:
+        raise GenerationError(f"this export's prefill_images reads {wanted} of the processor's outputs beside the "
+                              f"token ids and images; got {len(prompt_inputs)}")
+    return program.prefill_images(history, features, *(value.reshape(history.shape) for value in prompt_inputs))
 
 
 def prompt_logits(program: Any, history: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,7 @@ from torch.export import Dim
 from ..compile.export import Program, export
 from ..compile.measure import CallInputs
 from ..errors import ExportError
+from .decoding import image_prompt_input
 
 logger = logging.getLogger("aotstack")
 
@@ -94,6 +95,49 @@ class PrefillDecode(torch.nn.Module):
             self.lm.starting(False)
         positions = position + torch.arange(tokens.shape[1], dtype=torch.long, device=position.device)
         return self.lm(input_ids=tokens, cache_position=positions)[:, -1, :]
+
+
+class ImagePrefillDecode(PrefillDecode):
+    """A vision-language model: ``PrefillDecode``'s methods for text alone, plus ``encode_images`` and
+    ``prefill_images``, which reads a prompt whose image tokens stand for the features ``encode_images`` gave.
+
+    The model merges the features into the prompt itself (``mm_encoder_outputs``), as its own
+    ``generate`` does: where an image token's embedding goes, and any attention the image's tokens
+    get besides the causal one (Gemma 3's, PaliGemma's), stay the model's. ``prompt_inputs`` are the
+    processor's outputs beside the token ids that the model's forward reads (``token_type_ids``).
+    """
+
+    def __init__(self, model: torch.nn.Module, max_cache_len: int, prompt_inputs: tuple[str, ...] = ()) -> None:
+        super().__init__(model, max_cache_len)
+        self.prompt_inputs = prompt_inputs
+        self.image_token = image_token_id(model)
+
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """The features of the images in ``pixel_values``, one row per image token, in the prompt's order."""
+        features = self.lm.model.get_image_features(pixel_values, return_dict=True).pooler_output
+        parts = features if isinstance(features, (list, tuple)) else [features]
+        return torch.cat([part.reshape(-1, part.shape[-1]) for part in parts])
+
+    def prefill_images(
+        self, tokens: torch.Tensor, image_features: torch.Tensor, *prompt_inputs: torch.Tensor
+    ) -> torch.Tensor:
+        """Logits of the next token after ``tokens`` (``[1, length]``), filling the cache from 0; its image
+        tokens take the rows of ``image_features`` (``encode_images``' rows, image after image) in order.
+
+        The rows are put in place here rather than by the model's forward: its check that they match
+        the image tokens formats their count into a message, which would fix it when traced. The
+        caller checks the count.
+        """
+        is_image = tokens == self.image_token
+        # An image token may lie outside the embedding table (Gemma 3's); its row is replaced anyway.
+        embedded = self.lm.model.get_input_embeddings()(tokens.masked_fill(is_image, 0))
+        merged = embedded.masked_scatter(is_image.unsqueeze(-1), image_features.to(embedded.dtype))
+        cache = self.lm.static_cache
+        for layer in cache.layers:
+            layer.cumulative_length.zero_()
+        outputs = self.lm.model(inputs_embeds=merged, attention_mask=None, past_key_values=cache, use_cache=True,
+                                **dict(zip(self.prompt_inputs, prompt_inputs)))
+        return outputs.logits[:, -1, :]
 
 
 def linear_attention_layer_class() -> type | None:
@@ -388,6 +432,113 @@ def export_decoder_lm(model: torch.nn.Module, max_cache_len: int) -> Program:
             return program
     logger.warning("%s; exporting decode alone, which takes a prompt one token at a time (%s)", loops, why_not)
     return export(module, {"decode": decode_inputs}, strict=True)
+
+
+def export_image_text_lm(
+    model: torch.nn.Module, max_cache_len: int, image_size: tuple[int, int], prompt_inputs: tuple[str, ...] = ()
+) -> Program:
+    """``prefill`` and ``decode`` of :func:`export_decoder_lm`, plus ``encode_images`` (one image) and
+    ``prefill_images`` (a prompt whose image tokens take the features of its images, in order), from one
+    :class:`ImagePrefillDecode`: one set of weights and one cache.
+
+    Images are ``image_size`` (height, width), as the model's processor makes them. One image a
+    call: several models' features are a Python list per image, which fixes their count when traced.
+    ``prompt_inputs`` name the processor's other outputs the model's forward reads (Gemma 3's
+    ``token_type_ids``); ``prefill_images`` takes them after the features, each shaped as the token ids.
+    Before export, ``prefill_images`` is checked against the model's own forward over the same
+    prompt and images: a model that treats a prompt with images in a way this cannot follow
+    (PaliGemma's attention over its prefix, which it gives only a first call) is refused.
+    """
+    module = ImagePrefillDecode(model, max_cache_len, prompt_inputs).eval()
+    image = example_image(model, image_size)
+    with torch.no_grad():
+        rows = module.encode_images(image).shape[0]
+    tokens = torch.tensor([[module.image_token] * (2 * rows) + [1, 2]], dtype=torch.long)
+    if tokens.shape[1] >= max_cache_len:
+        raise ExportError(f"{type(model).__name__}: two images take {2 * rows} tokens, as many as the cache's "
+                          f"{max_cache_len} slots; export with a larger max_cache_len")
+    check_images_prompt(module, tokens, image)
+    length = Dim("length", min=1, max=max_cache_len)
+    # A prompt leaves at least one slot for its answer (Gemma 3's image mask guards on it).
+    prompt_length = Dim("prompt_length", min=2, max=max_cache_len - 1)
+    hidden = model.config.get_text_config().hidden_size
+    decode_inputs = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+    return export(
+        module,
+        {
+            "prefill": (torch.zeros(1, min(4, max_cache_len), dtype=torch.long),),
+            "decode": decode_inputs,
+            "encode_images": (image,),
+            "prefill_images": (tokens, torch.zeros(2 * rows, hidden, dtype=model.dtype),
+                               *(image_prompt_input(tokens, module.image_token) for _ in prompt_inputs)),
+        },
+        dynamic_shapes={
+            "prefill": {"tokens": {1: length}},
+            # The prompt inputs are one more element (a tuple, as *args) only where there are any.
+            "prefill_images": ({1: prompt_length}, {0: Dim("image_rows", min=1, max=max_cache_len)},
+                               *([tuple({1: prompt_length} for _ in prompt_inputs)] if prompt_inputs else [])),
+        },
+        strict=True,
+    )
+
+
+def example_image(model: torch.nn.Module, image_size: tuple[int, int]) -> torch.Tensor:
+    """One random image of ``image_size`` as ``model.get_image_features`` takes it: ``[1, channels, height,
+    width]``, or ``[1, 1, channels, height, width]`` for a model whose processor tiles an image (SmolVLM's)."""
+    vision = getattr(model.config, "vision_config", None)
+    channels = getattr(vision, "num_channels", 3)
+    flat = torch.randn(1, channels, *image_size, generator=torch.Generator().manual_seed(0)).to(model.dtype)
+    failures = []
+    for image in (flat, flat.unsqueeze(0)):
+        try:
+            with torch.no_grad():
+                model.get_image_features(image, return_dict=True)
+        except (TypeError, ValueError, RuntimeError, IndexError) as error:
+            failures.append(f"{tuple(image.shape)}: {str(error).splitlines()[0][:200]}")
+        else:
+            return image
+    raise ExportError(f"{type(model).__name__}.get_image_features takes no image of pixel values alone ("
+                      + "; ".join(failures) + "): it needs more of its processor's outputs than aotstack exports")
+
+
+def check_images_prompt(module: ImagePrefillDecode, tokens: torch.Tensor, image: torch.Tensor) -> None:
+    """Refuse a model whose own forward, given ``tokens`` and two images of ``image``, is not what
+    ``module.prefill_images`` gives."""
+    model = module.lm.model
+    axis = 0 if image.dim() == 4 else 1
+    images = torch.cat([image, image.flip(-1)], dim=axis)
+    prompt_inputs = {name: image_prompt_input(tokens, module.image_token) for name in module.prompt_inputs}
+    with torch.no_grad():
+        want = model(input_ids=tokens, pixel_values=images, **prompt_inputs).logits[:, -1, :]
+        slices = [images.narrow(axis, index, 1) for index in range(images.shape[axis])]
+        features = torch.cat([module.encode_images(one) for one in slices])
+        got = module.prefill_images(tokens, features, *prompt_inputs.values())
+        for layer in module.lm.static_cache.layers:
+            layer.keys.zero_()
+            layer.values.zero_()
+    difference = logits_difference(got, want)
+    if difference > logits_tolerance(model.dtype):
+        raise ExportError(
+            f"{type(model).__name__}: a prompt with images, its features put in place of its image tokens, gives "
+            f"logits {difference:.2g} off (relative to the largest) from the model's own forward: it reads a "
+            "prompt with images in a way aotstack's export does not follow"
+        )
+
+
+def image_prompt_inputs(model: torch.nn.Module) -> tuple[str, ...]:
+    """The processor outputs besides token ids and images that a vision-language model's forward reads: Gemma 3's
+    ``token_type_ids``, which mark its images' tokens for the attention they get among themselves."""
+    return ("token_type_ids",) if "token_type_ids" in inspect.signature(model.forward).parameters else ()
+
+
+def image_token_id(model: torch.nn.Module) -> int:
+    """The token id a vision-language model's prompt holds where an image's features go."""
+    config = model.config
+    for name in ("image_token_id", "image_token_index"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    raise ExportError(f"{type(model).__name__}'s config names no image token (image_token_id)")
 
 
 def typical_step_inputs(program: Program, max_cache_len: int) -> dict[str, CallInputs]:

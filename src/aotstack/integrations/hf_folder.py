@@ -28,7 +28,9 @@ from ..errors import AotstackError, GenerationError, ModelFolderError, Unsupport
 
 logger = logging.getLogger("aotstack")
 
-GENERATION_TASKS = ("text-generation", "text2text-generation", "automatic-speech-recognition")
+# In the order a task is inferred in: a vision-language model whose causal LM class transformers also maps
+# (Gemma 3's) is exported with its images.
+GENERATION_TASKS = ("image-text-to-text", "text-generation", "text2text-generation", "automatic-speech-recognition")
 # One forward each, its head's outputs returned as transformers' model returns them. In the order a task is
 # inferred in: an architecture some head task names is never taken for the base model.
 HEAD_TASKS = {
@@ -46,7 +48,7 @@ TASKS = (*GENERATION_TASKS, *HEAD_TASKS, "feature-extraction")
 TASK_ALIASES = {"text2text": "text2text-generation", "causal-lm": "text-generation", "seq2seq": "text2text-generation",
                 "asr": "automatic-speech-recognition", "speech-recognition": "automatic-speech-recognition",
                 "sequence-classification": "text-classification", "sentiment-analysis": "text-classification",
-                "ner": "token-classification", "masked-lm": "fill-mask"}
+                "ner": "token-classification", "masked-lm": "fill-mask", "vision-language": "image-text-to-text"}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 PROCESSOR_FILE = "preprocessor_config.json"
@@ -63,6 +65,7 @@ def auto_class(task: str) -> type:
         return getattr(transformers, HEAD_TASKS[task][0])
     return getattr(transformers, {
         "ctc": "AutoModelForCTC",
+        "image-text-to-text": "AutoModelForImageTextToText",
         "text-generation": "AutoModelForCausalLM",
         "text2text-generation": "AutoModelForSeq2SeqLM",
         "automatic-speech-recognition": "AutoModelForSpeechSeq2Seq",
@@ -81,6 +84,7 @@ def task_architectures() -> dict[str, set[str]]:
         return found
 
     return {
+        "image-text-to-text": names(auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES),
         "text-generation": names(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
         "text2text-generation": names(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
         "automatic-speech-recognition": names(auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES) | ctc_architectures(),
@@ -241,7 +245,7 @@ def export_folder(
     try:
         if generation:
             exported = exporter.export_for_generation(
-                model, {"input_ids": torch.zeros(1, 4, dtype=torch.long)},
+                model, generation_inputs(model, task, preprocessor),
                 AotstackConfig(engines=engines, device=device, max_cache_len=max_cache_len),
             )
         else:
@@ -271,6 +275,17 @@ def export_folder(
     seconds["total"] = time.perf_counter() - started
     runner_methods = exported.runners[next(iter(exported.components))].methods
     return FolderExport(task, output, runner_methods, seconds, size)
+
+
+def generation_inputs(model: torch.nn.Module, task: str, preprocessor: Preprocessor) -> dict[str, torch.Tensor]:
+    """The ``sample_inputs`` a generation export traces with: a prompt, and for a vision-language model one image
+    at the size its processor makes."""
+    inputs = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
+    if task == "image-text-to-text":
+        vision = getattr(model.config, "vision_config", None) or model.config
+        height, width = image_size(preprocessor.settings, vision)
+        inputs["pixel_values"] = torch.zeros(1, getattr(vision, "num_channels", 3), height, width)
+    return inputs
 
 
 def check_output(output: Path) -> None:
@@ -343,7 +358,8 @@ def without_cache(model: torch.nn.Module) -> None:
             config.use_cache = False
 
 
-PROCESSOR_FILES = (PROCESSOR_FILE, "processor_config.json")
+# A vision-language model's chat template may live beside its processor rather than in its tokenizer's config.
+PROCESSOR_FILES = (PROCESSOR_FILE, "processor_config.json", "chat_template.json", "chat_template.jinja")
 
 
 @dataclass
@@ -372,19 +388,37 @@ class Preprocessor:
 def load_preprocessor(model_dir: Path, task: str, model: torch.nn.Module) -> Preprocessor:
     """The tokenizer (text input) or processor files (images, audio) the folder holds.
 
-    Speech-to-text needs both: the feature extractor makes its input, the tokenizer reads its output.
+    Speech-to-text and image-text-to-text need both: the processor makes the input, the tokenizer reads the output.
     """
     main_input = getattr(model, "main_input_name", "input_ids")
-    if main_input == "input_ids":
+    if main_input == "input_ids" and task != "image-text-to-text":
         return Preprocessor(tokenizer=load_tokenizer(model_dir, task))
     tokenizer = load_tokenizer(model_dir, task) if task in GENERATION_TASKS else None
-    require_any(model_dir, (PROCESSOR_FILE,), "processor", task)
-    try:
-        settings = json.loads((model_dir / PROCESSOR_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise ModelFolderError(f"{model_dir / PROCESSOR_FILE} is not JSON: {exc}") from exc
+    require_any(model_dir, PROCESSOR_FILES[:2], "processor", task)
     files = [model_dir / name for name in PROCESSOR_FILES if (model_dir / name).is_file()]
-    return Preprocessor(tokenizer=tokenizer, files=files, settings=settings if isinstance(settings, dict) else {})
+    return Preprocessor(tokenizer=tokenizer, files=files, settings=processor_settings(model_dir))
+
+
+def processor_settings(model_dir: Path) -> dict[str, Any]:
+    """The image or audio processor's settings: ``preprocessor_config.json``, or, where a processor saved by
+    transformers 5 keeps them inside its own config, ``processor_config.json``'s image processor or feature
+    extractor."""
+    for name in PROCESSOR_FILES[:2]:
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        try:
+            settings = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            raise ModelFolderError(f"{path} is not JSON: {exc}") from exc
+        if not isinstance(settings, dict):
+            raise ModelFolderError(f"{path} is not a JSON object")
+        if name == PROCESSOR_FILE:
+            return settings
+        for part in ("image_processor", "feature_extractor"):
+            if isinstance(settings.get(part), dict):
+                return settings[part]
+    return {}
 
 
 def load_tokenizer(model_dir: Path, task: str) -> Any:
@@ -480,6 +514,7 @@ def generate_text(
     chat: bool = False,
     messages: list[dict[str, Any]] | None = None,
     audio: str | os.PathLike[str] | None = None,
+    image: str | os.PathLike[str] | None = None,
     seed: int | None = None,
     on_text: Callable[[str], None] | None = None,
     **settings: Any,
@@ -491,8 +526,9 @@ def generate_text(
     ``eos``); ``max_new_tokens`` defaults to the config's, else 32 (a transcript: until its end,
     as far as the cache holds). ``chat`` wraps ``prompt`` as a user message, ``messages`` is a
     whole conversation; either goes through the tokenizer's chat template. ``audio`` (an
-    automatic-speech-recognition export) is a WAV file to transcribe. ``on_text`` is told each
-    piece of text as it is generated.
+    automatic-speech-recognition export) is a WAV file to transcribe; ``image`` (an
+    image-text-to-text export) a picture the prompt is about, read through the model's processor
+    (which needs Pillow). ``on_text`` is told each piece of text as it is generated.
     """
     from transformers import AutoTokenizer
     from transformers.exporters import ExportedModel
@@ -506,6 +542,8 @@ def generate_text(
     require_any(folder, TOKENIZER_FILES, "tokenizer", "generate")
     if audio is not None and (prompt is not None or messages is not None or chat):
         raise GenerationError("a transcript is generated from audio alone; give either audio or a prompt")
+    if audio is not None and image is not None:
+        raise GenerationError("give either an image or audio, not both")
     started = time.perf_counter()
     exported = ExportedModel.from_pretrained(folder, local_files_only=True)
     runner = runner_of(exported)
@@ -519,7 +557,14 @@ def generate_text(
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     load_seconds = time.perf_counter() - started
     decoder_prompt = None
-    if audio is not None:
+    images: dict[str, torch.Tensor] = {}
+    if image is not None:
+        if "prefill_images" not in runner.methods:
+            raise GenerationError(f"{folder} takes no images (its methods: {runner.methods}); export an "
+                                  "image-text-to-text model with aotstack export-hf")
+        images = image_prompt(folder, image, prompt, chat, messages)
+        source = ids = images.pop("input_ids")[0].tolist()
+    elif audio is not None:
         from .audio import audio_features, speech_decoder_prompt
 
         source: Any = audio_features(folder, audio)
@@ -546,7 +591,7 @@ def generate_text(
             yield token
 
     began = time.perf_counter()
-    pieces = text_pieces(arrived(runner.stream(source, config, decoder_prompt=decoder_prompt, seed=seed)),
+    pieces = text_pieces(arrived(runner.stream(source, config, decoder_prompt=decoder_prompt, seed=seed, **images)),
                          lambda seen: tokenizer.decode(seen, skip_special_tokens=True))
     text = ""
     for piece in pieces:
@@ -555,6 +600,43 @@ def generate_text(
             on_text(piece)
     first = stamps[0] - began if stamps else 0.0
     return Generation(text, tokens, len(ids), load_seconds, first, stamps[-1] - stamps[0] if stamps else 0.0)
+
+
+def image_prompt(
+    folder: Path, image: str | os.PathLike[str], prompt: str | None, chat: bool, messages: list[dict[str, Any]] | None
+) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``pixel_values`` (and ``token_type_ids``, where the processor makes them) for a prompt about
+    ``image``, from the export's processor: through its chat template with ``chat`` or ``messages`` (the image
+    in the last user turn), else the plain prompt after the processor's image token."""
+    try:
+        from PIL import Image
+    except ImportError as exc:
+        raise GenerationError("reading an image needs Pillow: pip install pillow (aotstack[vision])") from exc
+    from transformers import AutoProcessor
+
+    try:
+        picture = Image.open(image).convert("RGB")
+    except (OSError, ValueError) as exc:
+        raise GenerationError(f"cannot read the image {image}: {exc}") from exc
+    try:
+        processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    except (ValueError, OSError, KeyError, TypeError) as exc:
+        raise ModelFolderError(f"cannot build the processor of {folder}: {exc}") from exc
+    if messages is None and prompt is None:
+        raise GenerationError("nothing to generate from: give a prompt or chat messages with the image")
+    if chat or messages is not None:
+        turns = checked_messages([*(messages or []), *([{"role": "user", "content": prompt}] if prompt else [])])
+        last = turns[-1]
+        turns[-1] = {**last, "content": [{"type": "image"}, {"type": "text", "text": last["content"]}]}
+        if not getattr(processor, "chat_template", None):
+            raise ModelFolderError(f"the processor in {folder} has no chat template; generate from a plain prompt")
+        text = processor.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    else:
+        # Gemma 3's prompt names an image by its start token, which the processor expands; LLaVA's by its image token.
+        marker = getattr(processor, "boi_token", None) or getattr(processor, "image_token", None) or ""
+        text = prompt if marker and marker in prompt else f"{marker}{prompt}"
+    inputs = processor(images=picture, text=text, return_tensors="pt")
+    return {name: value for name, value in inputs.items() if name in ("input_ids", "pixel_values", "token_type_ids")}
 
 
 def transcript_of_frames(

@@ -48,8 +48,21 @@ from ..compile.measure import CallInputs
 from ..compile.progress import Progress
 from ..compile.quantize import Quantization
 from ..errors import AotstackError, ExportError, GenerationError, UnsupportedModelError
-from .decoding import collected, generation_settings, new_token_limit, stream_decoder, stream_encoder_decoder
-from .generation import export_decoder_lm, typical_step_inputs
+from .decoding import (
+    PromptImages,
+    collected,
+    generation_settings,
+    new_token_limit,
+    stream_decoder,
+    stream_encoder_decoder,
+)
+from .generation import (
+    export_decoder_lm,
+    export_image_text_lm,
+    image_prompt_inputs,
+    image_token_id,
+    typical_step_inputs,
+)
 from .seq2seq import export_encoder_decoder_lm
 
 EXPORT_FORMAT = "aotstack"
@@ -157,7 +170,9 @@ class AotstackExporter(HfExporter):
 
         ``sample_inputs`` are ``generate`` kwargs; only their ``input_ids`` (batch 1) matter: the
         stages take any prompt up to the cache's length. ``multi_token_decode`` is not taken: ``prefill``
-        already takes any number of tokens.
+        already takes any number of tokens. A vision-language model given ``pixel_values`` (as its
+        processor makes them) also gets ``encode_images`` and ``prefill_images``, for images of that
+        size, and takes ``token_type_ids`` where its forward reads them (Gemma 3).
         """
         if isinstance(config, dict):
             config = AotstackConfig(**config)
@@ -178,8 +193,13 @@ class AotstackExporter(HfExporter):
         max_cache_len = config.max_cache_len or min(max_position, DEFAULT_MAX_CACHE_LEN)
         started = time.perf_counter()
         try:
+            pixel_values = sample_inputs.get("pixel_values")
             if model.config.is_encoder_decoder:
                 program = export_encoder_decoder_lm(model, max_cache_len, max_source_len=max_position)
+            elif isinstance(pixel_values, torch.Tensor):
+                image_token = image_token_id(model)
+                program = export_image_text_lm(model, max_cache_len, tuple(pixel_values.shape[-2:]),
+                                               image_prompt_inputs(model))
             else:
                 program = export_decoder_lm(model, max_cache_len)
         except ExportError as exc:
@@ -193,6 +213,8 @@ class AotstackExporter(HfExporter):
         metadata = build_export_metadata(model, example, program.methods[first], self.required_packages)
         metadata.packages["aotstack"] = aotstack.__version__
         metadata.export_config = {**json.loads(config.to_json_string()), "max_cache_len": max_cache_len}
+        if "prefill_images" in program.methods:
+            metadata.export_config["image_token_id"] = image_token
         return ExportedModel(
             {COMPONENT: ExportedComponent(lowered, metadata)},
             self.export_format,
@@ -280,12 +302,16 @@ class AotstackModelRunner(ModelRunner):
         *,
         decoder_prompt: Sequence[int] | None = None,
         seed: int | None = None,
+        pixel_values: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
     ) -> Iterator[int]:
         """The new tokens of one prompt, each as it is chosen, under ``config`` (a ``GenerationConfig``).
 
         ``source`` is a decoder-only model's prompt, or what an encoder-decoder's ``encode`` takes
         (token ids, or audio features); ``decoder_prompt`` is the decoder's first tokens (default:
-        the config's decoder start token). See ``aotstack.integrations.decoding``.
+        the config's decoder start token). A vision-language export takes the prompt's images as
+        ``pixel_values`` (and ``token_type_ids``, where its model reads them), both as its processor
+        made them with the prompt. See ``aotstack.integrations.decoding``.
         """
         limit = self.metadata.export_config.get("max_cache_len")
         if "prefill" in self.methods or "decode" in self.methods and "encode" not in self.methods:
@@ -296,7 +322,7 @@ class AotstackModelRunner(ModelRunner):
                     f"a prompt of {len(prompt)} tokens plus {needed - len(prompt)} new ones needs {needed} cache "
                     f"slots; this export has {limit} (export again with a larger max_cache_len)"
                 )
-            return stream_decoder(self.program, prompt, config, seed)
+            return stream_decoder(self.program, prompt, config, seed, self.prompt_images(pixel_values, token_type_ids))
         if "encode" in self.methods:
             if decoder_prompt is None:
                 start = getattr(config, "decoder_start_token_id", None)
@@ -312,6 +338,19 @@ class AotstackModelRunner(ModelRunner):
             return stream_encoder_decoder(self.program, source, decoder_prompt, config, seed)
         raise GenerationError(f"this export has no generation stages, only {self.methods}")
 
+    def prompt_images(
+        self, pixel_values: torch.Tensor | None, token_type_ids: torch.Tensor | None
+    ) -> PromptImages | None:
+        """A prompt's images for ``stream_decoder``; None for a prompt of text alone."""
+        if pixel_values is None:
+            if token_type_ids is not None:
+                raise GenerationError("token_type_ids were given without the images (pixel_values) they mark")
+            return None
+        image_token = self.metadata.export_config.get("image_token_id")
+        if image_token is None:
+            raise GenerationError(f"this export takes no images: it holds the generation stages {self.methods}")
+        return PromptImages(pixel_values, int(image_token), () if token_type_ids is None else (token_type_ids,))
+
     def generate(
         self,
         input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
@@ -321,18 +360,24 @@ class AotstackModelRunner(ModelRunner):
         decoder_prompt: Sequence[int] | None = None,
         seed: int | None = None,
         on_token: Callable[[int], None] | None = None,
+        pixel_values: torch.Tensor | None = None,
+        token_type_ids: torch.Tensor | None = None,
     ) -> list[int] | list[list[int]]:
         """The new tokens of one prompt (a list), or of each row of a batch (a list per row).
 
         A batch is ``input_ids`` of several rows, left-padded where ``attention_mask`` is 0, as a
         tokenizer with ``padding_side="left"`` gives it; each row stops at its own eos and gets its
         own tokens, without padding. The file runs batch 1, so rows run one after another; with a
-        ``seed``, row ``i`` samples from ``seed + i``.
+        ``seed``, row ``i`` samples from ``seed + i``. ``pixel_values`` (one prompt's images) as
+        :meth:`stream` takes them.
         """
         rows = prompt_rows(input_ids, attention_mask)
         if rows is None:
-            tokens = self.stream(input_ids, config, decoder_prompt=decoder_prompt, seed=seed)
+            tokens = self.stream(input_ids, config, decoder_prompt=decoder_prompt, seed=seed,
+                                 pixel_values=pixel_values, token_type_ids=token_type_ids)
             return collected(tokens, on_token)
+        if pixel_values is not None:
+            raise GenerationError(f"images are taken with one prompt at a time; input_ids has {len(rows)} rows")
         return [collected(self.stream(row, config, decoder_prompt=decoder_prompt,
                                       seed=None if seed is None else seed + index), on_token)
                 for index, row in enumerate(rows)]
@@ -404,6 +449,8 @@ def generate(
     generation_config: Any = None,
     seed: int | None = None,
     on_token: Callable[[int], None] | None = None,
+    pixel_values: torch.Tensor | None = None,
+    token_type_ids: torch.Tensor | None = None,
     **settings: Any,
 ) -> list[int] | list[list[int]]:
     """Generation from an aotstack ``export_for_generation``, following its generation config.
@@ -414,15 +461,19 @@ def generate(
     would (an encoder-decoder's without its decoder prompt); for a left-padded batch with its
     ``attention_mask``, a list of new tokens per row. An encoder-decoder's ``input_ids`` may be
     audio features (Whisper's ``input_features``); ``decoder_prompt`` is the decoder's first
-    tokens (default: its start token; for Whisper see ``aotstack.integrations.audio``).
+    tokens (default: its start token; for Whisper see ``aotstack.integrations.audio``). A
+    vision-language export takes a prompt's images as its processor made them with the prompt.
 
     Example::
 
         tokens = generate(exported, ids, 32, temperature=0.7, top_p=0.9, seed=0)
+        inputs = processor(images=image, text=prompt, return_tensors="pt")
+        tokens = generate(exported, **inputs, max_new_tokens=32)    # input_ids, pixel_values, token_type_ids
     """
     config = generation_config_of(exported, generation_config, max_new_tokens=max_new_tokens, **settings)
     return runner_of(exported).generate(input_ids, config, attention_mask=attention_mask,
-                                        decoder_prompt=decoder_prompt, seed=seed, on_token=on_token)
+                                        decoder_prompt=decoder_prompt, seed=seed, on_token=on_token,
+                                        pixel_values=pixel_values, token_type_ids=token_type_ids)
 
 
 def stream(
@@ -433,6 +484,8 @@ def stream(
     decoder_prompt: Sequence[int] | None = None,
     generation_config: Any = None,
     seed: int | None = None,
+    pixel_values: torch.Tensor | None = None,
+    token_type_ids: torch.Tensor | None = None,
     **settings: Any,
 ) -> Iterator[int]:
     """The new tokens of one prompt, each as soon as it is chosen: the tokens :func:`generate` returns.
@@ -443,7 +496,8 @@ def stream(
             print(tokenizer.decode([token]), end="", flush=True)
     """
     config = generation_config_of(exported, generation_config, max_new_tokens=max_new_tokens, **settings)
-    return runner_of(exported).stream(input_ids, config, decoder_prompt=decoder_prompt, seed=seed)
+    return runner_of(exported).stream(input_ids, config, decoder_prompt=decoder_prompt, seed=seed,
+                                      pixel_values=pixel_values, token_type_ids=token_type_ids)
 
 
 register_backend(AotstackExporter, AotstackModelRunner)

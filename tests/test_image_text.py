@@ -1,0 +1,187 @@
+"""Vision-language models (``image-text-to-text``): a prompt about an image, exported, generated as transformers does.
+
+The export holds ``prefill`` and ``decode`` for text alone, plus ``encode_images`` (one image a
+call) and ``prefill_images`` (a prompt whose image tokens take those features), over one set of
+weights and one cache. Tiny LLaVA and Gemma 3 models with random weights; the LLaVA folder has a
+real processor (CLIP's image processor, Pillow) so ``aotstack generate --image`` runs the user's path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers.exporters")
+PIL = pytest.importorskip("PIL.Image")
+
+import transformers  # noqa: E402
+from transformers.exporters import ExportedModel  # noqa: E402
+
+import aotstack.integrations.transformers as aot_hf  # noqa: E402
+from aotstack.cli import main  # noqa: E402
+from aotstack.errors import GenerationError, UnsupportedModelError  # noqa: E402
+from aotstack.integrations.hf_folder import generate_text, infer_task  # noqa: E402
+from tests.hf_folders import TEXT, VOCAB, export_hf, tokenizer  # noqa: E402
+
+IMAGE_TOKEN = VOCAB - 1
+SIDE, PATCH = 32, 8
+VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "image_size": SIDE, "patch_size": PATCH}
+TEXT_CONFIG = {**TEXT, "num_key_value_heads": 2, "head_dim": 8}
+NEW_TOKENS = 8
+
+
+def llava() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlavaConfig(vision_config=transformers.CLIPVisionConfig(**VISION),
+                                      text_config=transformers.LlamaConfig(**TEXT_CONFIG),
+                                      image_token_id=IMAGE_TOKEN, vision_feature_layer=-2)
+    return transformers.LlavaForConditionalGeneration(config).eval()
+
+
+def gemma3() -> torch.nn.Module:
+    torch.manual_seed(1)
+    config = transformers.Gemma3Config(
+        vision_config=transformers.SiglipVisionConfig(**VISION),
+        text_config=transformers.Gemma3TextConfig(**TEXT_CONFIG, sliding_window=16),
+        mm_tokens_per_image=4, image_token_id=IMAGE_TOKEN, boi_token_id=VOCAB - 2, eoi_token_id=VOCAB - 3,
+    )
+    return transformers.Gemma3ForConditionalGeneration(config).eval()
+
+
+def llava_processor() -> transformers.ProcessorMixin:
+    images = transformers.CLIPImageProcessor(size={"shortest_edge": SIDE}, crop_size={"height": SIDE, "width": SIDE})
+    return transformers.LlavaProcessor(image_processor=images, tokenizer=tokenizer("<image>"), patch_size=PATCH,
+                                       vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                       image_token="<image>")
+
+
+def picture(path: Path, seed: int, size: tuple[int, int] = (40, 52)) -> Path:
+    pixels = np.random.default_rng(seed).integers(0, 256, (*size, 3), dtype=np.uint8)
+    PIL.fromarray(pixels).save(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llava_export(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path]:
+    """A LLaVA folder as ``save_pretrained`` writes it, with its processor, exported by ``aotstack export-hf``."""
+    root = tmp_path_factory.mktemp("llava")
+    model = llava()
+    model.save_pretrained(root / "model")
+    llava_processor().save_pretrained(root / "model")
+    export_hf(str(root / "model"), "-o", str(root / "out"), "--engines", "aoti", "--max-cache-len", "48")
+    return model, root / "out"
+
+
+def test_the_task_of_a_vision_language_checkpoint_is_read_from_its_config() -> None:
+    for model in (llava(), gemma3()):
+        model.config.architectures = [type(model).__name__]  # as save_pretrained writes it
+        # Gemma 3's class is a causal LM to transformers too; its checkpoint ships a vision tower, exported with it.
+        assert infer_task(model.config) == "image-text-to-text"
+
+
+def test_a_prompt_about_an_image_generates_through_the_cli_as_transformers_does(
+    llava_export: tuple[torch.nn.Module, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model, out = llava_export
+    processor = llava_processor()
+    image = picture(tmp_path / "cat.png", seed=0)
+    inputs = processor(images=PIL.open(image).convert("RGB"), text="<image>the cat sat", return_tensors="pt")
+    with torch.no_grad():
+        want = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)[0, inputs.input_ids.shape[1]:]
+    expected = processor.tokenizer.decode(want.tolist(), skip_special_tokens=True)
+    assert expected.strip()
+
+    assert main(["generate", str(out), "--image", str(image), "--prompt", "the cat sat", "--greedy",
+                 "--max-new-tokens", str(NEW_TOKENS)]) == 0
+    assert capsys.readouterr().out.strip() == expected.strip()
+
+    # Text alone still goes through prefill, as before.
+    result = generate_text(out, "the cat sat", NEW_TOKENS, do_sample=False)
+    ids = processor.tokenizer("the cat sat", return_tensors="pt").input_ids
+    with torch.no_grad():
+        text_only = model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert result.tokens == text_only
+
+
+def test_the_files_image_prompt_logits_match_eager_for_one_and_two_images(
+    llava_export: tuple[torch.nn.Module, Path],
+) -> None:
+    model, out = llava_export
+    runner = aot_hf.runner_of(ExportedModel.from_pretrained(out))
+    assert set(runner.methods) == {"prefill", "decode", "encode_images", "prefill_images"}
+    for count in (1, 2):
+        pixels = torch.randn(count, 3, SIDE, SIDE)
+        ids = torch.tensor([[1, 4] + [IMAGE_TOKEN] * (16 * count) + [5, 6]])
+        with torch.no_grad():
+            want = model(input_ids=ids, pixel_values=pixels).logits[0, -1]
+            features = torch.cat([runner.program.encode_images(pixels[i:i + 1]) for i in range(count)])
+            got = runner.program.prefill_images(ids, features)[0]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_prompt_whose_image_tokens_do_not_match_its_images_is_refused(
+    llava_export: tuple[torch.nn.Module, Path],
+) -> None:
+    _, out = llava_export
+    loaded = ExportedModel.from_pretrained(out)
+    ids = torch.tensor([[1, 4] + [IMAGE_TOKEN] * 16 + [5]])
+    with pytest.raises(GenerationError, match="holds 16 image tokens .* give 32 rows"):
+        aot_hf.generate(loaded, ids, 4, pixel_values=torch.randn(2, 3, SIDE, SIDE))
+
+
+def test_gemma3s_attention_among_an_images_tokens_is_kept_with_an_engine_first(tmp_path: Path) -> None:
+    """Gemma 3 lets an image's tokens attend to each other both ways (its processor's ``token_type_ids``);
+    ``prefill_images`` takes them, made from the prompt when the caller has none. OpenVINO first."""
+    model = gemma3()
+    exporter = aot_hf.AotstackExporter()
+    exported = exporter.export_for_generation(
+        model, {"input_ids": torch.zeros(1, 4, dtype=torch.long), "pixel_values": torch.zeros(1, 3, SIDE, SIDE)},
+        aot_hf.AotstackConfig(engines="ov,aoti", max_cache_len=32),
+    )
+    exported.save_pretrained(tmp_path / "gemma3")
+    loaded = ExportedModel.from_pretrained(tmp_path / "gemma3")
+    program = aot_hf.runner_of(loaded).program
+    for count in (1, 2):
+        pixels = torch.randn(count, 3, SIDE, SIDE)
+        ids = torch.tensor([[1, 4, VOCAB - 2] + [IMAGE_TOKEN] * (4 * count) + [VOCAB - 3, 5, 6]])
+        types = (ids == IMAGE_TOKEN).long()
+        with torch.no_grad():
+            want = model(input_ids=ids, pixel_values=pixels, token_type_ids=types).logits[0, -1]
+            causal = model(input_ids=ids, pixel_values=pixels).logits[0, -1]
+            features = torch.cat([program.encode_images(pixels[i:i + 1]) for i in range(count)])
+            got = program.prefill_images(ids, features, types)[0]
+        assert (want - causal).abs().max() > 1e-4  # the two attentions differ here, so the check can fail
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+        with torch.no_grad():
+            tokens = model.generate(ids, pixel_values=pixels, token_type_ids=types, max_new_tokens=NEW_TOKENS,
+                                    do_sample=False)[0, ids.shape[1]:].tolist()
+        assert aot_hf.generate(loaded, ids, NEW_TOKENS, pixel_values=pixels, token_type_ids=types,
+                               do_sample=False) == tokens
+        assert aot_hf.generate(loaded, ids, NEW_TOKENS, pixel_values=pixels, do_sample=False) == tokens
+
+
+@pytest.mark.parametrize("kind", ["paligemma", "mistral3"])
+def test_a_vision_language_model_this_export_cannot_follow_is_refused_with_why(kind: str) -> None:
+    """PaliGemma attends both ways over its prompt only on a call without a cache; Mistral 3's image features
+    need the images' sizes as well. Each is refused before anything is compiled, naming why."""
+    torch.manual_seed(0)
+    if kind == "paligemma":
+        config = transformers.PaliGemmaConfig(
+            vision_config=transformers.SiglipVisionConfig(**VISION, projection_dim=32),
+            text_config=transformers.GemmaConfig(**TEXT_CONFIG), image_token_id=IMAGE_TOKEN, projection_dim=32)
+        model, why = transformers.PaliGemmaForConditionalGeneration(config), "does not follow"
+    else:
+        config = transformers.Mistral3Config(
+            vision_config=transformers.PixtralVisionConfig(**VISION, head_dim=8),
+            text_config=transformers.MistralConfig(**TEXT_CONFIG), image_token_id=IMAGE_TOKEN, spatial_merge_size=2)
+        model, why = transformers.Mistral3ForConditionalGeneration(config), "image_sizes"
+    with pytest.raises(UnsupportedModelError, match=why):
+        aot_hf.AotstackExporter().export_for_generation(
+            model.eval(), {"input_ids": torch.zeros(1, 4, dtype=torch.long),
+                           "pixel_values": torch.zeros(1, 3, SIDE, SIDE)},
+            aot_hf.AotstackConfig(engines="aoti", max_cache_len=64),
+        )
