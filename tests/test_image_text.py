@@ -140,8 +140,12 @@ def test_gemma3s_attention_among_an_images_tokens_is_kept_with_an_engine_first(t
     exporter = aot_hf.AotstackExporter()
     exported = exporter.export_for_generation(
         model, {"input_ids": torch.zeros(1, 4, dtype=torch.long), "pixel_values": torch.zeros(1, 3, SIDE, SIDE)},
-        aot_hf.AotstackConfig(engines="ov,aoti", max_cache_len=32),
+        aot_hf.AotstackConfig(engines="ov,aoti", max_cache_len=32, check=True),
     )
+    # export-hf --check: every method was run from the file against eager, on its example inputs.
+    assert exporter.check_result.passed
+    assert {output.method for output in exporter.check_result.outputs} == {
+        "prefill", "decode", "encode_images", "prefill_images"}
     exported.save_pretrained(tmp_path / "gemma3")
     loaded = ExportedModel.from_pretrained(tmp_path / "gemma3")
     program = aot_hf.runner_of(loaded).program

@@ -109,6 +109,9 @@ def argument_parser() -> argparse.ArgumentParser:
     export_hf.add_argument("--max-cache-len", type=positive_int, default=None, metavar="N",
                            help="generation: the KV cache's length, the longest prompt plus new tokens "
                                 "(default: the model's max_position_embeddings, at most 1024)")
+    export_hf.add_argument("--check", action="store_true",
+                           help="run each method of the file on its example inputs, eagerly and from the file, "
+                                "and fail past aotstack.Check's tolerance")
     add_compile_run_options(export_hf)
     export_hf.set_defaults(command=export_hf_command)
 
@@ -380,7 +383,7 @@ def export_hf_command(args: argparse.Namespace) -> int:
         args.model_dir, args.output, task=args.task, engines=args.engines, device=args.device,
         quantization=cli_quantization(args),
         max_cache_len=args.max_cache_len, progress={"auto": None, "live": True, "log": False}[args.progress],
-        jobs=args.jobs, step=lambda text: print(f"aotstack: {text}", file=sys.stderr),
+        jobs=args.jobs, step=lambda text: print(f"aotstack: {text}", file=sys.stderr), check=args.check,
     )
     seconds = done.seconds
     print(f"wrote {done.output} ({done.task}: {', '.join(done.methods)}; {done.bytes / 1e6:.2f} MB) in "

@@ -201,13 +201,15 @@ def export_folder(
     progress: bool | Progress | None = None,
     jobs: int | None = None,
     step: Callable[[str], None] | None = None,
+    check: bool = False,
 ) -> FolderExport:
     """Export the model in ``model_dir`` for ``task`` (inferred when None) into the folder ``output``.
 
     ``quantization`` (``aotstack.Quantization``) quantizes the model before export.
 
     ``output`` must not exist, be empty, or hold an earlier aotstack export (replaced). ``step`` is
-    told each stage as it begins.
+    told each stage as it begins. ``check`` runs each method of the lowered file against eager
+    PyTorch on its example inputs and refuses the export (``LoweringError``) past the tolerance.
     """
     started = time.perf_counter()
     say = step or (lambda text: logger.info("%s", text))
@@ -246,13 +248,12 @@ def export_folder(
         if generation:
             exported = exporter.export_for_generation(
                 model, generation_inputs(model, task, preprocessor),
-                AotstackConfig(engines=engines, device=device, max_cache_len=max_cache_len),
+                AotstackConfig(engines=engines, device=device, max_cache_len=max_cache_len, check=check),
             )
         else:
             inputs, dynamic_shapes = example_inputs(model, preprocessor)
-            exported = exporter.export(
-                model, inputs, AotstackConfig(engines=engines, device=device, dynamic_shapes=dynamic_shapes)
-            )
+            exported = exporter.export(model, inputs, AotstackConfig(engines=engines, device=device,
+                                                                     dynamic_shapes=dynamic_shapes, check=check))
     except UnsupportedModelError:
         raise
     except AotstackError as exc:
@@ -260,6 +261,8 @@ def export_folder(
             raise
         raise UnsupportedModelError(f"{type(model).__name__} ({task}) cannot be exported: {exc}") from exc
     seconds["export"], seconds["lower"] = exporter.export_seconds, exporter.lower_seconds
+    if exporter.check_result is not None:
+        say(exporter.check_result.text())
 
     saving = time.perf_counter()
     staging = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))

@@ -86,6 +86,9 @@ class AotstackConfig(DynamoConfig):
             ``aotstack.quantize(model, linear=qlinear, embedding=qembedding, group_size=qgroup_size)``
             does: ``"8w"``, ``"8da8w"``, ``"4w"``, ``"8da4w"`` for linears, ``"8w"``, ``"4w"`` for
             embeddings (default: None, float). transformers' ``quantizer`` is not taken.
+        check: after lowering, run each method on its example inputs eagerly and from the saved
+            file, and raise ``LoweringError`` where they are further apart than ``aotstack.Check``'s
+            tolerance (``aotstack.lower(..., check=True)``).
     """
 
     export_format: str = EXPORT_FORMAT
@@ -96,6 +99,7 @@ class AotstackConfig(DynamoConfig):
     qlinear: str | None = None
     qembedding: str | None = None
     qgroup_size: int = 32
+    check: bool = False
 
     def __post_init__(self) -> None:
         # An unknown scheme or a bad group size fails here, before any export.
@@ -124,6 +128,8 @@ class AotstackExporter(HfExporter):
         self.jobs = jobs
         self.lower_seconds = 0.0
         self.export_seconds = 0.0
+        # What the last lowering's check measured (``AotstackConfig.check``); None where nothing was checked.
+        self.check_result: Any = None
 
     def lower(
         self, program: Program, config: AotstackConfig, timing_inputs: Mapping[str, CallInputs] | None = None
@@ -134,8 +140,11 @@ class AotstackExporter(HfExporter):
         if isinstance(plan, Auto) and timing_inputs:
             plan = replace(plan, inputs=timing_inputs)
         started = time.perf_counter()
-        lowered = aotstack.lower(program, plan, progress=self.progress, jobs=self.jobs)
-        self.lower_seconds += time.perf_counter() - started
+        try:
+            lowered = aotstack.lower(program, plan, progress=self.progress, jobs=self.jobs, check=config.check)
+        finally:
+            self.lower_seconds += time.perf_counter() - started
+        self.check_result = lowered.check_result
         return lowered
 
     def export_program(
