@@ -150,17 +150,23 @@ def read_config_json(model_dir: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ModelFolderError(f"{model_dir} has no config.json; a model folder holds config.json, "
                                f"the weights ({' or '.join(WEIGHT_FILES)}) and its tokenizer or processor files")
+    raw = json_object(path)
+    if "auto_map" in raw:
+        raise ModelFolderError(
+            f"{path} names code of its own (auto_map: {sorted(raw['auto_map'])}); aotstack runs no code from a "
+            "model folder: export architectures transformers itself defines"
+        )
+    return raw
+
+
+def json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in ``path``; a file that is not one is a ``ModelFolderError`` naming it."""
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ModelFolderError(f"{path} is not a JSON object: {exc}") from exc
     if not isinstance(raw, dict):
         raise ModelFolderError(f"{path} is not a JSON object")
-    if "auto_map" in raw:
-        raise ModelFolderError(
-            f"{path} names code of its own (auto_map: {sorted(raw['auto_map'])}); aotstack runs no code from a "
-            "model folder: export architectures transformers itself defines"
-        )
     return raw
 
 
@@ -410,12 +416,7 @@ def processor_settings(model_dir: Path) -> dict[str, Any]:
         path = model_dir / name
         if not path.is_file():
             continue
-        try:
-            settings = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
-            raise ModelFolderError(f"{path} is not JSON: {exc}") from exc
-        if not isinstance(settings, dict):
-            raise ModelFolderError(f"{path} is not a JSON object")
+        settings = json_object(path)
         if name == PROCESSOR_FILE:
             return settings
         for part in ("image_processor", "feature_extractor"):
