@@ -189,3 +189,11 @@ def test_a_vision_language_model_this_export_cannot_follow_is_refused_with_why(k
                            "pixel_values": torch.zeros(1, 3, SIDE, SIDE)},
             aot_hf.AotstackConfig(engines="aoti", max_cache_len=64),
         )
+
+
+def test_an_image_that_leaves_no_room_in_the_cache_is_refused_before_compiling() -> None:
+    with pytest.raises(UnsupportedModelError, match="an image takes 16 tokens.*larger max_cache_len"):
+        aot_hf.AotstackExporter().export_for_generation(
+            llava(), {"input_ids": torch.zeros(1, 4, dtype=torch.long), "pixel_values": torch.zeros(1, 3, SIDE, SIDE)},
+            aot_hf.AotstackConfig(engines="aoti", max_cache_len=18),
+        )

@@ -446,18 +446,22 @@ def export_image_text_lm(
     ``prompt_inputs`` name the processor's other outputs the model's forward reads (Gemma 3's
     ``token_type_ids``); ``prefill_images`` takes them after the features, each shaped as the token ids.
     Before export, ``prefill_images`` is checked against the model's own forward over the same
-    prompt and images: a model that treats a prompt with images in a way this cannot follow
-    (PaliGemma's attention over its prefix, which it gives only a first call) is refused.
+    prompt and images (two where they fit in the cache): a model that treats a prompt with images in
+    a way this cannot follow (PaliGemma's attention over its prefix, which it gives only a first
+    call) is refused.
     """
     module = ImagePrefillDecode(model, max_cache_len, prompt_inputs).eval()
     image = example_image(model, image_size)
     with torch.no_grad():
         rows = module.encode_images(image).shape[0]
-    tokens = torch.tensor([[module.image_token] * (2 * rows) + [1, 2]], dtype=torch.long)
+    # Two images where they fit with room to answer (their order is checked too), else one: LLaVA 1.5's two take
+    # 1,152 tokens, more than the default cache.
+    count = 2 if 2 * rows + 2 < max_cache_len else 1
+    tokens = torch.tensor([[module.image_token] * (count * rows) + [1, 2]], dtype=torch.long)
     if tokens.shape[1] >= max_cache_len:
-        raise ExportError(f"{type(model).__name__}: two images take {2 * rows} tokens, as many as the cache's "
-                          f"{max_cache_len} slots; export with a larger max_cache_len")
-    check_images_prompt(module, tokens, image)
+        raise ExportError(f"{type(model).__name__}: an image takes {rows} tokens, which leave no room for a prompt "
+                          f"and its answer in the cache's {max_cache_len} slots; export with a larger max_cache_len")
+    check_images_prompt(module, tokens, image, count)
     length = Dim("length", min=1, max=max_cache_len)
     # A prompt leaves at least one slot for its answer (Gemma 3's image mask guards on it).
     prompt_length = Dim("prompt_length", min=2, max=max_cache_len - 1)
@@ -469,7 +473,7 @@ def export_image_text_lm(
             "prefill": (torch.zeros(1, min(4, max_cache_len), dtype=torch.long),),
             "decode": decode_inputs,
             "encode_images": (image,),
-            "prefill_images": (tokens, torch.zeros(2 * rows, hidden, dtype=model.dtype),
+            "prefill_images": (tokens, torch.zeros(count * rows, hidden, dtype=model.dtype),
                                *(image_prompt_input(tokens, module.image_token) for _ in prompt_inputs)),
         },
         dynamic_shapes={
@@ -501,12 +505,12 @@ def example_image(model: torch.nn.Module, image_size: tuple[int, int]) -> torch.
                       + "; ".join(failures) + "): it needs more of its processor's outputs than aotstack exports")
 
 
-def check_images_prompt(module: ImagePrefillDecode, tokens: torch.Tensor, image: torch.Tensor) -> None:
-    """Refuse a model whose own forward, given ``tokens`` and two images of ``image``, is not what
-    ``module.prefill_images`` gives."""
+def check_images_prompt(module: ImagePrefillDecode, tokens: torch.Tensor, image: torch.Tensor, count: int) -> None:
+    """Refuse a model whose own forward, given ``tokens`` and ``count`` (1 or 2) images made from ``image``, is not
+    what ``module.prefill_images`` gives."""
     model = module.lm.model
     axis = 0 if image.dim() == 4 else 1
-    images = torch.cat([image, image.flip(-1)], dim=axis)
+    images = torch.cat([image, image.flip(-1)][:count], dim=axis)
     prompt_inputs = {name: image_prompt_input(tokens, module.image_token) for name in module.prompt_inputs}
     with torch.no_grad():
         want = model(input_ids=tokens, pixel_values=images, **prompt_inputs).logits[:, -1, :]
