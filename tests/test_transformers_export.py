@@ -352,7 +352,8 @@ def test_pickled_weights_and_remote_code_are_refused(small_folder, tmp_path):
 
 
 def test_unknown_task_and_unloadable_architecture_are_refused(small_folder, tmp_path, capsys):
-    with pytest.raises(UnsupportedModelError, match="unknown task 'translation'; supported tasks: image-text-to-text, text-generation"):
+    with pytest.raises(UnsupportedModelError,
+                       match="unknown task 'translation'; supported tasks: image-text-to-text, text-generation"):
         export_folder(small_folder, tmp_path / "out", task="translation")
     with pytest.raises(UnsupportedModelError, match="task image-classification cannot load model type 'llama'"):
         export_folder(small_folder, tmp_path / "out", task="image-classification")
