@@ -101,9 +101,9 @@ class ImagePrefillDecode(PrefillDecode):
     """A vision-language model: ``PrefillDecode``'s methods for text alone, plus ``encode_images`` and
     ``prefill_images``, which reads a prompt whose image tokens stand for the features ``encode_images`` gave.
 
-    The model merges the features into the prompt itself (``mm_encoder_outputs``), as its own
-    ``generate`` does: where an image token's embedding goes, and any attention the image's tokens
-    get besides the causal one (Gemma 3's, PaliGemma's), stay the model's. ``prompt_inputs`` are the
+    The features take the image tokens' places in the embedded prompt, as the model's own merge
+    puts them; the rest is the model's forward on those embeddings, so any attention the image's
+    tokens get besides the causal one (Gemma 3's) stays the model's. ``prompt_inputs`` are the
     processor's outputs beside the token ids that the model's forward reads (``token_type_ids``).
     """
 
@@ -451,9 +451,7 @@ def export_image_text_lm(
     call) is refused.
     """
     module = ImagePrefillDecode(model, max_cache_len, prompt_inputs).eval()
-    image = example_image(model, image_size)
-    with torch.no_grad():
-        rows = module.encode_images(image).shape[0]
+    image, rows = example_image(module, image_size)
     # Two images where they fit with room to answer (their order is checked too), else one: LLaVA 1.5's two take
     # 1,152 tokens, more than the default cache.
     count = 2 if 2 * rows + 2 < max_cache_len else 1
@@ -486,9 +484,11 @@ def export_image_text_lm(
     )
 
 
-def example_image(model: torch.nn.Module, image_size: tuple[int, int]) -> torch.Tensor:
-    """One random image of ``image_size`` as ``model.get_image_features`` takes it: ``[1, channels, height,
-    width]``, or ``[1, 1, channels, height, width]`` for a model whose processor tiles an image (SmolVLM's)."""
+def example_image(module: ImagePrefillDecode, image_size: tuple[int, int]) -> tuple[torch.Tensor, int]:
+    """One random image of ``image_size`` as the model's ``get_image_features`` takes it (``[1, channels, height,
+    width]``, or ``[1, 1, channels, height, width]`` for a model whose processor tiles an image: SmolVLM's), and
+    the rows of features ``module.encode_images`` gives it."""
+    model = module.lm.model
     vision = getattr(model.config, "vision_config", None)
     channels = getattr(vision, "num_channels", 3)
     flat = torch.randn(1, channels, *image_size, generator=torch.Generator().manual_seed(0)).to(model.dtype)
@@ -496,11 +496,11 @@ def example_image(model: torch.nn.Module, image_size: tuple[int, int]) -> torch.
     for image in (flat, flat.unsqueeze(0)):
         try:
             with torch.no_grad():
-                model.get_image_features(image, return_dict=True)
+                rows = module.encode_images(image).shape[0]
         except (TypeError, ValueError, RuntimeError, IndexError) as error:
             failures.append(f"{tuple(image.shape)}: {str(error).splitlines()[0][:200]}")
         else:
-            return image
+            return image, rows
     raise ExportError(f"{type(model).__name__}.get_image_features takes no image of pixel values alone ("
                       + "; ".join(failures) + "): it needs more of its processor's outputs than aotstack exports")
 
