@@ -489,6 +489,9 @@ def example_image(module: ImagePrefillDecode, image_size: tuple[int, int]) -> tu
     width]``, or ``[1, 1, channels, height, width]`` for a model whose processor tiles an image: SmolVLM's), and
     the rows of features ``module.encode_images`` gives it."""
     model = module.lm.model
+    if not callable(getattr(model, "get_image_features", None)):
+        raise ExportError(f"{type(model).__name__} has no get_image_features: aotstack exports a vision-language "
+                          "model's images through it")
     vision = getattr(model.config, "vision_config", None)
     channels = getattr(vision, "num_channels", 3)
     flat = torch.randn(1, channels, *image_size, generator=torch.Generator().manual_seed(0)).to(model.dtype)
@@ -497,7 +500,8 @@ def example_image(module: ImagePrefillDecode, image_size: tuple[int, int]) -> tu
         try:
             with torch.no_grad():
                 rows = module.encode_images(image).shape[0]
-        except (TypeError, ValueError, RuntimeError, IndexError) as error:
+        # The model's own code, probed with each layout; whatever it raises says the layout is not its.
+        except Exception as error:
             failures.append(f"{tuple(image.shape)}: {str(error).splitlines()[0][:200]}")
         else:
             return image, rows
@@ -513,7 +517,11 @@ def check_images_prompt(module: ImagePrefillDecode, tokens: torch.Tensor, image:
     images = torch.cat([image, image.flip(-1)][:count], dim=axis)
     prompt_inputs = {name: image_prompt_input(tokens, module.image_token) for name in module.prompt_inputs}
     with torch.no_grad():
-        want = model(input_ids=tokens, pixel_values=images, **prompt_inputs).logits[:, -1, :]
+        try:
+            want = model(input_ids=tokens, pixel_values=images, **prompt_inputs).logits[:, -1, :]
+        except Exception as error:  # the model's own forward, on a prompt its processor could have made
+            raise ExportError(f"{type(model).__name__}'s own forward fails on a prompt with {count} image(s) of "
+                              f"{tuple(image.shape)}: {str(error).splitlines()[0][:300]}") from error
         slices = [images.narrow(axis, index, 1) for index in range(images.shape[axis])]
         features = torch.cat([module.encode_images(one) for one in slices])
         got = module.prefill_images(tokens, features, *prompt_inputs.values())
