@@ -197,3 +197,14 @@ def test_an_image_that_leaves_no_room_in_the_cache_is_refused_before_compiling()
             llava(), {"input_ids": torch.zeros(1, 4, dtype=torch.long), "pixel_values": torch.zeros(1, 3, SIDE, SIDE)},
             aot_hf.AotstackConfig(engines="aoti", max_cache_len=18),
         )
+
+
+def test_export_checks_tolerance_is_the_one_given() -> None:
+    """A quantized model's engines round its activations each their own way: ``--atol`` and ``--rtol`` of
+    ``export-hf --check`` reach the check."""
+    from aotstack.integrations.transformers import check_of
+
+    assert check_of(aot_hf.AotstackConfig()) is False
+    given = check_of(aot_hf.AotstackConfig(check=True, check_atol=5e-3))
+    assert (given.atol, given.rtol) == (5e-3, None)
+    assert given.tolerance(torch.float32) == (5e-3, 1e-4)

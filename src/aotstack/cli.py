@@ -72,10 +72,7 @@ def argument_parser() -> argparse.ArgumentParser:
     compile_.add_argument("--check", nargs="?", const="outputs", choices=("outputs", "partition"), default=None,
                           help="run each method on its example inputs, eagerly and from the package, and fail past "
                                "the tolerance; =partition also compares each delegate with the eager ops it replaced")
-    compile_.add_argument("--atol", type=float, default=None, metavar="A",
-                          help="absolute tolerance of --check (default: aotstack.Check's, 1e-4)")
-    compile_.add_argument("--rtol", type=float, default=None, metavar="R",
-                          help="relative tolerance of --check (default: aotstack.Check's, 1e-4)")
+    add_tolerance_options(compile_)
     compile_.set_defaults(command=compile_command)
 
     explain = commands.add_parser(
@@ -111,7 +108,8 @@ def argument_parser() -> argparse.ArgumentParser:
                                 "(default: the model's max_position_embeddings, at most 1024)")
     export_hf.add_argument("--check", action="store_true",
                            help="run each method of the file on its example inputs, eagerly and from the file, "
-                                "and fail past aotstack.Check's tolerance")
+                                "and fail past aotstack.Check's tolerance (or --atol, --rtol)")
+    add_tolerance_options(export_hf)
     add_compile_run_options(export_hf)
     export_hf.set_defaults(command=export_hf_command)
 
@@ -224,6 +222,13 @@ def cli_quantization(args: argparse.Namespace) -> Quantization:
     from .compile.quantize import Quantization
 
     return Quantization(args.qlinear, args.qembedding, args.qgroup_size)
+
+
+def add_tolerance_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--atol", type=float, default=None, metavar="A",
+                        help="absolute tolerance of --check (default: aotstack.Check's, 1e-4)")
+    parser.add_argument("--rtol", type=float, default=None, metavar="R",
+                        help="relative tolerance of --check (default: aotstack.Check's, 1e-4)")
 
 
 def add_compile_run_options(parser: argparse.ArgumentParser) -> None:
@@ -384,6 +389,7 @@ def export_hf_command(args: argparse.Namespace) -> int:
         quantization=cli_quantization(args),
         max_cache_len=args.max_cache_len, progress={"auto": None, "live": True, "log": False}[args.progress],
         jobs=args.jobs, step=lambda text: print(f"aotstack: {text}", file=sys.stderr), check=args.check,
+        check_tolerance=(args.atol, args.rtol),
     )
     seconds = done.seconds
     print(f"wrote {done.output} ({done.task}: {', '.join(done.methods)}; {done.bytes / 1e6:.2f} MB) in "

@@ -208,6 +208,7 @@ def export_folder(
     jobs: int | None = None,
     step: Callable[[str], None] | None = None,
     check: bool = False,
+    check_tolerance: tuple[float | None, float | None] = (None, None),
 ) -> FolderExport:
     """Export the model in ``model_dir`` for ``task`` (inferred when None) into the folder ``output``.
 
@@ -215,8 +216,10 @@ def export_folder(
 
     ``output`` must not exist, be empty, or hold an earlier aotstack export (replaced). ``step`` is
     told each stage as it begins. ``check`` runs each method of the lowered file against eager
-    PyTorch on its example inputs and refuses the export (``LoweringError``) past the tolerance.
+    PyTorch on its example inputs and refuses the export (``LoweringError``) past the tolerance:
+    ``aotstack.Check``'s, or ``check_tolerance`` (atol, rtol) where given.
     """
+    checking = {"check": check, "check_atol": check_tolerance[0], "check_rtol": check_tolerance[1]}
     started = time.perf_counter()
     say = step or (lambda text: logger.info("%s", text))
     model_dir, output = Path(model_dir), Path(output)
@@ -254,12 +257,12 @@ def export_folder(
         if generation:
             exported = exporter.export_for_generation(
                 model, generation_inputs(model, task, preprocessor),
-                AotstackConfig(engines=engines, device=device, max_cache_len=max_cache_len, check=check),
+                AotstackConfig(engines=engines, device=device, max_cache_len=max_cache_len, **checking),
             )
         else:
             inputs, dynamic_shapes = example_inputs(model, preprocessor)
             exported = exporter.export(model, inputs, AotstackConfig(engines=engines, device=device,
-                                                                     dynamic_shapes=dynamic_shapes, check=check))
+                                                                     dynamic_shapes=dynamic_shapes, **checking))
     except UnsupportedModelError:
         raise
     except AotstackError as exc:

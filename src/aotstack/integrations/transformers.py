@@ -41,6 +41,7 @@ from transformers.exporters.runners.base import ModelRunner
 import aotstack
 
 from ..compile.auto import Auto
+from ..compile.check import Check
 from ..compile.engines import partitioners_for
 from ..compile.export import Program
 from ..compile.lower import LoweredProgram
@@ -88,7 +89,8 @@ class AotstackConfig(DynamoConfig):
             embeddings (default: None, float). transformers' ``quantizer`` is not taken.
         check: after lowering, run each method on its example inputs eagerly and from the saved
             file, and raise ``LoweringError`` where they are further apart than ``aotstack.Check``'s
-            tolerance (``aotstack.lower(..., check=True)``).
+            tolerance (``aotstack.lower(..., check=True)``), or ``check_atol`` and ``check_rtol``
+            where given (a quantized model's engines round its activations each their own way).
     """
 
     export_format: str = EXPORT_FORMAT
@@ -100,6 +102,8 @@ class AotstackConfig(DynamoConfig):
     qembedding: str | None = None
     qgroup_size: int = 32
     check: bool = False
+    check_atol: float | None = None
+    check_rtol: float | None = None
 
     def __post_init__(self) -> None:
         # An unknown scheme or a bad group size fails here, before any export.
@@ -141,7 +145,7 @@ class AotstackExporter(HfExporter):
             plan = replace(plan, inputs=timing_inputs)
         started = time.perf_counter()
         try:
-            lowered = aotstack.lower(program, plan, progress=self.progress, jobs=self.jobs, check=config.check)
+            lowered = aotstack.lower(program, plan, progress=self.progress, jobs=self.jobs, check=check_of(config))
         finally:
             self.lower_seconds += time.perf_counter() - started
         self.check_result = lowered.check_result
@@ -241,6 +245,13 @@ class AotstackExporter(HfExporter):
     @classmethod
     def load_program(cls, path: str | Path) -> aotstack.LoadedProgram:
         return aotstack.load(path, cuda_graphs=RUNNER_CUDA_GRAPHS)
+
+
+def check_of(config: AotstackConfig) -> Check | bool:
+    """What ``aotstack.lower(..., check=)`` takes for ``config``: False, or a ``Check`` at its tolerances."""
+    if not config.check:
+        return False
+    return Check(atol=config.check_atol, rtol=config.check_rtol)
 
 
 def refuse_quantizer(config: AotstackConfig) -> None:
