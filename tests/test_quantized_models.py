@@ -190,6 +190,33 @@ def test_quantize_names_the_layer_a_group_size_does_not_fit() -> None:
     assert type(model[1].weight) is not torch.nn.Parameter
 
 
+class PooledAttention(torch.nn.Module):
+    """A query attending over a sequence through ``nn.MultiheadAttention``, as SigLIP's pooling head does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project = torch.nn.Linear(32, 32)
+        self.attention = torch.nn.MultiheadAttention(32, 4, batch_first=True)
+        self.query = torch.nn.Parameter(torch.randn(1, 1, 32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.project(x)
+        return self.attention(self.query.expand(x.shape[0], -1, -1), x, x)[0]
+
+
+@pytest.mark.parametrize("scheme", ["8w", "8da4w"])
+def test_quantize_leaves_multihead_attentions_output_projection_float(scheme: str) -> None:
+    """``nn.MultiheadAttention`` reads its output projection's weight as a plain tensor: quantized, it failed."""
+    pytest.importorskip("torchao")
+    torch.manual_seed(0)
+    model = PooledAttention().eval()
+    aotstack.quantize(model, linear=scheme)
+    assert type(model.project.weight) is not torch.nn.Parameter
+    assert type(model.attention.out_proj.weight) is torch.nn.Parameter
+    with torch.no_grad():
+        assert model(torch.randn(2, 5, 32)).shape == (2, 1, 32)
+
+
 def wide_model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(

@@ -107,10 +107,16 @@ def require_torchao() -> None:
 
 
 def quantizable_layers(model: torch.nn.Module, kind: type[torch.nn.Module]) -> dict[str, torch.nn.Module]:
-    """The layers of ``kind`` whose weight is still a plain floating tensor, by qualified name."""
+    """The layers of ``kind`` whose weight is still a plain floating tensor, by qualified name.
+
+    ``nn.MultiheadAttention``'s output projection is left float, as torchao's own filter leaves it:
+    the attention reads its weight as a plain tensor (``F.multi_head_attention_forward``), which a
+    quantized weight is not (SigLIP's pooling head failed eagerly, in a vision tower).
+    """
     return {
         name: module for name, module in model.named_modules()
         if isinstance(module, kind)
+        and not isinstance(module, torch.nn.modules.linear.NonDynamicallyQuantizableLinear)
         and type(module.weight) in (torch.Tensor, torch.nn.Parameter)
         and module.weight.is_floating_point()
     }
