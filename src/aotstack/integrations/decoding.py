@@ -364,6 +364,13 @@ class PromptImages:
     prompt_inputs: tuple[torch.Tensor, ...] = ()
 
 
+def single_images(pixel_values: torch.Tensor, rank: int) -> list[torch.Tensor]:
+    """Each image of ``pixel_values`` (``[channels, height, width]``, ``[images, ...]``, or with a leading batch of
+    1; a processor's tiles count as images), shaped as an ``encode_images`` taking ``rank`` dimensions takes one."""
+    flat = pixel_values.reshape(-1, *pixel_values.shape[-3:])
+    return [image.reshape((1,) * (rank - 3) + tuple(image.shape)) for image in flat]
+
+
 def image_prompt_input(tokens: torch.Tensor, image_token: int) -> torch.Tensor:
     """``token_type_ids`` as Gemma 3's processor makes them: 1 on an image's tokens, 0 elsewhere."""
     return (tokens == image_token).long()
@@ -392,15 +399,12 @@ def images_prompt_logits(program: Any, history: torch.Tensor, images: PromptImag
     """The logits after ``history`` (``[1, length]``), whose image tokens take the features of ``images``."""
     if "prefill_images" not in program_methods(program):
         raise GenerationError(f"this export takes no images: it has methods {program_methods(program)}")
-    rank = len(program.method("encode_images").inputs[0].shape)
-    pixels = images.pixel_values
-    per_image = pixels.reshape(-1, *pixels.shape[-3:]) if pixels.dim() >= 4 else pixels.reshape(1, *pixels.shape)
-    features = torch.cat([program.encode_images(image.reshape((1,) * (rank - 3) + tuple(image.shape)))
-                          for image in per_image])
+    per_image = single_images(images.pixel_values, len(program.method("encode_images").inputs[0].shape))
+    features = torch.cat([program.encode_images(image) for image in per_image])
     slots = int((history == images.image_token).sum())
     if slots != features.shape[0]:
         raise GenerationError(
-            f"the prompt holds {slots} image tokens (id {images.image_token}) and its {per_image.shape[0]} image(s) "
+            f"the prompt holds {slots} image tokens (id {images.image_token}) and its {len(per_image)} image(s) "
             f"give {features.shape[0]} rows of features: make the prompt and the images with the model's processor "
             "in one call, which puts as many image tokens in the prompt as its images need"
         )

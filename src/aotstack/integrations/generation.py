@@ -32,7 +32,7 @@ from torch.export import Dim
 from ..compile.export import Program, export
 from ..compile.measure import CallInputs
 from ..errors import ExportError
-from .decoding import image_prompt_input
+from .decoding import image_prompt_input, single_images
 
 logger = logging.getLogger("aotstack")
 
@@ -522,8 +522,7 @@ def check_images_prompt(module: ImagePrefillDecode, tokens: torch.Tensor, image:
         except Exception as error:  # the model's own forward, on a prompt its processor could have made
             raise ExportError(f"{type(model).__name__}'s own forward fails on a prompt with {count} image(s) of "
                               f"{tuple(image.shape)}: {str(error).splitlines()[0][:300]}") from error
-        slices = [images.narrow(axis, index, 1) for index in range(images.shape[axis])]
-        features = torch.cat([module.encode_images(one) for one in slices])
+        features = torch.cat([module.encode_images(one) for one in single_images(images, image.dim())])
         got = module.prefill_images(tokens, features, *prompt_inputs.values())
         for layer in module.lm.static_cache.layers:
             layer.keys.zero_()

@@ -370,8 +370,10 @@ def without_cache(model: torch.nn.Module) -> None:
             config.use_cache = False
 
 
+# Where a processor's settings are: transformers 5 saves them inside processor_config.json.
+SETTINGS_FILES = (PROCESSOR_FILE, "processor_config.json")
 # A vision-language model's chat template may live beside its processor rather than in its tokenizer's config.
-PROCESSOR_FILES = (PROCESSOR_FILE, "processor_config.json", "chat_template.json", "chat_template.jinja")
+PROCESSOR_FILES = (*SETTINGS_FILES, "chat_template.json", "chat_template.jinja")
 
 
 @dataclass
@@ -406,7 +408,7 @@ def load_preprocessor(model_dir: Path, task: str, model: torch.nn.Module) -> Pre
     if main_input == "input_ids" and task != "image-text-to-text":
         return Preprocessor(tokenizer=load_tokenizer(model_dir, task))
     tokenizer = load_tokenizer(model_dir, task) if task in GENERATION_TASKS else None
-    require_any(model_dir, PROCESSOR_FILES[:2], "processor", task)
+    require_any(model_dir, SETTINGS_FILES, "processor", task)
     files = [model_dir / name for name in PROCESSOR_FILES if (model_dir / name).is_file()]
     return Preprocessor(tokenizer=tokenizer, files=files, settings=processor_settings(model_dir))
 
@@ -415,7 +417,7 @@ def processor_settings(model_dir: Path) -> dict[str, Any]:
     """The image or audio processor's settings: ``preprocessor_config.json``, or, where a processor saved by
     transformers 5 keeps them inside its own config, ``processor_config.json``'s image processor or feature
     extractor."""
-    for name in PROCESSOR_FILES[:2]:
+    for name in SETTINGS_FILES:
         path = model_dir / name
         if not path.is_file():
             continue

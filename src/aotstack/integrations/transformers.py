@@ -210,7 +210,6 @@ class AotstackExporter(HfExporter):
             if model.config.is_encoder_decoder:
                 program = export_encoder_decoder_lm(model, max_cache_len, max_source_len=max_position)
             elif isinstance(pixel_values, torch.Tensor):
-                image_token = image_token_id(model)
                 program = export_image_text_lm(model, max_cache_len, tuple(pixel_values.shape[-2:]),
                                                image_prompt_inputs(model))
             else:
@@ -227,7 +226,7 @@ class AotstackExporter(HfExporter):
         metadata.packages["aotstack"] = aotstack.__version__
         metadata.export_config = {**json.loads(config.to_json_string()), "max_cache_len": max_cache_len}
         if "prefill_images" in program.methods:
-            metadata.export_config["image_token_id"] = image_token
+            metadata.export_config["image_token_id"] = image_token_id(model)
         return ExportedModel(
             {COMPONENT: ExportedComponent(lowered, metadata)},
             self.export_format,
