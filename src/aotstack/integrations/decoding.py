@@ -364,11 +364,25 @@ class PromptImages:
     prompt_inputs: tuple[torch.Tensor, ...] = ()
 
 
-def single_images(pixel_values: torch.Tensor, rank: int) -> list[torch.Tensor]:
-    """Each image of ``pixel_values`` (``[channels, height, width]``, ``[images, ...]``, or with a leading batch of
-    1; a processor's tiles count as images), shaped as an ``encode_images`` taking ``rank`` dimensions takes one."""
+def single_images(pixel_values: torch.Tensor, shape: Sequence[int]) -> list[torch.Tensor]:
+    """Each image of ``pixel_values``, shaped ``shape`` as ``encode_images`` takes one.
+
+    ``pixel_values`` are ``[channels, height, width]``, ``[images, ...]``, or with a leading batch of
+    1 (a processor's tiles count as images); or, for a model whose processor cuts an image into a grid of
+    patches (Qwen2-VL's; ``shape`` is ``[patches, patch_values]``), the rows of all images' patches.
+    """
+    if len(shape) == 2:
+        patches = int(shape[0])
+        rows = pixel_values.reshape(-1, pixel_values.shape[-1])
+        if rows.shape[1] != shape[1] or rows.shape[0] % patches:
+            raise GenerationError(
+                f"pixel values of shape {tuple(pixel_values.shape)} are not whole images of {patches} patches of "
+                f"{shape[1]} values, which this export takes: make them with the model's processor from images "
+                "of the size the export was made for (its export_config's image_size)"
+            )
+        return list(rows.split(patches))
     flat = pixel_values.reshape(-1, *pixel_values.shape[-3:])
-    return [image.reshape((1,) * (rank - 3) + tuple(image.shape)) for image in flat]
+    return [image.reshape((1,) * (len(shape) - 3) + tuple(image.shape)) for image in flat]
 
 
 def image_prompt_input(tokens: torch.Tensor, image_token: int) -> torch.Tensor:
@@ -399,7 +413,7 @@ def images_prompt_logits(program: Any, history: torch.Tensor, images: PromptImag
     """The logits after ``history`` (``[1, length]``), whose image tokens take the features of ``images``."""
     if "prefill_images" not in program_methods(program):
         raise GenerationError(f"this export takes no images: it has methods {program_methods(program)}")
-    per_image = single_images(images.pixel_values, len(program.method("encode_images").inputs[0].shape))
+    per_image = single_images(images.pixel_values, program.method("encode_images").inputs[0].shape)
     features = torch.cat([program.encode_images(image) for image in per_image])
     slots = int((history == images.image_token).sum())
     if slots != features.shape[0]:

@@ -22,8 +22,10 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -97,6 +99,23 @@ class PrefillDecode(torch.nn.Module):
         return self.lm(input_ids=tokens, cache_position=positions)[:, -1, :]
 
 
+@dataclass(frozen=True)
+class ImageGrid:
+    """How a model whose processor cuts an image into a grid of patches (Qwen2-VL's, with ``image_grid_thw``)
+    sees one image of the export's size: ``patches`` is its ``image_grid_thw`` row (temporal, height, width),
+    ``merge`` the patches per side of one image token, ``patch_values`` the values of one patch."""
+
+    patches: tuple[int, int, int]
+    merge: int
+    patch_values: int
+
+    @property
+    def token_grid(self) -> tuple[int, int, int]:
+        """The image's tokens as a grid: temporal, height and width."""
+        time, height, width = self.patches
+        return time, height // self.merge, width // self.merge
+
+
 class ImagePrefillDecode(PrefillDecode):
     """A vision-language model: ``PrefillDecode``'s methods for text alone, plus ``encode_images`` and
     ``prefill_images``, which reads a prompt whose image tokens stand for the features ``encode_images`` gave.
@@ -105,17 +124,46 @@ class ImagePrefillDecode(PrefillDecode):
     puts them; the rest is the model's forward on those embeddings, so any attention the image's
     tokens get besides the causal one (Gemma 3's) stays the model's. ``prompt_inputs`` are the
     processor's outputs beside the token ids that the model's forward reads (``token_type_ids``).
+
+    A model whose processor cuts images into a grid of patches (``ImageGrid``) takes images of one
+    size, ``image_size``: what its vision tower derives from the grid (rotary positions, attention
+    windows) is computed here once and kept as constants. Where its language model places an image's
+    tokens by their row and column (multimodal rotary positions: Qwen2-VL's), ``prefill_images``
+    computes the positions from the prompt, and the shift they leave on the positions after the
+    prompt is kept in the buffer ``rope_shift``, which ``decode`` adds.
     """
 
-    def __init__(self, model: torch.nn.Module, max_cache_len: int, prompt_inputs: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_cache_len: int,
+        prompt_inputs: tuple[str, ...] = (),
+        image_size: tuple[int, int] | None = None,
+    ) -> None:
         super().__init__(model, max_cache_len)
         self.prompt_inputs = prompt_inputs
         self.image_token = image_token_id(model)
+        self.grid = image_grid(model, image_size) if image_size is not None else None
+        self.vision_inputs = grid_vision_inputs(model, self.grid) if self.grid is not None else {}
+        self.positions_by_grid = self.grid is not None and places_tokens_by_grid(model)
+        if self.positions_by_grid:
+            self.register_buffer("rope_shift", torch.zeros(1, dtype=torch.long))
+
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.positions_by_grid:
+            self.rope_shift.zero_()
+        return super().prefill(tokens)
+
+    def decode(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        if not self.positions_by_grid:
+            return super().decode(token, position)
+        positions = (position + self.rope_shift).view(1, 1, 1).expand(3, 1, 1)
+        return self.cached_logits(self.lm.model.get_input_embeddings()(token), position[0], position_ids=positions)
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """The features of the images in ``pixel_values``, one row per image token, in the prompt's order."""
-        features = self.lm.model.get_image_features(pixel_values, return_dict=True).pooler_output
-        parts = features if isinstance(features, (list, tuple)) else [features]
+        parts = self.lm.model.get_image_features(pixel_values, return_dict=True, **self.vision_inputs).pooler_output
+        parts = parts if isinstance(parts, (list, tuple)) else [parts]
         return torch.cat([part.reshape(-1, part.shape[-1]) for part in parts])
 
     def prefill_images(
@@ -132,12 +180,94 @@ class ImagePrefillDecode(PrefillDecode):
         # An image token may lie outside the embedding table (Gemma 3's); its row is replaced anyway.
         embedded = self.lm.model.get_input_embeddings()(tokens.masked_fill(is_image, 0))
         merged = embedded.masked_scatter(is_image.unsqueeze(-1), image_features.to(embedded.dtype))
+        inputs: dict[str, Any] = dict(zip(self.prompt_inputs, prompt_inputs))
+        if self.grid is not None and self.positions_by_grid:
+            positions = grid_positions(is_image[0], self.grid.token_grid)
+            self.rope_shift.copy_(positions.max() + 1 - tokens.shape[1])
+            inputs["position_ids"] = positions
+        return self.cached_logits(merged, torch.zeros((), dtype=torch.long), **inputs)
+
+    def cached_logits(self, embedded: torch.Tensor, start: torch.Tensor, **inputs: Any) -> torch.Tensor:
+        """The model's logits after ``embedded`` (``[1, length, hidden]``), written to the cache from slot
+        ``start`` on."""
         cache = self.lm.static_cache
         for layer in cache.layers:
-            layer.cumulative_length.zero_()
-        outputs = self.lm.model(inputs_embeds=merged, attention_mask=None, past_key_values=cache, use_cache=True,
-                                **dict(zip(self.prompt_inputs, prompt_inputs)))
+            layer.cumulative_length.copy_(start)
+        outputs = self.lm.model(inputs_embeds=embedded, attention_mask=None, past_key_values=cache, use_cache=True,
+                                **inputs)
         return outputs.logits[:, -1, :]
+
+    def reference_inputs(self, tokens: torch.Tensor, images: int) -> dict[str, torch.Tensor]:
+        """What the model's own forward takes beside ``tokens`` and the pixel values of ``images`` images, as its
+        processor gives them."""
+        inputs = {name: image_prompt_input(tokens, self.image_token) for name in self.prompt_inputs}
+        if self.grid is not None:
+            inputs["image_grid_thw"] = torch.tensor([self.grid.patches] * images)
+            if "mm_token_type_ids" in inspect.signature(self.lm.model.forward).parameters:
+                inputs["mm_token_type_ids"] = image_prompt_input(tokens, self.image_token).int()
+        return inputs
+
+
+def image_grid(model: torch.nn.Module, image_size: tuple[int, int]) -> ImageGrid | None:
+    """The grid an image of ``image_size`` (height, width) makes for a model whose ``get_image_features`` takes
+    ``image_grid_thw``; None for one that takes pixels as an image."""
+    features = getattr(model, "get_image_features", None)
+    if features is None or "image_grid_thw" not in inspect.signature(features).parameters:
+        return None
+    vision = model.config.vision_config
+    patch, merge = vision.patch_size, vision.spatial_merge_size
+    height, width = image_size
+    if height % (patch * merge) or width % (patch * merge):
+        raise ExportError(f"{type(model).__name__} takes images whose sides are multiples of {patch * merge} "
+                          f"pixels (patches of {patch}, {merge}x{merge} patches a token); got {height}x{width}")
+    channels = getattr(vision, "in_channels", getattr(vision, "num_channels", 3))
+    frames = getattr(vision, "temporal_patch_size", 1)
+    return ImageGrid((1, height // patch, width // patch), merge, channels * frames * patch * patch)
+
+
+def grid_vision_inputs(model: torch.nn.Module, grid: ImageGrid) -> dict[str, Any]:
+    """``get_image_features``' inputs for one image of ``grid`` besides its pixel values: ``image_grid_thw``, and
+    what the vision tower derives from it in Python loops (rotary positions, attention windows), computed now
+    by transformers' own export preparation; the tower reads them instead of computing them."""
+    from transformers.exporters.utils import precompute_export_inputs
+
+    grid_thw = torch.tensor([grid.patches])
+    towers = [module for module in model.modules() if "grid_thw" in inspect.signature(module.forward).parameters]
+    if not towers:
+        raise ExportError(f"{type(model).__name__}: no module of its vision tower takes grid_thw")
+    derived: dict[str, Any] = {"hidden_states": torch.zeros(math.prod(grid.patches), grid.patch_values),
+                               "grid_thw": grid_thw}
+    precompute_export_inputs(towers[0], derived)
+    prefixed = {f"image_{name}": value for name, value in derived.items()
+                if name not in ("hidden_states", "grid_thw") and value is not None}
+    return {"image_grid_thw": grid_thw, **prefixed}
+
+
+def places_tokens_by_grid(model: torch.nn.Module) -> bool:
+    """Whether a model's language model places an image's tokens by their row and column (multimodal rotary
+    positions, ``get_rope_index``), not one after another."""
+    return any(callable(getattr(module, "get_rope_index", None)) for module in (model, getattr(model, "model", None)))
+
+
+def grid_positions(is_image: torch.Tensor, token_grid: tuple[int, int, int]) -> torch.Tensor:
+    """Multimodal rotary positions (``[3, 1, length]``: temporal, height, width) of a prompt whose tokens are
+    images where ``is_image`` (``[length]``), each image a ``token_grid`` of tokens.
+
+    A text token's three positions are its place in a sequence where each image counts as long as its
+    longer side; an image's tokens start where the image does, plus their frame, row and column.
+    """
+    frames, rows, columns = token_grid
+    per_image = frames * rows * columns
+    image = is_image.long()
+    images_seen = image.cumsum(0)
+    texts_before = (1 - image).cumsum(0) - (1 - image)
+    index = torch.where(is_image, images_seen - 1, 0) % per_image
+    images_before = torch.where(is_image, (images_seen - 1) // per_image, images_seen // per_image)
+    start = texts_before + max(rows, columns) * images_before
+    temporal = start + torch.where(is_image, index // (rows * columns), 0)
+    height = start + torch.where(is_image, index // columns % rows, 0)
+    width = start + torch.where(is_image, index % columns, 0)
+    return torch.stack([temporal, height, width]).unsqueeze(1)
 
 
 def linear_attention_layer_class() -> type | None:
@@ -450,12 +580,14 @@ def export_image_text_lm(
     a way this cannot follow (PaliGemma's attention over its prefix, which it gives only a first
     call) is refused.
     """
-    module = ImagePrefillDecode(model, max_cache_len, prompt_inputs).eval()
+    module = ImagePrefillDecode(model, max_cache_len, prompt_inputs, image_size).eval()
     image, rows = example_image(module, image_size)
     # Two images where they fit with room to answer (their order is checked too), else one: LLaVA 1.5's two take
-    # 1,152 tokens, more than the default cache.
-    count = 2 if 2 * rows + 2 < max_cache_len else 1
-    tokens = torch.tensor([[module.image_token] * (count * rows) + [1, 2]], dtype=torch.long)
+    # 1,152 tokens, more than the default cache. Text before, between and after them checks where their tokens
+    # are placed (a processor separates images: Qwen2-VL's own forward takes adjacent ones for one).
+    count = 2 if 2 * rows + 5 < max_cache_len else 1
+    image_tokens = [module.image_token] * rows
+    tokens = torch.tensor([[1, 2] + (image_tokens + [1]) * count + [2]], dtype=torch.long)
     if tokens.shape[1] >= max_cache_len:
         raise ExportError(f"{type(model).__name__}: an image takes {rows} tokens, which leave no room for a prompt "
                           f"and its answer in the cache's {max_cache_len} slots; export with a larger max_cache_len")
@@ -486,17 +618,23 @@ def export_image_text_lm(
 
 def example_image(module: ImagePrefillDecode, image_size: tuple[int, int]) -> tuple[torch.Tensor, int]:
     """One random image of ``image_size`` as the model's ``get_image_features`` takes it (``[1, channels, height,
-    width]``, or ``[1, 1, channels, height, width]`` for a model whose processor tiles an image: SmolVLM's), and
-    the rows of features ``module.encode_images`` gives it."""
+    width]``; ``[1, 1, channels, height, width]`` for a model whose processor tiles an image, SmolVLM's; its
+    patches' rows for one that cuts it into a grid, ``ImageGrid``), and the rows of features
+    ``module.encode_images`` gives it."""
     model = module.lm.model
     if not callable(getattr(model, "get_image_features", None)):
         raise ExportError(f"{type(model).__name__} has no get_image_features: aotstack exports a vision-language "
                           "model's images through it")
-    vision = getattr(model.config, "vision_config", None)
-    channels = getattr(vision, "num_channels", 3)
-    flat = torch.randn(1, channels, *image_size, generator=torch.Generator().manual_seed(0)).to(model.dtype)
+    generator = torch.Generator().manual_seed(0)
+    if module.grid is not None:
+        layouts = [torch.randn(math.prod(module.grid.patches), module.grid.patch_values, generator=generator)]
+    else:
+        vision = getattr(model.config, "vision_config", None)
+        flat = torch.randn(1, getattr(vision, "num_channels", 3), *image_size, generator=generator)
+        layouts = [flat, flat.unsqueeze(0)]
     failures = []
-    for image in (flat, flat.unsqueeze(0)):
+    for image in layouts:
+        image = image.to(model.dtype)
         try:
             with torch.no_grad():
                 rows = module.encode_images(image).shape[0]
@@ -513,20 +651,24 @@ def check_images_prompt(module: ImagePrefillDecode, tokens: torch.Tensor, image:
     """Refuse a model whose own forward, given ``tokens`` and ``count`` (1 or 2) images made from ``image``, is not
     what ``module.prefill_images`` gives."""
     model = module.lm.model
-    axis = 0 if image.dim() == 4 else 1
+    axis = 1 if image.dim() == 5 else 0
     images = torch.cat([image, image.flip(-1)][:count], dim=axis)
-    prompt_inputs = {name: image_prompt_input(tokens, module.image_token) for name in module.prompt_inputs}
+    reference_inputs = module.reference_inputs(tokens, count)
     with torch.no_grad():
         try:
-            want = model(input_ids=tokens, pixel_values=images, **prompt_inputs).logits[:, -1, :]
+            want = model(input_ids=tokens, pixel_values=images, **reference_inputs).logits[:, -1, :]
         except Exception as error:  # the model's own forward, on a prompt its processor could have made
             raise ExportError(f"{type(model).__name__}'s own forward fails on a prompt with {count} image(s) of "
                               f"{tuple(image.shape)}: {str(error).splitlines()[0][:300]}") from error
-        features = torch.cat([module.encode_images(one) for one in single_images(images, image.dim())])
-        got = module.prefill_images(tokens, features, *prompt_inputs.values())
+        finally:
+            forget_rope_shifts(model)
+        features = torch.cat([module.encode_images(one) for one in single_images(images, image.shape)])
+        got = module.prefill_images(tokens, features, *(reference_inputs[name] for name in module.prompt_inputs))
         for layer in module.lm.static_cache.layers:
             layer.keys.zero_()
             layer.values.zero_()
+        if module.positions_by_grid:
+            module.rope_shift.zero_()
     difference = logits_difference(got, want)
     if difference > logits_tolerance(model.dtype):
         raise ExportError(
@@ -534,6 +676,14 @@ def check_images_prompt(module: ImagePrefillDecode, tokens: torch.Tensor, image:
             f"logits {difference:.2g} off (relative to the largest) from the model's own forward: it reads a "
             "prompt with images in a way aotstack's export does not follow"
         )
+
+
+def forget_rope_shifts(model: torch.nn.Module) -> None:
+    """Drop the rotary position shift that a forward over a prompt with images leaves on a model with
+    multimodal positions (``rope_deltas``): its later calls would apply it, and tracing one would read it."""
+    for module in model.modules():
+        if getattr(module, "rope_deltas", None) is not None:
+            module.rope_deltas = None
 
 
 def image_prompt_inputs(model: torch.nn.Module) -> tuple[str, ...]:
@@ -579,3 +729,18 @@ def chunks_refused(wrapper: StateCacheLM, chunk: int) -> str | None:
                 f"{logits:.2g} off (relative to the largest logit), from the same prompt in one call: its prompt "
                 "path does not continue from its states")
     return None
+
+
+def sample_image_size(
+    model: torch.nn.Module, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None
+) -> tuple[int, int]:
+    """The height and width of the images in a sample's ``pixel_values``: their last two sides, or for a model
+    whose processor cuts images into a grid of patches, the first image's grid (``image_grid_thw``) in pixels."""
+    if image_grid_thw is not None:
+        _, height, width = (int(side) for side in image_grid_thw.reshape(-1, 3)[0])
+        patch = model.config.vision_config.patch_size
+        return height * patch, width * patch
+    if pixel_values.dim() < 3:
+        raise ExportError(f"pixel values of shape {tuple(pixel_values.shape)} are rows of patches: give the "
+                          "processor's image_grid_thw beside them, or pixel values of [1, channels, height, width]")
+    return int(pixel_values.shape[-2]), int(pixel_values.shape[-1])

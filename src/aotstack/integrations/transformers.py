@@ -60,8 +60,10 @@ from .decoding import (
 from .generation import (
     export_decoder_lm,
     export_image_text_lm,
+    image_grid,
     image_prompt_inputs,
     image_token_id,
+    sample_image_size,
     typical_step_inputs,
 )
 from .seq2seq import export_encoder_decoder_lm
@@ -210,8 +212,8 @@ class AotstackExporter(HfExporter):
             if model.config.is_encoder_decoder:
                 program = export_encoder_decoder_lm(model, max_cache_len, max_source_len=max_position)
             elif isinstance(pixel_values, torch.Tensor):
-                program = export_image_text_lm(model, max_cache_len, tuple(pixel_values.shape[-2:]),
-                                               image_prompt_inputs(model))
+                image_size = sample_image_size(model, pixel_values, sample_inputs.get("image_grid_thw"))
+                program = export_image_text_lm(model, max_cache_len, image_size, image_prompt_inputs(model))
             else:
                 program = export_decoder_lm(model, max_cache_len)
         except ExportError as exc:
@@ -227,6 +229,10 @@ class AotstackExporter(HfExporter):
         metadata.export_config = {**json.loads(config.to_json_string()), "max_cache_len": max_cache_len}
         if "prefill_images" in program.methods:
             metadata.export_config["image_token_id"] = image_token_id(model)
+            metadata.export_config["image_size"] = list(image_size)
+            grid = image_grid(model, image_size)
+            if grid is not None:
+                metadata.export_config["image_grid_thw"] = list(grid.patches)
         return ExportedModel(
             {COMPONENT: ExportedComponent(lowered, metadata)},
             self.export_format,
@@ -323,14 +329,18 @@ class AotstackModelRunner(ModelRunner):
         seed: int | None = None,
         pixel_values: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
     ) -> Iterator[int]:
         """The new tokens of one prompt, each as it is chosen, under ``config`` (a ``GenerationConfig``).
 
         ``source`` is a decoder-only model's prompt, or what an encoder-decoder's ``encode`` takes
         (token ids, or audio features); ``decoder_prompt`` is the decoder's first tokens (default:
         the config's decoder start token). A vision-language export takes the prompt's images as
-        ``pixel_values`` (and ``token_type_ids``, where its model reads them), both as its processor
-        made them with the prompt. See ``aotstack.integrations.decoding``.
+        ``pixel_values`` (and ``token_type_ids``, where its model reads them; ``image_grid_thw`` for
+        one whose processor cuts images into patches, checked against the export's), all as its
+        processor made them with the prompt; ``mm_token_type_ids`` is taken and not needed: the image
+        tokens of the prompt say the same. See ``aotstack.integrations.decoding``.
         """
         limit = self.metadata.export_config.get("max_cache_len")
         if "prefill" in self.methods or "decode" in self.methods and "encode" not in self.methods:
@@ -341,7 +351,8 @@ class AotstackModelRunner(ModelRunner):
                     f"a prompt of {len(prompt)} tokens plus {needed - len(prompt)} new ones needs {needed} cache "
                     f"slots; this export has {limit} (export again with a larger max_cache_len)"
                 )
-            return stream_decoder(self.program, prompt, config, seed, self.prompt_images(pixel_values, token_type_ids))
+            images = self.prompt_images(pixel_values, token_type_ids, image_grid_thw)
+            return stream_decoder(self.program, prompt, config, seed, images)
         if "encode" in self.methods:
             if decoder_prompt is None:
                 start = getattr(config, "decoder_start_token_id", None)
@@ -358,16 +369,21 @@ class AotstackModelRunner(ModelRunner):
         raise GenerationError(f"this export has no generation stages, only {self.methods}")
 
     def prompt_images(
-        self, pixel_values: torch.Tensor | None, token_type_ids: torch.Tensor | None
+        self,
+        pixel_values: torch.Tensor | None,
+        token_type_ids: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None = None,
     ) -> PromptImages | None:
         """A prompt's images for ``stream_decoder``; None for a prompt of text alone."""
         if pixel_values is None:
-            if token_type_ids is not None:
-                raise GenerationError("token_type_ids were given without the images (pixel_values) they mark")
+            if token_type_ids is not None or image_grid_thw is not None:
+                raise GenerationError("token_type_ids or image_grid_thw were given without the images (pixel_values) "
+                                      "they describe")
             return None
         image_token = self.metadata.export_config.get("image_token_id")
         if image_token is None:
             raise GenerationError(f"this export takes no images: it holds the generation stages {self.methods}")
+        refuse_other_grids(image_grid_thw, self.metadata.export_config)
         return PromptImages(pixel_values, int(image_token), () if token_type_ids is None else (token_type_ids,))
 
     def generate(
@@ -381,6 +397,8 @@ class AotstackModelRunner(ModelRunner):
         on_token: Callable[[int], None] | None = None,
         pixel_values: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
+        image_grid_thw: torch.Tensor | None = None,
+        mm_token_type_ids: torch.Tensor | None = None,
     ) -> list[int] | list[list[int]]:
         """The new tokens of one prompt (a list), or of each row of a batch (a list per row).
 
@@ -393,13 +411,30 @@ class AotstackModelRunner(ModelRunner):
         rows = prompt_rows(input_ids, attention_mask)
         if rows is None:
             tokens = self.stream(input_ids, config, decoder_prompt=decoder_prompt, seed=seed,
-                                 pixel_values=pixel_values, token_type_ids=token_type_ids)
+                                 pixel_values=pixel_values, token_type_ids=token_type_ids,
+                                 image_grid_thw=image_grid_thw)
             return collected(tokens, on_token)
         if pixel_values is not None:
             raise GenerationError(f"images are taken with one prompt at a time; input_ids has {len(rows)} rows")
         return [collected(self.stream(row, config, decoder_prompt=decoder_prompt,
                                       seed=None if seed is None else seed + index), on_token)
                 for index, row in enumerate(rows)]
+
+
+def refuse_other_grids(image_grid_thw: torch.Tensor | None, export_config: dict[str, Any]) -> None:
+    """Refuse images that the processor cut into another grid of patches than the one the export was made for."""
+    if image_grid_thw is None:
+        return
+    wanted = export_config.get("image_grid_thw")
+    if wanted is None:
+        raise GenerationError("image_grid_thw was given, but this export takes whole images, not a grid of patches")
+    grids = [list(map(int, row)) for row in image_grid_thw.reshape(-1, 3).tolist()]
+    if any(grid != wanted for grid in grids):
+        height, width = export_config.get("image_size", ["?", "?"])
+        raise GenerationError(
+            f"the processor cut the images into grids of patches {grids}; this export takes images of {height}x"
+            f"{width} pixels only (grid {wanted}): resize each image to {width}x{height} before the processor"
+        )
 
 
 def token_list(ids: torch.Tensor | Sequence[int]) -> list[int]:
@@ -470,6 +505,8 @@ def generate(
     on_token: Callable[[int], None] | None = None,
     pixel_values: torch.Tensor | None = None,
     token_type_ids: torch.Tensor | None = None,
+    image_grid_thw: torch.Tensor | None = None,
+    mm_token_type_ids: torch.Tensor | None = None,
     **settings: Any,
 ) -> list[int] | list[list[int]]:
     """Generation from an aotstack ``export_for_generation``, following its generation config.
@@ -487,12 +524,13 @@ def generate(
 
         tokens = generate(exported, ids, 32, temperature=0.7, top_p=0.9, seed=0)
         inputs = processor(images=image, text=prompt, return_tensors="pt")
-        tokens = generate(exported, **inputs, max_new_tokens=32)    # input_ids, pixel_values, token_type_ids
+        tokens = generate(exported, **inputs, max_new_tokens=32)    # input_ids, pixel_values, token_type_ids, ...
     """
     config = generation_config_of(exported, generation_config, max_new_tokens=max_new_tokens, **settings)
     return runner_of(exported).generate(input_ids, config, attention_mask=attention_mask,
                                         decoder_prompt=decoder_prompt, seed=seed, on_token=on_token,
-                                        pixel_values=pixel_values, token_type_ids=token_type_ids)
+                                        pixel_values=pixel_values, token_type_ids=token_type_ids,
+                                        image_grid_thw=image_grid_thw)
 
 
 def stream(
@@ -505,6 +543,8 @@ def stream(
     seed: int | None = None,
     pixel_values: torch.Tensor | None = None,
     token_type_ids: torch.Tensor | None = None,
+    image_grid_thw: torch.Tensor | None = None,
+    mm_token_type_ids: torch.Tensor | None = None,
     **settings: Any,
 ) -> Iterator[int]:
     """The new tokens of one prompt, each as soon as it is chosen: the tokens :func:`generate` returns.
@@ -516,7 +556,8 @@ def stream(
     """
     config = generation_config_of(exported, generation_config, max_new_tokens=max_new_tokens, **settings)
     return runner_of(exported).stream(input_ids, config, decoder_prompt=decoder_prompt, seed=seed,
-                                      pixel_values=pixel_values, token_type_ids=token_type_ids)
+                                      pixel_values=pixel_values, token_type_ids=token_type_ids,
+                                      image_grid_thw=image_grid_thw)
 
 
 register_backend(AotstackExporter, AotstackModelRunner)
