@@ -146,6 +146,9 @@ class ImagePrefillDecode(PrefillDecode):
         self.grid = image_grid(model, image_size) if image_size is not None else None
         self.vision_inputs = grid_vision_inputs(model, self.grid) if self.grid is not None else {}
         self.positions_by_grid = self.grid is not None and places_tokens_by_grid(model)
+        # Qwen3-VL's: features of the vision tower's inner layers, added to the first decoder layers' outputs at
+        # the image tokens. encode_images gives them beside the features, on each row.
+        self.deepstack = "deepstack_visual_embeds" in inspect.signature(model.get_decoder().forward).parameters
         if self.positions_by_grid:
             self.register_buffer("rope_shift", torch.zeros(1, dtype=torch.long))
 
@@ -162,9 +165,11 @@ class ImagePrefillDecode(PrefillDecode):
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """The features of the images in ``pixel_values``, one row per image token, in the prompt's order."""
-        parts = self.lm.model.get_image_features(pixel_values, return_dict=True, **self.vision_inputs).pooler_output
-        parts = parts if isinstance(parts, (list, tuple)) else [parts]
-        return torch.cat([part.reshape(-1, part.shape[-1]) for part in parts])
+        features = self.lm.model.get_image_features(pixel_values, return_dict=True, **self.vision_inputs)
+        rows = [rows_of(features.pooler_output)]
+        if self.deepstack:
+            rows += [rows_of(layer) for layer in features.deepstack_features]
+        return torch.cat(rows, dim=-1)
 
     def prefill_images(
         self, tokens: torch.Tensor, image_features: torch.Tensor, *prompt_inputs: torch.Tensor
@@ -179,8 +184,11 @@ class ImagePrefillDecode(PrefillDecode):
         is_image = tokens == self.image_token
         # An image token may lie outside the embedding table (Gemma 3's); its row is replaced anyway.
         embedded = self.lm.model.get_input_embeddings()(tokens.masked_fill(is_image, 0))
-        merged = embedded.masked_scatter(is_image.unsqueeze(-1), image_features.to(embedded.dtype))
         inputs: dict[str, Any] = dict(zip(self.prompt_inputs, prompt_inputs))
+        if self.deepstack:
+            image_features, *inner = image_features.split(embedded.shape[-1], dim=-1)
+            inputs.update(visual_pos_masks=is_image, deepstack_visual_embeds=inner)
+        merged = embedded.masked_scatter(is_image.unsqueeze(-1), image_features.to(embedded.dtype))
         if self.grid is not None and self.positions_by_grid:
             positions = grid_positions(is_image[0], self.grid.token_grid)
             self.rope_shift.copy_(positions.max() + 1 - tokens.shape[1])
@@ -193,8 +201,13 @@ class ImagePrefillDecode(PrefillDecode):
         cache = self.lm.static_cache
         for layer in cache.layers:
             layer.cumulative_length.copy_(start)
-        outputs = self.lm.model(inputs_embeds=embedded, attention_mask=None, past_key_values=cache, use_cache=True,
-                                **inputs)
+        model = self.lm.model
+        if "deepstack_visual_embeds" in inputs:
+            # The model's own forward makes these from pixel values, and takes no others: its decoder does.
+            hidden = model.get_decoder()(inputs_embeds=embedded, attention_mask=None, past_key_values=cache,
+                                         use_cache=True, **inputs).last_hidden_state
+            return model.get_output_embeddings()(hidden[:, -1, :])
+        outputs = model(inputs_embeds=embedded, attention_mask=None, past_key_values=cache, use_cache=True, **inputs)
         return outputs.logits[:, -1, :]
 
     def reference_inputs(self, tokens: torch.Tensor, images: int) -> dict[str, torch.Tensor]:
@@ -206,6 +219,12 @@ class ImagePrefillDecode(PrefillDecode):
             if "mm_token_type_ids" in inspect.signature(self.lm.model.forward).parameters:
                 inputs["mm_token_type_ids"] = image_prompt_input(tokens, self.image_token).int()
         return inputs
+
+
+def rows_of(features: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Image features (a tensor, or one per image) as rows, image after image."""
+    parts = features if isinstance(features, (list, tuple)) else [features]
+    return torch.cat([part.reshape(-1, part.shape[-1]) for part in parts])
 
 
 def image_grid(model: torch.nn.Module, image_size: tuple[int, int]) -> ImageGrid | None:
@@ -581,7 +600,8 @@ def export_image_text_lm(
     call) is refused.
     """
     module = ImagePrefillDecode(model, max_cache_len, prompt_inputs, image_size).eval()
-    image, rows = example_image(module, image_size)
+    image, features = example_image(module, image_size)
+    rows = features.shape[0]
     # Two images where they fit with room to answer (their order is checked too), else one: LLaVA 1.5's two take
     # 1,152 tokens, more than the default cache. Text before, between and after them checks where their tokens
     # are placed (a processor separates images: Qwen2-VL's own forward takes adjacent ones for one).
@@ -593,9 +613,11 @@ def export_image_text_lm(
                           f"and its answer in the cache's {max_cache_len} slots; export with a larger max_cache_len")
     check_images_prompt(module, tokens, image, count)
     length = Dim("length", min=1, max=max_cache_len)
+    # Qwen3-VL's decoder adds its inner image features at the rows a mask picks, a count torch cannot tell from 1
+    # (which would broadcast): it guards on two rows at least.
+    image_rows = Dim("image_rows", min=2 if module.deepstack else 1, max=max_cache_len - 1)
     # A prompt leaves at least one slot for its answer (Gemma 3's image mask guards on it).
     prompt_length = Dim("prompt_length", min=2, max=max_cache_len - 1)
-    hidden = model.config.get_text_config().hidden_size
     decode_inputs = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
     return export(
         module,
@@ -603,24 +625,24 @@ def export_image_text_lm(
             "prefill": (torch.zeros(1, min(4, max_cache_len), dtype=torch.long),),
             "decode": decode_inputs,
             "encode_images": (image,),
-            "prefill_images": (tokens, torch.zeros(count * rows, hidden, dtype=model.dtype),
+            "prefill_images": (tokens, features.repeat(count, 1),
                                *(image_prompt_input(tokens, module.image_token) for _ in prompt_inputs)),
         },
         dynamic_shapes={
             "prefill": {"tokens": {1: length}},
             # The prompt inputs are one more element (a tuple, as *args) only where there are any.
-            "prefill_images": ({1: prompt_length}, {0: Dim("image_rows", min=1, max=max_cache_len)},
+            "prefill_images": ({1: prompt_length}, {0: image_rows},
                                *([tuple({1: prompt_length} for _ in prompt_inputs)] if prompt_inputs else [])),
         },
         strict=True,
     )
 
 
-def example_image(module: ImagePrefillDecode, image_size: tuple[int, int]) -> tuple[torch.Tensor, int]:
+def example_image(module: ImagePrefillDecode, image_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """One random image of ``image_size`` as the model's ``get_image_features`` takes it (``[1, channels, height,
     width]``; ``[1, 1, channels, height, width]`` for a model whose processor tiles an image, SmolVLM's; its
-    patches' rows for one that cuts it into a grid, ``ImageGrid``), and the rows of features
-    ``module.encode_images`` gives it."""
+    patches' rows for one that cuts it into a grid, ``ImageGrid``), and the features ``module.encode_images``
+    gives it."""
     model = module.lm.model
     if not callable(getattr(model, "get_image_features", None)):
         raise ExportError(f"{type(model).__name__} has no get_image_features: aotstack exports a vision-language "
@@ -637,12 +659,12 @@ def example_image(module: ImagePrefillDecode, image_size: tuple[int, int]) -> tu
         image = image.to(model.dtype)
         try:
             with torch.no_grad():
-                rows = module.encode_images(image).shape[0]
+                features = module.encode_images(image)
         # The model's own code, probed with each layout; whatever it raises says the layout is not its.
         except Exception as error:
             failures.append(f"{tuple(image.shape)}: {str(error).splitlines()[0][:200]}")
         else:
-            return image, rows
+            return image, features
     raise ExportError(f"{type(model).__name__}.get_image_features takes no image of pixel values alone ("
                       + "; ".join(failures) + "): it needs more of its processor's outputs than aotstack exports")
 
