@@ -212,6 +212,27 @@ def test_onnx_runtime_gets_a_bias_free_convolution_with_no_computed_bias_and_its
     }
 
 
+class PatchEmbedding3d(torch.nn.Module):
+    """Rows of patch values embedded by a bias-free 3-D convolution over (frames, height, width): Qwen2-VL's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv3d(3, 8, (2, 4, 4), stride=(2, 4, 4), bias=False)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.conv(rows.view(-1, 3, 2, 4, 4)).view(-1, 8)
+
+
+def test_onnx_runtime_runs_a_bias_free_3d_convolution(tmp_path):
+    # The exporter's zero bias for it is [channels, 2], which ONNX Runtime refused at the first run; it is dropped.
+    model, rows = PatchEmbedding3d().eval(), torch.randn(6, 96)
+    program = aotstack.export(model, {"forward": (rows,)})
+    lowered = aotstack.lower(program, [aotstack.OrtPartitioner()])
+    assert [d.backend_id for d in lowered.delegates("forward")] == ["onnxruntime"]
+    lowered.save(tmp_path / "conv3d.pt2")
+    torch.testing.assert_close(aotstack.load(tmp_path / "conv3d.pt2").forward(rows), model(rows).detach())
+
+
 class RoutedRows(torch.nn.Module):
     """Rows picked by two data-dependent masks, concatenated, then added back by index: a mixture of experts' shape."""
 

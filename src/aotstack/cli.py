@@ -106,6 +106,9 @@ def argument_parser() -> argparse.ArgumentParser:
     export_hf.add_argument("--max-cache-len", type=positive_int, default=None, metavar="N",
                            help="generation: the KV cache's length, the longest prompt plus new tokens "
                                 "(default: the model's max_position_embeddings, at most 1024)")
+    export_hf.add_argument("--image-size", type=positive_int, default=None, metavar="PIXELS",
+                           help="image-text-to-text: the side of the square images a model whose processor keeps "
+                                "an image's size (Qwen2-VL's) takes (default 448); each image is resized to it")
     export_hf.add_argument("--check", action="store_true",
                            help="run each method of the file on its example inputs, eagerly and from the file, "
                                 "and fail past aotstack.Check's tolerance (or --atol, --rtol)")
@@ -389,7 +392,7 @@ def export_hf_command(args: argparse.Namespace) -> int:
         quantization=cli_quantization(args),
         max_cache_len=args.max_cache_len, progress={"auto": None, "live": True, "log": False}[args.progress],
         jobs=args.jobs, step=lambda text: print(f"aotstack: {text}", file=sys.stderr), check=args.check,
-        check_tolerance=(args.atol, args.rtol),
+        check_tolerance=(args.atol, args.rtol), image_size=args.image_size,
     )
     seconds = done.seconds
     print(f"wrote {done.output} ({done.task}: {', '.join(done.methods)}; {done.bytes / 1e6:.2f} MB) in "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -55,6 +56,9 @@ PROCESSOR_FILE = "preprocessor_config.json"
 # Example sizes the non-generation exports trace with; batch and sequence stay dynamic for text.
 EXAMPLE_BATCH, EXAMPLE_LENGTH = 2, 8
 AUDIO_SECONDS = 1
+# The side of the square images exported for a processor that keeps an image's size (Qwen2-VL's): 448 pixels
+# make 256 image tokens at Qwen2-VL's patches of 14 merged 2x2, about what fixed-size vision-language models take.
+GRID_IMAGE_SIDE = 448
 
 
 def auto_class(task: str) -> type:
@@ -209,6 +213,7 @@ def export_folder(
     step: Callable[[str], None] | None = None,
     check: bool = False,
     check_tolerance: tuple[float | None, float | None] = (None, None),
+    image_size: int | None = None,
 ) -> FolderExport:
     """Export the model in ``model_dir`` for ``task`` (inferred when None) into the folder ``output``.
 
@@ -217,7 +222,9 @@ def export_folder(
     ``output`` must not exist, be empty, or hold an earlier aotstack export (replaced). ``step`` is
     told each stage as it begins. ``check`` runs each method of the lowered file against eager
     PyTorch on its example inputs and refuses the export (``LoweringError``) past the tolerance:
-    ``aotstack.Check``'s, or ``check_tolerance`` (atol, rtol) where given.
+    ``aotstack.Check``'s, or ``check_tolerance`` (atol, rtol) where given. ``image_size`` is the side of
+    the square images a vision-language model whose processor keeps an image's size (Qwen2-VL's) is
+    exported for (default ``GRID_IMAGE_SIDE``); other processors make images of one size themselves.
     """
     checking = {"check": check, "check_atol": check_tolerance[0], "check_rtol": check_tolerance[1]}
     started = time.perf_counter()
@@ -256,7 +263,7 @@ def export_folder(
     try:
         if generation:
             exported = exporter.export_for_generation(
-                model, generation_inputs(model, task, preprocessor),
+                model, generation_inputs(model, task, preprocessor, image_size),
                 AotstackConfig(engines=engines, device=device, max_cache_len=max_cache_len, **checking),
             )
         else:
@@ -289,15 +296,43 @@ def export_folder(
     return FolderExport(task, output, runner_methods, seconds, size)
 
 
-def generation_inputs(model: torch.nn.Module, task: str, preprocessor: Preprocessor) -> dict[str, torch.Tensor]:
+def generation_inputs(
+    model: torch.nn.Module, task: str, preprocessor: Preprocessor, side: int | None = None
+) -> dict[str, torch.Tensor]:
     """The ``sample_inputs`` a generation export traces with: a prompt, and for a vision-language model one image
-    at the size its processor makes."""
+    at the size its processor makes, or, for a processor that keeps an image's size, a square of ``side``."""
     inputs = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
     if task == "image-text-to-text":
         vision = getattr(model.config, "vision_config", None) or model.config
-        height, width = image_size(preprocessor.settings, vision)
+        height, width = grid_image_size(preprocessor.settings, side) or image_size(preprocessor.settings, vision)
         inputs["pixel_values"] = torch.zeros(1, getattr(vision, "num_channels", 3), height, width)
+    elif side is not None:
+        raise ModelFolderError(f"--image-size is for an image-text-to-text export, not {task}")
     return inputs
+
+
+def grid_image_size(settings: dict[str, Any], side: int | None) -> tuple[int, int] | None:
+    """The square images an export takes from a processor that cuts each image, at about its own size, into a
+    grid of patches (Qwen2-VL's: ``patch_size``, ``merge_size``): ``side`` (default ``GRID_IMAGE_SIDE``) rounded
+    to whole image tokens and kept within the processor's bounds on pixels. None for another processor, which
+    makes images of one size itself (then ``side`` is refused unless it is that size)."""
+    patch, merge = settings.get("patch_size"), settings.get("merge_size")
+    if not (isinstance(patch, int) and isinstance(merge, int) and "temporal_patch_size" in settings):
+        if side is not None:
+            raise ModelFolderError(f"--image-size is for a processor that keeps an image's size (Qwen2-VL's); this "
+                                   f"one ({settings.get('image_processor_type', 'its processor')}) makes images of "
+                                   "one size itself")
+        return None
+    unit = patch * merge
+    bounds = settings.get("size") if isinstance(settings.get("size"), dict) else {}
+    least = settings.get("min_pixels") or bounds.get("shortest_edge") or unit * unit
+    most = settings.get("max_pixels") or bounds.get("longest_edge") or math.inf
+    square = max(unit, round((side or GRID_IMAGE_SIDE) / unit) * unit)
+    while square * square < least:
+        square += unit
+    while square * square > most and square > unit:
+        square -= unit
+    return square, square
 
 
 def check_output(output: Path) -> None:
@@ -571,7 +606,7 @@ def generate_text(
         if "prefill_images" not in runner.methods:
             raise GenerationError(f"{folder} takes no images (its methods: {runner.methods}); export an "
                                   "image-text-to-text model with aotstack export-hf")
-        images = image_prompt(folder, image, prompt, chat, messages)
+        images = image_prompt(folder, image, prompt, chat, messages, runner.metadata.export_config)
         source = ids = images.pop("input_ids")[0].tolist()
     elif audio is not None:
         from .audio import audio_features, speech_decoder_prompt
@@ -612,11 +647,19 @@ def generate_text(
 
 
 def image_prompt(
-    folder: Path, image: str | os.PathLike[str], prompt: str | None, chat: bool, messages: list[dict[str, Any]] | None
+    folder: Path,
+    image: str | os.PathLike[str],
+    prompt: str | None,
+    chat: bool,
+    messages: list[dict[str, Any]] | None,
+    export_config: dict[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """``input_ids``, ``pixel_values`` (and ``token_type_ids``, where the processor makes them) for a prompt about
-    ``image``, from the export's processor: through its chat template with ``chat`` or ``messages`` (the image
-    in the last user turn), else the plain prompt after the processor's image token."""
+    """``input_ids``, ``pixel_values`` (and ``token_type_ids`` or ``image_grid_thw``, where the processor makes
+    them) for a prompt about ``image``, from the export's processor: through its chat template with ``chat`` or
+    ``messages`` (the image in the last user turn), else the plain prompt after the processor's image token.
+
+    For an export whose processor keeps an image's size (Qwen2-VL's: ``export_config`` has its
+    ``image_grid_thw``), the image is first resized to the size the export takes."""
     try:
         from PIL import Image
     except ImportError as exc:
@@ -625,6 +668,9 @@ def image_prompt(
 
     try:
         picture = Image.open(image).convert("RGB")
+        if export_config and "image_grid_thw" in export_config:
+            height, width = export_config["image_size"]
+            picture = picture.resize((width, height), Image.Resampling.BICUBIC)
     except (OSError, ValueError) as exc:
         raise GenerationError(f"cannot read the image {image}: {exc}") from exc
     try:
@@ -645,7 +691,8 @@ def image_prompt(
         marker = getattr(processor, "boi_token", None) or getattr(processor, "image_token", None) or ""
         text = prompt if marker and marker in prompt else f"{marker}{prompt}"
     inputs = processor(images=picture, text=text, return_tensors="pt")
-    return {name: value for name, value in inputs.items() if name in ("input_ids", "pixel_values", "token_type_ids")}
+    return {name: value for name, value in inputs.items()
+            if name in ("input_ids", "pixel_values", "token_type_ids", "image_grid_thw")}
 
 
 def transcript_of_frames(

@@ -59,6 +59,7 @@ def export_partition(
         raise LoweringError(f"{label}: the ONNX exporter failed: {error}") from error
     weights = program_weights(exported_program)
     fold_small_constants(onnx_program.model, set(weights))
+    drop_zero_biases(onnx_program.model, set(weights))
     model = onnx_program.model_proto
     external = {}
     for initializer in model.graph.initializer:
@@ -100,6 +101,35 @@ def fold_small_constants(model: Any, weight_names: set[str]) -> None:
             model, input_size_limit=FOLD_LIMIT, output_size_limit=FOLD_LIMIT, should_fold=should_fold
         )
         optimizer.remove_unused_nodes(model)
+
+
+def drop_zero_biases(model: Any, weight_names: set[str]) -> None:
+    """Drop the bias of each convolution in ``model`` (an ``onnx_ir`` model) whose bias is a zero the exporter
+    made (not one of ``weight_names``), in place.
+
+    The zero bias the exporter gives a convolution without one is not always of the shape ONNX
+    Runtime takes: a 3-D convolution's (Qwen2-VL's patch embedding) came out ``[channels, 2]``, and
+    the session failed at its first run (``bias must be a 1D tensor of size output_channels``).
+    Without the input, the convolution has no bias, as the model said.
+    """
+    for node in model.graph:
+        bias = node.inputs[2] if node.op_type == "Conv" and len(node.inputs) == 3 else None
+        if bias is not None and bias.name not in weight_names and is_zero(bias):
+            node.resize_inputs(2)
+            producer = bias.producer()
+            if producer is not None and not bias.uses() and not bias.is_graph_output():
+                model.graph.remove(producer, safe=True)
+
+
+def is_zero(value: Any) -> bool:
+    """Whether an ``onnx_ir`` value is a constant of zeros, or an ``Expand`` of a zero constant."""
+    if value is None:
+        return False
+    constant = value.const_value
+    if constant is not None:
+        return not constant.numpy().any()
+    producer = value.producer()
+    return producer is not None and producer.op_type == "Expand" and is_zero(producer.inputs[0])
 
 
 def mark_external(initializer, onnx) -> None:  # noqa: ANN001 - onnx is imported lazily
