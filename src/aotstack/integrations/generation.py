@@ -191,7 +191,8 @@ class ImagePrefillDecode(PrefillDecode):
         merged = embedded.masked_scatter(is_image.unsqueeze(-1), image_features.to(embedded.dtype))
         if self.grid is not None and self.positions_by_grid:
             positions = grid_positions(is_image[0], self.grid.token_grid)
-            self.rope_shift.copy_(positions.max() + 1 - tokens.shape[1])
+            # Shaped as the buffer: OpenVINO writes a 0-d value to it as 0-d.
+            self.rope_shift.copy_((positions.max() + 1 - tokens.shape[1]).reshape(1))
             inputs["position_ids"] = positions
         return self.cached_logits(merged, torch.zeros((), dtype=torch.long), **inputs)
 
