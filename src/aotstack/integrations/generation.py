@@ -140,6 +140,10 @@ class ImagePrefillDecode(PrefillDecode):
         prompt_inputs: tuple[str, ...] = (),
         image_size: tuple[int, int] | None = None,
     ) -> None:
+        if holds_states(model, max_cache_len):
+            raise ExportError(f"{type(model).__name__}'s decoder keeps recurrent or convolution states beside its "
+                              "keys and values (linear attention); aotstack exports a prompt with images only for a "
+                              "decoder whose cache holds keys and values alone")
         super().__init__(model, max_cache_len)
         self.prompt_inputs = prompt_inputs
         self.image_token = image_token_id(model)

@@ -675,6 +675,9 @@ def image_prompt(
         raise GenerationError(f"cannot read the image {image}: {exc}") from exc
     try:
         processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    except ImportError as exc:  # a library one of its parts needs: Qwen2-VL's video processor needs torchvision
+        raise GenerationError(f"the processor of {folder} needs a library this environment lacks: "
+                              f"{' '.join(str(exc).split())[:300]}") from exc
     except (ValueError, OSError, KeyError, TypeError) as exc:
         raise ModelFolderError(f"cannot build the processor of {folder}: {exc}") from exc
     if messages is None and prompt is None:
