@@ -1,0 +1,180 @@
+"""Vision-language models whose processor cuts an image into a grid of patches: Qwen2-VL, Qwen2.5-VL, Qwen3-VL.
+
+An export takes images of one size (its grid is fixed; the vision tower's grid-derived inputs are
+computed once), places an image's tokens by row and column inside ``prefill_images`` (multimodal
+rotary positions) and keeps the shift that leaves on later positions in a buffer ``decode`` adds.
+Tiny models with random weights; pixel values are rows of patches, as the processor makes them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers.exporters")
+
+import transformers  # noqa: E402
+from transformers.exporters import ExportedModel  # noqa: E402
+
+import aotstack.integrations.transformers as aot_hf  # noqa: E402
+from aotstack.errors import ExportError, GenerationError, ModelFolderError, UnsupportedModelError  # noqa: E402
+from aotstack.integrations.decoding import PromptImages, images_prompt_logits  # noqa: E402
+from aotstack.integrations.generation import grid_positions, sample_image_size  # noqa: E402
+from aotstack.integrations.hf_folder import grid_image_size  # noqa: E402
+from tests.hf_folders import VOCAB  # noqa: E402
+
+IMAGE, VIDEO, START, END = VOCAB - 1, VOCAB - 2, VOCAB - 3, VOCAB - 4
+SIDE, PATCH, MERGE = 56, 14, 2
+PATCH_VALUES = 3 * 2 * PATCH * PATCH  # channels, two frames (a still image is repeated), a patch's pixels
+TOKENS = (SIDE // PATCH // MERGE) ** 2
+NEW_TOKENS = 8
+TEXT = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 256}
+VISION = {"depth": 2, "hidden_size": 32, "embed_dim": 32, "intermediate_size": 64, "num_heads": 4,
+          "out_hidden_size": 32, "patch_size": PATCH, "spatial_merge_size": MERGE, "window_size": 56,
+          "fullatt_block_indexes": [1], "deepstack_visual_indexes": [0, 1], "num_position_embeddings": 64}
+
+
+def qwen_vl(model_type: str) -> torch.nn.Module:
+    """A tiny model of ``model_type`` (qwen2_vl, qwen2_5_vl, qwen3_vl, ...): its default config, shrunk."""
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(model_type)
+    text = config.text_config
+    for name, value in TEXT.items():
+        setattr(text, name, value)
+    if getattr(text, "layer_types", None):
+        text.layer_types = text.layer_types[: TEXT["num_hidden_layers"]]
+    # The rotary halves of a head (4) split over time, height and width.
+    text.rope_parameters = {**(text.rope_parameters or {}), "mrope_section": [2, 1, 1]}
+    for name, value in VISION.items():
+        if hasattr(config.vision_config, name):
+            setattr(config.vision_config, name, value)
+    config.image_token_id, config.video_token_id = IMAGE, VIDEO
+    config.vision_start_token_id, config.vision_end_token_id = START, END
+    return transformers.AutoModelForImageTextToText.from_config(config).eval()
+
+
+def image_prompt(images: int, seed: int = 0, grid: tuple[int, int, int] = (1, SIDE // PATCH, SIDE // PATCH)) -> dict:
+    """What the processor makes for a prompt with ``images`` images: each between its start and end tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = grid[0] * grid[1] * grid[2] // MERGE**2
+    ids = [1, 5]
+    for _ in range(images):
+        ids += [START] + [IMAGE] * tokens + [END, 9]
+    ids = torch.tensor([ids + [7, 8]])
+    return {"input_ids": ids, "pixel_values": torch.randn(images * grid[0] * grid[1] * grid[2], PATCH_VALUES,
+                                                          generator=generator),
+            "image_grid_thw": torch.tensor([grid] * images), "mm_token_type_ids": (ids == IMAGE).int()}
+
+
+def transformers_tokens(model: torch.nn.Module, inputs: dict) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def exported(model: torch.nn.Module, engines: str, folder: Path) -> ExportedModel:
+    sample = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "pixel_values": torch.zeros(1, 3, SIDE, SIDE)}
+    export = aot_hf.AotstackExporter().export_for_generation(
+        model, sample, aot_hf.AotstackConfig(engines=engines, max_cache_len=64, check=True))
+    export.save_pretrained(folder)
+    return ExportedModel.from_pretrained(folder)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_vl", "qwen3_vl"])
+def test_an_images_tokens_are_placed_as_the_models_own_rotary_index_places_them(model_type: str) -> None:
+    model = qwen_vl(model_type)
+    # A square image, two images of a wider grid (two rows of three tokens), text alone.
+    for images, grid in ((1, (1, 4, 4)), (2, (1, 4, 6)), (0, (1, 4, 4))):
+        inputs = image_prompt(images, grid=grid)
+        ids = inputs["input_ids"]
+        want, shift = model.model.get_rope_index(ids, inputs["mm_token_type_ids"],
+                                                 image_grid_thw=inputs["image_grid_thw"] if images else None)
+        got = grid_positions(ids[0] == IMAGE, (1, grid[1] // MERGE, grid[2] // MERGE))
+        assert torch.equal(got, want)
+        assert int(got.max()) + 1 - ids.shape[1] == int(shift)
+
+
+@pytest.fixture(scope="module")
+def qwen2_5_export(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, ExportedModel]:
+    """Qwen2.5-VL (windowed attention in its vision tower, a bias-free 3-D convolution) with ONNX Runtime first."""
+    model = qwen_vl("qwen2_5_vl")
+    return model, exported(model, "ort,aoti", tmp_path_factory.mktemp("qwen2_5_vl"))
+
+
+@pytest.mark.parametrize("images", [1, 2])
+def test_qwen2_5_vl_generates_as_transformers_does(
+    qwen2_5_export: tuple[torch.nn.Module, ExportedModel], images: int
+) -> None:
+    model, loaded = qwen2_5_export
+    assert aot_hf.runner_of(loaded).metadata.export_config["image_grid_thw"] == [1, SIDE // PATCH, SIDE // PATCH]
+    inputs = image_prompt(images, seed=images)
+    assert aot_hf.generate(loaded, **inputs, max_new_tokens=NEW_TOKENS, do_sample=False) == transformers_tokens(
+        model, inputs)
+    # decode adds the shift the images left on the positions (an image of 2x2 tokens spans 2 positions, not 4):
+    # its logits after the prompt are the model's own over the prompt and that token.
+    program, ids = aot_hf.runner_of(loaded).program, inputs["input_ids"]
+    images_prompt_logits(program, ids, PromptImages(inputs["pixel_values"], IMAGE))
+    got = program.decode(torch.tensor([[11]]), torch.tensor([ids.shape[1]]))[0]
+    longer = torch.cat([ids, torch.tensor([[11]])], dim=1)
+    with torch.no_grad():
+        want = model(**{**inputs, "input_ids": longer, "mm_token_type_ids": (longer == IMAGE).int()}).logits[0, -1]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    # A prompt of text alone after one with images: prefill sets the shift back to 0.
+    text = {"input_ids": inputs["input_ids"][:, :2]}
+    assert aot_hf.generate(loaded, **text, max_new_tokens=NEW_TOKENS, do_sample=False) == transformers_tokens(
+        model, text)
+
+
+def test_images_of_another_grid_or_not_whole_are_refused_with_the_size_the_export_takes(
+    qwen2_5_export: tuple[torch.nn.Module, ExportedModel],
+) -> None:
+    _, loaded = qwen2_5_export
+    wide = image_prompt(1, grid=(1, 4, 6))
+    with pytest.raises(GenerationError, match=r"images of 56x56 pixels only \(grid \[1, 4, 4\]\)"):
+        aot_hf.generate(loaded, **wide, max_new_tokens=2)
+    cut = image_prompt(1)
+    cut["pixel_values"] = cut["pixel_values"][:-1]
+    with pytest.raises(GenerationError, match="not whole images of 16 patches of 1176 values"):
+        aot_hf.generate(loaded, cut["input_ids"], pixel_values=cut["pixel_values"], max_new_tokens=2)
+
+
+def test_qwen3_vls_inner_image_features_reach_its_decoder_with_openvino_first(tmp_path: Path) -> None:
+    model = qwen_vl("qwen3_vl")
+    layers = len(model.config.vision_config.deepstack_visual_indexes)
+    assert layers == 2
+    loaded = exported(model, "ov,aoti", tmp_path)
+    program = aot_hf.runner_of(loaded).program
+    features = program.encode_images(image_prompt(1)["pixel_values"])
+    # Each image token's row holds its features and, beside them, those of the tower's inner layers.
+    assert features.shape == (TOKENS, 32 * (1 + layers))
+    for images in (1, 2):
+        inputs = image_prompt(images, seed=images)
+        assert aot_hf.generate(loaded, **inputs, max_new_tokens=NEW_TOKENS, do_sample=False) == transformers_tokens(
+            model, inputs)
+        got = images_prompt_logits(program, inputs["input_ids"], PromptImages(inputs["pixel_values"], IMAGE))[0]
+        with torch.no_grad():
+            torch.testing.assert_close(got, model(**inputs).logits[0, -1], atol=1e-5, rtol=1e-4)
+
+
+def test_a_vision_language_model_with_a_recurrent_decoder_is_refused_with_why() -> None:
+    sample = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "pixel_values": torch.zeros(1, 3, SIDE, SIDE)}
+    with pytest.raises(UnsupportedModelError, match="keeps recurrent or convolution states"):
+        aot_hf.AotstackExporter().export_for_generation(qwen_vl("qwen3_5"), sample, aot_hf.AotstackConfig())
+
+
+def test_the_image_size_of_a_grid_processor_is_chosen_within_its_bounds() -> None:
+    qwen = {"patch_size": 14, "merge_size": 2, "temporal_patch_size": 2,
+            "size": {"shortest_edge": 56 * 56, "longest_edge": 28 * 28 * 1280}}
+    assert grid_image_size(qwen, None) == (448, 448)
+    assert grid_image_size(qwen, 50) == (56, 56)  # whole tokens of 28 pixels
+    assert grid_image_size({**qwen, "size": {"shortest_edge": 3136, "longest_edge": 112 * 112}}, 448) == (112, 112)
+    assert grid_image_size({**qwen, "min_pixels": 200 * 200}, 56) == (224, 224)
+    clip = {"size": {"shortest_edge": 224}, "crop_size": {"height": 224, "width": 224}}
+    assert grid_image_size(clip, None) is None
+    with pytest.raises(ModelFolderError, match="--image-size is for a processor that keeps an image's size"):
+        grid_image_size(clip, 336)
+    with pytest.raises(ExportError, match="rows of patches: give the processor's image_grid_thw"):
+        sample_image_size(qwen_vl("qwen2_vl"), torch.zeros(16, PATCH_VALUES))
