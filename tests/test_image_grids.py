@@ -178,3 +178,45 @@ def test_the_image_size_of_a_grid_processor_is_chosen_within_its_bounds() -> Non
         grid_image_size(clip, 336)
     with pytest.raises(ExportError, match="rows of patches: give the processor's image_grid_thw"):
         sample_image_size(qwen_vl("qwen2_vl"), torch.zeros(16, PATCH_VALUES))
+
+
+def test_a_qwen2_vl_folder_exports_through_the_cli_at_the_size_its_processor_allows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    import numpy as np
+    from PIL import Image
+
+    from aotstack.cli import main
+    from tests.hf_folders import export_hf, tokenizer
+
+    folder = tmp_path / "model"
+    model = qwen_vl("qwen2_vl")
+    model.save_pretrained(folder)
+    tokenizer("<|image_pad|>").save_pretrained(folder)
+    # At most 112x112 pixels: the default 448 is brought within the processor's bounds.
+    images = transformers.Qwen2VLImageProcessorPil(min_pixels=SIDE * SIDE, max_pixels=112 * 112)
+    images.save_pretrained(folder)
+    (folder / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
+    export_hf(str(folder), "-o", str(tmp_path / "out"), "--engines", "aoti", "--max-cache-len", "96")
+    settings = json.loads((tmp_path / "out" / "export.json").read_text())["components"]["model"]["metadata"]
+    assert settings["export_config"]["image_size"] == [112, 112]
+    assert settings["export_config"]["image_grid_thw"] == [1, 8, 8]
+
+    picture = tmp_path / "cat.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 70, 3), dtype=np.uint8)).save(picture)
+    command = ["generate", str(tmp_path / "out"), "--image", str(picture), "--prompt", "the cat sat", "--greedy",
+               "--max-new-tokens", str(NEW_TOKENS)]
+    try:
+        processor = transformers.AutoProcessor.from_pretrained(folder)
+    except ImportError:  # Qwen2-VL's processor builds a video processor, which needs torchvision
+        assert main(command) == 1
+        assert "needs a library this environment lacks" in capsys.readouterr().err
+        return
+    # The picture (70x40) is resized to the export's 112x112 before the processor, which keeps that size.
+    inputs = processor(images=Image.open(picture).convert("RGB").resize((112, 112), Image.Resampling.BICUBIC),
+                       text="<|image_pad|>the cat sat", return_tensors="pt")
+    expected = processor.tokenizer.decode(transformers_tokens(model, dict(inputs)), skip_special_tokens=True)
+    assert main(command) == 0
+    assert capsys.readouterr().out.strip() == expected.strip()
