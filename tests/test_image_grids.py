@@ -183,10 +183,10 @@ def test_the_image_size_of_a_grid_processor_is_chosen_within_its_bounds() -> Non
 def test_a_qwen2_vl_folder_exports_through_the_cli_at_the_size_its_processor_allows(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    Image = pytest.importorskip("PIL.Image")  # noqa: N806 - the module, named as Pillow's users name it
     import json
 
     import numpy as np
-    from PIL import Image
 
     from aotstack.cli import main
     from tests.hf_folders import export_hf, tokenizer
