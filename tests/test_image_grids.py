@@ -27,6 +27,8 @@ from tests.hf_folders import VOCAB  # noqa: E402
 
 IMAGE, VIDEO, START, END = VOCAB - 1, VOCAB - 2, VOCAB - 3, VOCAB - 4
 SIDE, PATCH, MERGE = 56, 14, 2
+# Qwen2.5-VL's windows (56 pixels here) cut a 112-pixel image into four: its tower attends within each.
+WINDOWED = (1, 112 // PATCH, 112 // PATCH)
 PATCH_VALUES = 3 * 2 * PATCH * PATCH  # channels, two frames (a still image is repeated), a patch's pixels
 TOKENS = (SIDE // PATCH // MERGE) ** 2
 NEW_TOKENS = 8
@@ -75,8 +77,8 @@ def transformers_tokens(model: torch.nn.Module, inputs: dict) -> list[int]:
     return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
-def exported(model: torch.nn.Module, engines: str, folder: Path) -> ExportedModel:
-    sample = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "pixel_values": torch.zeros(1, 3, SIDE, SIDE)}
+def exported(model: torch.nn.Module, engines: str, folder: Path, side: int = SIDE) -> ExportedModel:
+    sample = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "pixel_values": torch.zeros(1, 3, side, side)}
     export = aot_hf.AotstackExporter().export_for_generation(
         model, sample, aot_hf.AotstackConfig(engines=engines, max_cache_len=64, check=True))
     export.save_pretrained(folder)
@@ -99,9 +101,10 @@ def test_an_images_tokens_are_placed_as_the_models_own_rotary_index_places_them(
 
 @pytest.fixture(scope="module")
 def qwen2_5_export(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, ExportedModel]:
-    """Qwen2.5-VL (windowed attention in its vision tower, a bias-free 3-D convolution) with ONNX Runtime first."""
+    """Qwen2.5-VL (attention within windows in its vision tower, a bias-free 3-D convolution) with ONNX Runtime
+    first, for 112-pixel images: four windows of 2x2 tokens each."""
     model = qwen_vl("qwen2_5_vl")
-    return model, exported(model, "ort,aoti", tmp_path_factory.mktemp("qwen2_5_vl"))
+    return model, exported(model, "ort,aoti", tmp_path_factory.mktemp("qwen2_5_vl"), side=112)
 
 
 @pytest.mark.parametrize("images", [1, 2])
@@ -109,11 +112,11 @@ def test_qwen2_5_vl_generates_as_transformers_does(
     qwen2_5_export: tuple[torch.nn.Module, ExportedModel], images: int
 ) -> None:
     model, loaded = qwen2_5_export
-    assert aot_hf.runner_of(loaded).metadata.export_config["image_grid_thw"] == [1, SIDE // PATCH, SIDE // PATCH]
-    inputs = image_prompt(images, seed=images)
+    assert aot_hf.runner_of(loaded).metadata.export_config["image_grid_thw"] == list(WINDOWED)
+    inputs = image_prompt(images, seed=images, grid=WINDOWED)
     assert aot_hf.generate(loaded, **inputs, max_new_tokens=NEW_TOKENS, do_sample=False) == transformers_tokens(
         model, inputs)
-    # decode adds the shift the images left on the positions (an image of 2x2 tokens spans 2 positions, not 4):
+    # decode adds the shift the images left on the positions (an image of 4x4 tokens spans 4 positions, not 16):
     # its logits after the prompt are the model's own over the prompt and that token.
     program, ids = aot_hf.runner_of(loaded).program, inputs["input_ids"]
     images_prompt_logits(program, ids, PromptImages(inputs["pixel_values"], IMAGE))
@@ -132,12 +135,12 @@ def test_images_of_another_grid_or_not_whole_are_refused_with_the_size_the_expor
     qwen2_5_export: tuple[torch.nn.Module, ExportedModel],
 ) -> None:
     _, loaded = qwen2_5_export
-    wide = image_prompt(1, grid=(1, 4, 6))
-    with pytest.raises(GenerationError, match=r"images of 56x56 pixels only \(grid \[1, 4, 4\]\)"):
+    wide = image_prompt(1, grid=(1, 8, 12))
+    with pytest.raises(GenerationError, match=r"images of 112x112 pixels only \(grid \[1, 8, 8\]\)"):
         aot_hf.generate(loaded, **wide, max_new_tokens=2)
-    cut = image_prompt(1)
+    cut = image_prompt(1, grid=WINDOWED)
     cut["pixel_values"] = cut["pixel_values"][:-1]
-    with pytest.raises(GenerationError, match="not whole images of 16 patches of 1176 values"):
+    with pytest.raises(GenerationError, match="not whole images of 64 patches of 1176 values"):
         aot_hf.generate(loaded, cut["input_ids"], pixel_values=cut["pixel_values"], max_new_tokens=2)
 
 

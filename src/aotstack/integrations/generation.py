@@ -273,6 +273,60 @@ def places_tokens_by_grid(model: torch.nn.Module) -> bool:
     return any(callable(getattr(module, "get_rope_index", None)) for module in (model, getattr(model, "model", None)))
 
 
+# The name of segment_attention among transformers' attention functions: "flash" in it makes a vision tower hand it
+# all its segments at once (cu_seqlens), as it hands flash attention's varlen kernel.
+SEGMENT_ATTENTION = "aotstack_flash_segments"
+
+
+@contextmanager
+def segments_attended_at_once(model: torch.nn.Module) -> Iterator[None]:
+    """A vision tower that attends within segments of its patches (one per image, or Qwen2.5-VL's windows) runs
+    :func:`segment_attention` meanwhile.
+
+    Its own loop splits the patches by the segments' lengths, read from a tensor (``.tolist()``):
+    torch.export cannot know them, and guards on them (Qwen2.5-VL's windows, at 224 pixels and up).
+    """
+    vision = getattr(model.config, "vision_config", None)
+    grid_tower = callable(getattr(model, "get_image_features", None)) and (
+        "image_grid_thw" in inspect.signature(model.get_image_features).parameters)
+    if vision is None or not grid_tower or "flash" in str(vision._attn_implementation):
+        yield
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(SEGMENT_ATTENTION, segment_attention)
+    original = vision._attn_implementation
+    vision._attn_implementation = SEGMENT_ATTENTION
+    try:
+        yield
+    finally:
+        vision._attn_implementation = original
+
+
+def segment_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Attention of ``query`` (``[1, heads, length, dim]``) within the segments ``cu_seq_lens_q`` bounds, in one
+    call: a mask keeps each position to its own segment. Returns ``[1, length, heads, dim]``, as transformers'
+    attention functions do."""
+    mask = attention_mask
+    if cu_seq_lens_q is not None:
+        positions = torch.arange(query.shape[2], device=query.device)
+        segment = torch.bucketize(positions, cu_seq_lens_q[1:].to(positions.dtype), right=True)
+        mask = segment[:, None] == segment[None, :]
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1])
+    return output.transpose(1, 2).contiguous(), None
+
+
 def grid_positions(is_image: torch.Tensor, token_grid: tuple[int, int, int]) -> torch.Tensor:
     """Multimodal rotary positions (``[3, 1, length]``: temporal, height, width) of a prompt whose tokens are
     images where ``is_image`` (``[length]``), each image a ``token_grid`` of tokens.
@@ -604,43 +658,45 @@ def export_image_text_lm(
     a way this cannot follow (PaliGemma's attention over its prefix, which it gives only a first
     call) is refused.
     """
-    module = ImagePrefillDecode(model, max_cache_len, prompt_inputs, image_size).eval()
-    image, features = example_image(module, image_size)
-    rows = features.shape[0]
-    # Two images where they fit with room to answer (their order is checked too), else one: LLaVA 1.5's two take
-    # 1,152 tokens, more than the default cache. Text before, between and after them checks where their tokens
-    # are placed (a processor separates images: Qwen2-VL's own forward takes adjacent ones for one).
-    count = 2 if 2 * rows + 5 < max_cache_len else 1
-    image_tokens = [module.image_token] * rows
-    tokens = torch.tensor([[1, 2] + (image_tokens + [1]) * count + [2]], dtype=torch.long)
-    if tokens.shape[1] >= max_cache_len:
-        raise ExportError(f"{type(model).__name__}: an image takes {rows} tokens, which leave no room for a prompt "
-                          f"and its answer in the cache's {max_cache_len} slots; export with a larger max_cache_len")
-    check_images_prompt(module, tokens, image, count)
-    length = Dim("length", min=1, max=max_cache_len)
-    # Qwen3-VL's decoder adds its inner image features at the rows a mask picks, a count torch cannot tell from 1
-    # (which would broadcast): it guards on two rows at least.
-    image_rows = Dim("image_rows", min=2 if module.deepstack else 1, max=max_cache_len - 1)
-    # A prompt leaves at least one slot for its answer (Gemma 3's image mask guards on it).
-    prompt_length = Dim("prompt_length", min=2, max=max_cache_len - 1)
-    decode_inputs = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
-    return export(
-        module,
-        {
-            "prefill": (torch.zeros(1, min(4, max_cache_len), dtype=torch.long),),
-            "decode": decode_inputs,
-            "encode_images": (image,),
-            "prefill_images": (tokens, features.repeat(count, 1),
-                               *(image_prompt_input(tokens, module.image_token) for _ in prompt_inputs)),
-        },
-        dynamic_shapes={
-            "prefill": {"tokens": {1: length}},
-            # The prompt inputs are one more element (a tuple, as *args) only where there are any.
-            "prefill_images": ({1: prompt_length}, {0: image_rows},
-                               *([tuple({1: prompt_length} for _ in prompt_inputs)] if prompt_inputs else [])),
-        },
-        strict=True,
-    )
+    with segments_attended_at_once(model):
+        module = ImagePrefillDecode(model, max_cache_len, prompt_inputs, image_size).eval()
+        image, features = example_image(module, image_size)
+        rows = features.shape[0]
+        # Two images where they fit with room to answer (their order is checked too), else one: LLaVA 1.5's two take
+        # 1,152 tokens, more than the default cache. Text before, between and after them checks where their tokens
+        # are placed (a processor separates images: Qwen2-VL's own forward takes adjacent ones for one).
+        count = 2 if 2 * rows + 5 < max_cache_len else 1
+        image_tokens = [module.image_token] * rows
+        tokens = torch.tensor([[1, 2] + (image_tokens + [1]) * count + [2]], dtype=torch.long)
+        if tokens.shape[1] >= max_cache_len:
+            raise ExportError(f"{type(model).__name__}: an image takes {rows} tokens, which leave no room for a "
+                              f"prompt and its answer in the cache's {max_cache_len} slots; export with a larger "
+                              "max_cache_len")
+        check_images_prompt(module, tokens, image, count)
+        length = Dim("length", min=1, max=max_cache_len)
+        # Qwen3-VL's decoder adds its inner image features at the rows a mask picks, a count torch cannot tell from 1
+        # (which would broadcast): it guards on two rows at least.
+        image_rows = Dim("image_rows", min=2 if module.deepstack else 1, max=max_cache_len - 1)
+        # A prompt leaves at least one slot for its answer (Gemma 3's image mask guards on it).
+        prompt_length = Dim("prompt_length", min=2, max=max_cache_len - 1)
+        decode_inputs = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
+        return export(
+            module,
+            {
+                "prefill": (torch.zeros(1, min(4, max_cache_len), dtype=torch.long),),
+                "decode": decode_inputs,
+                "encode_images": (image,),
+                "prefill_images": (tokens, features.repeat(count, 1),
+                                   *(image_prompt_input(tokens, module.image_token) for _ in prompt_inputs)),
+            },
+            dynamic_shapes={
+                "prefill": {"tokens": {1: length}},
+                # The prompt inputs are one more element (a tuple, as *args) only where there are any.
+                "prefill_images": ({1: prompt_length}, {0: image_rows},
+                                   *([tuple({1: prompt_length} for _ in prompt_inputs)] if prompt_inputs else [])),
+            },
+            strict=True,
+        )
 
 
 def example_image(module: ImagePrefillDecode, image_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
