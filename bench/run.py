@@ -51,6 +51,7 @@ from latency import latency
 from load import load_times
 from peers import peers, quantized_decode
 from stacked import stacked
+from vision_language import vision_language
 
 DEFAULT_OUTPUT = os.path.join(REPO, "build", "bench-results.json")
 
@@ -66,6 +67,8 @@ BENCHMARKS: dict[str, tuple[str, Callable[[Settings], Figures]]] = {
     "load": ("demo: load + first call in a fresh process vs aoti_load_package", load_times),
     "stacked": ("AOTInductor, ONNX Runtime and both stacked, per call", stacked),
     "decode": ("greedy decoding tokens/s vs plain AOTI, eager, torch.compile; memory", decode_rates),
+    "vision-language": ("a prompt about an image (Qwen2.5-VL-style): first token and decode vs plain AOTI",
+                        vision_language),
     "draw": ("graph picture: SVG of a 500- and a 2000-node method, median of 5 draws", draw_times),
     "peers": ("BERT, ResNet-50, Llama decode: aotstack vs plain AOTI, ONNX Runtime, OpenVINO, ExecuTorch, eager; "
               "1 and 2 threads, fp32 and bf16", peers),
