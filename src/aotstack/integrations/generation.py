@@ -148,7 +148,8 @@ class ImagePrefillDecode(PrefillDecode):
         self.prompt_inputs = prompt_inputs
         self.image_token = image_token_id(model)
         self.grid = image_grid(model, image_size) if image_size is not None else None
-        self.vision_inputs = grid_vision_inputs(model, self.grid) if self.grid is not None else {}
+        # Kept in a tuple, not as an attribute: the tower is a submodule of the model already.
+        self.grid_tower = grid_vision_inputs(model, self.grid) if self.grid is not None else None
         self.positions_by_grid = self.grid is not None and places_tokens_by_grid(model)
         # Qwen3-VL's: features of the vision tower's inner layers, added to the first decoder layers' outputs at
         # the image tokens. encode_images gives them beside the features, on each row.
@@ -169,7 +170,14 @@ class ImagePrefillDecode(PrefillDecode):
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """The features of the images in ``pixel_values``, one row per image token, in the prompt's order."""
-        features = self.lm.model.get_image_features(pixel_values, return_dict=True, **self.vision_inputs)
+        if self.grid_tower is not None:
+            # The tower itself: get_image_features splits its output per image by sizes read from the grid
+            # (.tolist()), sizes a trace cannot know, which broke engines' parts around the split; one image needs
+            # no split. The check against the model's own forward covers a model whose get_image_features does more.
+            tower, inputs = self.grid_tower
+            features = tower(pixel_values.to(next(tower.parameters()).dtype), return_dict=True, **inputs)
+        else:
+            features = self.lm.model.get_image_features(pixel_values, return_dict=True)
         rows = [rows_of(features.pooler_output)]
         if self.deepstack:
             rows += [rows_of(layer) for layer in features.deepstack_features]
@@ -249,10 +257,11 @@ def image_grid(model: torch.nn.Module, image_size: tuple[int, int]) -> ImageGrid
     return ImageGrid((1, height // patch, width // patch), merge, channels * frames * patch * patch)
 
 
-def grid_vision_inputs(model: torch.nn.Module, grid: ImageGrid) -> dict[str, Any]:
-    """``get_image_features``' inputs for one image of ``grid`` besides its pixel values: ``image_grid_thw``, and
-    what the vision tower derives from it in Python loops (rotary positions, attention windows), computed now
-    by transformers' own export preparation; the tower reads them instead of computing them."""
+def grid_vision_inputs(model: torch.nn.Module, grid: ImageGrid) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The vision tower of a model whose images are cut into ``grid``, and its inputs for one image besides its
+    pixel values: ``grid_thw``, and what the tower derives from it in Python loops (rotary positions, attention
+    windows), computed now by transformers' own export preparation; the tower reads them instead of computing
+    them."""
     from transformers.exporters.utils import precompute_export_inputs
 
     grid_thw = torch.tensor([grid.patches])
@@ -262,9 +271,8 @@ def grid_vision_inputs(model: torch.nn.Module, grid: ImageGrid) -> dict[str, Any
     derived: dict[str, Any] = {"hidden_states": torch.zeros(math.prod(grid.patches), grid.patch_values),
                                "grid_thw": grid_thw}
     precompute_export_inputs(towers[0], derived)
-    prefixed = {f"image_{name}": value for name, value in derived.items()
-                if name not in ("hidden_states", "grid_thw") and value is not None}
-    return {"image_grid_thw": grid_thw, **prefixed}
+    return towers[0], {name: value for name, value in derived.items()
+                       if name != "hidden_states" and value is not None}
 
 
 def places_tokens_by_grid(model: torch.nn.Module) -> bool:
