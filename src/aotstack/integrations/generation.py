@@ -149,7 +149,7 @@ class ImagePrefillDecode(PrefillDecode):
         self.image_token = image_token_id(model)
         self.grid = image_grid(model, image_size) if image_size is not None else None
         # Kept in a tuple, not as an attribute: the tower is a submodule of the model already.
-        self.grid_tower = grid_vision_inputs(model, self.grid) if self.grid is not None else None
+        self.grid_tower = vision_tower(model, self.grid) if self.grid is not None else None
         self.positions_by_grid = self.grid is not None and places_tokens_by_grid(model)
         # Qwen3-VL's: features of the vision tower's inner layers, added to the first decoder layers' outputs at
         # the image tokens. encode_images gives them beside the features, on each row.
@@ -240,11 +240,17 @@ def rows_of(features: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ..
     return torch.cat([part.reshape(-1, part.shape[-1]) for part in parts])
 
 
-def image_grid(model: torch.nn.Module, image_size: tuple[int, int]) -> ImageGrid | None:
-    """The grid an image of ``image_size`` (height, width) makes for a model whose ``get_image_features`` takes
-    ``image_grid_thw``; None for one that takes pixels as an image."""
+def cuts_images_into_grids(model: torch.nn.Module) -> bool:
+    """Whether a vision-language model takes an image as a grid of patches: its ``get_image_features`` takes
+    ``image_grid_thw`` (Qwen2-VL's), not pixels as an image."""
     features = getattr(model, "get_image_features", None)
-    if features is None or "image_grid_thw" not in inspect.signature(features).parameters:
+    return callable(features) and "image_grid_thw" in inspect.signature(features).parameters
+
+
+def image_grid(model: torch.nn.Module, image_size: tuple[int, int]) -> ImageGrid | None:
+    """The grid an image of ``image_size`` (height, width) makes for a model that cuts images into grids; None for
+    one that takes pixels as an image."""
+    if not cuts_images_into_grids(model):
         return None
     vision = model.config.vision_config
     patch, merge = vision.patch_size, vision.spatial_merge_size
@@ -257,7 +263,7 @@ def image_grid(model: torch.nn.Module, image_size: tuple[int, int]) -> ImageGrid
     return ImageGrid((1, height // patch, width // patch), merge, channels * frames * patch * patch)
 
 
-def grid_vision_inputs(model: torch.nn.Module, grid: ImageGrid) -> tuple[torch.nn.Module, dict[str, Any]]:
+def vision_tower(model: torch.nn.Module, grid: ImageGrid) -> tuple[torch.nn.Module, dict[str, Any]]:
     """The vision tower of a model whose images are cut into ``grid``, and its inputs for one image besides its
     pixel values: ``grid_thw``, and what the tower derives from it in Python loops (rotary positions, attention
     windows), computed now by transformers' own export preparation; the tower reads them instead of computing
@@ -295,9 +301,7 @@ def segments_attended_at_once(model: torch.nn.Module) -> Iterator[None]:
     torch.export cannot know them, and guards on them (Qwen2.5-VL's windows, at 224 pixels and up).
     """
     vision = getattr(model.config, "vision_config", None)
-    grid_tower = callable(getattr(model, "get_image_features", None)) and (
-        "image_grid_thw" in inspect.signature(model.get_image_features).parameters)
-    if vision is None or not grid_tower or "flash" in str(vision._attn_implementation):
+    if vision is None or not cuts_images_into_grids(model) or "flash" in str(vision._attn_implementation):
         yield
         return
     from transformers import AttentionInterface
