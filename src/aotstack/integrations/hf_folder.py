@@ -315,7 +315,7 @@ def grid_image_size(settings: dict[str, Any], side: int | None) -> tuple[int, in
     """The square images an export takes from a processor that cuts each image, at about its own size, into a
     grid of patches (Qwen2-VL's: ``patch_size``, ``merge_size``): ``side`` (default ``GRID_IMAGE_SIDE``) rounded
     to whole image tokens and kept within the processor's bounds on pixels. None for another processor, which
-    makes images of one size itself (then ``side`` is refused unless it is that size)."""
+    makes images of one size itself (and refuses a ``side``: ``ModelFolderError``)."""
     patch, merge = settings.get("patch_size"), settings.get("merge_size")
     if not (isinstance(patch, int) and isinstance(merge, int) and "temporal_patch_size" in settings):
         if side is not None:
