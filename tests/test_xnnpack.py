@@ -450,6 +450,31 @@ def test_reshapes_with_two_dynamic_sizes_are_left_to_the_next_engine(tmp_path):
             torch.testing.assert_close(loaded.forward(x), model(x), rtol=1e-5, atol=1e-5)
 
 
+
+class SumsOfRowsBySizes(torch.nn.Module):
+    """Rows cut by sizes read from a tensor (``tolist``), as a vision tower splits its patches per image."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+        return torch.stack([rows.sum(0) for rows in torch.split(self.project(x), sizes.tolist())])
+
+
+def test_a_method_that_reads_sizes_from_its_data_lowers_xnnpack_first(tmp_path):
+    # ExecuTorch's edge program for XNNPACK's partitioner left sizes it made from the data pending in the shape
+    # environment the method's parts share, and every part's compile then failed on them (Pending unbacked symbols).
+    model, x = SumsOfRowsBySizes().eval(), torch.randn(6, 16)
+    lowered = aotstack.lower(aotstack.export(model, {"forward": (x, torch.tensor([2, 4]))}),
+                             [aotstack.XnnpackPartitioner()], jobs=1)
+    assert {op for delegate in lowered.delegates("forward") for op in delegate.ops} >= {"aten.linear.default"}
+    lowered.save(tmp_path / "sizes.pt2")
+    loaded = aotstack.load(tmp_path / "sizes.pt2")
+    with torch.no_grad():
+        for sizes in ([2, 4], [5, 1]):
+            torch.testing.assert_close(loaded.forward(x, torch.tensor(sizes)), model(x, torch.tensor(sizes)))
+
 def test_min_block_size_leaves_small_parts(lowered_with):
     lowered, _ = lowered_with(
         "stacked", "xnnpack-min3",

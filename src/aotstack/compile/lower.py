@@ -84,6 +84,7 @@ from .program_parts import (
     mark_state_of_other_methods,
     program_fingerprint,
     program_weights,
+    unbacked_sizes_left_behind_dropped,
 )
 from .progress import Progress, progress_for
 from .quantize import quantized_layers
@@ -1080,7 +1081,8 @@ class MethodLowering:
     def claim(self, partitioner: Partitioner) -> list[Claim]:
         """Let ``partitioner`` tag the graph; each tagged partition as a program ready to compile."""
         try:
-            result = partitioner.partition(self.working)
+            with unbacked_sizes_left_behind_dropped(self.working):
+                result = partitioner.partition(self.working)
         except MissingFallbackKernelsError as exc:
             raise exc.in_method(self.name) from None
         self.working = result.tagged_exported_program

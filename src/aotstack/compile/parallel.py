@@ -54,7 +54,7 @@ from .child import (
     stop,
 )
 from .jobs import CompileJob, CompileOutcome
-from .program_parts import program_weights
+from .program_parts import program_weights, unbacked_sizes_left_behind_dropped
 from .progress import Progress
 
 logger = logging.getLogger("aotstack")
@@ -414,7 +414,7 @@ def compiled(job: CompileJob) -> CompileOutcome:
         key = preprocess_key(job.backend, job.program, job.compile_specs)
         result = None if key is None else kept_preprocess(key, job.program)
         if result is None:
-            with quiet_torch_warnings():
+            with quiet_torch_warnings(), unbacked_sizes_left_behind_dropped(job.program):
                 result = job.backend.preprocess(job.program, job.compile_specs)
             if not isinstance(result, PreprocessResult):
                 raise LoweringError(

@@ -5,10 +5,12 @@ from __future__ import annotations
 import copy
 import hashlib
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._guards import detect_fake_mode
 from torch.export import ExportedProgram
 from torch.export.exported_program import ModuleCallEntry, ModuleCallSignature
 from torch.export.graph_signature import (
@@ -427,3 +429,23 @@ def example_size(size: int | torch.SymInt) -> int:
     # torch 2.13 renamed 2.11's ``size_hint``.
     hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.size_hint
     return int(hint(size, fallback=UNBACKED_EXAMPLE_SIZE))
+
+
+@contextmanager
+def unbacked_sizes_left_behind_dropped(exported_program: ExportedProgram) -> Iterator[None]:
+    """Run an engine's trace of ``exported_program`` and forget the data-dependent sizes it made and left unbound.
+
+    A method and every part cut from it share one shape environment. A trace that makes sizes
+    from data (a retraced ``item``) without binding them to a node leaves them pending there
+    (ExecuTorch's edge program for XNNPACK's partitioner leaves 7 per ``tolist``), and the next
+    trace of any part of the method, in any engine, fails on them: ``Pending unbacked symbols``.
+    """
+    values = [node.meta.get("val") for node in exported_program.graph.nodes if node.op == "placeholder"]
+    fake_mode = detect_fake_mode([value for value in values if isinstance(value, torch.Tensor)])
+    pending = getattr(getattr(fake_mode, "shape_env", None), "pending_fresh_unbacked_symbols", None)
+    before = list(pending) if pending is not None else []
+    try:
+        yield
+    finally:
+        if pending is not None:
+            pending[:] = before
