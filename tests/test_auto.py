@@ -790,7 +790,7 @@ def test_no_plan_that_works_is_an_error_naming_each():
 def test_auto_names_an_unknown_or_uninstalled_engine():
     with pytest.raises(aotstack.LoweringError, match="no engine 'tensorrt' for device 'cpu'"):
         auto_module.candidate_plans(aotstack.Auto(engines=["tensorrt"]))
-    with pytest.raises(aotstack.LoweringError, match="partitioners must be"):
+    with pytest.raises(aotstack.LoweringError, match="partitioners names 'fastest'; engines: auto, aoti, ort, ov"):
         aotstack.lower(mlp_program()[2], "fastest")
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import LoweringError
 
@@ -39,6 +39,11 @@ def partitioners_for(
         return Auto(device=device)
     names = [ENGINE_ALIASES.get(name.strip(), name.strip()) for name in engines.split(",") if name.strip()]
     return [engine_partitioner(name, device, exclude_ops, ort_ops, min_block_size, option) for name in names]
+
+
+def named_plan(partitioners: Any) -> Any:
+    """``partitioners`` as ``lower`` takes them, with engine names (``"ort,aoti"``, ``"auto"``) made into their plan."""
+    return partitioners_for(partitioners, option="partitioners") if isinstance(partitioners, str) else partitioners
 
 
 def engine_partitioner(

@@ -5,13 +5,14 @@ from __future__ import annotations
 from ..errors import LoweringError
 from ..report.model import Report
 from .auto import auto_option
+from .engines import named_plan
 from .export import Program
 from .lower import MethodOption, PartitionerPlan, check_lower_options, planned_lowering
 
 
 def explain(
     program: Program,
-    partitioners: PartitionerPlan,
+    partitioners: PartitionerPlan | str,
     *,
     skip_h2d_for_method_inputs: MethodOption = False,
     skip_d2h_for_method_outputs: MethodOption = False,
@@ -28,6 +29,7 @@ def explain(
         print(aotstack.explain(program, [aotstack.OrtPartitioner(), aotstack.AotiCpuPartitioner()]))
     """
     check_lower_options(skip_h2d_for_method_inputs, skip_d2h_for_method_outputs, "raise")
+    partitioners = named_plan(partitioners)
     if auto_option(partitioners) is not None:
         raise LoweringError(
             "explain is a dry run and compiles nothing, but auto chooses engines by timing compiled parts; "

@@ -69,6 +69,7 @@ from .auto import (
 from .check import Check, CheckResult, check_lowered, check_option
 from .constants import without_unused_constants
 from .devices import propagate_device_pass
+from .engines import named_plan
 from .export import Program
 from .jobs import CompileJob, CompileOutcome
 from .measure import CallInputs, MethodTiming, SavedPrograms, measured_methods
@@ -206,7 +207,7 @@ OPS_IN_MESSAGE = 8
 
 def lower(
     program: Program,
-    partitioners: PartitionerPlan | Literal["auto"] | Auto = "auto",
+    partitioners: PartitionerPlan | str | Auto = "auto",
     *,
     skip_h2d_for_method_inputs: MethodOption = False,
     skip_d2h_for_method_outputs: MethodOption = False,
@@ -220,6 +221,8 @@ def lower(
     ``"auto"`` (the default) lets every installed engine propose its parts and keeps, per
     method, the plan that runs fastest on the example inputs (see ``compile/auto.py``; an
     ``Auto`` picks the device and engines); ``LoweredProgram.report()`` shows what it measured.
+    Engine names in claiming order, as the command line takes them, name a plan of their
+    default partitioners: ``lower(program, "ort,aoti")``.
 
     Then every boundary tensor is given a device, with host-device copies where a delegate runs
     elsewhere. The two ``skip_*`` options (True, or the names of the methods they apply to) keep
@@ -253,6 +256,7 @@ def lower(
     check_lower_options(skip_h2d_for_method_inputs, skip_d2h_for_method_outputs, on_compile_error)
     workers = checked_jobs(jobs)
     checking = check_option(check)
+    partitioners = named_plan(partitioners)
     auto = auto_option(partitioners)
     with progress_for(progress) as shown:
         lower_plan = PlanLowering(
