@@ -475,6 +475,49 @@ def test_a_method_that_reads_sizes_from_its_data_lowers_xnnpack_first(tmp_path):
         for sizes in ([2, 4], [5, 1]):
             torch.testing.assert_close(loaded.forward(x, torch.tensor(sizes)), model(x, torch.tensor(sizes)))
 
+class RowsRewrittenWhereChosen(torch.nn.Module):
+    """A copy of a linear's output rewritten at the rows a mask chooses: the copy and the output both read on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project, self.rewrite = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.project(x)
+        chosen = h[:, 0] > 0
+        out = h.clone()
+        out[chosen] = self.rewrite(h[chosen])
+        return out
+
+
+class PositivesSummed(torch.nn.Module):
+    """``masked_select`` between ops XNNPACK takes: ExecuTorch's runtime has a kernel for it, its edge dialect not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.project(x)
+        positives = torch.masked_select(h, h > 0)
+        return torch.cat([positives.sum().reshape(1), (positives * 2).max().reshape(1)])
+
+
+@pytest.mark.parametrize("model, left", [
+    # XNNPACK drops the clone; its part would return the linear's output twice, which it refuses.
+    (RowsRewrittenWhereChosen, "aten.clone.default"),
+    (PositivesSummed, "aten.masked_select.default"),
+])
+def test_xnnpack_leaves_what_would_fail_its_lowering_after_claiming_it(tmp_path, model, left):
+    model, x = model().eval(), torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
+    lowered = aotstack.lower(aotstack.export(model, {"forward": (x,)}), [aotstack.XnnpackPartitioner()], jobs=1)
+    taken = {op for delegate in lowered.delegates("forward") for op in delegate.ops}
+    assert "aten.linear.default" in taken and left not in taken
+    lowered.save(tmp_path / "model.pt2")
+    with torch.no_grad():
+        torch.testing.assert_close(aotstack.load(tmp_path / "model.pt2").forward(x), model(x))
+
+
 def test_min_block_size_leaves_small_parts(lowered_with):
     lowered, _ = lowered_with(
         "stacked", "xnnpack-min3",

@@ -132,6 +132,7 @@ def xnnpack_answer(exported_program: ExportedProgram, *, portable: bool = True) 
     # edge program: they rejoin their linear first, then a layer claimed only in part is left whole.
     with_vanished_ops(vanished, claimed, constants, reasons)
     executorch_reasons = dict(reasons)
+    without_copies_leaving_beside_their_input(exported_program, {node.name for node in vanished}, claimed, reasons)
     with_whole_quantized_layers(exported_program, claimed, reasons)
     without_unpacked_weights(exported_program, constants, claimed, reasons)
     without_dangling_quantize_ops(exported_program, claimed, reasons)
@@ -224,9 +225,32 @@ def is_quantized_arithmetic(node: Node, constants: set[str]) -> bool:
 
 
 def runs_on_portable_kernels(edge_nodes: list[Node]) -> bool:
-    """Whether ExecuTorch's runtime here has a kernel for every op of ``edge_nodes`` (none: it drops them all)."""
+    """Whether ExecuTorch's runtime here has a kernel for every op of ``edge_nodes`` (none: it drops them all).
+
+    And whether ExecuTorch's edge dialect takes each op: the claims' edge program is not checked
+    (other engines' delegates are in it), a part's is, and it refuses an op outside core ATen
+    (``masked_select``) though its runtime has a kernel for it.
+    """
     available = runtime_operators()
-    return all(kernel_name(node.target) in available for node in edge_nodes)
+    return all(kernel_name(node.target) in available and in_edge_dialect(node.target) for node in edge_nodes)
+
+
+def in_edge_dialect(target: Any) -> bool:
+    """Whether ExecuTorch's verifier takes the ATen op behind ``target`` (an edge op) in a program it lowers."""
+    op = getattr(target, "_op", target)
+    try:
+        aten_dialect_verifier().check_valid_op(op)
+    except Exception:
+        return False
+    return True
+
+
+@functools.cache
+def aten_dialect_verifier() -> Any:
+    """ExecuTorch's check of the ops a program it lowers may call, as ``to_edge`` makes it."""
+    from executorch.exir.verification.verifier import EXIRATenDialectVerifier
+
+    return EXIRATenDialectVerifier()
 
 
 def kernel_name(target: Any) -> str | None:
@@ -271,6 +295,38 @@ def with_vanished_ops(vanished: list[Node], claimed: set[str], constants: set[st
         pending = [node for node in pending if node not in joined]
     for node in pending:
         reasons[node.name] = "ExecuTorch's edge program drops it, and it reads what XNNPACK does not take"
+
+
+def without_copies_leaving_beside_their_input(
+    exported_program: ExportedProgram, dropped: set[str], claimed: set[str], reasons: dict[str, str]
+) -> None:
+    """Unclaim, in place, each copy that would leave XNNPACK's part beside the value it copies.
+
+    ExecuTorch drops a copy that changes nothing (a clone; the ``dropped`` ops, which vanish from
+    its edge program); where both the copy and its input are read outside the part, the part
+    would return one value twice, and XNNPACK refuses a part whose output is another's
+    ("already in the inputs"). Left to the next engine, the copy costs one copy.
+    """
+    changed = True
+    while changed:
+        changed = False
+        for node in exported_program.graph.nodes:
+            if (node.name in claimed and (node.name in dropped or node.target in SAME_VALUE_COPIES)
+                    and read_outside(node, claimed)
+                    and any(source.name in claimed and read_outside(source, claimed, node)
+                            for source in node.all_input_nodes)):
+                claimed.discard(node.name)
+                reasons[node.name] = "it copies a value that leaves XNNPACK's part beside the copy, which XNNPACK drops"
+                changed = True
+
+
+# Copies XNNPACK's lowering removes from its graph.
+SAME_VALUE_COPIES = (torch.ops.aten.clone.default, torch.ops.aten.alias.default)
+
+
+def read_outside(value: Node, claimed: set[str], besides: Node | None = None) -> bool:
+    """Whether a node other than ``besides`` and outside ``claimed`` reads ``value``."""
+    return any(reader is not besides and reader.name not in claimed for reader in readers(value))
 
 
 def neighbours(node: Node) -> list[Node]:
