@@ -262,6 +262,22 @@ def int64_literal_refusal(node: Node) -> str | None:
     return None
 
 
+def repeats_refusal(node: Node) -> str | None:
+    """Why OpenVINO would refuse a ``repeat_interleave`` node's repeats: a tensor of more than one count.
+
+    Its converter repeats every element the same number of times, read from a one-element tensor.
+    On more counts it fails to convert, or, where their number is known only when run, converts
+    and then fails to compile (OpenVINO 2026.4).
+    """
+    if node.target is not torch.ops.aten.repeat_interleave.self_Tensor:
+        return None
+    repeats = node.args[1].meta.get("val") if isinstance(node.args[1], Node) else None
+    count = repeats.numel() if isinstance(repeats, torch.Tensor) else None
+    if isinstance(count, int) and count == 1:  # a size known only when run is a SymInt, never taken for 1
+        return None
+    return "it repeats each element by a count of its own, and OpenVINO's converter takes one count for all"
+
+
 def pooling_window_refusal(node: Node) -> str | None:
     """Why OpenVINO would refuse a pooling node's window: one wider than its padded input.
 

@@ -21,6 +21,7 @@ from .frontend import (
     int64_literal_refusal,
     node_dtype_refusal,
     pooling_window_refusal,
+    repeats_refusal,
 )
 from .packages import require_openvino
 
@@ -70,7 +71,8 @@ class OpenVinoPartitioner(SupportedOpsPartitioner):
         refused = super().node_refusal(node, owner)
         if refused is not None or node.op != "call_function":
             return refused
-        detail = node_dtype_refusal(node) or int64_literal_refusal(node) or pooling_window_refusal(node)
+        detail = (node_dtype_refusal(node) or int64_literal_refusal(node) or pooling_window_refusal(node)
+                  or repeats_refusal(node))
         if detail is None and decomposes(node.target):
             detail = decomposition_refusal(node.target, argument_signature(node))
         return None if detail is None else self.refusal("unsupported", detail)
