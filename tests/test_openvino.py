@@ -386,6 +386,7 @@ class Declined(torch.nn.Module):
             torch.nn.functional.max_pool2d(x[None], (1, 3), stride=(1, 4), dilation=(1, 3), ceil_mode=True),
             # A count per row: its converter takes one count for all, and failed to convert the partition
             torch.repeat_interleave(x, (x[:, 0] > 0).to(torch.int64) + 1, dim=0),
+            ids // 3,  # rounded toward zero by OpenVINO: -20 // 7 gave -2
         )
 
 
@@ -412,6 +413,8 @@ def test_the_partitioner_says_why_it_leaves_each_op(tmp_path):
     assert any("torch.complex64 tensor, and OpenVINO's PyTorch frontend has no element type" in text for text in texts)
     assert ("aten.max_pool2d.default", "unsupported: its window of 7 along spatial axis 1 is wider than the padded "
             "input (4 + 2 x 0), which torch allows with ceil_mode and OpenVINO's pooling does not") in reasons
+    assert ("aten.floor_divide.default", "unsupported: it divides torch.int64 integers rounding down, which OpenVINO "
+            "rounds toward zero") in reasons
     assert ("aten.repeat_interleave.self_Tensor", "unsupported: it repeats each element by a count of its own, and "
             "OpenVINO's converter takes one count for all") in reasons
     assert "aten.relu.default" not in {op for op, _ in reasons}, "an op it converts is claimed"

@@ -278,6 +278,22 @@ def repeats_refusal(node: Node) -> str | None:
     return "it repeats each element by a count of its own, and OpenVINO's converter takes one count for all"
 
 
+def integer_floor_division_refusal(node: Node) -> str | None:
+    """Why OpenVINO would miscompute a floor division of integers: it rounds toward zero (-20 // 7 gives -2, not -3).
+
+    Measured with OpenVINO 2026.4 on ``floor_divide`` and ``div(rounding_mode="floor")``, int32 and int64;
+    floats divide right.
+    """
+    floor = node.target in (torch.ops.aten.floor_divide.default, torch.ops.aten.floor_divide.Scalar) or (
+        node.target in (torch.ops.aten.div.Tensor_mode, torch.ops.aten.div.Scalar_mode)
+        and node.kwargs.get("rounding_mode") == "floor"
+    )
+    value = node.meta.get("val")
+    if floor and isinstance(value, torch.Tensor) and not value.dtype.is_floating_point:
+        return f"it divides {value.dtype} integers rounding down, which OpenVINO rounds toward zero"
+    return None
+
+
 def pooling_window_refusal(node: Node) -> str | None:
     """Why OpenVINO would refuse a pooling node's window: one wider than its padded input.
 

@@ -19,6 +19,7 @@ from .frontend import (
     decomposition_refusal,
     frontend_refusal,
     int64_literal_refusal,
+    integer_floor_division_refusal,
     node_dtype_refusal,
     pooling_window_refusal,
     repeats_refusal,
@@ -72,7 +73,7 @@ class OpenVinoPartitioner(SupportedOpsPartitioner):
         if refused is not None or node.op != "call_function":
             return refused
         detail = (node_dtype_refusal(node) or int64_literal_refusal(node) or pooling_window_refusal(node)
-                  or repeats_refusal(node))
+                  or repeats_refusal(node) or integer_floor_division_refusal(node))
         if detail is None and decomposes(node.target):
             detail = decomposition_refusal(node.target, argument_signature(node))
         return None if detail is None else self.refusal("unsupported", detail)

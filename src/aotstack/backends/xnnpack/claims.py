@@ -232,7 +232,48 @@ def runs_on_portable_kernels(edge_nodes: list[Node]) -> bool:
     (``masked_select``) though its runtime has a kernel for it.
     """
     available = runtime_operators()
-    return all(kernel_name(node.target) in available and in_edge_dialect(node.target) for node in edge_nodes)
+    return all(
+        kernel_name(node.target) in available and in_edge_dialect(node.target) and edge_dtypes_allowed(node)
+        and not portable_miscomputes(node)
+        for node in edge_nodes
+    )
+
+
+def edge_dtypes_allowed(edge_node: Node) -> bool:
+    """Whether ExecuTorch's edge dialect allows the dtypes ``edge_node`` reads and makes together.
+
+    Its dialect refuses an op on tensors of mixed dtypes that ATen promotes (an int32 remainder by
+    an int64 count), and the claims' unchecked edge program keeps them.
+    """
+    schema = getattr(edge_node.target, "_schema", None)
+    constraint = getattr(schema, "dtype_constraint", None)
+    if constraint is None:
+        return True
+    dtypes: dict[str, torch.dtype | None] = {}
+    for index, argument in enumerate(schema.arguments):
+        value = edge_node.kwargs.get(argument.name, None if argument.kwarg_only or index >= len(edge_node.args)
+                                     else edge_node.args[index])
+        first = value[0] if isinstance(value, (list, tuple)) and value else value
+        if isinstance(first, Node) and isinstance(first.meta.get("val"), torch.Tensor):
+            dtypes[argument.name] = first.meta["val"].dtype
+    results = edge_node.meta.get("val")
+    for index, (returned, value) in enumerate(zip(schema.returns, results if isinstance(results, (list, tuple))
+                                                  else [results], strict=False)):
+        if isinstance(value, torch.Tensor):
+            dtypes[returned.name or f"__ret_{index}"] = value.dtype
+    return bool(constraint.validate(dtypes))
+
+
+def portable_miscomputes(edge_node: Node) -> bool:
+    """Whether ExecuTorch's portable kernel for ``edge_node`` computes it otherwise than torch.
+
+    ExecuTorch 1.5.1's integer ``remainder`` takes the dividend's sign, as C's ``%`` does: -14 % 5
+    gives -4 where torch gives 1.
+    """
+    op = getattr(edge_node.target, "_op", edge_node.target)
+    value = edge_node.meta.get("val")
+    return (op in (torch.ops.aten.remainder.Scalar, torch.ops.aten.remainder.Tensor)
+            and isinstance(value, torch.Tensor) and not value.dtype.is_floating_point)
 
 
 def in_edge_dialect(target: Any) -> bool:
