@@ -393,6 +393,32 @@ def test_a_tanh_gelu_runs_in_xnnpacks_part_spelled_out_as_the_approximation_it_i
         torch.testing.assert_close(aotstack.load(tmp_path / "gelu.pt2").forward(x), model(x), rtol=2e-6, atol=2e-6)
 
 
+class AttentionThenTanhGelu(torch.nn.Module):
+    """Gemma's layer in small: heads attended, put back side by side, projected, then a tanh GELU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.view(2, 8, 4, 4).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return torch.nn.functional.gelu(self.out(attended.transpose(1, 2).contiguous().reshape(2, 8, 16)),
+                                        approximate="tanh")
+
+
+def test_attention_followed_by_a_tanh_gelu_lowers_to_xnnpack(tmp_path):
+    # Spelling out the GELU traced the part again, where the reshape of attention's output became a view, and the
+    # contiguous copy put after attention then left that view on a transposed layout: "Cannot view a tensor".
+    model, x = AttentionThenTanhGelu().eval(), torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(3))
+    lowered = aotstack.lower(aotstack.export(model, {"forward": (x,)}), [aotstack.XnnpackPartitioner()], jobs=1)
+    assert {"aten.scaled_dot_product_attention.default", "aten.gelu.default"} <= {
+        op for delegate in lowered.delegates("forward") for op in delegate.ops}
+    lowered.save(tmp_path / "attention.pt2")
+    with torch.no_grad():
+        torch.testing.assert_close(aotstack.load(tmp_path / "attention.pt2").forward(x), model(x))
+
+
 class RotaryByComplexNumbers(torch.nn.Module):
     """Llama 4's rotary embedding: query pairs as complex numbers, turned by multiplying with unit ones."""
 

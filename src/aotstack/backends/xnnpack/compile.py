@@ -71,8 +71,10 @@ def lower_partition(exported_program: ExportedProgram, label: str) -> XnnpackPar
     from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
     from executorch.exir.passes import MemoryPlanningPass
 
-    exported_program = with_tanh_gelus_spelled_out(exported_program)
+    # Attention's copy first: spelling out GELUs traces the program again, and a reshape of attention's output then
+    # traces as a view of the layout the copy decides (Gemma's attention projection).
     contiguous_attention_outputs(exported_program)
+    exported_program = with_tanh_gelus_spelled_out(exported_program)
     try:
         with quiet_executorch(), torch.no_grad():
             edge = to_edge_transform_and_lower(
