@@ -419,6 +419,40 @@ def test_attention_followed_by_a_tanh_gelu_lowers_to_xnnpack(tmp_path):
         torch.testing.assert_close(aotstack.load(tmp_path / "attention.pt2").forward(x), model(x))
 
 
+class RotaryOnWholeHeads(torch.nn.Module):
+    """Phi-3's rotary split where the rotated part is the whole head: the part passed through has no width."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.project, self.out = torch.nn.Linear(32, 32), torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = self.project(x).view(2, 8, 4, 8).transpose(1, 2)
+        rotated, passed = heads[..., :8], heads[..., 8:]
+        turned = torch.cat([-rotated[..., 4:], rotated[..., :4]], -1)
+        return self.out(torch.cat([turned, passed], -1).transpose(1, 2).reshape(2, 8, 32))
+
+
+EMPTY_INPUT_RUN = """
+import json, sys
+import torch
+import aotstack
+x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(4))
+print(json.dumps(aotstack.load(sys.argv[1]).forward(x).flatten().tolist()))
+"""
+
+
+def test_an_empty_tensor_reaches_executorch_with_the_strides_it_expects(tmp_path):
+    # torch takes an empty slice for contiguous whatever its strides; ExecuTorch's runtime aborted the process on
+    # them (check_tensor_meta: "Strides don't match dim order"), so the call runs in a child.
+    model, x = RotaryOnWholeHeads().eval(), torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(4))
+    lowered = aotstack.lower(aotstack.export(model, {"forward": (x,)}), [aotstack.XnnpackPartitioner()], jobs=1)
+    lowered.save(tmp_path / "rotary.pt2")
+    got = torch.tensor(run_child(EMPTY_INPUT_RUN, str(tmp_path / "rotary.pt2")))
+    with torch.no_grad():
+        torch.testing.assert_close(got, model(x).flatten())
+
+
 class RotaryByComplexNumbers(torch.nn.Module):
     """Llama 4's rotary embedding: query pairs as complex numbers, turned by multiplying with unit ones."""
 

@@ -139,10 +139,16 @@ def plain_contiguous(value: torch.Tensor) -> torch.Tensor:
     """``value`` as an engine reads a tensor, as plain memory: a ``torch.Tensor`` (not a subclass such as a
     ``Parameter``), detached, contiguous, its negation or conjugation applied. ``value`` itself where it is one
     already, as a method's tensors between engines are: checking costs a third of making a new view of it.
+
+    An empty tensor is a new one, with the strides an empty tensor is made with: torch takes an empty tensor
+    for contiguous whatever its strides (a slice of none of a head's dimensions keeps the head's), and
+    ExecuTorch's runtime aborts the process on strides other than those.
     """
     if (type(value) is torch.Tensor and not value.requires_grad and value.is_contiguous() and not value.is_neg()
-            and not value.is_conj()):
+            and not value.is_conj() and value.numel()):
         return value
+    if not value.numel():
+        return torch.empty(value.shape, dtype=value.dtype, device=value.device)
     return value.detach().resolve_neg().resolve_conj().contiguous()
 
 
