@@ -300,3 +300,39 @@ def test_a_tensor_sized_by_a_product_of_dynamic_sizes_crosses_into_aotinductor(t
         for shape in ((2, 8), (1, 2), (8, 32), (5, 31)):
             x = torch.randn(*shape, 16)
             torch.testing.assert_close(loaded.forward(x), model(x))
+
+
+class IntegerArithmetic(torch.nn.Module):
+    """Integers made from a linear's output, in the arithmetic whose rounding and signs engines differ on."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.project, self.mix = torch.nn.Linear(8, 8), torch.nn.Linear(8 * 9, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = (self.project(x) * 20).to(self.dtype)
+        results = (
+            n // 7, torch.div(n, 7, rounding_mode="floor"), torch.div(n, 7, rounding_mode="trunc"), n % 5,
+            n % (n.abs().amax() // 3 + 1), torch.fmod(n, 5), (n << 2) >> 1, (n & 6) ^ 3, n.cumsum(-1),
+        )
+        return self.mix(torch.cat([result.float() for result in results], -1))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("engine", ["onnxruntime", "openvino", "xnnpack"])
+def test_integer_division_and_remainders_round_as_torch_does_in_every_engine(tmp_path, engine, dtype):
+    # OpenVINO rounded floor divisions toward zero (-20 // 7 gave -2); ExecuTorch's portable remainder took the
+    # dividend's sign (-14 % 5 gave -4). Negative integers are half of these.
+    from aotstack.backends.xnnpack.packages import executorch_problem
+    from aotstack.engine.registry import BUILT_IN
+
+    if engine == "xnnpack" and executorch_problem() is not None:
+        pytest.skip(str(executorch_problem()))
+    model, x = IntegerArithmetic(dtype).eval(), torch.randn(6, 8, generator=torch.Generator().manual_seed(5))
+    partitioner = BUILT_IN[engine].partitioner_class()()
+    lowered = aotstack.lower(aotstack.export(model, {"forward": (x,)}), [partitioner], jobs=1)
+    assert any(delegate.backend_id == engine for delegate in lowered.delegates("forward"))
+    lowered.save(tmp_path / "integers.pt2")
+    with torch.no_grad():
+        torch.testing.assert_close(aotstack.load(tmp_path / "integers.pt2").forward(x), model(x))

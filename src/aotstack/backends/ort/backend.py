@@ -33,7 +33,7 @@ class OrtBackend(Backend):
     run_side_specs = (SpecKey.THREADS,)
     # 2: the small constants the exporter computes are folded (``compile.fold_small_constants``); 3: a zero bias
     # the exporter made is dropped from its convolution (``compile.drop_zero_biases``).
-    compile_revision = 3
+    compile_revision = 4
     # Exporting a part to ONNX: 5-6 s for a 4-layer BERT encoder.
     expected_compile_seconds = 5.0
 

@@ -49,6 +49,7 @@ def export_partition(
     table = {**quantized, **(translations or {})}
     try:
         contiguous_attention_outputs(exported_program)
+        with_every_dimension_named(exported_program)
         with quieted(EXPORTER_REGISTRATION_LOGGER):
             onnx_program = torch.onnx.export(
                 exported_program, (), dynamo=True, optimize=False, verbose=False,
@@ -72,6 +73,23 @@ def export_partition(
         input_names=[value.name for value in model.graph.input],
         output_names=[value.name for value in model.graph.output],
     )
+
+
+def with_every_dimension_named(exported_program: ExportedProgram) -> None:
+    """Name, in place, every dimension of each ``amax`` or ``amin`` that reduces them all by naming none.
+
+    The exporter's functions take ``dim`` as required: ``x.amax()`` failed to export ("Required
+    parameter 'dim' is not provided"), and an empty list written out is dropped again as the default.
+    """
+    changed = False
+    for node in exported_program.graph.nodes:
+        if (node.target in (torch.ops.aten.amax.default, torch.ops.aten.amin.default)
+                and not (node.args[1:] or node.kwargs.get("dim"))):
+            node.args = (node.args[0], list(range(node.args[0].meta["val"].dim())))
+            node.kwargs = {key: value for key, value in node.kwargs.items() if key != "dim"}
+            changed = True
+    if changed:
+        exported_program.graph_module.recompile()
 
 
 EXPORTER_REGISTRATION_LOGGER = "torch.onnx._internal.exporter._registration"
