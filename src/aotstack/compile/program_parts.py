@@ -441,7 +441,10 @@ def unbacked_sizes_left_behind_dropped(exported_program: ExportedProgram) -> Ite
     trace of any part of the method, in any engine, fails on them: ``Pending unbacked symbols``.
     """
     values = [node.meta.get("val") for node in exported_program.graph.nodes if node.op == "placeholder"]
-    fake_mode = detect_fake_mode([value for value in values if isinstance(value, torch.Tensor)])
+    try:
+        fake_mode = detect_fake_mode([value for value in values if isinstance(value, torch.Tensor)])
+    except AssertionError:  # values of more than one fake mode: no one shape environment to keep as it was
+        fake_mode = None
     pending = getattr(getattr(fake_mode, "shape_env", None), "pending_fresh_unbacked_symbols", None)
     before = list(pending) if pending is not None else []
     try:
