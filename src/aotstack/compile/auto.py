@@ -139,15 +139,9 @@ class Auto:
 
 
 def auto_option(partitioners: object) -> Auto | None:
-    """The auto-lowering ``partitioners`` asks for (``"auto"`` or an ``Auto``); None for a partitioner plan."""
-    if isinstance(partitioners, Auto):
-        return partitioners
-    if isinstance(partitioners, str):
-        if partitioners != "auto":
-            raise LoweringError(f'partitioners must be a list of partitioners, a dict of them or "auto"; '
-                                f"got {partitioners!r}")
-        return Auto()
-    return None
+    """The auto-lowering ``partitioners`` asks for (an ``Auto``; ``engines.named_plan`` makes ``"auto"`` one);
+    None for a partitioner plan."""
+    return partitioners if isinstance(partitioners, Auto) else None
 
 
 def candidate_plans(auto: Auto) -> list[Plan]:
