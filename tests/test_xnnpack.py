@@ -854,3 +854,33 @@ def test_a_layer_whose_weight_a_reordering_would_leave_unchanged_is_no_template_
     lowered.save(tmp_path / "blocks.pt2")
     model = RepeatedBlocks(zero_first=True)
     torch.testing.assert_close(aotstack.load(tmp_path / "blocks.pt2").forward(x), model(x).detach())
+
+
+class TransposedWeightBlocks(torch.nn.Module):
+    """Blocks of the same shapes multiplying by a weight's transpose (``x @ w.T``, as Falcon's linears do): XNNPACK
+    takes the weight as an input to transpose and leaves the product to ExecuTorch's portable kernels, so ExecuTorch
+    writes the weight into the program itself, not into its data file."""
+
+    def __init__(self, blocks: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(96, 96) / 10) for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for weight in self.weights:
+            x = torch.nn.functional.layer_norm(x + x @ weight.T, (96,))
+        return x
+
+
+def test_layers_whose_weights_executorch_writes_into_the_program_each_lower_with_their_own(tmp_path, monkeypatch):
+    # A template of the first block's lowering would carry its weights, in the program, into every other block.
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path / "cache"))
+    x = torch.randn(2, 5, 96)
+    model = TransposedWeightBlocks().eval()
+
+    lowered = aotstack.lower(aotstack.export(model, {"forward": (x,)}), [aotstack.XnnpackPartitioner()],
+                             progress=False)
+
+    assert [r.state for r in lowered.compile_log["forward"]] == ["compiled"] * 3
+    lowered.save(tmp_path / "blocks.pt2")
+    torch.testing.assert_close(aotstack.load(tmp_path / "blocks.pt2").forward(x), model(x).detach())

@@ -28,6 +28,8 @@ class XnnpackBackend(Backend):
 
     backend_id = "xnnpack"
     cached_by_packages = ("executorch", "torchao")
+    # 2: no template of a lowering whose program holds weights itself; earlier ones may carry another's weights.
+    compile_revision = 2
     run_side_specs = (SpecKey.THREADS,)
     # A model's repeated layers lower once (``shared.py``), where XNNPACK stores their weights as they are.
     shares_code_across_weights = True
@@ -60,7 +62,9 @@ class XnnpackBackend(Backend):
         }
         structure = program_structure(exported_program)
         key = structure_key(self, structure, compile_specs)
-        if key is not None:
+        # A template gives another partition its own weights through the data file alone: constants written into
+        # the program would be this partition's values in every partition made from it.
+        if key is not None and not partition.constants_in_program:
             keep_template(key, role_tensors(exported_program, structure), processed, named_data, PROGRAM_NAME,
                           FRAME_NAME)
         return PreprocessResult(json.dumps(processed).encode(), named_data)

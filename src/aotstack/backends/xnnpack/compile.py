@@ -56,6 +56,9 @@ class XnnpackPartition:
     portable: list[str]
     # The segments only XNNPACK's packing nodes read: not read again once XNNPACK has packed them.
     packed: list[str] = field(default_factory=list)
+    # Bytes of constants the program holds itself rather than in its data file: a weight an op outside XNNPACK
+    # reads, or one XNNPACK takes as an input (the weight of a matmul it only transposes).
+    constants_in_program: int = 0
 
 
 def lower_partition(exported_program: ExportedProgram, label: str) -> XnnpackPartition:
@@ -100,7 +103,8 @@ def lower_partition(exported_program: ExportedProgram, label: str) -> XnnpackPar
     outputs = len(edge.exported_program().graph_signature.user_outputs)
     packed = packed_keys(edge.exported_program(), label)
     return XnnpackPartition(program.buffer, frame, segments, data, len(ptd), outputs, left,
-                            packed=[name for name, read in keys.items() if read <= packed])
+                            packed=[name for name, read in keys.items() if read <= packed],
+                            constants_in_program=program_constant_bytes(program))
 
 
 def with_tanh_gelus_spelled_out(exported_program: ExportedProgram) -> ExportedProgram:
@@ -153,6 +157,12 @@ def program_operators(program: Any) -> list[str]:
         for plan in program.executorch_program.execution_plan
         for operator in plan.operators
     ]
+
+
+def program_constant_bytes(program: Any) -> int:
+    """How many bytes of constant tensors ``program`` (an ExecuTorch program manager) holds in itself."""
+    constants = program.executorch_program.constant_buffer
+    return sum(len(buffer.storage) for buffer in constants)
 
 
 def left_outside(edge: ExportedProgram) -> list[str]:
