@@ -856,27 +856,28 @@ def test_a_layer_whose_weight_a_reordering_would_leave_unchanged_is_no_template_
     torch.testing.assert_close(aotstack.load(tmp_path / "blocks.pt2").forward(x), model(x).detach())
 
 
-class TransposedWeightBlocks(torch.nn.Module):
-    """Blocks of the same shapes multiplying by a weight's transpose (``x @ w.T``, as Falcon's linears do): XNNPACK
-    takes the weight as an input to transpose and leaves the product to ExecuTorch's portable kernels, so ExecuTorch
-    writes the weight into the program itself, not into its data file."""
+class ScaledBlocks(torch.nn.Module):
+    """Blocks of the same shapes, each scaling a linear's output by a vector of its own (a layer scale, a norm's
+    weight): XNNPACK multiplies by the vector as a constant that ExecuTorch writes into the program itself, not
+    into its data file."""
 
     def __init__(self, blocks: int = 3) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.weights = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(96, 96) / 10) for _ in range(blocks))
+        self.scales = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(96)) for _ in range(blocks))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for weight in self.weights:
-            x = torch.nn.functional.layer_norm(x + x @ weight.T, (96,))
+        for weight, scale in zip(self.weights, self.scales, strict=True):
+            x = torch.nn.functional.layer_norm(torch.nn.functional.linear(x, weight) * scale, (96,))
         return x
 
 
 def test_layers_whose_weights_executorch_writes_into_the_program_each_lower_with_their_own(tmp_path, monkeypatch):
-    # A template of the first block's lowering would carry its weights, in the program, into every other block.
+    # A template of the first block's lowering would carry its scale, in the program, into every other block.
     monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path / "cache"))
     x = torch.randn(2, 5, 96)
-    model = TransposedWeightBlocks().eval()
+    model = ScaledBlocks().eval()
 
     lowered = aotstack.lower(aotstack.export(model, {"forward": (x,)}), [aotstack.XnnpackPartitioner()],
                              progress=False)
@@ -884,3 +885,30 @@ def test_layers_whose_weights_executorch_writes_into_the_program_each_lower_with
     assert [r.state for r in lowered.compile_log["forward"]] == ["compiled"] * 3
     lowered.save(tmp_path / "blocks.pt2")
     torch.testing.assert_close(aotstack.load(tmp_path / "blocks.pt2").forward(x), model(x).detach())
+
+
+class TransposedWeightProduct(torch.nn.Module):
+    """``x @ w.T`` and ``w.t()``, as Falcon's linears and hand-written layers compute them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Parameter(torch.randn(128, 64) / 8)
+        self.second = torch.nn.Parameter(torch.randn(64, 128) / 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ self.first.T) @ self.second.t()
+
+
+def test_a_product_by_a_weights_transpose_runs_as_xnnpacks_fully_connected_layer(tmp_path, monkeypatch):
+    monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path / "cache"))
+    x = torch.randn(2, 5, 64)
+    model = TransposedWeightProduct().eval()
+
+    lowered = aotstack.lower(aotstack.export(model, {"forward": (x,)}), [aotstack.XnnpackPartitioner()],
+                             progress=False)
+
+    [delegate] = lowered.delegates("forward")
+    assert json.loads(delegate.processed_bytes)["portable_ops"] == [], "no product left to ExecuTorch's portable mm"
+    lowered.save(tmp_path / "product.pt2")
+    torch.testing.assert_close(aotstack.load(tmp_path / "product.pt2").forward(x), model(x).detach())

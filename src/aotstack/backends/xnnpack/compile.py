@@ -28,7 +28,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx.passes.infra.pass_base import PassResult
 
-from ...compile.program_parts import contiguous_attention_outputs
+from ...compile.program_parts import constant_placeholders, contiguous_attention_outputs
 from ...errors import LoweringError, PackageError
 from .claims import DELEGATION_TAG, edge_op_name, quiet_executorch, runtime_operators
 from .packages import require_executorch
@@ -77,6 +77,7 @@ def lower_partition(exported_program: ExportedProgram, label: str) -> XnnpackPar
     # Attention's copy first: spelling out GELUs traces the program again, and a reshape of attention's output then
     # traces as a view of the layout the copy decides (Gemma's attention projection).
     contiguous_attention_outputs(exported_program)
+    weight_products_as_linears(exported_program)
     exported_program = with_tanh_gelus_spelled_out(exported_program)
     try:
         with quiet_executorch(), torch.no_grad():
@@ -105,6 +106,57 @@ def lower_partition(exported_program: ExportedProgram, label: str) -> XnnpackPar
     return XnnpackPartition(program.buffer, frame, segments, data, len(ptd), outputs, left,
                             packed=[name for name, read in keys.items() if read <= packed],
                             constants_in_program=program_constant_bytes(program))
+
+
+# Ops that transpose a matrix, with the arguments that make them do so: ``permute(w, [1, 0])``, ``w.t()``, ``w.T``.
+_TRANSPOSES = {torch.ops.aten.permute.default, torch.ops.aten.t.default, torch.ops.aten.transpose.int,
+               torch.ops.aten.numpy_T.default}
+_PRODUCTS = {torch.ops.aten.matmul.default, torch.ops.aten.mm.default}
+
+
+def weight_products_as_linears(exported_program: ExportedProgram) -> None:
+    """Each product by a weight's transpose (``x @ w.T``), in place, as ``linear(x, w)``.
+
+    XNNPACK's partitioner takes a ``linear`` as a fully connected layer on its packed weights. A
+    product by ``w.T`` (Falcon's linears are written so) it leaves to ExecuTorch's portable matrix
+    product, after copying the weight transposed, and ExecuTorch writes the weight into the program.
+    """
+    weights = {node for node, fqn in constant_placeholders(exported_program).items()
+               if fqn not in exported_program.graph_signature.buffers_to_mutate.values()}
+    graph = exported_program.graph
+    changed = False
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _PRODUCTS or len(node.args) != 2:
+            continue
+        left, right = node.args
+        weight = transposed_matrix(right)
+        if weight not in weights:
+            continue
+        with graph.inserting_before(node):
+            linear = graph.call_function(torch.ops.aten.linear.default, (left, weight))
+        linear.meta = dict(node.meta)
+        node.replace_all_uses_with(linear)
+        graph.erase_node(node)
+        if not right.users:
+            graph.erase_node(right)
+        changed = True
+    if changed:
+        exported_program.graph_module.recompile()
+
+
+def transposed_matrix(node: Any) -> torch.fx.Node | None:
+    """The 2-D node that ``node`` transposes; None where it is no transpose of a matrix."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function" or node.target not in _TRANSPOSES:
+        return None
+    source = node.args[0]
+    value = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    if not isinstance(value, torch.Tensor) or value.dim() != 2:
+        return None
+    if node.target is torch.ops.aten.permute.default and list(node.args[1]) != [1, 0]:
+        return None
+    if node.target is torch.ops.aten.transpose.int and sorted(d % 2 for d in node.args[1:3]) != [0, 1]:
+        return None
+    return source
 
 
 def with_tanh_gelus_spelled_out(exported_program: ExportedProgram) -> ExportedProgram:
