@@ -197,6 +197,32 @@ def test_a_cache_is_sized_as_the_model_writes_it_and_exports():
     assert placeholder_shapes["lm.key_cache_1"] == (1, 1, CACHE, 16)
 
 
+def small_learned_positions_lm() -> torch.nn.Module:
+    """OPT: learned positions, which its forward slices at the cache's length where it is given none."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    config = OPTConfig(vocab_size=128, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                       max_position_embeddings=64, word_embed_proj_dim=32)
+    return OPTForCausalLM(config).eval()
+
+
+def test_a_model_that_derives_positions_from_its_cache_is_given_them_and_exports():
+    # Derived from how full the static cache is, the positions' length is a size read from data: torch.export
+    # failed on it (Could not guard on data-dependent expression u2 > 1). model.generate passes them too.
+    model = small_learned_positions_lm()
+    tokens = torch.tensor([[*PROMPT, 5]])
+    with torch.no_grad():
+        full = model(tokens).logits[:, -2:]
+
+    program = export_decoder_lm(model, CACHE)
+
+    prefill, decode = program.methods["prefill"].module(), program.methods["decode"].module()
+    with torch.no_grad():
+        torch.testing.assert_close(prefill(tokens[:, :-1]), full[:, 0])
+        torch.testing.assert_close(decode(tokens[:, -1:], torch.tensor([len(PROMPT)])), full[:, 1])
+
+
 def small_short_convolution_lm() -> torch.nn.Module:
     """LFM2: short causal convolutions (a kernel of 3, their state in the cache) between attention layers."""
     from transformers import Lfm2Config, Lfm2ForCausalLM

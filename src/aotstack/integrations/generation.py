@@ -76,19 +76,24 @@ class PrefillDecode(torch.nn.Module):
             with static_cache_generation(model):
                 self.lm = TorchExportableModuleWithStaticCache(model, batch_size=1, max_cache_len=max_cache_len)
             reshape_cache_as_written(self.lm, cache_shapes_written(model, max_cache_len))
+        # As model.generate does, a forward that takes positions is given them: derived inside from how full the
+        # cache is, they are a size read from data (OPT slices its learned positions at the cache's length), on which
+        # torch.export cannot guard.
+        self.positions_given = (not isinstance(self.lm, StateCacheLM)
+                                and "position_ids" in inspect.signature(model.forward).parameters)
 
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of the next token after ``tokens`` (shape ``[1, length]``), filling the cache from 0."""
         positions = torch.arange(tokens.shape[1], dtype=torch.long)
         if isinstance(self.lm, StateCacheLM):
             self.lm.starting(True)
-        return self.lm(input_ids=tokens, cache_position=positions)[:, -1, :]
+        return self.next_logits(tokens, positions)
 
     def decode(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Logits of the next token after ``token`` (shape ``[1, 1]``) at cache slot ``position`` (shape ``[1]``)."""
         if isinstance(self.lm, StateCacheLM):
             self.lm.starting(False)
-        return self.lm(input_ids=token, cache_position=position)[:, -1, :]
+        return self.next_logits(token, position)
 
     def prefill_chunk(self, tokens: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         """Logits of the next token after ``tokens`` (shape ``[1, length]``) at cache slots from ``position``
@@ -96,7 +101,22 @@ class PrefillDecode(torch.nn.Module):
         if isinstance(self.lm, StateCacheLM):
             self.lm.starting(False)
         positions = position + torch.arange(tokens.shape[1], dtype=torch.long, device=position.device)
-        return self.lm(input_ids=tokens, cache_position=positions)[:, -1, :]
+        return self.next_logits(tokens, positions)
+
+    def next_logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The logits after ``tokens`` (``[1, length]``), written to the cache at ``positions`` (``[length]``)."""
+        if not self.positions_given:
+            return self.lm(input_ids=tokens, cache_position=positions)[:, -1, :]
+        return self.cached_logits(positions[0], input_ids=tokens, position_ids=positions.unsqueeze(0))
+
+    def cached_logits(self, start: torch.Tensor, **inputs: Any) -> torch.Tensor:
+        """The model's logits after ``inputs`` (its ``input_ids`` or ``inputs_embeds``, ``[1, length, ...]``),
+        written to the cache from slot ``start`` on."""
+        cache = self.lm.static_cache
+        for layer in cache.layers:
+            layer.cumulative_length.copy_(start)
+        outputs = self.lm.model(attention_mask=None, past_key_values=cache, use_cache=True, **inputs)
+        return outputs.logits[:, -1, :]
 
 
 @dataclass(frozen=True)
@@ -156,6 +176,8 @@ class ImagePrefillDecode(PrefillDecode):
         self.deepstack = "deepstack_visual_embeds" in inspect.signature(model.get_decoder().forward).parameters
         if self.positions_by_grid:
             self.register_buffer("rope_shift", torch.zeros(1, dtype=torch.long))
+            # Its text positions are three rows (multimodal rotary ones) the model derives from the prompt itself.
+            self.positions_given = False
 
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
         if self.positions_by_grid:
@@ -166,7 +188,8 @@ class ImagePrefillDecode(PrefillDecode):
         if not self.positions_by_grid:
             return super().decode(token, position)
         positions = (position + self.rope_shift).view(1, 1, 1).expand(3, 1, 1)
-        return self.cached_logits(self.lm.model.get_input_embeddings()(token), position[0], position_ids=positions)
+        return self.cached_logits(position[0], inputs_embeds=self.lm.model.get_input_embeddings()(token),
+                                  position_ids=positions)
 
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """The features of the images in ``pixel_values``, one row per image token, in the prompt's order."""
@@ -206,22 +229,19 @@ class ImagePrefillDecode(PrefillDecode):
             # Shaped as the buffer: OpenVINO writes a 0-d value to it as 0-d.
             self.rope_shift.copy_((positions.max() + 1 - tokens.shape[1]).reshape(1))
             inputs["position_ids"] = positions
-        return self.cached_logits(merged, torch.zeros((), dtype=torch.long), **inputs)
+        return self.cached_logits(torch.zeros((), dtype=torch.long), inputs_embeds=merged, **inputs)
 
-    def cached_logits(self, embedded: torch.Tensor, start: torch.Tensor, **inputs: Any) -> torch.Tensor:
-        """The model's logits after ``embedded`` (``[1, length, hidden]``), written to the cache from slot
-        ``start`` on."""
+    def cached_logits(self, start: torch.Tensor, **inputs: Any) -> torch.Tensor:
+        if "deepstack_visual_embeds" not in inputs:
+            return super().cached_logits(start, **inputs)
         cache = self.lm.static_cache
         for layer in cache.layers:
             layer.cumulative_length.copy_(start)
         model = self.lm.model
-        if "deepstack_visual_embeds" in inputs:
-            # The model's own forward makes these from pixel values, and takes no others: its decoder does.
-            hidden = model.get_decoder()(inputs_embeds=embedded, attention_mask=None, past_key_values=cache,
-                                         use_cache=True, **inputs).last_hidden_state
-            return model.get_output_embeddings()(hidden[:, -1, :])
-        outputs = model(inputs_embeds=embedded, attention_mask=None, past_key_values=cache, use_cache=True, **inputs)
-        return outputs.logits[:, -1, :]
+        # The model's own forward makes these from pixel values, and takes no others: its decoder does.
+        hidden = model.get_decoder()(attention_mask=None, past_key_values=cache, use_cache=True,
+                                     **inputs).last_hidden_state
+        return model.get_output_embeddings()(hidden[:, -1, :])
 
     def reference_inputs(self, tokens: torch.Tensor, images: int) -> dict[str, torch.Tensor]:
         """What the model's own forward takes beside ``tokens`` and the pixel values of ``images`` images, as its
