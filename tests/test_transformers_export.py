@@ -7,6 +7,7 @@ folder is exported once per module and shared by its tests. Most lower with AOTI
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 from pathlib import Path
@@ -129,6 +130,14 @@ def test_encoder_decoder_folder_generates_transformers_greedy_text(tmp_path, cap
     assert main(["generate", str(tmp_path / "out"), "--prompt", PROMPT, "--max-new-tokens", str(NEW_TOKENS)]) == 0
     assert capsys.readouterr().out.strip() == tokenizer().decode(expected, skip_special_tokens=True)
     assert aotstack_hf.generate(ExportedModel.from_pretrained(tmp_path / "out"), ids, NEW_TOKENS) == expected
+
+    # A config without a decoder start token (mBART's) starts the decoder from bos, as model.generate does.
+    runner = ExportedModel.from_pretrained(tmp_path / "out").runners["model"]
+    config = copy.deepcopy(model.generation_config)
+    config.max_new_tokens, config.do_sample = NEW_TOKENS, False
+    from_seven = list(runner.stream(ids, config, decoder_prompt=[7]))
+    config.decoder_start_token_id, config.bos_token_id = None, 7
+    assert list(runner.stream(ids, config)) == from_seven != expected
 
 
 def test_round_trip_through_the_registered_backend_matches_eager(tmp_path):

@@ -355,10 +355,14 @@ class AotstackModelRunner(ModelRunner):
             return stream_decoder(self.program, prompt, config, seed, images)
         if "encode" in self.methods:
             if decoder_prompt is None:
+                # As model.generate does: without a decoder start token, the decoder starts from bos (mBART's).
                 start = getattr(config, "decoder_start_token_id", None)
                 if start is None:
+                    start = getattr(config, "bos_token_id", None)
+                if start is None:
                     raise GenerationError("an encoder-decoder export needs a decoder start token to generate: "
-                                          "set decoder_start_token_id in its generation config or pass decoder_prompt")
+                                          "set decoder_start_token_id or bos_token_id in its generation config, or "
+                                          "pass decoder_prompt")
                 decoder_prompt = [start]
             needed = len(decoder_prompt) + new_token_limit(config, len(decoder_prompt))
             if limit is not None and needed > limit:
