@@ -112,11 +112,15 @@ class PrefillDecode(torch.nn.Module):
     def cached_logits(self, start: torch.Tensor, **inputs: Any) -> torch.Tensor:
         """The model's logits after ``inputs`` (its ``input_ids`` or ``inputs_embeds``, ``[1, length, ...]``),
         written to the cache from slot ``start`` on."""
+        outputs = self.lm.model(attention_mask=None, past_key_values=self.cache_from(start), use_cache=True, **inputs)
+        return outputs.logits[:, -1, :]
+
+    def cache_from(self, start: torch.Tensor) -> Any:
+        """The static cache, set to write the next tokens from slot ``start`` on."""
         cache = self.lm.static_cache
         for layer in cache.layers:
             layer.cumulative_length.copy_(start)
-        outputs = self.lm.model(attention_mask=None, past_key_values=cache, use_cache=True, **inputs)
-        return outputs.logits[:, -1, :]
+        return cache
 
 
 @dataclass(frozen=True)
@@ -234,12 +238,9 @@ class ImagePrefillDecode(PrefillDecode):
     def cached_logits(self, start: torch.Tensor, **inputs: Any) -> torch.Tensor:
         if "deepstack_visual_embeds" not in inputs:
             return super().cached_logits(start, **inputs)
-        cache = self.lm.static_cache
-        for layer in cache.layers:
-            layer.cumulative_length.copy_(start)
         model = self.lm.model
         # The model's own forward makes these from pixel values, and takes no others: its decoder does.
-        hidden = model.get_decoder()(attention_mask=None, past_key_values=cache, use_cache=True,
+        hidden = model.get_decoder()(attention_mask=None, past_key_values=self.cache_from(start), use_cache=True,
                                      **inputs).last_hidden_state
         return model.get_output_embeddings()(hidden[:, -1, :])
 

@@ -56,8 +56,8 @@ class XnnpackPartition:
     portable: list[str]
     # The segments only XNNPACK's packing nodes read: not read again once XNNPACK has packed them.
     packed: list[str] = field(default_factory=list)
-    # Bytes of constants the program holds itself rather than in its data file: a weight an op outside XNNPACK
-    # reads, or one XNNPACK takes as an input (the weight of a matmul it only transposes).
+    # Bytes of constants the program holds itself rather than in its data file: a vector XNNPACK multiplies by, a
+    # weight an op outside XNNPACK reads or XNNPACK takes as an input rather than packs.
     constants_in_program: int = 0
 
 

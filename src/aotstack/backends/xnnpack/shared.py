@@ -7,10 +7,10 @@ ops on the same shapes, other weights): the program and the data file's frame na
 by its key, once each, so giving them the other partition's keys (as long, 64 hex digits) and its
 weights' bytes is the lowering ExecuTorch would write for it. Where XNNPACK transforms a constant
 (4-bit weights packed two to a byte, a convolution's filter reordered), or the program holds
-constants itself (a weight read outside XNNPACK's graphs), no template is kept and each partition
-lowers on its own. A weight whose values cannot show a reordering (a zero bias, two
-weights alike) stays as it is in the template, which then fits only partitions with the same bytes
-there (``keep_template``).
+constants itself (a vector XNNPACK multiplies by, a weight it does not pack), no template is kept
+and each partition lowers on its own. A weight whose values cannot show a reordering (a zero bias,
+two weights alike) stays as it is in the template, which then fits only partitions with the same
+bytes there (``keep_template``).
 """
 
 from __future__ import annotations
