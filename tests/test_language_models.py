@@ -207,10 +207,22 @@ def small_learned_positions_lm() -> torch.nn.Module:
     return OPTForCausalLM(config).eval()
 
 
-def test_a_model_that_derives_positions_from_its_cache_is_given_them_and_exports():
-    # Derived from how full the static cache is, the positions' length is a size read from data: torch.export
-    # failed on it (Could not guard on data-dependent expression u2 > 1). model.generate passes them too.
-    model = small_learned_positions_lm()
+def small_mask_making_lm() -> torch.nn.Module:
+    """BioGPT: given no attention mask, its forward makes one of ones as long as the cache's fill."""
+    from transformers import BioGptConfig, BioGptForCausalLM
+
+    torch.manual_seed(0)
+    config = BioGptConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=4, max_position_embeddings=64)
+    return BioGptForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("make_model", [small_learned_positions_lm, small_mask_making_lm], ids=["opt", "biogpt"])
+def test_a_model_that_sizes_by_its_caches_fill_is_given_what_it_would_derive_and_exports(make_model):
+    # The cache's fill is a size read from data: torch.export failed on OPT's positions sliced at it (Could not guard
+    # on data-dependent expression u2 > 1) and on BioGPT's mask of ones that long (32 - u0 > 0). model.generate passes
+    # both; the export passes positions, and a mask over the whole cache to a model that needs one.
+    model = make_model()
     tokens = torch.tensor([[*PROMPT, 5]])
     with torch.no_grad():
         full = model(tokens).logits[:, -2:]

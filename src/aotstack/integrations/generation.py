@@ -81,6 +81,9 @@ class PrefillDecode(torch.nn.Module):
         # torch.export cannot guard.
         self.positions_given = (not isinstance(self.lm, StateCacheLM)
                                 and "position_ids" in inspect.signature(model.forward).parameters)
+        # Set where the model, given no mask, makes one as long as the cache's fill (BioGPT): a size read from data
+        # again. A mask of ones over the whole cache masks nothing the causal mask does not.
+        self.mask_given = False
 
     def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of the next token after ``tokens`` (shape ``[1, length]``), filling the cache from 0."""
@@ -105,15 +108,23 @@ class PrefillDecode(torch.nn.Module):
 
     def next_logits(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The logits after ``tokens`` (``[1, length]``), written to the cache at ``positions`` (``[length]``)."""
-        if not self.positions_given:
+        if isinstance(self.lm, StateCacheLM):
             return self.lm(input_ids=tokens, cache_position=positions)[:, -1, :]
-        return self.cached_logits(positions[0], input_ids=tokens, position_ids=positions.unsqueeze(0))
+        given = {"position_ids": positions.unsqueeze(0)} if self.positions_given else {}
+        return self.cached_logits(positions[0], input_ids=tokens, **given)
 
     def cached_logits(self, start: torch.Tensor, **inputs: Any) -> torch.Tensor:
         """The model's logits after ``inputs`` (its ``input_ids`` or ``inputs_embeds``, ``[1, length, ...]``),
         written to the cache from slot ``start`` on."""
-        outputs = self.lm.model(attention_mask=None, past_key_values=self.cache_from(start), use_cache=True, **inputs)
+        outputs = self.lm.model(attention_mask=self.attention_mask(start), past_key_values=self.cache_from(start),
+                                use_cache=True, **inputs)
         return outputs.logits[:, -1, :]
+
+    def attention_mask(self, start: torch.Tensor) -> torch.Tensor | None:
+        """None, as transformers' export wrapper passes; ones over the whole cache where ``mask_given``."""
+        if not self.mask_given:
+            return None
+        return torch.ones(1, self.max_cache_len, dtype=torch.long, device=start.device)
 
     def cache_from(self, start: torch.Tensor) -> Any:
         """The static cache, set to write the next tokens from slot ``start`` on."""
@@ -240,8 +251,8 @@ class ImagePrefillDecode(PrefillDecode):
             return super().cached_logits(start, **inputs)
         model = self.lm.model
         # The model's own forward makes these from pixel values, and takes no others: its decoder does.
-        hidden = model.get_decoder()(attention_mask=None, past_key_values=self.cache_from(start), use_cache=True,
-                                     **inputs).last_hidden_state
+        hidden = model.get_decoder()(attention_mask=self.attention_mask(start), past_key_values=self.cache_from(start),
+                                     use_cache=True, **inputs).last_hidden_state
         return model.get_output_embeddings()(hidden[:, -1, :])
 
     def reference_inputs(self, tokens: torch.Tensor, images: int) -> dict[str, torch.Tensor]:
@@ -638,14 +649,24 @@ def export_decoder_lm(model: torch.nn.Module, max_cache_len: int) -> Program:
     module = PrefillDecode(model, max_cache_len).eval()
     length = Dim("length", min=1, max=max_cache_len)
     decode_inputs = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
-    try:
+
+    def prefill_and_decode() -> Program:
         return export(
             module,
             {"prefill": (torch.zeros(1, min(4, max_cache_len), dtype=torch.long),), "decode": decode_inputs},
             dynamic_shapes={"prefill": {"tokens": {1: length}}},
             strict=True,  # the static cache updates tensors it holds outside the module's buffers
         )
+
+    try:
+        return prefill_and_decode()
     except ExportError as error:
+        if not isinstance(module.lm, StateCacheLM) and guards_on_data(error):
+            # The failed export only traced the module; its cache is as it was.
+            logger.info("%s guards on a size read from data without a mask; exporting it with one over the whole "
+                        "cache", type(model).__name__)
+            module.mask_given = True
+            return prefill_and_decode()
         if not (isinstance(module.lm, StateCacheLM) and "Constraints violated (length)" in str(error)):
             raise
     # A prompt path that loops in Python over the prompt's length or its chunks (Mamba's selective scan, a chunked
@@ -673,6 +694,19 @@ def export_decoder_lm(model: torch.nn.Module, max_cache_len: int) -> Program:
             return program
     logger.warning("%s; exporting decode alone, which takes a prompt one token at a time (%s)", loops, why_not)
     return export(module, {"decode": decode_inputs}, strict=True)
+
+
+def guards_on_data(error: BaseException) -> bool:
+    """Whether torch.export refused a method, in ``error`` or what it came from, for guarding on a size it read from
+    a tensor's data."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, GuardOnDataDependentSymNode):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def export_image_text_lm(
