@@ -123,6 +123,35 @@ def test_dynamic_batch_and_an_input_named_like_a_builtin(tmp_path):
         loaded.forward(torch.randn(3, 15))
 
 
+class PatchesOfKeptImages(torch.nn.Module):
+    """The images left after dropping all-zero ones (padding), cut into patches by a strided convolution and read
+    as a sequence: SmolVLM's and Idefics 3's vision embeddings."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches = torch.nn.Conv2d(3, 32, kernel_size=8, stride=8)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        kept = images[images.flatten(1).abs().sum(1) > 0]
+        return self.patches(kept).flatten(2).transpose(1, 2)
+
+
+def test_a_convolution_of_a_data_dependent_count_of_images_matches_eager(tmp_path):
+    # Inductor made the convolution channels-last on a CPU without converting this input, and the code after it
+    # read the convolution's output as channels-last: 2.2 off.
+    torch.manual_seed(0)
+    model = PatchesOfKeptImages().eval()
+    program = aotstack.export(model, {"forward": (torch.randn(2, 3, 32, 32),)})
+    aotstack.lower(program, [aotstack.AotiCpuPartitioner()], progress=False).save(tmp_path / "patches.pt2")
+    loaded = aotstack.load(tmp_path / "patches.pt2")
+
+    images = torch.randn(2, 3, 32, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.forward(images), model(images))
+        images[0] = 0
+        torch.testing.assert_close(loaded.forward(images), model(images))
+
+
 class FloorOfPositives(torch.nn.Module):
     """Makes a tensor as it runs, in a submodule (GPT-Neo's and Falcon's attention make their mask value so)."""
 

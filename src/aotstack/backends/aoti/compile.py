@@ -112,8 +112,10 @@ def compile_partition(
         )
     constants = {} if held else program_weights(program)
     gathered = [] if held else gathered_weights(program)
-    # Inductor's own cache skips code generation, where fallback kernels are recorded.
-    options = steps.options if kernel_check is None else {**steps.options, "fx_graph_cache": False}
+    options = {**steps.options, **convolution_layout_options(program)}
+    if kernel_check is not None:
+        # Inductor's own cache skips code generation, where fallback kernels are recorded.
+        options["fx_graph_cache"] = False
     structure = program_structure(program, every_value=folds_weights(options))
     asked = [] if held else structure.weights
     key = cache_key(structure, {**options, "aotstack.device": str(steps.device), "aotstack.revision": steps.revision})
@@ -132,6 +134,29 @@ def compile_partition(
     store_files(key, files)
     return CompiledPartition(files.library, constants, extern_nodes=files.extern_nodes, gathered=gathered,
                              cpu_features=host_cpu_features(options, steps), holds_weights=held)
+
+
+CONVOLUTIONS = frozenset({"aten::convolution", "aten::conv1d", "aten::conv2d", "aten::conv3d", "aten::_convolution"})
+
+
+def convolution_layout_options(program: ExportedProgram) -> dict[str, Any]:
+    """Inductor's options that keep ``program``'s convolutions in the layout they were exported in, where one takes
+    an input of a size read from data (the images a model keeps of those it was given: SmolVLM's); else none.
+
+    On a CPU, Inductor moves every convolution to channels-last. With a data-dependent size it does
+    not convert such an input, while the code after the convolution reads the convolution's output
+    as channels-last: wrong values, silently (torch 2.11-2.13; ``torch.compile`` trips its own
+    stride assertion there). Inductor turns that layout off itself for any dynamic size on a GPU.
+    """
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for node in program.graph.nodes:
+        if node.op != "call_function" or op_qualname(node) not in CONVOLUTIONS:
+            continue
+        image = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        if isinstance(image, torch.Tensor) and free_unbacked_symbols(image):
+            return {"layout_optimization": False}
+    return {}
 
 
 def host_cpu_features(options: dict[str, Any], steps: CompileSteps) -> list[str]:

@@ -117,7 +117,7 @@ def xnnpack_answer(exported_program: ExportedProgram, *, portable: bool = True) 
             continue
         edge_nodes = made_from.get(node.name, [])
         left = [edge_node for edge_node in edge_nodes if DELEGATION_TAG not in edge_node.meta]
-        wrong = miscomputed_layer(node, fqns, weights)
+        wrong = miscomputed_layer(node, fqns, weights) or unlowerable_max(node)
         if wrong is not None and edge_nodes and not left:
             reasons[node.name] = wrong
             miscomputed.add(node.name)
@@ -410,6 +410,23 @@ def miscomputed_layer(node: Node, fqns: dict[Node, str], weights: dict[str, torc
         return (f"XNNPACK's quantized kernels take only symmetric weights and would drop this layer's zero points "
                 f"({label}, asymmetric), though ExecuTorch's partitioner claims it")
     return None
+
+
+def unlowerable_max(node: Node) -> str | None:
+    """Why ExecuTorch fails to lower ``node``, a ``max.dim`` its partitioner claims, to XNNPACK; else None.
+
+    The partitioner claims a max over any dimension of a 4-D tensor; XNNPACK's lowering takes only
+    one over its height or width (dimension 2 or 3, as ``compile.maxima_over_counted_dims`` counts
+    them), kept as a dimension. GPT-OSS's attention takes its scores' max over the last one.
+    """
+    if node.target is not torch.ops.aten.max.dim:
+        return None
+    dims = node.args[0].meta["val"].dim()
+    keeps = len(node.args) > 2 and node.args[2] is True
+    if dims == 4 and node.args[1] % dims in (2, 3) and keeps:
+        return None
+    return ("XNNPACK's max takes only a 4-D tensor's max over dimension 2 or 3, kept as a dimension; ExecuTorch "
+            "fails to lower this one, though its partitioner claims it")
 
 
 def four_bit_block(dequantize: Node) -> int | None:

@@ -78,6 +78,7 @@ def lower_partition(exported_program: ExportedProgram, label: str) -> XnnpackPar
     # traces as a view of the layout the copy decides (Gemma's attention projection).
     contiguous_attention_outputs(exported_program)
     weight_products_as_linears(exported_program)
+    maxima_over_counted_dims(exported_program)
     exported_program = with_tanh_gelus_spelled_out(exported_program)
     try:
         with quiet_executorch(), torch.no_grad():
@@ -140,6 +141,18 @@ def weight_products_as_linears(exported_program: ExportedProgram) -> None:
         if not right.users:
             graph.erase_node(right)
         changed = True
+    if changed:
+        exported_program.graph_module.recompile()
+
+
+def maxima_over_counted_dims(exported_program: ExportedProgram) -> None:
+    """Each ``max.dim`` over a dimension counted from the end (``x.max(-1, keepdim=True)``), in place, over the same
+    dimension counted from the start: XNNPACK's max reads its dimension as given (``claims.unlowerable_max``)."""
+    changed = False
+    for node in exported_program.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.aten.max.dim and node.args[1] < 0:
+            node.args = (node.args[0], node.args[1] % node.args[0].meta["val"].dim(), *node.args[2:])
+            changed = True
     if changed:
         exported_program.graph_module.recompile()
 
