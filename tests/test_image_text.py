@@ -168,10 +168,10 @@ def test_gemma3s_attention_among_an_images_tokens_is_kept_with_an_engine_first(t
         assert aot_hf.generate(loaded, ids, NEW_TOKENS, pixel_values=pixels, do_sample=False) == tokens
 
 
-@pytest.mark.parametrize("kind", ["paligemma", "mistral3"])
+@pytest.mark.parametrize("kind", ["paligemma", "llava_next"])
 def test_a_vision_language_model_this_export_cannot_follow_is_refused_with_why(kind: str) -> None:
-    """PaliGemma attends both ways over its prompt only on a call without a cache; Mistral 3's image features
-    need the images' sizes as well. Each is refused before anything is compiled, naming why."""
+    """PaliGemma attends both ways over its prompt only on a call without a cache; LLaVA-NeXT's image features
+    need the sizes of the images its tiles were cut from. Each is refused before anything is compiled, naming why."""
     torch.manual_seed(0)
     if kind == "paligemma":
         config = transformers.PaliGemmaConfig(
@@ -179,16 +179,49 @@ def test_a_vision_language_model_this_export_cannot_follow_is_refused_with_why(k
             text_config=transformers.GemmaConfig(**TEXT_CONFIG), image_token_id=IMAGE_TOKEN, projection_dim=32)
         model, why = transformers.PaliGemmaForConditionalGeneration(config), "does not follow"
     else:
-        config = transformers.Mistral3Config(
-            vision_config=transformers.PixtralVisionConfig(**VISION, head_dim=8),
-            text_config=transformers.MistralConfig(**TEXT_CONFIG), image_token_id=IMAGE_TOKEN, spatial_merge_size=2)
-        model, why = transformers.Mistral3ForConditionalGeneration(config), "image_sizes"
+        config = transformers.LlavaNextConfig(
+            vision_config=transformers.CLIPVisionConfig(**VISION), text_config=transformers.LlamaConfig(**TEXT_CONFIG),
+            image_token_id=IMAGE_TOKEN, image_grid_pinpoints=[[SIDE, SIDE]], vision_feature_layer=-2)
+        model, why = transformers.LlavaNextForConditionalGeneration(config), "image_sizes"
     with pytest.raises(UnsupportedModelError, match=why):
         aot_hf.AotstackExporter().export_for_generation(
             model.eval(), {"input_ids": torch.zeros(1, 4, dtype=torch.long),
                            "pixel_values": torch.zeros(1, 3, SIDE, SIDE)},
             aot_hf.AotstackConfig(engines="aoti", max_cache_len=64),
         )
+
+
+def test_a_model_whose_vision_tower_reads_each_images_size_generates_as_transformers_does(tmp_path: Path) -> None:
+    """Mistral 3 (Pixtral's tower): its processor keeps an image's size and says it in ``image_sizes``, which the
+    tower and the projector split features by. The export takes images of the sample's size, and refuses others."""
+    torch.manual_seed(0)
+    config = transformers.Mistral3Config(
+        vision_config=transformers.PixtralVisionConfig(**VISION, head_dim=8),
+        text_config=transformers.MistralConfig(**TEXT_CONFIG), image_token_id=IMAGE_TOKEN, spatial_merge_size=2)
+    model = transformers.Mistral3ForConditionalGeneration(config).eval()
+    sizes = torch.tensor([[SIDE, SIDE]])
+    exported = aot_hf.AotstackExporter().export_for_generation(
+        model, {"input_ids": torch.zeros(1, 4, dtype=torch.long), "pixel_values": torch.zeros(1, 3, SIDE, SIDE),
+                "image_sizes": sizes},
+        aot_hf.AotstackConfig(engines="aoti", max_cache_len=48),
+    )
+    exported.save_pretrained(tmp_path / "mistral3")
+    loaded = ExportedModel.from_pretrained(tmp_path / "mistral3")
+
+    # An image of 32x32 pixels is 4x4 patches of 8, merged 2x2: 4 tokens.
+    pixels, ids = torch.randn(1, 3, SIDE, SIDE), torch.tensor([[1, 4] + [IMAGE_TOKEN] * 4 + [5, 6]])
+    program = aot_hf.runner_of(loaded).program
+    with torch.no_grad():
+        for image in (pixels, pixels.flip(-1)):
+            logits = model(input_ids=ids, pixel_values=image, image_sizes=sizes).logits[0, -1]
+            torch.testing.assert_close(program.prefill_images(ids, program.encode_images(image))[0], logits,
+                                       atol=1e-5, rtol=1e-4)
+        assert (logits - model(input_ids=ids, pixel_values=pixels, image_sizes=sizes).logits[0, -1]).abs().max() > 1e-4
+        want = model.generate(ids, pixel_values=pixels, image_sizes=sizes, max_new_tokens=NEW_TOKENS,
+                              do_sample=False)[0, ids.shape[1]:].tolist()
+    assert aot_hf.generate(loaded, ids, NEW_TOKENS, pixel_values=pixels, image_sizes=sizes, do_sample=False) == want
+    with pytest.raises(GenerationError, match=r"sizes \[\[32, 24\]\].*32x32 pixels only"):
+        aot_hf.generate(loaded, ids, NEW_TOKENS, pixel_values=pixels, image_sizes=torch.tensor([[SIDE, 24]]))
 
 
 def test_an_image_that_leaves_no_room_in_the_cache_is_refused_before_compiling() -> None:

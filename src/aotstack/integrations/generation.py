@@ -183,6 +183,8 @@ class ImagePrefillDecode(PrefillDecode):
         self.prompt_inputs = prompt_inputs
         self.image_token = image_token_id(model)
         self.grid = image_grid(model, image_size) if image_size is not None else None
+        self.image_size = image_size
+        self.sizes_read = image_sizes_read_by_tower(model)
         # Kept in a tuple, not as an attribute: the tower is a submodule of the model already.
         self.grid_tower = vision_tower(model, self.grid) if self.grid is not None else None
         self.positions_by_grid = self.grid is not None and places_tokens_by_grid(model)
@@ -215,7 +217,7 @@ class ImagePrefillDecode(PrefillDecode):
             tower, inputs = self.grid_tower
             features = tower(pixel_values.to(next(tower.parameters()).dtype), return_dict=True, **inputs)
         else:
-            features = self.lm.model.get_image_features(pixel_values, return_dict=True)
+            features = self.lm.model.get_image_features(pixel_values, return_dict=True, **self.sizes_of(pixel_values))
         rows = [rows_of(features.pooler_output)]
         if self.deepstack:
             rows += [rows_of(layer) for layer in features.deepstack_features]
@@ -255,10 +257,20 @@ class ImagePrefillDecode(PrefillDecode):
                                      use_cache=True, **inputs).last_hidden_state
         return model.get_output_embeddings()(hidden[:, -1, :])
 
+    def sizes_of(self, pixel_values: torch.Tensor) -> dict[str, list[tuple[int, int]]]:
+        """The ``image_sizes`` a tower that reads them takes beside ``pixel_values`` (``[images, channels, height,
+        width]``): their own height and width, Python numbers, which the model splits its features by."""
+        if not self.sizes_read:
+            return {}
+        height, width = pixel_values.shape[-2:]
+        return {"image_sizes": [(int(height), int(width))] * pixel_values.shape[0]}
+
     def reference_inputs(self, tokens: torch.Tensor, images: int) -> dict[str, torch.Tensor]:
         """What the model's own forward takes beside ``tokens`` and the pixel values of ``images`` images, as its
         processor gives them."""
         inputs = {name: image_prompt_input(tokens, self.image_token) for name in self.prompt_inputs}
+        if self.sizes_read and self.image_size is not None:
+            inputs["image_sizes"] = torch.tensor([self.image_size] * images)
         if self.grid is not None:
             inputs["image_grid_thw"] = torch.tensor([self.grid.patches] * images)
             if "mm_token_type_ids" in inspect.signature(self.lm.model.forward).parameters:
@@ -311,6 +323,15 @@ def vision_tower(model: torch.nn.Module, grid: ImageGrid) -> tuple[torch.nn.Modu
     precompute_export_inputs(towers[0], derived)
     return towers[0], {name: value for name, value in derived.items()
                        if name != "hidden_states" and value is not None}
+
+
+def image_sizes_read_by_tower(model: torch.nn.Module) -> bool:
+    """Whether the model's vision tower reads each image's height and width beside its pixels (Pixtral's, in Mistral
+    3): the processor keeps an image's size, and says it in ``image_sizes``. A model that reads them only to place
+    tiles of a larger image (LLaVA-NeXT's) is not one: its sizes are not those of the pixel values."""
+    inner = getattr(model, "model", model)
+    tower = getattr(inner, "vision_tower", None) or getattr(model, "vision_tower", None)
+    return isinstance(tower, torch.nn.Module) and "image_sizes" in inspect.signature(tower.forward).parameters
 
 
 def places_tokens_by_grid(model: torch.nn.Module) -> bool:

@@ -659,7 +659,7 @@ def image_prompt(
     ``messages`` (the image in the last user turn), else the plain prompt after the processor's image token.
 
     For an export whose processor keeps an image's size (Qwen2-VL's: ``export_config`` has its
-    ``image_grid_thw``), the image is first resized to the size the export takes."""
+    ``image_grid_thw``; Mistral 3's: ``image_size_kept``), the image is first resized to the size the export takes."""
     try:
         from PIL import Image
     except ImportError as exc:
@@ -668,7 +668,7 @@ def image_prompt(
 
     try:
         picture = Image.open(image).convert("RGB")
-        if export_config and "image_grid_thw" in export_config:
+        if export_config and ("image_grid_thw" in export_config or export_config.get("image_size_kept")):
             height, width = export_config["image_size"]
             picture = picture.resize((width, height), Image.Resampling.BICUBIC)
     except (OSError, ValueError) as exc:

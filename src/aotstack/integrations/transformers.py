@@ -62,6 +62,7 @@ from .generation import (
     export_image_text_lm,
     image_grid,
     image_prompt_inputs,
+    image_sizes_read_by_tower,
     image_token_id,
     sample_image_size,
     typical_step_inputs,
@@ -233,6 +234,9 @@ class AotstackExporter(HfExporter):
             grid = image_grid(model, image_size)
             if grid is not None:
                 metadata.export_config["image_grid_thw"] = list(grid.patches)
+            elif image_sizes_read_by_tower(model):
+                # Its processor keeps each image's size: an image is resized to the export's before it.
+                metadata.export_config["image_size_kept"] = True
         return ExportedModel(
             {COMPONENT: ExportedComponent(lowered, metadata)},
             self.export_format,
@@ -331,6 +335,7 @@ class AotstackModelRunner(ModelRunner):
         token_type_ids: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         mm_token_type_ids: torch.Tensor | None = None,
+        image_sizes: torch.Tensor | None = None,
     ) -> Iterator[int]:
         """The new tokens of one prompt, each as it is chosen, under ``config`` (a ``GenerationConfig``).
 
@@ -338,9 +343,10 @@ class AotstackModelRunner(ModelRunner):
         (token ids, or audio features); ``decoder_prompt`` is the decoder's first tokens (default:
         the config's decoder start token). A vision-language export takes the prompt's images as
         ``pixel_values`` (and ``token_type_ids``, where its model reads them; ``image_grid_thw`` for
-        one whose processor cuts images into patches, checked against the export's), all as its
-        processor made them with the prompt; ``mm_token_type_ids`` is taken and not needed: the image
-        tokens of the prompt say the same. See ``aotstack.integrations.decoding``.
+        one whose processor cuts images into patches, and ``image_sizes`` for one that keeps each
+        image's size, each checked against the export's), all as its processor made them with the
+        prompt; ``mm_token_type_ids`` is taken and not needed: the image tokens of the prompt say the
+        same. See ``aotstack.integrations.decoding``.
         """
         limit = self.metadata.export_config.get("max_cache_len")
         if "prefill" in self.methods or "decode" in self.methods and "encode" not in self.methods:
@@ -351,7 +357,7 @@ class AotstackModelRunner(ModelRunner):
                     f"a prompt of {len(prompt)} tokens plus {needed - len(prompt)} new ones needs {needed} cache "
                     f"slots; this export has {limit} (export again with a larger max_cache_len)"
                 )
-            images = self.prompt_images(pixel_values, token_type_ids, image_grid_thw)
+            images = self.prompt_images(pixel_values, token_type_ids, image_grid_thw, image_sizes)
             return stream_decoder(self.program, prompt, config, seed, images)
         if "encode" in self.methods:
             if decoder_prompt is None:
@@ -377,17 +383,19 @@ class AotstackModelRunner(ModelRunner):
         pixel_values: torch.Tensor | None,
         token_type_ids: torch.Tensor | None,
         image_grid_thw: torch.Tensor | None = None,
+        image_sizes: torch.Tensor | None = None,
     ) -> PromptImages | None:
         """A prompt's images for ``stream_decoder``; None for a prompt of text alone."""
         if pixel_values is None:
-            if token_type_ids is not None or image_grid_thw is not None:
-                raise GenerationError("token_type_ids or image_grid_thw were given without the images (pixel_values) "
-                                      "they describe")
+            if token_type_ids is not None or image_grid_thw is not None or image_sizes is not None:
+                raise GenerationError("token_type_ids, image_grid_thw or image_sizes were given without the images "
+                                      "(pixel_values) they describe")
             return None
         image_token = self.metadata.export_config.get("image_token_id")
         if image_token is None:
             raise GenerationError(f"this export takes no images: it holds the generation stages {self.methods}")
         refuse_other_grids(image_grid_thw, self.metadata.export_config)
+        refuse_other_sizes(image_sizes, self.metadata.export_config)
         return PromptImages(pixel_values, int(image_token), () if token_type_ids is None else (token_type_ids,))
 
     def generate(
@@ -403,6 +411,7 @@ class AotstackModelRunner(ModelRunner):
         token_type_ids: torch.Tensor | None = None,
         image_grid_thw: torch.Tensor | None = None,
         mm_token_type_ids: torch.Tensor | None = None,
+        image_sizes: torch.Tensor | None = None,
     ) -> list[int] | list[list[int]]:
         """The new tokens of one prompt (a list), or of each row of a batch (a list per row).
 
@@ -416,7 +425,7 @@ class AotstackModelRunner(ModelRunner):
         if rows is None:
             tokens = self.stream(input_ids, config, decoder_prompt=decoder_prompt, seed=seed,
                                  pixel_values=pixel_values, token_type_ids=token_type_ids,
-                                 image_grid_thw=image_grid_thw)
+                                 image_grid_thw=image_grid_thw, image_sizes=image_sizes)
             return collected(tokens, on_token)
         if pixel_values is not None:
             raise GenerationError(f"images are taken with one prompt at a time; input_ids has {len(rows)} rows")
@@ -439,6 +448,20 @@ def refuse_other_grids(image_grid_thw: torch.Tensor | None, export_config: dict[
             f"the processor cut the images into grids of patches {grids}; this export takes images of {height}x"
             f"{width} pixels only (grid {wanted}): resize each image to {width}x{height} before the processor"
         )
+
+
+def refuse_other_sizes(image_sizes: torch.Tensor | None, export_config: dict[str, Any]) -> None:
+    """Refuse images whose sizes, as the processor gives them (``image_sizes``: height and width of each), are not
+    the size the export was made for: its features are split by that size."""
+    if image_sizes is None:
+        return
+    wanted = export_config.get("image_size")
+    sizes = [list(map(int, row)) for row in torch.as_tensor(image_sizes).reshape(-1, 2).tolist()]
+    if wanted is None or any(size != list(wanted) for size in sizes):
+        height, width = wanted or ("?", "?")
+        raise GenerationError(f"the images are of sizes {sizes} (image_sizes); this export takes images of "
+                              f"{height}x{width} pixels only: resize each image to {width}x{height} before the "
+                              "processor")
 
 
 def token_list(ids: torch.Tensor | Sequence[int]) -> list[int]:
@@ -511,6 +534,7 @@ def generate(
     token_type_ids: torch.Tensor | None = None,
     image_grid_thw: torch.Tensor | None = None,
     mm_token_type_ids: torch.Tensor | None = None,
+    image_sizes: torch.Tensor | None = None,
     **settings: Any,
 ) -> list[int] | list[list[int]]:
     """Generation from an aotstack ``export_for_generation``, following its generation config.
@@ -534,7 +558,7 @@ def generate(
     return runner_of(exported).generate(input_ids, config, attention_mask=attention_mask,
                                         decoder_prompt=decoder_prompt, seed=seed, on_token=on_token,
                                         pixel_values=pixel_values, token_type_ids=token_type_ids,
-                                        image_grid_thw=image_grid_thw)
+                                        image_grid_thw=image_grid_thw, image_sizes=image_sizes)
 
 
 def stream(
@@ -549,6 +573,7 @@ def stream(
     token_type_ids: torch.Tensor | None = None,
     image_grid_thw: torch.Tensor | None = None,
     mm_token_type_ids: torch.Tensor | None = None,
+    image_sizes: torch.Tensor | None = None,
     **settings: Any,
 ) -> Iterator[int]:
     """The new tokens of one prompt, each as soon as it is chosen: the tokens :func:`generate` returns.
@@ -561,7 +586,7 @@ def stream(
     config = generation_config_of(exported, generation_config, max_new_tokens=max_new_tokens, **settings)
     return runner_of(exported).stream(input_ids, config, decoder_prompt=decoder_prompt, seed=seed,
                                       pixel_values=pixel_values, token_type_ids=token_type_ids,
-                                      image_grid_thw=image_grid_thw)
+                                      image_grid_thw=image_grid_thw, image_sizes=image_sizes)
 
 
 register_backend(AotstackExporter, AotstackModelRunner)
