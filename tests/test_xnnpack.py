@@ -915,8 +915,8 @@ def test_a_product_by_a_weights_transpose_runs_as_xnnpacks_fully_connected_layer
 
 
 class Maxima(torch.nn.Module):
-    """Maxima of a linear's 4-D output: over its last dimension counted from the end (GPT-OSS's attention scores),
-    over its second, and over its last without keeping it."""
+    """Maxima of a linear's 4-D output: over its last dimension counted from the end, then a softmax of what is
+    left (GPT-OSS's attention scores), over its second, and over its last without keeping it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -924,21 +924,26 @@ class Maxima(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         h = self.linear(x)
-        return h.max(-1, keepdim=True).values, h.max(1, keepdim=True).values, h.max(3).values
+        stable = torch.softmax(h - h.max(-1, keepdim=True).values, dim=-1)
+        return stable, h.max(1, keepdim=True).values, h.max(3).values
 
 
 def test_xnnpack_takes_the_maxima_it_lowers_and_leaves_the_others(tmp_path, monkeypatch):
     # ExecuTorch's partitioner claims all three; its lowering failed on each (it reads -1 as no dimension it takes).
+    # Once it took the first, the softmax after it normalized over the channels of its channels-last input: 0.5 off.
     monkeypatch.setenv("AOTSTACK_CACHE_DIR", str(tmp_path / "cache"))
     torch.manual_seed(0)
     model, x = Maxima().eval(), torch.randn(1, 2, 8, 16)
     program = aotstack.export(model, {"forward": (x,)})
-    maxima = [node.name for node in program.methods["forward"].graph.nodes if node.target is torch.ops.aten.max.dim]
+    graph = program.methods["forward"].graph
+    maxima = [node.name for node in graph.nodes if node.target is torch.ops.aten.max.dim]
+    [softmax] = [node.name for node in graph.nodes if node.target is torch.ops.aten.softmax.int]
 
     lowered = aotstack.lower(program, [aotstack.XnnpackPartitioner()], progress=False)
 
     taken = set().union(*(delegate.nodes for delegate in lowered.delegates("forward")))
     assert [name in taken for name in maxima] == [True, False, False]
+    assert softmax not in taken
     lowered.save(tmp_path / "maxima.pt2")
     with torch.no_grad():
         for got, want in zip(aotstack.load(tmp_path / "maxima.pt2").forward(x), model(x), strict=True):

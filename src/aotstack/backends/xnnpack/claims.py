@@ -134,6 +134,7 @@ def xnnpack_answer(exported_program: ExportedProgram, *, portable: bool = True) 
     executorch_reasons = dict(reasons)
     without_copies_leaving_beside_their_input(exported_program, {node.name for node in vanished}, claimed, reasons)
     with_whole_quantized_layers(exported_program, claimed, reasons)
+    without_softmaxes_of_channels_last_values(exported_program, claimed, reasons)
     without_unpacked_weights(exported_program, constants, claimed, reasons)
     without_dangling_quantize_ops(exported_program, claimed, reasons)
     if not portable:
@@ -427,6 +428,58 @@ def unlowerable_max(node: Node) -> str | None:
         return None
     return ("XNNPACK's max takes only a 4-D tensor's max over dimension 2 or 3, kept as a dimension; ExecuTorch "
             "fails to lower this one, though its partitioner claims it")
+
+
+aten = torch.ops.aten
+# Ops whose 4-D results ExecuTorch lays out channels-last in XNNPACK's program (its ChannelsLastTaggedReshapePass)...
+CHANNELS_LAST_OPS = frozenset({
+    aten.convolution.default, aten.conv2d.default, aten.max.dim, aten.amax.default, aten.mean.dim,
+    aten.max_pool2d.default, aten.max_pool2d_with_indices.default, aten.avg_pool2d.default,
+    aten.adaptive_avg_pool2d.default, aten.upsample_bilinear2d.vec, aten.prelu.default,
+})
+# ...and ops that take their inputs back to channels-first; the others pass the layout on.
+CHANNELS_FIRST_OPS = frozenset({
+    aten.linear.default, aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+    aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default,
+})
+SOFTMAXES = frozenset({aten.softmax.int, aten._softmax.default})
+
+
+def without_softmaxes_of_channels_last_values(
+    exported_program: ExportedProgram, claimed: set[str], reasons: dict[str, str]
+) -> None:
+    """Leave each 4-D softmax whose input XNNPACK's program would hold channels-last.
+
+    ExecuTorch keeps a value channels-last from an op that makes it so (a convolution, a pooling,
+    a max over one dimension) through the ops after it, and its softmax then normalizes over the
+    channels, not the last dimension: GPT-OSS's attention (``softmax(scores - scores.max(-1))``)
+    was wrong by 0.5. The softmax runs in the next engine; what is before it stays.
+    """
+    nodes = {node.name: node for node in exported_program.graph.nodes}
+    for name in sorted(claimed):
+        node = nodes[name]
+        if node.target not in SOFTMAXES or node.args[0].meta["val"].dim() != 4:
+            continue
+        if channels_last_in_xnnpack(node.args[0], claimed):
+            claimed.discard(name)
+            reasons[name] = ("ExecuTorch would hold its input channels-last in XNNPACK's program and normalize over "
+                             "the channels, not its last dimension")
+
+
+def channels_last_in_xnnpack(value: Node, claimed: set[str]) -> bool:
+    """Whether ``value``, computed in XNNPACK's program, comes channels-last from an op there making it so."""
+    pending, seen = [value], set()
+    while pending:
+        node = pending.pop()
+        if node.target is operator.getitem:  # a piece of a claimed op's result: as claimed as the op
+            node = node.args[0]
+        if node.name in seen or node.name not in claimed or node.target in CHANNELS_FIRST_OPS:
+            continue
+        seen.add(node.name)
+        if node.target in CHANNELS_LAST_OPS:
+            return True
+        pending.extend(node.all_input_nodes)
+    return False
 
 
 def four_bit_block(dequantize: Node) -> int | None:
