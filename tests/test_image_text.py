@@ -8,6 +8,7 @@ real processor (CLIP's image processor, Pillow) so ``aotstack generate --image``
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -193,22 +194,27 @@ def test_a_vision_language_model_this_export_cannot_follow_is_refused_with_why(k
 
 def test_a_model_whose_vision_tower_reads_each_images_size_generates_as_transformers_does(tmp_path: Path) -> None:
     """Mistral 3 (Pixtral's tower): its processor keeps an image's size and says it in ``image_sizes``, which the
-    tower and the projector split features by. The export takes images of the sample's size, and refuses others."""
+    tower and the projector split features by. The export takes square images of ``--image-size`` (rounded to
+    whole tokens, within the processor's longest edge), and refuses others."""
     torch.manual_seed(0)
     config = transformers.Mistral3Config(
         vision_config=transformers.PixtralVisionConfig(**VISION, head_dim=8),
         text_config=transformers.MistralConfig(**TEXT_CONFIG), image_token_id=IMAGE_TOKEN, spatial_merge_size=2)
     model = transformers.Mistral3ForConditionalGeneration(config).eval()
-    sizes = torch.tensor([[SIDE, SIDE]])
-    exported = aot_hf.AotstackExporter().export_for_generation(
-        model, {"input_ids": torch.zeros(1, 4, dtype=torch.long), "pixel_values": torch.zeros(1, 3, SIDE, SIDE),
-                "image_sizes": sizes},
-        aot_hf.AotstackConfig(engines="aoti", max_cache_len=48),
-    )
-    exported.save_pretrained(tmp_path / "mistral3")
-    loaded = ExportedModel.from_pretrained(tmp_path / "mistral3")
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    tokenizer("[IMG]").save_pretrained(folder)
+    # Its processor needs torchvision, which these tests lack; its settings are what the export reads.
+    (folder / "preprocessor_config.json").write_text(json.dumps(
+        {"image_processor_type": "PixtralImageProcessor", "size": {"longest_edge": 48}, "patch_size": PATCH}))
+    # 40 pixels: 2.5 tokens of 16 (patches of 8 merged 2x2) a side, rounded to 2.
+    export_hf(str(folder), "-o", str(tmp_path / "out"), "--engines", "aoti", "--max-cache-len", "48",
+              "--image-size", "40")
+    settings = json.loads((tmp_path / "out" / "export.json").read_text())["components"]["model"]["metadata"]
+    assert settings["export_config"]["image_size"] == [SIDE, SIDE] and settings["export_config"]["image_size_kept"]
+    loaded = ExportedModel.from_pretrained(tmp_path / "out")
 
-    # An image of 32x32 pixels is 4x4 patches of 8, merged 2x2: 4 tokens.
+    sizes = torch.tensor([[SIDE, SIDE]])
     pixels, ids = torch.randn(1, 3, SIDE, SIDE), torch.tensor([[1, 4] + [IMAGE_TOKEN] * 4 + [5, 6]])
     program = aot_hf.runner_of(loaded).program
     with torch.no_grad():

@@ -223,8 +223,8 @@ def export_folder(
     told each stage as it begins. ``check`` runs each method of the lowered file against eager
     PyTorch on its example inputs and refuses the export (``LoweringError``) past the tolerance:
     ``aotstack.Check``'s, or ``check_tolerance`` (atol, rtol) where given. ``image_size`` is the side of
-    the square images a vision-language model whose processor keeps an image's size (Qwen2-VL's) is
-    exported for (default ``GRID_IMAGE_SIDE``); other processors make images of one size themselves.
+    the square images a vision-language model whose processor keeps an image's size (Qwen2-VL's, Mistral 3's)
+    is exported for (default ``GRID_IMAGE_SIDE``); other processors make images of one size themselves.
     """
     checking = {"check": check, "check_atol": check_tolerance[0], "check_rtol": check_tolerance[1]}
     started = time.perf_counter()
@@ -304,11 +304,30 @@ def generation_inputs(
     inputs = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
     if task == "image-text-to-text":
         vision = getattr(model.config, "vision_config", None) or model.config
-        height, width = grid_image_size(preprocessor.settings, side) or image_size(preprocessor.settings, vision)
+        settings = preprocessor.settings
+        height, width = (kept_image_size(model, settings, side) or grid_image_size(settings, side)
+                         or image_size(settings, vision))
         inputs["pixel_values"] = torch.zeros(1, getattr(vision, "num_channels", 3), height, width)
     elif side is not None:
         raise ModelFolderError(f"--image-size is for an image-text-to-text export, not {task}")
     return inputs
+
+
+def kept_image_size(model: torch.nn.Module, settings: dict[str, Any], side: int | None) -> tuple[int, int] | None:
+    """The square images an export takes from a model whose processor keeps an image's size and whose vision tower
+    reads it (Mistral 3's: ``image_sizes``): ``side`` (default ``GRID_IMAGE_SIDE``) rounded to whole image tokens
+    (patches merged ``spatial_merge_size`` a side) and kept within the processor's longest edge. None for another."""
+    from .generation import image_sizes_read_by_tower
+
+    if not image_sizes_read_by_tower(model):
+        return None
+    unit = model.config.vision_config.patch_size * getattr(model.config, "spatial_merge_size", 1)
+    bounds = settings.get("size") if isinstance(settings.get("size"), dict) else {}
+    longest = bounds.get("longest_edge") or math.inf
+    square = max(unit, round((side or GRID_IMAGE_SIDE) / unit) * unit)
+    while square > longest and square > unit:
+        square -= unit
+    return square, square
 
 
 def grid_image_size(settings: dict[str, Any], side: int | None) -> tuple[int, int] | None:
@@ -319,9 +338,9 @@ def grid_image_size(settings: dict[str, Any], side: int | None) -> tuple[int, in
     patch, merge = settings.get("patch_size"), settings.get("merge_size")
     if not (isinstance(patch, int) and isinstance(merge, int) and "temporal_patch_size" in settings):
         if side is not None:
-            raise ModelFolderError(f"--image-size is for a processor that keeps an image's size (Qwen2-VL's); this "
-                                   f"one ({settings.get('image_processor_type', 'its processor')}) makes images of "
-                                   "one size itself")
+            raise ModelFolderError(f"--image-size is for a processor that keeps an image's size (Qwen2-VL's, "
+                                   f"Mistral 3's); this one ({settings.get('image_processor_type', 'its processor')})"
+                                   " makes images of one size itself")
         return None
     unit = patch * merge
     bounds = settings.get("size") if isinstance(settings.get("size"), dict) else {}
