@@ -171,9 +171,11 @@ def test_gemma3s_attention_among_an_images_tokens_is_kept_with_an_engine_first(t
 
 @pytest.mark.parametrize("kind", ["paligemma", "llava_next"])
 def test_a_vision_language_model_this_export_cannot_follow_is_refused_with_why(kind: str) -> None:
-    """PaliGemma attends both ways over its prompt only on a call without a cache; LLaVA-NeXT's image features
-    need the sizes of the images its tiles were cut from. Each is refused before anything is compiled, naming why."""
+    """PaliGemma attends both ways over its prompt only on a call without a cache; LLaVA-NeXT packs an image's tiles
+    branching on numpy's product of their shape, which torch.export cannot trace. Each is refused before anything
+    is compiled, naming why."""
     torch.manual_seed(0)
+    sample = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "pixel_values": torch.zeros(1, 3, SIDE, SIDE)}
     if kind == "paligemma":
         config = transformers.PaliGemmaConfig(
             vision_config=transformers.SiglipVisionConfig(**VISION, projection_dim=32),
@@ -183,13 +185,45 @@ def test_a_vision_language_model_this_export_cannot_follow_is_refused_with_why(k
         config = transformers.LlavaNextConfig(
             vision_config=transformers.CLIPVisionConfig(**VISION), text_config=transformers.LlamaConfig(**TEXT_CONFIG),
             image_token_id=IMAGE_TOKEN, image_grid_pinpoints=[[SIDE, SIDE]], vision_feature_layer=-2)
-        model, why = transformers.LlavaNextForConditionalGeneration(config), "image_sizes"
+        model, why = transformers.LlavaNextForConditionalGeneration(config), "method 'encode_images'.*branching"
+        # As its processor gives an image of 32x32: the whole image and one tile, and the image's size.
+        sample.update(pixel_values=torch.zeros(1, 2, 3, SIDE, SIDE), image_sizes=torch.tensor([[SIDE, SIDE]]))
     with pytest.raises(UnsupportedModelError, match=why):
         aot_hf.AotstackExporter().export_for_generation(
-            model.eval(), {"input_ids": torch.zeros(1, 4, dtype=torch.long),
-                           "pixel_values": torch.zeros(1, 3, SIDE, SIDE)},
-            aot_hf.AotstackConfig(engines="aoti", max_cache_len=64),
-        )
+            model.eval(), sample, aot_hf.AotstackConfig(engines="aoti", max_cache_len=64))
+
+
+def llava_onevision() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlavaOnevisionConfig(
+        vision_config=transformers.SiglipVisionConfig(**VISION), text_config=transformers.Qwen2Config(**TEXT_CONFIG),
+        image_token_id=IMAGE_TOKEN, image_grid_pinpoints=[[SIDE, SIDE]], vision_feature_layer=-1)
+    return transformers.LlavaOnevisionForConditionalGeneration(config).eval()
+
+
+def test_a_model_that_cuts_an_image_into_tiles_by_its_size_generates_as_transformers_does(tmp_path: Path) -> None:
+    """LLaVA-OneVision: its processor cuts an image into tiles as its size (``image_sizes``) decides, and the model
+    packs their features into one image's rows by that size. The export takes images of the sample's size."""
+    model = llava_onevision()
+    # An image of 32x32: the whole image and one tile of 32, each 4x4 patches; 36 tokens with the rows' ends.
+    pixels, sizes = torch.randn(1, 2, 3, SIDE, SIDE), torch.tensor([[SIDE, SIDE]])
+    exported = aot_hf.AotstackExporter().export_for_generation(
+        model, {"input_ids": torch.zeros(1, 4, dtype=torch.long), "pixel_values": pixels, "image_sizes": sizes},
+        aot_hf.AotstackConfig(engines="aoti", max_cache_len=96))
+    exported.save_pretrained(tmp_path / "onevision")
+    loaded = ExportedModel.from_pretrained(tmp_path / "onevision")
+    assert aot_hf.runner_of(loaded).metadata.export_config["image_size"] == [SIDE, SIDE]
+
+    ids = torch.tensor([[1, 4] + [IMAGE_TOKEN] * 36 + [5, 6]])
+    with torch.no_grad():
+        want = model.generate(ids, pixel_values=pixels, image_sizes=sizes, max_new_tokens=NEW_TOKENS,
+                              do_sample=False)[0, ids.shape[1]:].tolist()
+    assert aot_hf.generate(loaded, ids, NEW_TOKENS, pixel_values=pixels, image_sizes=sizes, do_sample=False) == want
+    program = aot_hf.runner_of(loaded).program
+    with torch.no_grad():
+        torch.testing.assert_close(program.prefill_images(ids, program.encode_images(pixels))[0],
+                                   model(input_ids=ids, pixel_values=pixels, image_sizes=sizes).logits[0, -1],
+                                   atol=1e-5, rtol=1e-4)
 
 
 def test_a_model_whose_vision_tower_reads_each_images_size_generates_as_transformers_does(tmp_path: Path) -> None:

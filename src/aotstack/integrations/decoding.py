@@ -368,8 +368,9 @@ def single_images(pixel_values: torch.Tensor, shape: Sequence[int]) -> list[torc
     """Each image of ``pixel_values``, shaped ``shape`` as ``encode_images`` takes one.
 
     ``pixel_values`` are ``[channels, height, width]``, ``[images, ...]``, or with a leading batch of
-    1 (a processor's tiles count as images); or, for a model whose processor cuts an image into a grid of
-    patches (Qwen2-VL's; ``shape`` is ``[patches, patch_values]``), the rows of all images' patches.
+    1 (a processor's tiles count as images, but for LLaVA-OneVision's, which make one image); or, for a
+    model whose processor cuts an image into a grid of patches (Qwen2-VL's; ``shape`` is ``[patches,
+    patch_values]``), the rows of all images' patches.
     """
     if len(shape) == 2:
         patches = int(shape[0])
@@ -381,8 +382,15 @@ def single_images(pixel_values: torch.Tensor, shape: Sequence[int]) -> list[torc
                 "of the size the export was made for (its export_config's image_size)"
             )
         return list(rows.split(patches))
-    flat = pixel_values.reshape(-1, *pixel_values.shape[-3:])
-    return [image.reshape((1,) * (len(shape) - 3) + tuple(image.shape)) for image in flat]
+    # One image is shape[1:]: a channel plane, a tile of one (SmolVLM's), or the tiles it was cut into (LLaVA-NeXT's).
+    per_image = tuple(int(side) for side in shape[1:])
+    if pixel_values.numel() % math.prod(per_image) or tuple(pixel_values.shape[-2:]) != per_image[-2:]:
+        raise GenerationError(
+            f"pixel values of shape {tuple(pixel_values.shape)} are not whole images of {list(per_image)}, which "
+            "this export takes: make them with the model's processor from images of the size the export was made "
+            "for (its export_config's image_size)"
+        )
+    return list(pixel_values.reshape(-1, *per_image).split(1))
 
 
 def image_prompt_input(tokens: torch.Tensor, image_token: int) -> torch.Tensor:

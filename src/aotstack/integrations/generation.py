@@ -184,7 +184,7 @@ class ImagePrefillDecode(PrefillDecode):
         self.image_token = image_token_id(model)
         self.grid = image_grid(model, image_size) if image_size is not None else None
         self.image_size = image_size
-        self.sizes_read = image_sizes_read_by_tower(model)
+        self.sizes_read = image_sizes_read_by_tower(model) or image_sizes_required(model)
         # Kept in a tuple, not as an attribute: the tower is a submodule of the model already.
         self.grid_tower = vision_tower(model, self.grid) if self.grid is not None else None
         self.positions_by_grid = self.grid is not None and places_tokens_by_grid(model)
@@ -258,11 +258,12 @@ class ImagePrefillDecode(PrefillDecode):
         return model.get_output_embeddings()(hidden[:, -1, :])
 
     def sizes_of(self, pixel_values: torch.Tensor) -> dict[str, list[tuple[int, int]]]:
-        """The ``image_sizes`` a tower that reads them takes beside ``pixel_values`` (``[images, channels, height,
-        width]``): their own height and width, Python numbers, which the model splits its features by."""
+        """The ``image_sizes`` a model that reads them takes beside ``pixel_values`` (``[images, ...]``): the
+        export's image size for each, Python numbers, which the model splits its features by. For Pixtral's tower
+        that is the pixel values' own; for LLaVA-NeXT's, the size of the image its tiles were cut from."""
         if not self.sizes_read:
             return {}
-        height, width = pixel_values.shape[-2:]
+        height, width = self.image_size or pixel_values.shape[-2:]
         return {"image_sizes": [(int(height), int(width))] * pixel_values.shape[0]}
 
     def reference_inputs(self, tokens: torch.Tensor, images: int) -> dict[str, torch.Tensor]:
@@ -332,6 +333,16 @@ def image_sizes_read_by_tower(model: torch.nn.Module) -> bool:
     inner = getattr(model, "model", model)
     tower = getattr(inner, "vision_tower", None) or getattr(model, "vision_tower", None)
     return isinstance(tower, torch.nn.Module) and "image_sizes" in inspect.signature(tower.forward).parameters
+
+
+def image_sizes_required(model: torch.nn.Module) -> bool:
+    """Whether the model's ``get_image_features`` needs each image's size beside its pixels (LLaVA-NeXT's and
+    LLaVA-OneVision's: the image its tiles were cut from, which decides how many tiles and tokens it has)."""
+    features = getattr(model, "get_image_features", None)
+    if not callable(features):
+        return False
+    parameter = inspect.signature(features).parameters.get("image_sizes")
+    return parameter is not None and parameter.default is inspect.Parameter.empty
 
 
 def places_tokens_by_grid(model: torch.nn.Module) -> bool:
@@ -731,7 +742,11 @@ def guards_on_data(error: BaseException) -> bool:
 
 
 def export_image_text_lm(
-    model: torch.nn.Module, max_cache_len: int, image_size: tuple[int, int], prompt_inputs: tuple[str, ...] = ()
+    model: torch.nn.Module,
+    max_cache_len: int,
+    image_size: tuple[int, int],
+    prompt_inputs: tuple[str, ...] = (),
+    image_layout: tuple[int, ...] | None = None,
 ) -> Program:
     """``prefill`` and ``decode`` of :func:`export_decoder_lm`, plus ``encode_images`` (one image) and
     ``prefill_images`` (a prompt whose image tokens take the features of its images, in order), from one
@@ -744,11 +759,12 @@ def export_image_text_lm(
     Before export, ``prefill_images`` is checked against the model's own forward over the same
     prompt and images (two where they fit in the cache): a model that treats a prompt with images in
     a way this cannot follow (PaliGemma's attention over its prefix, which it gives only a first
-    call) is refused.
+    call) is refused. ``image_layout`` is the shape of one image's pixel values in the sample, which a
+    model that cuts an image into tiles of its own (LLaVA-NeXT's) takes as they are.
     """
     with segments_attended_at_once(model):
         module = ImagePrefillDecode(model, max_cache_len, prompt_inputs, image_size).eval()
-        image, features = example_image(module, image_size)
+        image, features = example_image(module, image_size, image_layout)
         rows = features.shape[0]
         # Two images where they fit with room to answer (their order is checked too), else one: LLaVA 1.5's two take
         # 1,152 tokens, more than the default cache. Text before, between and after them checks where their tokens
@@ -787,11 +803,14 @@ def export_image_text_lm(
         )
 
 
-def example_image(module: ImagePrefillDecode, image_size: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def example_image(
+    module: ImagePrefillDecode, image_size: tuple[int, int], image_layout: tuple[int, ...] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One random image of ``image_size`` as the model's ``get_image_features`` takes it (``[1, channels, height,
     width]``; ``[1, 1, channels, height, width]`` for a model whose processor tiles an image, SmolVLM's; its
     patches' rows for one that cuts it into a grid, ``ImageGrid``), and the features ``module.encode_images``
-    gives it."""
+    gives it; for a model that takes each image's size beside its tiles (LLaVA-NeXT's), ``image_layout``, the
+    sample's own."""
     model = module.lm.model
     if not callable(getattr(model, "get_image_features", None)):
         raise ExportError(f"{type(model).__name__} has no get_image_features: aotstack exports a vision-language "
@@ -799,6 +818,8 @@ def example_image(module: ImagePrefillDecode, image_size: tuple[int, int]) -> tu
     generator = torch.Generator().manual_seed(0)
     if module.grid is not None:
         layouts = [torch.randn(math.prod(module.grid.patches), module.grid.patch_values, generator=generator)]
+    elif image_sizes_required(model) and image_layout is not None:
+        layouts = [torch.randn(1, *image_layout[1:], generator=generator)]
     else:
         vision = getattr(model.config, "vision_config", None)
         flat = torch.randn(1, getattr(vision, "num_channels", 3), *image_size, generator=generator)
@@ -822,7 +843,8 @@ def check_images_prompt(module: ImagePrefillDecode, tokens: torch.Tensor, image:
     """Refuse a model whose own forward, given ``tokens`` and ``count`` (1 or 2) images made from ``image``, is not
     what ``module.prefill_images`` gives."""
     model = module.lm.model
-    axis = 1 if image.dim() == 5 else 0
+    # SmolVLM's tiles count as images, a prompt's along its second dimension; LLaVA-NeXT's make one image.
+    axis = 1 if image.dim() == 5 and not image_sizes_required(model) else 0
     images = torch.cat([image, image.flip(-1)][:count], dim=axis)
     reference_inputs = module.reference_inputs(tokens, count)
     with torch.no_grad():
@@ -903,10 +925,17 @@ def chunks_refused(wrapper: StateCacheLM, chunk: int) -> str | None:
 
 
 def sample_image_size(
-    model: torch.nn.Module, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None = None
+    model: torch.nn.Module,
+    pixel_values: torch.Tensor,
+    image_grid_thw: torch.Tensor | None = None,
+    image_sizes: torch.Tensor | None = None,
 ) -> tuple[int, int]:
     """The height and width of the images in a sample's ``pixel_values``: their last two sides, or for a model
-    whose processor cuts images into a grid of patches, the first image's grid (``image_grid_thw``) in pixels."""
+    whose processor cuts images into a grid of patches, the first image's grid (``image_grid_thw``) in pixels, or
+    where the processor gives each image's size (``image_sizes``), the first's."""
+    if image_sizes is not None and (image_sizes_read_by_tower(model) or image_sizes_required(model)):
+        height, width = (int(side) for side in torch.as_tensor(image_sizes).reshape(-1, 2)[0])
+        return height, width
     if image_grid_thw is not None:
         _, height, width = (int(side) for side in image_grid_thw.reshape(-1, 3)[0])
         patch = model.config.vision_config.patch_size

@@ -63,6 +63,7 @@ from .generation import (
     image_grid,
     image_prompt_inputs,
     image_sizes_read_by_tower,
+    image_sizes_required,
     image_token_id,
     sample_image_size,
     typical_step_inputs,
@@ -213,8 +214,10 @@ class AotstackExporter(HfExporter):
             if model.config.is_encoder_decoder:
                 program = export_encoder_decoder_lm(model, max_cache_len, max_source_len=max_position)
             elif isinstance(pixel_values, torch.Tensor):
-                image_size = sample_image_size(model, pixel_values, sample_inputs.get("image_grid_thw"))
-                program = export_image_text_lm(model, max_cache_len, image_size, image_prompt_inputs(model))
+                image_size = sample_image_size(model, pixel_values, sample_inputs.get("image_grid_thw"),
+                                               sample_inputs.get("image_sizes"))
+                program = export_image_text_lm(model, max_cache_len, image_size, image_prompt_inputs(model),
+                                               tuple(pixel_values.shape))
             else:
                 program = export_decoder_lm(model, max_cache_len)
         except ExportError as exc:
@@ -234,7 +237,7 @@ class AotstackExporter(HfExporter):
             grid = image_grid(model, image_size)
             if grid is not None:
                 metadata.export_config["image_grid_thw"] = list(grid.patches)
-            elif image_sizes_read_by_tower(model):
+            elif image_sizes_read_by_tower(model) or image_sizes_required(model):
                 # Its processor keeps each image's size: an image is resized to the export's before it.
                 metadata.export_config["image_size_kept"] = True
         return ExportedModel(
