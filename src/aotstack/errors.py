@@ -149,3 +149,14 @@ class RunError(AotstackError, RuntimeError):
 
 class MethodNotFoundError(AotstackError, AttributeError):
     """A method that the program does not have was asked for."""
+
+
+def caused_by(error: BaseException, kind: type[BaseException]) -> bool:
+    """Whether ``error``, or an exception it was raised from or while handling (torch and Inductor wrap what they
+    catch), is a ``kind``."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, kind):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False

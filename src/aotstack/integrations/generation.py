@@ -33,7 +33,7 @@ from torch.export import Dim
 
 from ..compile.export import Program, export
 from ..compile.measure import CallInputs
-from ..errors import ExportError
+from ..errors import ExportError, caused_by
 from .decoding import image_prompt_input, single_images
 
 logger = logging.getLogger("aotstack")
@@ -733,12 +733,7 @@ def guards_on_data(error: BaseException) -> bool:
     a tensor's data."""
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-    seen: BaseException | None = error
-    while seen is not None:
-        if isinstance(seen, GuardOnDataDependentSymNode):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return caused_by(error, GuardOnDataDependentSymNode)
 
 
 def export_image_text_lm(

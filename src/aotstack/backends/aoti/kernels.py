@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ...errors import CompileSpecError
+from ...errors import CompileSpecError, caused_by
 from ...format.op_names import normalized_op_name, op_name
 from ...format.specs import SpecKey
 
@@ -124,11 +124,6 @@ def swapped_attributes(owner: Any, **replacements: Any) -> Iterator[None]:
 
 def stopped_by_probe(exc: BaseException) -> bool:
     """Whether ``exc`` (Inductor wraps what it catches) is the probe's own stop."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, CodegenFinished):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return caused_by(exc, CodegenFinished)
 
 
