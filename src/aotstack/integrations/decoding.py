@@ -382,7 +382,7 @@ def single_images(pixel_values: torch.Tensor, shape: Sequence[int]) -> list[torc
                 "of the size the export was made for (its export_config's image_size)"
             )
         return list(rows.split(patches))
-    # One image is shape[1:]: a channel plane, a tile of one (SmolVLM's), or the tiles it was cut into (LLaVA-NeXT's).
+    # One image is shape[1:]: its channels, a tile of one (SmolVLM's), or the tiles it was cut into (LLaVA-OneVision's).
     per_image = tuple(int(side) for side in shape[1:])
     if pixel_values.numel() % math.prod(per_image) or tuple(pixel_values.shape[-2:]) != per_image[-2:]:
         raise GenerationError(
