@@ -184,7 +184,7 @@ class ImagePrefillDecode(PrefillDecode):
         self.image_token = image_token_id(model)
         self.grid = image_grid(model, image_size) if image_size is not None else None
         self.image_size = image_size
-        self.sizes_read = image_sizes_read_by_tower(model) or image_sizes_required(model)
+        self.sizes_read = reads_image_sizes(model)
         # Kept in a tuple, not as an attribute: the tower is a submodule of the model already.
         self.grid_tower = vision_tower(model, self.grid) if self.grid is not None else None
         self.positions_by_grid = self.grid is not None and places_tokens_by_grid(model)
@@ -260,7 +260,7 @@ class ImagePrefillDecode(PrefillDecode):
     def sizes_of(self, pixel_values: torch.Tensor) -> dict[str, list[tuple[int, int]]]:
         """The ``image_sizes`` a model that reads them takes beside ``pixel_values`` (``[images, ...]``): the
         export's image size for each, Python numbers, which the model splits its features by. For Pixtral's tower
-        that is the pixel values' own; for LLaVA-NeXT's, the size of the image its tiles were cut from."""
+        that is the pixel values' own; for LLaVA-OneVision's, the size of the image its tiles were cut from."""
         if not self.sizes_read:
             return {}
         height, width = self.image_size or pixel_values.shape[-2:]
@@ -343,6 +343,12 @@ def image_sizes_required(model: torch.nn.Module) -> bool:
         return False
     parameter = inspect.signature(features).parameters.get("image_sizes")
     return parameter is not None and parameter.default is inspect.Parameter.empty
+
+
+def reads_image_sizes(model: torch.nn.Module) -> bool:
+    """Whether the model takes each image's size beside its pixels (``image_sizes``), in its tower or to cut tiles:
+    the export then takes images of one size, and ``generate`` refuses others."""
+    return image_sizes_read_by_tower(model) or image_sizes_required(model)
 
 
 def places_tokens_by_grid(model: torch.nn.Module) -> bool:
@@ -755,7 +761,7 @@ def export_image_text_lm(
     prompt and images (two where they fit in the cache): a model that treats a prompt with images in
     a way this cannot follow (PaliGemma's attention over its prefix, which it gives only a first
     call) is refused. ``image_layout`` is the shape of one image's pixel values in the sample, which a
-    model that cuts an image into tiles of its own (LLaVA-NeXT's) takes as they are.
+    model that cuts an image into tiles of its own (LLaVA-OneVision's) takes as they are.
     """
     with segments_attended_at_once(model):
         module = ImagePrefillDecode(model, max_cache_len, prompt_inputs, image_size).eval()
@@ -804,7 +810,7 @@ def example_image(
     """One random image of ``image_size`` as the model's ``get_image_features`` takes it (``[1, channels, height,
     width]``; ``[1, 1, channels, height, width]`` for a model whose processor tiles an image, SmolVLM's; its
     patches' rows for one that cuts it into a grid, ``ImageGrid``), and the features ``module.encode_images``
-    gives it; for a model that takes each image's size beside its tiles (LLaVA-NeXT's), ``image_layout``, the
+    gives it; for a model that takes each image's size beside its tiles (LLaVA-OneVision's), ``image_layout``, the
     sample's own."""
     model = module.lm.model
     if not callable(getattr(model, "get_image_features", None)):
@@ -838,7 +844,7 @@ def check_images_prompt(module: ImagePrefillDecode, tokens: torch.Tensor, image:
     """Refuse a model whose own forward, given ``tokens`` and ``count`` (1 or 2) images made from ``image``, is not
     what ``module.prefill_images`` gives."""
     model = module.lm.model
-    # SmolVLM's tiles count as images, a prompt's along its second dimension; LLaVA-NeXT's make one image.
+    # SmolVLM's tiles count as images, a prompt's along its second dimension; LLaVA-OneVision's make one image.
     axis = 1 if image.dim() == 5 and not image_sizes_required(model) else 0
     images = torch.cat([image, image.flip(-1)][:count], dim=axis)
     reference_inputs = module.reference_inputs(tokens, count)
@@ -928,7 +934,7 @@ def sample_image_size(
     """The height and width of the images in a sample's ``pixel_values``: their last two sides, or for a model
     whose processor cuts images into a grid of patches, the first image's grid (``image_grid_thw``) in pixels, or
     where the processor gives each image's size (``image_sizes``), the first's."""
-    if image_sizes is not None and (image_sizes_read_by_tower(model) or image_sizes_required(model)):
+    if image_sizes is not None and reads_image_sizes(model):
         height, width = (int(side) for side in torch.as_tensor(image_sizes).reshape(-1, 2)[0])
         return height, width
     if image_grid_thw is not None:

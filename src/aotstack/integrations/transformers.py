@@ -62,9 +62,8 @@ from .generation import (
     export_image_text_lm,
     image_grid,
     image_prompt_inputs,
-    image_sizes_read_by_tower,
-    image_sizes_required,
     image_token_id,
+    reads_image_sizes,
     sample_image_size,
     typical_step_inputs,
 )
@@ -237,7 +236,7 @@ class AotstackExporter(HfExporter):
             grid = image_grid(model, image_size)
             if grid is not None:
                 metadata.export_config["image_grid_thw"] = list(grid.patches)
-            elif image_sizes_read_by_tower(model) or image_sizes_required(model):
+            elif reads_image_sizes(model):
                 # Its processor keeps each image's size: an image is resized to the export's before it.
                 metadata.export_config["image_size_kept"] = True
         return ExportedModel(
