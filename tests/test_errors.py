@@ -125,6 +125,12 @@ def test_exporting_a_missing_method_names_the_model_and_its_methods():
         aotstack.export(models.build("shared"), {"decode": models.example_inputs("shared")})
 
 
+def test_strictness_for_a_method_not_exported_is_refused_naming_it():
+    with pytest.raises(aotstack.ExportError, match=r"strict names methods that are not exported: \['score'\]"):
+        aotstack.export(models.build("shared"), {"forward": models.example_inputs("shared")},
+                        strict={"forward": False, "score": True})
+
+
 def test_an_unknown_excluded_op_is_named():
     with pytest.raises(ValueError, match="unknown op 'aten.not_an_op'"):
         aotstack.AotiCpuPartitioner(exclude_ops=["aten.not_an_op"])

@@ -169,28 +169,65 @@ def test_gemma3s_attention_among_an_images_tokens_is_kept_with_an_engine_first(t
         assert aot_hf.generate(loaded, ids, NEW_TOKENS, pixel_values=pixels, do_sample=False) == tokens
 
 
-@pytest.mark.parametrize("kind", ["paligemma", "llava_next"])
-def test_a_vision_language_model_this_export_cannot_follow_is_refused_with_why(kind: str) -> None:
-    """PaliGemma attends both ways over its prompt only on a call without a cache; LLaVA-NeXT packs an image's tiles
-    branching on numpy's product of their shape, which torch.export cannot trace. Each is refused before anything
-    is compiled, naming why."""
+def test_a_vision_language_model_this_export_cannot_follow_is_refused_with_why() -> None:
+    """PaliGemma attends both ways over its prompt only on a call without a cache: it is refused before anything is
+    compiled, naming why."""
     torch.manual_seed(0)
     sample = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "pixel_values": torch.zeros(1, 3, SIDE, SIDE)}
-    if kind == "paligemma":
-        config = transformers.PaliGemmaConfig(
-            vision_config=transformers.SiglipVisionConfig(**VISION, projection_dim=32),
-            text_config=transformers.GemmaConfig(**TEXT_CONFIG), image_token_id=IMAGE_TOKEN, projection_dim=32)
-        model, why = transformers.PaliGemmaForConditionalGeneration(config), "does not follow"
-    else:
-        config = transformers.LlavaNextConfig(
-            vision_config=transformers.CLIPVisionConfig(**VISION), text_config=transformers.LlamaConfig(**TEXT_CONFIG),
-            image_token_id=IMAGE_TOKEN, image_grid_pinpoints=[[SIDE, SIDE]], vision_feature_layer=-2)
-        model, why = transformers.LlavaNextForConditionalGeneration(config), "method 'encode_images'.*branching"
-        # As its processor gives an image of 32x32: the whole image and one tile, and the image's size.
-        sample.update(pixel_values=torch.zeros(1, 2, 3, SIDE, SIDE), image_sizes=torch.tensor([[SIDE, SIDE]]))
-    with pytest.raises(UnsupportedModelError, match=why):
+    config = transformers.PaliGemmaConfig(
+        vision_config=transformers.SiglipVisionConfig(**VISION, projection_dim=32),
+        text_config=transformers.GemmaConfig(**TEXT_CONFIG), image_token_id=IMAGE_TOKEN, projection_dim=32)
+    with pytest.raises(UnsupportedModelError, match="does not follow"):
         aot_hf.AotstackExporter().export_for_generation(
-            model.eval(), sample, aot_hf.AotstackConfig(engines="aoti", max_cache_len=64))
+            transformers.PaliGemmaForConditionalGeneration(config).eval(), sample,
+            aot_hf.AotstackConfig(engines="aoti", max_cache_len=64))
+
+
+def test_a_folder_of_a_model_that_cuts_images_into_tiles_generates_through_the_cli_as_transformers_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """LLaVA-NeXT: its processor cuts an image into tiles as the image's size decides, and the model packs their
+    features by that size, branching on numpy's product of a shape (which the export of encode_images must trace).
+    The folder export takes square images of one tile's side by default; ``generate --image`` resizes a picture to
+    it, and the text is transformers' own for the resized picture."""
+    torch.manual_seed(0)
+    config = transformers.LlavaNextConfig(
+        vision_config=transformers.CLIPVisionConfig(**VISION), text_config=transformers.LlamaConfig(**TEXT_CONFIG),
+        image_token_id=IMAGE_TOKEN, image_grid_pinpoints=[[SIDE, SIDE], [SIDE, 2 * SIDE]], vision_feature_layer=-2)
+    model = transformers.LlavaNextForConditionalGeneration(config).eval()
+    folder = tmp_path / "model"
+    model.save_pretrained(folder)
+    images = transformers.LlavaNextImageProcessor(
+        size={"shortest_edge": SIDE}, crop_size={"height": SIDE, "width": SIDE},
+        image_grid_pinpoints=[[SIDE, SIDE], [SIDE, 2 * SIDE]])
+    processor = transformers.LlavaNextProcessor(
+        image_processor=images, tokenizer=tokenizer("<image>"), patch_size=PATCH,
+        vision_feature_select_strategy="default", num_additional_image_tokens=1, image_token="<image>")
+    processor.save_pretrained(folder)
+    export_hf(str(folder), "-o", str(tmp_path / "out"), "--engines", "aoti", "--max-cache-len", "64")
+    settings = json.loads((tmp_path / "out" / "export.json").read_text())["components"]["model"]["metadata"]
+    assert settings["export_config"]["image_size"] == [SIDE, SIDE]
+    capsys.readouterr()  # what export-hf printed
+
+    image = picture(tmp_path / "cat.png", seed=0)
+    resized = PIL.open(image).convert("RGB").resize((SIDE, SIDE), PIL.Resampling.BICUBIC)
+    inputs = processor(images=resized, text="<image>the cat sat", return_tensors="pt")
+    assert inputs.pixel_values.shape[1] == 2  # the whole image and one tile
+    with torch.no_grad():
+        want = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)[0, inputs.input_ids.shape[1]:]
+        other = model.generate(**{**inputs, "pixel_values": inputs.pixel_values.flip(-1)}, max_new_tokens=NEW_TOKENS,
+                               do_sample=False)[0, inputs.input_ids.shape[1]:]
+    assert want.tolist() != other.tolist()  # the image decides the answer, so the comparison can fail
+    assert main(["generate", str(tmp_path / "out"), "--image", str(image), "--prompt", "the cat sat", "--greedy",
+                 "--max-new-tokens", str(NEW_TOKENS)]) == 0
+    expected = processor.tokenizer.decode(want.tolist(), skip_special_tokens=True)
+    assert capsys.readouterr().out.strip() == expected.strip()
+    loaded = ExportedModel.from_pretrained(tmp_path / "out")
+    program = aot_hf.runner_of(loaded).program
+    with torch.no_grad():
+        features = program.encode_images(inputs.pixel_values)
+        torch.testing.assert_close(program.prefill_images(inputs.input_ids, features)[0],
+                                   model(**inputs).logits[0, -1], atol=1e-5, rtol=1e-4)
 
 
 def llava_onevision() -> torch.nn.Module:

@@ -108,7 +108,8 @@ def argument_parser() -> argparse.ArgumentParser:
                                 "(default: the model's max_position_embeddings, at most 1024)")
     export_hf.add_argument("--image-size", type=positive_int, default=None, metavar="PIXELS",
                            help="image-text-to-text: the side of the square images a model whose processor keeps "
-                                "an image's size (Qwen2-VL's) takes (default 448); each image is resized to it")
+                                "an image's size (Qwen2-VL's; default 448) or cuts it into tiles by its size "
+                                "(LLaVA-NeXT's; default one tile) takes; each image is resized to it")
     export_hf.add_argument("--check", action="store_true",
                            help="run each method of the file on its example inputs, eagerly and from the file, "
                                 "and fail past aotstack.Check's tolerance (or --atol, --rtol)")

@@ -65,7 +65,7 @@ def export(
     methods: Mapping[str, tuple[Any, ...]],
     *,
     dynamic_shapes: Mapping[str, Any] | None = None,
-    strict: bool = False,
+    strict: bool | Mapping[str, bool] = False,
 ) -> Program:
     """Export each named method of ``model`` with its example arguments.
 
@@ -76,7 +76,7 @@ def export(
     ``dynamic_shapes`` maps a method name to the ``dynamic_shapes`` argument of
     ``torch.export.export`` for that method. ``strict=True`` traces with TorchDynamo, which a
     module needs when it updates tensors it holds outside its registered buffers (transformers'
-    ``StaticCache`` does).
+    ``StaticCache`` does); a mapping says it per method (a method it leaves out is not strict).
     """
     if not methods:
         raise ExportError("export needs at least one method, e.g. {'forward': (x,)}")
@@ -84,9 +84,13 @@ def export(
     unknown = set(dynamic_shapes) - set(methods)
     if unknown:
         raise ExportError(f"dynamic_shapes names methods that are not exported: {sorted(unknown)}")
+    strictness = dict(strict) if isinstance(strict, Mapping) else dict.fromkeys(methods, strict)
+    unknown = set(strictness) - set(methods)
+    if unknown:
+        raise ExportError(f"strict names methods that are not exported: {sorted(unknown)}")
     return Program(
         {
-            name: export_method(model, name, args, dynamic_shapes.get(name), strict)
+            name: export_method(model, name, args, dynamic_shapes.get(name), strictness.get(name, False))
             for name, args in methods.items()
         }
     )

@@ -800,7 +800,9 @@ def export_image_text_lm(
                 "prefill_images": ({1: prompt_length}, {0: image_rows},
                                    *([tuple({1: prompt_length} for _ in prompt_inputs)] if prompt_inputs else [])),
             },
-            strict=True,
+            # The methods that update the static cache are traced strictly; encode_images holds none, and TorchDynamo
+            # reads numpy on a shape there as a branch on data (LLaVA-NeXT's np.prod over an image's features).
+            strict={"prefill": True, "decode": True, "encode_images": False, "prefill_images": True},
         )
 
 

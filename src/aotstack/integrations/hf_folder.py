@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -300,17 +301,40 @@ def generation_inputs(
     model: torch.nn.Module, task: str, preprocessor: Preprocessor, side: int | None = None
 ) -> dict[str, torch.Tensor]:
     """The ``sample_inputs`` a generation export traces with: a prompt, and for a vision-language model one image
-    at the size its processor makes, or, for a processor that keeps an image's size, a square of ``side``."""
+    at the size its processor makes, or, for a processor that keeps an image's size, a square of ``side``; for one
+    that cuts an image into tiles as its size decides (LLaVA-NeXT's), the tiles of a square of ``side`` (default:
+    one tile's side) and its ``image_sizes``."""
+    from .generation import image_sizes_required
+
     inputs = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
     if task == "image-text-to-text":
         vision = getattr(model.config, "vision_config", None) or model.config
+        channels = getattr(vision, "num_channels", 3)
         settings = preprocessor.settings
-        height, width = (kept_image_size(model, settings, side) or grid_image_size(settings, side)
-                         or image_size(settings, vision))
-        inputs["pixel_values"] = torch.zeros(1, getattr(vision, "num_channels", 3), height, width)
+        kept = kept_image_size(model, settings, side)
+        if kept is None and image_sizes_required(model):
+            return {**inputs, **image_tiles(model, side or vision.image_size, channels)}
+        height, width = kept or grid_image_size(settings, side) or image_size(settings, vision)
+        inputs["pixel_values"] = torch.zeros(1, channels, height, width)
     elif side is not None:
         raise ModelFolderError(f"--image-size is for an image-text-to-text export, not {task}")
     return inputs
+
+
+def image_tiles(model: torch.nn.Module, side: int, channels: int) -> dict[str, torch.Tensor]:
+    """``pixel_values`` and ``image_sizes`` as the processor of a model that cuts an image into tiles makes them for
+    a square image of ``side``: the whole image and the tiles of the grid its ``image_grid_pinpoints`` choose, each
+    the side of the vision tower's images. The count is the model's own (``image_size_to_num_patches`` in its
+    module), so the sample agrees with how it splits pixel values."""
+    count_tiles = getattr(sys.modules[type(model).__module__], "image_size_to_num_patches", None)
+    pinpoints = getattr(model.config, "image_grid_pinpoints", None)
+    if not callable(count_tiles) or not pinpoints:
+        raise UnsupportedModelError(f"{type(model).__name__} cuts an image into tiles in a way the folder export "
+                                    "cannot follow; export it with the Python API from its processor's pixel_values "
+                                    "and image_sizes (AotstackExporter.export_for_generation)")
+    tile = model.config.vision_config.image_size
+    tiles = count_tiles(image_size=[side, side], grid_pinpoints=pinpoints, patch_size=tile)
+    return {"pixel_values": torch.zeros(1, tiles, channels, tile, tile), "image_sizes": torch.tensor([[side, side]])}
 
 
 def kept_image_size(model: torch.nn.Module, settings: dict[str, Any], side: int | None) -> tuple[int, int] | None:
@@ -673,9 +697,10 @@ def image_prompt(
     messages: list[dict[str, Any]] | None,
     export_config: dict[str, Any] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """``input_ids``, ``pixel_values`` (and ``token_type_ids`` or ``image_grid_thw``, where the processor makes
-    them) for a prompt about ``image``, from the export's processor: through its chat template with ``chat`` or
-    ``messages`` (the image in the last user turn), else the plain prompt after the processor's image token.
+    """``input_ids``, ``pixel_values`` (and ``token_type_ids``, ``image_grid_thw`` or ``image_sizes``, where the
+    processor makes them) for a prompt about ``image``, from the export's processor: through its chat template with
+    ``chat`` or ``messages`` (the image in the last user turn), else the plain prompt after the processor's image
+    token.
 
     For an export whose processor keeps an image's size (Qwen2-VL's: ``export_config`` has its
     ``image_grid_thw``; Mistral 3's: ``image_size_kept``), the image is first resized to the size the export takes."""
@@ -714,7 +739,7 @@ def image_prompt(
         text = prompt if marker and marker in prompt else f"{marker}{prompt}"
     inputs = processor(images=picture, text=text, return_tensors="pt")
     return {name: value for name, value in inputs.items()
-            if name in ("input_ids", "pixel_values", "token_type_ids", "image_grid_thw")}
+            if name in ("input_ids", "pixel_values", "token_type_ids", "image_grid_thw", "image_sizes")}
 
 
 def transcript_of_frames(
