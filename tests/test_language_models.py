@@ -235,6 +235,28 @@ def test_a_model_that_sizes_by_its_caches_fill_is_given_what_it_would_derive_and
         torch.testing.assert_close(decode(tokens[:, -1:], torch.tensor([len(PROMPT)])), full[:, 1])
 
 
+def test_a_model_that_guards_its_prompts_length_takes_a_one_token_prompt_through_decode(tmp_path):
+    # Mllama's text decoder (Llama 3.2 Vision's) guards the prompt's length to 2..cache-1 (its masks branch on a
+    # single token): prefill is exported for those, and a prompt of one token goes through decode.
+    from transformers import MllamaForCausalLM, MllamaTextConfig
+
+    from aotstack.integrations.decoding import greedy_decoder
+
+    torch.manual_seed(0)
+    model = MllamaForCausalLM(MllamaTextConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, cross_attention_layers=[1], pad_token_id=0)).eval()
+    aotstack.lower(export_decoder_lm(model, CACHE), [aotstack.AotiCpuPartitioner()], progress=False).save(
+        tmp_path / "mllama.pt2")
+    loaded = aotstack.load(tmp_path / "mllama.pt2")
+    length = loaded.method("prefill").inputs[0].shape[1]
+    assert (length.min, length.max) == (2, CACHE - 1)
+    for prompt in ([5], PROMPT):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):].tolist()
+        assert greedy_decoder(loaded, prompt, 8) == want
+
+
 def small_short_convolution_lm() -> torch.nn.Module:
     """LFM2: short causal convolutions (a kernel of 3, their state in the cache) between attention layers."""
     from transformers import Lfm2Config, Lfm2ForCausalLM

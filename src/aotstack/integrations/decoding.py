@@ -441,10 +441,11 @@ def images_prompt_logits(program: Any, history: torch.Tensor, images: PromptImag
 
 def prompt_logits(program: Any, history: torch.Tensor) -> torch.Tensor:
     """The logits after ``history`` (``[1, length]``): ``prefill``'s, or, for a program exported without one
-    (a hybrid decoder whose prompt path loops over its length), from the state in its file (``reset``) through
-    ``prefill_chunk`` a chunk at a time where it has one, and the rest through ``decode`` one token at a time."""
+    (a hybrid decoder whose prompt path loops over its length) or a prompt shorter than its prefill takes, from the
+    state in its file (``reset``) through ``prefill_chunk`` a chunk at a time where it has one, and the rest through
+    ``decode`` one token at a time."""
     methods = program_methods(program)
-    if "prefill" in methods:
+    if "prefill" in methods and history.shape[1] >= shortest_prompt(program):
         return program.prefill(history)
     program.reset()
     chunk = chunk_length(program) if "prefill_chunk" in methods else None
@@ -455,6 +456,15 @@ def prompt_logits(program: Any, history: torch.Tensor) -> torch.Tensor:
     for position in range(chunked, history.shape[1]):
         logits = program.decode(history[:, position:position + 1], torch.tensor([position]))
     return logits
+
+
+def shortest_prompt(program: Any) -> int:
+    """The fewest tokens a program's ``prefill`` takes: its length's least value in a loaded file, 1 for an eager
+    module."""
+    if not callable(getattr(program, "method", None)):
+        return 1
+    length = program.method("prefill").inputs[0].shape[1]
+    return length if isinstance(length, int) else length.min
 
 
 def chunk_length(program: Any) -> int | None:

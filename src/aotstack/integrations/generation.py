@@ -685,27 +685,33 @@ def export_decoder_lm(model: torch.nn.Module, max_cache_len: int) -> Program:
     and the rest one token at a time.
     """
     module = PrefillDecode(model, max_cache_len).eval()
-    length = Dim("length", min=1, max=max_cache_len)
     decode_inputs = (torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))
 
-    def prefill_and_decode() -> Program:
+    def prefill_and_decode(shortest: int = 1, longest: int = max_cache_len) -> Program:
         return export(
             module,
             {"prefill": (torch.zeros(1, min(4, max_cache_len), dtype=torch.long),), "decode": decode_inputs},
-            dynamic_shapes={"prefill": {"tokens": {1: length}}},
+            dynamic_shapes={"prefill": {"tokens": {1: Dim("length", min=shortest, max=longest)}}},
             strict=True,  # the static cache updates tensors it holds outside the module's buffers
         )
 
+    # A failed export only traced the module: its cache is as it was.
     try:
         return prefill_and_decode()
     except ExportError as error:
         if not isinstance(module.lm, StateCacheLM) and guards_on_data(error):
-            # The failed export only traced the module; its cache is as it was.
             logger.info("%s guards on a size read from data without a mask; exporting it with one over the whole "
                         "cache", type(model).__name__)
             module.mask_given = True
             return prefill_and_decode()
-        if not (isinstance(module.lm, StateCacheLM) and "Constraints violated (length)" in str(error)):
+        if not isinstance(module.lm, StateCacheLM) and constrains_length(error):
+            # Mllama's text decoder branches on a prompt of one token, and its mask on one that fills the cache: its
+            # prefill takes the prompts between, and a prompt of one token goes through decode
+            # (``decoding.prompt_logits``); one that fills the cache leaves no room to answer.
+            logger.info("%s guards the prompt's length; exporting prefill for 2 to %d tokens", type(model).__name__,
+                        max_cache_len - 1)
+            return prefill_and_decode(2, max_cache_len - 1)
+        if not (isinstance(module.lm, StateCacheLM) and constrains_length(error)):
             raise
     # A prompt path that loops in Python over the prompt's length or its chunks (Mamba's selective scan, a chunked
     # delta rule) does not export with the length dynamic. Decode alone does: from zeroed states it starts a
@@ -732,6 +738,12 @@ def export_decoder_lm(model: torch.nn.Module, max_cache_len: int) -> Program:
             return program
     logger.warning("%s; exporting decode alone, which takes a prompt one token at a time (%s)", loops, why_not)
     return export(module, {"decode": decode_inputs}, strict=True)
+
+
+def constrains_length(error: BaseException) -> bool:
+    """Whether torch.export refused a method for guarding its ``length`` (the prompt's) to a narrower range than
+    the one asked for."""
+    return "Constraints violated (length)" in str(error)
 
 
 def guards_on_data(error: BaseException) -> bool:
