@@ -169,18 +169,27 @@ def test_gemma3s_attention_among_an_images_tokens_is_kept_with_an_engine_first(t
         assert aot_hf.generate(loaded, ids, NEW_TOKENS, pixel_values=pixels, do_sample=False) == tokens
 
 
-def test_a_vision_language_model_this_export_cannot_follow_is_refused_with_why() -> None:
-    """PaliGemma attends both ways over its prompt only on a call without a cache: it is refused before anything is
-    compiled, naming why."""
+@pytest.mark.parametrize("kind", ["paligemma", "blip_2"])
+def test_a_vision_language_model_this_export_cannot_follow_is_refused_with_why(kind: str) -> None:
+    """PaliGemma attends both ways over its prompt only on a call without a cache; BLIP-2's forward cannot run on
+    text alone, as decode does. Each is refused before anything is compiled, naming why."""
     torch.manual_seed(0)
     sample = {"input_ids": torch.zeros(1, 4, dtype=torch.long), "pixel_values": torch.zeros(1, 3, SIDE, SIDE)}
-    config = transformers.PaliGemmaConfig(
-        vision_config=transformers.SiglipVisionConfig(**VISION, projection_dim=32),
-        text_config=transformers.GemmaConfig(**TEXT_CONFIG), image_token_id=IMAGE_TOKEN, projection_dim=32)
-    with pytest.raises(UnsupportedModelError, match="does not follow"):
+    if kind == "paligemma":
+        config = transformers.PaliGemmaConfig(
+            vision_config=transformers.SiglipVisionConfig(**VISION, projection_dim=32),
+            text_config=transformers.GemmaConfig(**TEXT_CONFIG), image_token_id=IMAGE_TOKEN, projection_dim=32)
+        model, why = transformers.PaliGemmaForConditionalGeneration(config), "does not follow"
+    else:
+        config = transformers.Blip2Config(
+            vision_config=VISION, text_config={**TEXT_CONFIG, "model_type": "opt", "ffn_dim": 64},
+            qformer_config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4,
+                            "intermediate_size": 64, "encoder_hidden_size": 32},
+            num_query_tokens=4, image_token_index=IMAGE_TOKEN)
+        model, why = transformers.Blip2ForConditionalGeneration(config), "forward requires pixel_values on every call"
+    with pytest.raises(UnsupportedModelError, match=why):
         aot_hf.AotstackExporter().export_for_generation(
-            transformers.PaliGemmaForConditionalGeneration(config).eval(), sample,
-            aot_hf.AotstackConfig(engines="aoti", max_cache_len=64))
+            model.eval(), sample, aot_hf.AotstackConfig(engines="aoti", max_cache_len=64))
 
 
 def test_a_folder_of_a_model_that_cuts_images_into_tiles_generates_through_the_cli_as_transformers_does(

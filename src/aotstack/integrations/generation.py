@@ -179,6 +179,10 @@ class ImagePrefillDecode(PrefillDecode):
             raise ExportError(f"{type(model).__name__}'s decoder keeps recurrent or convolution states beside its "
                               "keys and values (linear attention); aotstack exports a prompt with images only for a "
                               "decoder whose cache holds keys and values alone")
+        needs = images_required_by_forward(model)
+        if needs:
+            raise ExportError(f"{type(model).__name__}'s forward requires {', '.join(needs)} on every call; aotstack "
+                              "exports a vision-language model whose forward also runs on text alone, as decode does")
         super().__init__(model, max_cache_len)
         self.prompt_inputs = prompt_inputs
         self.image_token = image_token_id(model)
@@ -324,6 +328,14 @@ def vision_tower(model: torch.nn.Module, grid: ImageGrid) -> tuple[torch.nn.Modu
     precompute_export_inputs(towers[0], derived)
     return towers[0], {name: value for name, value in derived.items()
                        if name != "hidden_states" and value is not None}
+
+
+def images_required_by_forward(model: torch.nn.Module) -> list[str]:
+    """The inputs besides the prompt that the model's forward cannot go without (BLIP-2's ``pixel_values``)."""
+    parameters = inspect.signature(model.forward).parameters.values()
+    return [parameter.name for parameter in parameters if parameter.default is inspect.Parameter.empty
+            and parameter.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+            and parameter.name != "input_ids"]
 
 
 def image_sizes_read_by_tower(model: torch.nn.Module) -> bool:
