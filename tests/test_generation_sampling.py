@@ -190,6 +190,9 @@ def test_a_left_padded_batch_gives_each_row_its_own_tokens(llama_export, exporte
     ({"temperature": -1.0}, "temperature must be 0 .greedy. or more, got -1.0"),
     ({"top_p": 1.5}, r"top_p must be in \(0, 1\], got 1.5"),
     ({"top_k": -3, "repetition_penalty": 0.0}, "top_k must be 0 .off. or more, got -3; repetition_penalty must be"),
+    # A processor's output the export does not take (Aria's pixel_mask), or a misspelt setting.
+    ({"pixel_mask": torch.ones(1, 8, 8), "temprature": 0.5}, "unknown argument.s. pixel_mask, temprature: generation "
+     "takes a prompt's input_ids"),
 ])
 def test_bad_settings_are_refused_by_name(exported, settings, message):
     with pytest.raises(aotstack.GenerationError, match=message):

@@ -21,6 +21,7 @@ component ``model``, sharing weights and a static KV cache (``aotstack.integrati
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import os
 import shutil
@@ -508,6 +509,11 @@ def generation_config_of(exported: ExportedModel, base: Any = None, **settings: 
     ``settings`` are :func:`~aotstack.integrations.decoding.generation_settings`'s: ``max_new_tokens``,
     ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``eos``.
     """
+    unknown = sorted(set(settings) - set(inspect.signature(generation_settings).parameters))
+    if unknown:
+        raise GenerationError(f"unknown argument(s) {', '.join(unknown)}: generation takes a prompt's input_ids, "
+                              "attention_mask, pixel_values, token_type_ids, image_grid_thw and image_sizes, and the "
+                              "settings max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, eos")
     config = generation_settings(base if base is not None else exported.generation_config, **settings)
     for name in ("eos_token_id", "decoder_start_token_id", "pad_token_id", "bos_token_id"):
         if getattr(config, name, None) is None and getattr(exported.config, name, None) is not None:
