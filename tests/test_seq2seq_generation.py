@@ -321,6 +321,43 @@ def test_a_ctc_recogniser_exports_for_any_length_and_transcribes_as_eager(tmp_pa
         generate_text(tmp_path / "out", "the cat")
 
 
+def test_a_recogniser_of_raw_audio_transcribes_clips_of_any_length_as_transformers_generate(tmp_path, capsys):
+    """Moonshine: its encoder takes the samples themselves (``input_values``) and gives as many states as its
+    convolutions make of them, so ``encode`` takes audio of any length and ``decode`` states of any length."""
+    torch.manual_seed(0)
+    model = transformers.MoonshineForConditionalGeneration(transformers.MoonshineConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, encoder_num_hidden_layers=2,
+        decoder_num_hidden_layers=2, encoder_num_attention_heads=4, decoder_num_attention_heads=4,
+        max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+        initializer_range=0.3)).eval()
+    folder = tmp_path / "moonshine"
+    model.save_pretrained(folder)
+    transformers.Wav2Vec2FeatureExtractor(sampling_rate=SAMPLING_RATE, do_normalize=False).save_pretrained(folder)
+    tokenizer().save_pretrained(folder)
+    result = export_folder(folder, tmp_path / "out", engines="aoti", max_cache_len=16)
+    assert (result.task, set(result.methods)) == ("automatic-speech-recognition", {"encode", "decode"})
+    loaded = aotstack.load(tmp_path / "out" / "model.pt2")
+    answers = []
+    for seconds in (0.6, 2.3):  # neither is the second it was traced with
+        wav = write_wav(tmp_path / f"{seconds}.wav", speech(SAMPLING_RATE, seconds), SAMPLING_RATE)
+        values = audio_features(tmp_path / "out", wav)
+        assert values.shape == (1, int(SAMPLING_RATE * seconds))
+        with torch.no_grad():
+            expected = model.generate(input_values=values, max_new_tokens=WHISPER_TOKENS, do_sample=False)[0, 1:]
+            ids = torch.tensor([[1, *expected[:-1].tolist()]])
+            eager = model(input_values=values, decoder_input_ids=ids).logits[0]
+            state = loaded.encode(values)
+            for position, token in enumerate(ids[0].tolist()):
+                logits = loaded.decode(torch.tensor([[token]]), *state, torch.tensor([position]))
+                torch.testing.assert_close(logits[0], eager[position], atol=1e-4, rtol=1e-4)
+        capsys.readouterr()
+        assert main(["generate", str(tmp_path / "out"), "--audio", str(wav), "--max-new-tokens",
+                     str(WHISPER_TOKENS)]) == 0
+        assert capsys.readouterr().out.strip() == tokenizer().decode(expected.tolist(), skip_special_tokens=True)
+        answers.append(eager)
+    assert (answers[0][0] - answers[1][0]).abs().max() > 1e-3, "the audio decides the logits, so the check can fail"
+
+
 def test_whisper_export_folder_holds_tokenizer_and_feature_extractor(whisper_export):
     _, output, _ = whisper_export
     assert (output / "preprocessor_config.json").is_file()

@@ -18,10 +18,12 @@ all).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.export import Dim, ExportedProgram
+from transformers.modeling_outputs import BaseModelOutput
 
 from ..compile.export import Program, export
 from ..errors import ExportError, UnsupportedModelError
@@ -82,6 +84,14 @@ class SourceEncoder(torch.nn.Module):
         return cross_attention_state(cache)
 
 
+@dataclass
+class EncoderStates(BaseModelOutput):
+    """The encoder's output as a model's forward reads it, by index or by name, with no mask (every source position
+    is attended), which Moonshine's forward reads."""
+
+    attention_mask: torch.Tensor | None = None
+
+
 class CachedCrossAttentionDecoder(torch.nn.Module):
     """``decode``: one token through the whole model, reading cross-attention keys and values it is given."""
 
@@ -114,8 +124,8 @@ class CachedCrossAttentionDecoder(torch.nn.Module):
         # Attention layers read only the shape of the encoder's states once their keys and values are
         # cached; a tensor of that shape (never computed) stands in for them.
         source_length = state[0].shape[2]
-        placeholder = state[0].new_zeros(1, source_length, self.hidden_size)
-        outputs = self.model(encoder_outputs=(placeholder,), decoder_input_ids=token, past_key_values=cache,
+        placeholder = EncoderStates(state[0].new_zeros(1, source_length, self.hidden_size))
+        outputs = self.model(encoder_outputs=placeholder, decoder_input_ids=token, past_key_values=cache,
                              use_cache=True, cache_position=position)
         return outputs.logits[:, -1, :]
 
@@ -136,20 +146,40 @@ class EncoderDecoderLM(torch.nn.Module):
         return self.decoder(token, *state_and_position)
 
 
-def example_source(model: torch.nn.Module) -> tuple[torch.Tensor, bool]:
-    """A source to trace ``encode`` with, and whether its length stays dynamic (token sources) or not."""
+# A second of audio at the rate speech models take: the example a raw-audio encoder is traced with.
+EXAMPLE_SAMPLES = 16000
+
+
+def example_source(model: torch.nn.Module) -> tuple[torch.Tensor, str]:
+    """A source to trace ``encode`` with, and how its length varies: ``"tokens"`` (any length, the state as long),
+    ``"samples"`` (raw audio of any length, Moonshine's: the state's length follows from it), or ``"fixed"``
+    (Whisper's frames)."""
     config = model.config
     main_input = getattr(model, "main_input_name", "input_ids")
     if main_input == "input_ids":
-        return torch.zeros(1, 4, dtype=torch.long), True
+        return torch.zeros(1, 4, dtype=torch.long), "tokens"
+    if main_input == "input_values":
+        return torch.zeros(1, EXAMPLE_SAMPLES), "samples"
     mel_bins, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
     if main_input == "input_features" and mel_bins and positions:
         # Whisper-style encoders take a fixed number of frames: two per source position.
-        return torch.zeros(1, mel_bins, 2 * positions), False
+        return torch.zeros(1, mel_bins, 2 * positions), "fixed"
     raise UnsupportedModelError(
-        f"{type(model).__name__}'s encoder takes {main_input!r}; generation exports take token ids or "
-        "Whisper-style log-mel input_features (config.num_mel_bins, config.max_source_positions)"
+        f"{type(model).__name__}'s encoder takes {main_input!r}; generation exports take token ids, raw audio "
+        "input_values, or Whisper-style log-mel input_features (config.num_mel_bins, config.max_source_positions)"
     )
+
+
+def source_dims(kind: str, max_source_len: int) -> tuple[Any, Any]:
+    """The dynamic size of a source's length (``encode``'s input) and of the state's (``decode``'s cross-attention
+    keys and values) for a source of ``kind`` (:func:`example_source`); None where fixed."""
+    if kind == "tokens":
+        length = Dim("source", min=2, max=max_source_len)
+        return length, length
+    if kind == "samples":
+        # The encoder's convolutions decide how many frames a length of audio gives: torch.export finds the relation.
+        return Dim.DYNAMIC, Dim("frames", min=2)
+    return None, None
 
 
 def check_cache_fits(model: torch.nn.Module, max_cache_len: int) -> None:
@@ -169,16 +199,16 @@ def export_encoder_decoder_lm(model: torch.nn.Module, max_cache_len: int, max_so
     from its own half; the file stores a weight both read once all the same, by content.
     """
     check_cache_fits(model, max_cache_len)
-    source, dynamic = example_source(model)
+    source, kind = example_source(model)
     module = EncoderDecoderLM(model, max_cache_len).eval()
-    length = Dim("source", min=2, max=max_source_len) if dynamic else None
+    length, state_length = source_dims(kind, max_source_len)
     with torch.no_grad():
         state = module.encoder(source)
     if not state:
         raise UnsupportedModelError(f"{type(model).__name__}'s decoder filled no cross-attention cache")
     encode = export(module.encoder, {"forward": (source,)},
                     dynamic_shapes={"forward": {"source": {1: length}} if length else None}, strict=True)
-    state_shapes = tuple({2: length} if length else None for _ in state)
+    state_shapes = tuple({2: state_length} if state_length else None for _ in state)
     decode = export(
         module.decoder,
         {"forward": (torch.zeros(1, 1, dtype=torch.long), *state, torch.zeros(1, dtype=torch.long))},
