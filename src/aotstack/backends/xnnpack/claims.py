@@ -37,6 +37,7 @@ import torch
 from torch.export import ExportedProgram
 from torch.fx import Node
 from torch.utils import _pytree as pytree
+from torch.utils._sympy.numbers import int_oo
 
 from ...compile.int8_tensor import LAYOUT_OPS, int8_linears, integer_weights_cast
 from ...compile.partitioner import get_non_lowered_nodes
@@ -117,7 +118,7 @@ def xnnpack_answer(exported_program: ExportedProgram, *, portable: bool = True) 
             continue
         edge_nodes = made_from.get(node.name, [])
         left = [edge_node for edge_node in edge_nodes if DELEGATION_TAG not in edge_node.meta]
-        wrong = miscomputed_layer(node, fqns, weights) or unlowerable_max(node)
+        wrong = miscomputed_layer(node, fqns, weights) or unlowerable_max(node) or unbounded_size(node)
         if wrong is not None and edge_nodes and not left:
             reasons[node.name] = wrong
             miscomputed.add(node.name)
@@ -410,6 +411,19 @@ def miscomputed_layer(node: Node, fqns: dict[Node, str], weights: dict[str, torc
     if is_dequantize(dequantize) and not zero_free(dequantize_zero_point(dequantize), fqns, weights):
         return (f"XNNPACK's quantized kernels take only symmetric weights and would drop this layer's zero points "
                 f"({label}, asymmetric), though ExecuTorch's partitioner claims it")
+    return None
+
+
+def unbounded_size(node: Node) -> str | None:
+    """Why ExecuTorch cannot plan ``node``'s memory: a size of its result with no upper bound (raw audio of any
+    length, exported with ``Dim.DYNAMIC``); else None. The next engine takes it."""
+    for value in pytree.tree_leaves(node.meta.get("val")):
+        if not isinstance(value, torch.Tensor):
+            continue
+        for size in value.shape:
+            if isinstance(size, torch.SymInt) and size.node.shape_env.bound_sympy(size.node.expr).upper is int_oo:
+                return (f"a size of its result ({size}) has no upper bound, and ExecuTorch plans a program's memory "
+                        "for the largest sizes it takes")
     return None
 
 
