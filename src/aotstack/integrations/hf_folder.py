@@ -703,7 +703,8 @@ def image_prompt(
     token.
 
     For an export whose processor keeps an image's size (Qwen2-VL's: ``export_config`` has its
-    ``image_grid_thw``; Mistral 3's: ``image_size_kept``), the image is first resized to the size the export takes."""
+    ``image_grid_thw``; Mistral 3's, and LLaVA-NeXT's whose tiles follow it: ``image_size_kept``), the image is first
+    resized to the size the export takes."""
     try:
         from PIL import Image
     except ImportError as exc:
