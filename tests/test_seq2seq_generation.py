@@ -27,6 +27,7 @@ import transformers  # noqa: E402
 from transformers.exporters import ExportedModel  # noqa: E402
 
 import aotstack  # noqa: E402
+import aotstack.integrations.transformers as aotstack_hf  # noqa: E402
 from aotstack.cli import main  # noqa: E402
 from aotstack.errors import AudioFileError, ExportError, GenerationError  # noqa: E402
 from aotstack.integrations.audio import (  # noqa: E402
@@ -354,6 +355,37 @@ def test_a_recogniser_of_raw_audio_transcribes_clips_of_any_length_as_transforme
         assert main(["generate", str(tmp_path / "out"), "--audio", str(wav), "--max-new-tokens",
                      str(WHISPER_TOKENS)]) == 0
         assert capsys.readouterr().out.strip() == tokenizer().decode(expected.tolist(), skip_special_tokens=True)
+        answers.append(eager)
+    assert (answers[0][0] - answers[1][0]).abs().max() > 1e-3, "the audio decides the logits, so the check can fail"
+
+
+def test_a_recogniser_of_log_mel_frames_of_any_length_decodes_as_transformers_generate(tmp_path):
+    """Cohere's recogniser (a Parakeet encoder, as Canary's): ``input_features`` ``[1, frames, bins]`` of any length,
+    subsampled by its convolutions, where Whisper's are one fixed length."""
+    torch.manual_seed(0)
+    encoder = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+               "num_mel_bins": 32, "subsampling_conv_channels": 16}
+    model = transformers.CohereAsrForConditionalGeneration(transformers.CohereAsrConfig(
+        encoder_config=encoder, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        vocab_size=VOCAB, max_position_embeddings=64, initializer_range=0.2)).eval()
+    exported = aotstack_hf.AotstackExporter().export_for_generation(
+        model, {"input_ids": torch.zeros(1, 4, dtype=torch.long)}, aotstack_hf.AotstackConfig(engines="aoti",
+                                                                                            max_cache_len=16))
+    exported.save_pretrained(tmp_path / "asr")
+    loaded = ExportedModel.from_pretrained(tmp_path / "asr")
+    program = aotstack_hf.runner_of(loaded).program
+    generator = torch.Generator().manual_seed(1)
+    answers = []
+    for frames in (57, 333):  # neither is the 100 it was traced with
+        features = torch.randn(1, frames, 32, generator=generator)
+        with torch.no_grad():
+            full = model.generate(input_features=features, max_new_tokens=8, do_sample=False)[0].tolist()
+            eager = model(input_features=features, decoder_input_ids=torch.tensor([full[:-1]])).logits[0]
+            state = program.encode(features)
+            for position, token in enumerate(full[:-1]):
+                logits = program.decode(torch.tensor([[token]]), *state, torch.tensor([position]))
+                torch.testing.assert_close(logits[0], eager[position], atol=1e-4, rtol=1e-4)
+        assert aotstack_hf.generate(loaded, features, 8, decoder_prompt=full[:1], do_sample=False) == full[1:]
         answers.append(eager)
     assert (answers[0][0] - answers[1][0]).abs().max() > 1e-3, "the audio decides the logits, so the check can fail"
 

@@ -101,9 +101,11 @@ class CachedCrossAttentionDecoder(torch.nn.Module):
         from transformers.integrations.executorch import get_head_shapes
 
         self.model = model
-        self.hidden_size = getattr(model.config, "d_model", None) or model.config.hidden_size
-        self.self_attention = StaticCache(config=model.config, max_cache_len=max_cache_len)
-        heads, head_size = get_head_shapes(model.config)
+        # The decoder's own config, where the model keeps one (Canary's decoder_config).
+        decoder = model.config.get_text_config(decoder=True)
+        self.hidden_size = getattr(decoder, "d_model", None) or decoder.hidden_size
+        self.self_attention = StaticCache(config=decoder, max_cache_len=max_cache_len)
+        heads, head_size = get_head_shapes(decoder)
         dtype = next(model.parameters()).dtype
         self.self_attention.early_initialization(1, heads, head_size, dtype, next(model.parameters()).device)
         # Buffers, so that export sees the cache as state each call updates.
@@ -146,27 +148,33 @@ class EncoderDecoderLM(torch.nn.Module):
         return self.decoder(token, *state_and_position)
 
 
-# A second of audio at the rate speech models take: the example a raw-audio encoder is traced with.
+# A second of audio at the rate speech models take, and its frames of features at a 10 ms hop: the examples an
+# encoder of audio of any length is traced with.
 EXAMPLE_SAMPLES = 16000
+EXAMPLE_FRAMES = 100
 
 
 def example_source(model: torch.nn.Module) -> tuple[torch.Tensor, str]:
     """A source to trace ``encode`` with, and how its length varies: ``"tokens"`` (any length, the state as long),
-    ``"samples"`` (raw audio of any length, Moonshine's: the state's length follows from it), or ``"fixed"``
-    (Whisper's frames)."""
+    ``"audio"`` (any length along its second dimension, the state's length following from it: Moonshine's samples,
+    Parakeet-style encoders' frames of features ``[1, frames, bins]``), or ``"fixed"`` (Whisper's frames)."""
     config = model.config
     main_input = getattr(model, "main_input_name", "input_ids")
     if main_input == "input_ids":
         return torch.zeros(1, 4, dtype=torch.long), "tokens"
     if main_input == "input_values":
-        return torch.zeros(1, EXAMPLE_SAMPLES), "samples"
+        return torch.zeros(1, EXAMPLE_SAMPLES), "audio"
     mel_bins, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
     if main_input == "input_features" and mel_bins and positions:
         # Whisper-style encoders take a fixed number of frames: two per source position.
         return torch.zeros(1, mel_bins, 2 * positions), "fixed"
+    encoder_bins = getattr(getattr(config, "encoder_config", None), "num_mel_bins", None)
+    if main_input == "input_features" and encoder_bins:
+        return torch.zeros(1, EXAMPLE_FRAMES, encoder_bins), "audio"
     raise UnsupportedModelError(
         f"{type(model).__name__}'s encoder takes {main_input!r}; generation exports take token ids, raw audio "
-        "input_values, or Whisper-style log-mel input_features (config.num_mel_bins, config.max_source_positions)"
+        "input_values, log-mel input_features of any length (config.encoder_config.num_mel_bins) or Whisper-style "
+        "ones (config.num_mel_bins, config.max_source_positions)"
     )
 
 
@@ -176,8 +184,8 @@ def source_dims(kind: str, max_source_len: int) -> tuple[Any, Any]:
     if kind == "tokens":
         length = Dim("source", min=2, max=max_source_len)
         return length, length
-    if kind == "samples":
-        # The encoder's convolutions decide how many frames a length of audio gives: torch.export finds the relation.
+    if kind == "audio":
+        # The encoder's convolutions decide how many states a length of audio gives: torch.export finds the relation.
         return Dim.DYNAMIC, Dim("frames", min=2)
     return None, None
 
