@@ -28,7 +28,7 @@ import logging
 import math
 import operator
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +38,7 @@ from torch.export import ExportedProgram
 from torch.fx import Node
 from torch.utils import _pytree as pytree
 from torch.utils._sympy.numbers import int_oo
+from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
 from ...compile.int8_tensor import LAYOUT_OPS, int8_linears, integer_weights_cast
 from ...compile.partitioner import get_non_lowered_nodes
@@ -118,7 +119,8 @@ def xnnpack_answer(exported_program: ExportedProgram, *, portable: bool = True) 
             continue
         edge_nodes = made_from.get(node.name, [])
         left = [edge_node for edge_node in edge_nodes if DELEGATION_TAG not in edge_node.meta]
-        wrong = miscomputed_layer(node, fqns, weights) or unlowerable_max(node) or unbounded_size(node)
+        wrong = (miscomputed_layer(node, fqns, weights) or unlowerable_max(node)
+                 or unbounded_size(node, exported_program.range_constraints))
         if wrong is not None and edge_nodes and not left:
             reasons[node.name] = wrong
             miscomputed.add(node.name)
@@ -414,14 +416,17 @@ def miscomputed_layer(node: Node, fqns: dict[Node, str], weights: dict[str, torc
     return None
 
 
-def unbounded_size(node: Node) -> str | None:
-    """Why ExecuTorch cannot plan ``node``'s memory: a size of its result with no upper bound (raw audio of any
-    length, exported with ``Dim.DYNAMIC``); else None. The next engine takes it."""
+def unbounded_size(node: Node, ranges: Mapping[Any, ValueRanges]) -> str | None:
+    """Why ExecuTorch cannot plan ``node``'s memory: a size of its result with no upper bound in the program's
+    ``ranges`` (audio of any length, exported with ``Dim.DYNAMIC``); else None. The next engine takes it.
+
+    The program's own ranges, not the size's shape environment: asking ExecuTorch about the program narrows those.
+    """
     for value in pytree.tree_leaves(node.meta.get("val")):
         if not isinstance(value, torch.Tensor):
             continue
         for size in value.shape:
-            if isinstance(size, torch.SymInt) and size.node.shape_env.bound_sympy(size.node.expr).upper is int_oo:
+            if isinstance(size, torch.SymInt) and bound_sympy(size.node.expr, dict(ranges)).upper is int_oo:
                 return (f"a size of its result ({size}) has no upper bound, and ExecuTorch plans a program's memory "
                         "for the largest sizes it takes")
     return None
