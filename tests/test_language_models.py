@@ -297,15 +297,34 @@ def test_a_cache_of_states_the_wrapper_cannot_drive_is_refused_not_exported_wron
     model = small_short_convolution_lm()
     forward = model.forward
 
-    def ignoring_a_static_cache(*args, past_key_values=None, **kwargs):
-        # A model that ignores the static cache the wrapper drives (not its own): every step runs without it.
-        return forward(*args, past_key_values=None if isinstance(past_key_values, StaticCache) else past_key_values,
-                       **kwargs)
+    def forgetting_its_states(*args, past_key_values=None, **kwargs):
+        # A model that writes the static cache the wrapper drives (not its own), then reads none of it back: each
+        # step after the first runs as if it started a sequence.
+        static = isinstance(past_key_values, StaticCache)
+        outputs = forward(*args, past_key_values=past_key_values, **kwargs)
+        if static and kwargs["cache_position"][0] > 0:
+            kwargs["cache_position"] = torch.arange(kwargs["input_ids"].shape[1])
+            outputs = forward(*args, past_key_values=StaticCache(max_cache_len=CACHE, config=model.config), **kwargs)
+        return outputs
 
-    model.forward = ignoring_a_static_cache
+    model.forward = forgetting_its_states
     refusal = "Lfm2ForCausalLM: a prompt then two tokens through its cache of states differ from transformers' own"
     with pytest.raises(aotstack.ExportError, match=refusal):
         PrefillDecode(model, CACHE)
+
+
+def test_a_model_keeping_its_states_outside_its_cache_is_refused_not_exported_wrong():
+    # RecurrentGemma holds its recurrent and convolution states in its modules' attributes, which an export freezes:
+    # its tokens went wrong from the sixth on, silently, where the cache's state layers it never writes were exported.
+    from transformers import RecurrentGemmaConfig, RecurrentGemmaForCausalLM
+
+    torch.manual_seed(0)
+    model = RecurrentGemmaForCausalLM(RecurrentGemmaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, lru_width=32, attention_window_size=8, block_types=["recurrent", "attention"])).eval()
+    with pytest.raises(aotstack.ExportError, match="RecurrentGemmaForCausalLM keeps its recurrent states outside its "
+                                                   "cache .layer 0's stay empty after a call"):
+        export_decoder_lm(model, CACHE)
 
 
 def test_a_hybrid_whose_prompt_loops_over_its_length_exports_decode_alone_and_generates(tmp_path, caplog):

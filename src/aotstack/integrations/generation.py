@@ -493,6 +493,11 @@ class StateCacheLM(torch.nn.Module):
         state_class = linear_attention_layer_class()
         for index, layer in enumerate(layers):
             if state_class is not None and isinstance(layer, state_class):
+                if all(state is None for kind in ("conv_states", "recurrent_states")
+                       for state in getattr(layer, kind).values()):
+                    raise ExportError(f"{type(model).__name__} keeps its recurrent states outside its cache (layer "
+                                      f"{index}'s stay empty after a call: in its modules' attributes, which an "
+                                      "export would freeze); aotstack exports states that transformers' cache holds")
                 self.state_layers.append(layer)
                 for slot in range(layer.number_of_states):
                     for kind in ("conv_states", "recurrent_states"):
