@@ -28,7 +28,7 @@ import logging
 import math
 import operator
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -416,7 +416,7 @@ def miscomputed_layer(node: Node, fqns: dict[Node, str], weights: dict[str, torc
     return None
 
 
-def unbounded_size(node: Node, ranges: Mapping[Any, ValueRanges]) -> str | None:
+def unbounded_size(node: Node, ranges: dict[Any, ValueRanges]) -> str | None:
     """Why ExecuTorch cannot plan ``node``'s memory: a size of its result with no upper bound in the program's
     ``ranges`` (audio of any length, exported with ``Dim.DYNAMIC``); else None. The next engine takes it.
 
@@ -426,7 +426,7 @@ def unbounded_size(node: Node, ranges: Mapping[Any, ValueRanges]) -> str | None:
         if not isinstance(value, torch.Tensor):
             continue
         for size in value.shape:
-            if isinstance(size, torch.SymInt) and bound_sympy(size.node.expr, dict(ranges)).upper is int_oo:
+            if isinstance(size, torch.SymInt) and bound_sympy(size.node.expr, ranges).upper is int_oo:
                 return (f"a size of its result ({size}) has no upper bound, and ExecuTorch plans a program's memory "
                         "for the largest sizes it takes")
     return None
