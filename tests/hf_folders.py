@@ -7,8 +7,10 @@ model beside that tokenizer, run transformers' own greedy ``generate``, and call
 from __future__ import annotations
 
 import json
+import wave
 from pathlib import Path
 
+import numpy as np
 import torch
 import transformers
 
@@ -59,3 +61,30 @@ def greedy_reference(model: torch.nn.Module, ids: list[int], max_new_tokens: int
 def export_hf(*args: str) -> None:
     """``aotstack export-hf ARGS``, which must succeed."""
     assert main(["export-hf", *args, "--progress", "log"]) == 0
+
+
+def write_wav(path: Path, samples: np.ndarray, rate: int, width: int = 2, channels: int = 1) -> Path:
+    """``samples`` (floats in [-1, 1], one row per channel or one row for all) as integer PCM."""
+    frames = np.repeat(samples[:, None], channels, axis=1) if samples.ndim == 1 else samples.T
+    scale = 2 ** (8 * width - 1) - 1
+    ints = np.round(frames * scale).astype(np.int64).reshape(-1)
+    if width == 1:
+        data = (ints + 128).astype(np.uint8).tobytes()
+    elif width == 3:
+        data = b"".join(int(value).to_bytes(3, "little", signed=True) for value in ints)
+    else:
+        data = ints.astype({2: "<i2", 4: "<i4"}[width]).tobytes()
+    with wave.open(str(path), "wb") as writer:
+        writer.setnchannels(channels)
+        writer.setsampwidth(width)
+        writer.setframerate(rate)
+        writer.writeframes(data)
+    return path
+
+
+def speech(rate: int, seconds: float = 1.0) -> np.ndarray:
+    """A vowel-like tone: a 220 Hz fundamental and two harmonics, fading in."""
+    time = np.arange(int(rate * seconds)) / rate
+    tone = sum(amplitude * np.sin(2 * np.pi * 220 * harmonic * time)
+               for harmonic, amplitude in ((1, 0.5), (3, 0.2), (7, 0.1)))
+    return tone * np.minimum(1.0, time * 4)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-import wave
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,7 @@ from aotstack.integrations.audio import (  # noqa: E402
 from aotstack.integrations.decoding import generation_settings, stream_encoder_decoder  # noqa: E402
 from aotstack.integrations.hf_folder import export_folder, generate_text  # noqa: E402
 from aotstack.integrations.seq2seq import export_encoder_decoder_lm  # noqa: E402
-from tests.hf_folders import tokenizer  # noqa: E402
+from tests.hf_folders import speech, tokenizer, write_wav  # noqa: E402
 
 VOCAB = 96
 CACHE = 16
@@ -198,33 +197,6 @@ def whisper() -> torch.nn.Module:
         eos_token_id=2, decoder_start_token_id=1, begin_suppress_tokens=None, suppress_tokens=None,
         init_std=0.2)  # weights far enough from zero that greedy tokens vary
     return transformers.WhisperForConditionalGeneration(config).eval()
-
-
-def write_wav(path: Path, samples: np.ndarray, rate: int, width: int = 2, channels: int = 1) -> Path:
-    """``samples`` (floats in [-1, 1], one row per channel or one row for all) as integer PCM."""
-    frames = np.repeat(samples[:, None], channels, axis=1) if samples.ndim == 1 else samples.T
-    scale = 2 ** (8 * width - 1) - 1
-    ints = np.round(frames * scale).astype(np.int64).reshape(-1)
-    if width == 1:
-        data = (ints + 128).astype(np.uint8).tobytes()
-    elif width == 3:
-        data = b"".join(int(value).to_bytes(3, "little", signed=True) for value in ints)
-    else:
-        data = ints.astype({2: "<i2", 4: "<i4"}[width]).tobytes()
-    with wave.open(str(path), "wb") as writer:
-        writer.setnchannels(channels)
-        writer.setsampwidth(width)
-        writer.setframerate(rate)
-        writer.writeframes(data)
-    return path
-
-
-def speech(rate: int, seconds: float = 1.0) -> np.ndarray:
-    """A vowel-like tone: a 220 Hz fundamental and two harmonics, fading in."""
-    time = np.arange(int(rate * seconds)) / rate
-    tone = sum(amplitude * np.sin(2 * np.pi * 220 * harmonic * time)
-               for harmonic, amplitude in ((1, 0.5), (3, 0.2), (7, 0.1)))
-    return tone * np.minimum(1.0, time * 4)
 
 
 @pytest.fixture(scope="module")

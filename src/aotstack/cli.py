@@ -119,7 +119,8 @@ def argument_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser(
         "generate", help="generate text from an export-hf folder, as its generation config says (greedy or sampled); "
-                         "--audio transcribes speech, --image reads a picture with the prompt"
+                         "--audio transcribes speech (or is heard with the prompt), --image reads a picture with the "
+                         "prompt"
     )
     generate.add_argument("folder", metavar="OUT_DIR", help="a folder aotstack export-hf wrote")
     generate.add_argument("--prompt", default=None, metavar="TEXT", help="the text to continue (or, with --chat, "
@@ -129,7 +130,8 @@ def argument_parser() -> argparse.ArgumentParser:
     generate.add_argument("--messages", default=None, metavar="FILE.json",
                           help='a conversation through the chat template: [{"role": "user", "content": "..."}, ...]')
     generate.add_argument("--audio", default=None, metavar="FILE.wav",
-                          help="transcribe a WAV file (an automatic-speech-recognition export, e.g. Whisper)")
+                          help="transcribe a WAV file (an automatic-speech-recognition export, e.g. Whisper), or, "
+                               "for an audio-text model (e.g. GLM-ASR, Voxtral), the clip the prompt is about")
     generate.add_argument("--image", default=None, metavar="FILE",
                           help="an image the prompt is about (an image-text-to-text export, e.g. LLaVA or Gemma 3); "
                                "read with Pillow through the model's processor")

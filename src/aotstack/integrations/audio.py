@@ -32,6 +32,10 @@ logger = logging.getLogger("aotstack")
 ZERO_CROSSINGS = 16
 # Output samples resampled at once: bounds the (chunk x taps) matrices to a few megabytes.
 RESAMPLE_CHUNK = 8192
+# Where a feature extractor keeps its settings: its own file, or inside a processor's saved by transformers 5.
+SETTINGS_FILES = ("preprocessor_config.json", "processor_config.json")
+# Seconds of the clip an audio-text export is traced with: its encoder's frames vary, or are padded to its own.
+SAMPLE_SECONDS = 1
 
 
 def read_wav(path: str | os.PathLike[str]) -> tuple[np.ndarray, int]:
@@ -103,16 +107,32 @@ def resampled(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
 
 
 def feature_extractor(folder: str | os.PathLike[str]) -> Any:
-    """The feature extractor saved in ``folder`` (``preprocessor_config.json``)."""
+    """The feature extractor saved in ``folder`` (``preprocessor_config.json``, or inside a processor's
+    ``processor_config.json``)."""
     from transformers import AutoFeatureExtractor
 
     folder = Path(folder)
-    if not (folder / "preprocessor_config.json").is_file():
-        raise ModelFolderError(f"{folder} has no preprocessor_config.json, the feature extractor speech input needs")
+    if not any((folder / name).is_file() for name in SETTINGS_FILES):
+        raise ModelFolderError(f"{folder} has no {' or '.join(SETTINGS_FILES)}, the feature extractor speech input "
+                               "needs")
     try:
         return AutoFeatureExtractor.from_pretrained(folder, local_files_only=True)
     except (ValueError, OSError, KeyError) as exc:
         raise ModelFolderError(f"cannot read the feature extractor of {folder}: {exc}") from exc
+
+
+def sample_clip(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """A clip of quiet noise as the feature extractor in ``folder`` makes it (``input_features``, and its frames mask
+    as ``input_features_mask`` where it makes one): what an audio-text export traces ``encode_audio`` with."""
+    extractor = feature_extractor(folder)
+    rate = int(extractor.sampling_rate)
+    samples = np.random.default_rng(0).standard_normal(rate * SAMPLE_SECONDS).astype(np.float32) * 0.01
+    made = extractor(samples, sampling_rate=rate, return_tensors="pt", return_attention_mask=True)
+    clip = {"input_features": made["input_features"]}
+    mask = made.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.shape[-1] == clip["input_features"].shape[-1]:
+        clip["input_features_mask"] = mask
+    return clip
 
 
 def audio_features(folder: str | os.PathLike[str], wav_path: str | os.PathLike[str]) -> torch.Tensor:

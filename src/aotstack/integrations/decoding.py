@@ -364,6 +364,20 @@ class PromptImages:
     prompt_inputs: tuple[torch.Tensor, ...] = ()
 
 
+@dataclass
+class PromptAudio:
+    """The audio of a prompt for an audio-text export (``encode_audio``, ``prefill_audio``).
+
+    ``input_features`` are as the model's processor made them, a clip (a chunk of a long one) per
+    row of their first dimension; ``frames_mask`` is the processor's ``input_features_mask`` where it
+    made one, a row per clip. The prompt holds ``audio_token`` once per row of their features.
+    """
+
+    input_features: torch.Tensor
+    audio_token: int
+    frames_mask: torch.Tensor | None = None
+
+
 def single_images(pixel_values: torch.Tensor, shape: Sequence[int]) -> list[torch.Tensor]:
     """Each image of ``pixel_values``, shaped ``shape`` as ``encode_images`` takes one.
 
@@ -399,13 +413,18 @@ def image_prompt_input(tokens: torch.Tensor, image_token: int) -> torch.Tensor:
 
 
 def stream_decoder(
-    program: Any, prompt: Sequence[int], config: Any, seed: int | None = None, images: PromptImages | None = None
+    program: Any,
+    prompt: Sequence[int],
+    config: Any,
+    seed: int | None = None,
+    media: PromptImages | PromptAudio | None = None,
 ) -> Iterator[int]:
     """The tokens a decoder-only program (``prefill``, ``decode``) appends to ``prompt``, each as it is chosen.
 
     It stops after an eos token of ``config`` or after its new-token limit. ``prefill`` writes the
     cache from slot 0 and the causal mask hides the slots after it, so an earlier prompt's cache is harmless.
-    ``images`` go through ``encode_images`` and ``prefill_images`` in place of ``prefill``.
+    ``media``, the prompt's images or audio, go through ``encode_images`` and ``prefill_images`` (or
+    ``encode_audio`` and ``prefill_audio``) in place of ``prefill``.
     """
     if new_token_limit(config, len(prompt)) < 1:
         return iter(())
@@ -413,7 +432,12 @@ def stream_decoder(
         raise GenerationError("the prompt is empty: a decoder-only model needs at least one token to start from")
     history = torch.tensor([list(prompt)], dtype=torch.long)
     with torch.no_grad():
-        logits = prompt_logits(program, history) if images is None else images_prompt_logits(program, history, images)
+        if isinstance(media, PromptImages):
+            logits = images_prompt_logits(program, history, media)
+        elif isinstance(media, PromptAudio):
+            logits = audio_prompt_logits(program, history, media)
+        else:
+            logits = prompt_logits(program, history)
     return continued(logits, history, program.decode, config, seed)
 
 
@@ -437,6 +461,62 @@ def images_prompt_logits(program: Any, history: torch.Tensor, images: PromptImag
         raise GenerationError(f"this export's prefill_images reads {wanted} of the processor's outputs beside the "
                               f"token ids and images; got {len(prompt_inputs)}")
     return program.prefill_images(history, features, *(value.reshape(history.shape) for value in prompt_inputs))
+
+
+def audio_prompt_logits(program: Any, history: torch.Tensor, audio: PromptAudio) -> torch.Tensor:
+    """The logits after ``history`` (``[1, length]``), whose audio tokens take the features of ``audio``'s clips."""
+    if "prefill_audio" not in program_methods(program):
+        raise GenerationError(f"this export takes no audio: it has methods {program_methods(program)}")
+    rows = []
+    for clip, kept in single_clips(program, audio):
+        features = program.encode_audio(*clip)
+        if kept is not None:
+            # Granite Speech's mask is over a clip's rows, not its frames: padding's rows are dropped after encoding.
+            if kept.numel() != features.shape[0]:
+                raise GenerationError(f"input_features_mask has rows of {kept.numel()}; a clip gives "
+                                      f"{features.shape[0]} rows of features")
+            features = features[kept.reshape(-1).bool()]
+        rows.append(features)
+    features = torch.cat(rows)
+    slots = int((history == audio.audio_token).sum())
+    if slots != features.shape[0]:
+        raise GenerationError(
+            f"the prompt holds {slots} audio tokens (id {audio.audio_token}) and its audio gives {features.shape[0]} "
+            "rows of features: make the prompt and the audio with the model's processor in one call, which puts as "
+            "many audio tokens in the prompt as its clips need"
+        )
+    return program.prefill_audio(history, features)
+
+
+def single_clips(program: Any, audio: PromptAudio) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor | None]]:
+    """``encode_audio``'s inputs for each clip of ``audio`` (its frames, and its row of the frames mask where the
+    export reads one), each checked against the frames the export takes, and the clip's row of a mask the export
+    does not read, which picks the rows of its features to keep."""
+    taken = program.method("encode_audio").inputs
+    features = audio.input_features
+    sides = len(taken[0].shape)
+    if features.dim() != sides:
+        features = features.reshape(-1, *features.shape[1 - sides:])
+    for axis, (got, wanted) in enumerate(zip(features.shape[1:], taken[0].shape[1:]), start=1):
+        if isinstance(wanted, int) and got != wanted:
+            raise GenerationError(
+                f"input_features of shape {tuple(audio.input_features.shape)} do not fit this export, which takes "
+                f"clips of {list(taken[0].shape[1:])} (side {axis}: {got} against {wanted}; the model's encoder "
+                "fixed it when exported): make them with the processor the export was made with"
+            )
+    clips = [(clip,) for clip in features.split(1)]
+    mask = audio.frames_mask
+    if mask is None and len(taken) == 1:
+        return [(clip, None) for clip in clips]
+    if mask is None:
+        mask = torch.ones(features.shape[0], features.shape[-1], dtype=torch.long)
+    mask = mask.reshape(-1, mask.shape[-1])
+    if mask.shape[0] != len(clips):
+        raise GenerationError(f"input_features_mask of shape {tuple(mask.shape)} has a row per clip; input_features "
+                              f"hold {len(clips)} clips")
+    if len(taken) == 1:
+        return list(zip(clips, mask.split(1)))
+    return [((*clip, row), None) for clip, row in zip(clips, mask.split(1))]
 
 
 def prompt_logits(program: Any, history: torch.Tensor) -> torch.Tensor:

@@ -238,13 +238,12 @@ class ImagePrefillDecode(PrefillDecode):
         caller checks the count.
         """
         is_image = tokens == self.image_token
-        # An image token may lie outside the embedding table (Gemma 3's); its row is replaced anyway.
-        embedded = self.lm.model.get_input_embeddings()(tokens.masked_fill(is_image, 0))
         inputs: dict[str, Any] = dict(zip(self.prompt_inputs, prompt_inputs))
         if self.deepstack:
-            image_features, *inner = image_features.split(embedded.shape[-1], dim=-1)
+            hidden = self.lm.model.get_input_embeddings().embedding_dim
+            image_features, *inner = image_features.split(hidden, dim=-1)
             inputs.update(visual_pos_masks=is_image, deepstack_visual_embeds=inner)
-        merged = embedded.masked_scatter(is_image.unsqueeze(-1), image_features.to(embedded.dtype))
+        merged = embedded_with_features(self.lm.model, tokens, is_image, image_features)
         if self.grid is not None and self.positions_by_grid:
             positions = grid_positions(is_image[0], self.grid.token_grid)
             # Shaped as the buffer: OpenVINO writes a 0-d value to it as 0-d.
@@ -281,6 +280,15 @@ class ImagePrefillDecode(PrefillDecode):
             if "mm_token_type_ids" in inspect.signature(self.lm.model.forward).parameters:
                 inputs["mm_token_type_ids"] = image_prompt_input(tokens, self.image_token).int()
         return inputs
+
+
+def embedded_with_features(model: torch.nn.Module, tokens: torch.Tensor, slots: torch.Tensor,
+                           features: torch.Tensor) -> torch.Tensor:
+    """``tokens`` (``[1, length]``) embedded by ``model``, with the rows of ``features`` in order in place of the
+    tokens where ``slots`` is true (an image's or a clip's tokens), as the models' own merges put them."""
+    # A placeholder token may lie outside the embedding table (Gemma 3's image token); its row is replaced anyway.
+    embedded = model.get_input_embeddings()(tokens.masked_fill(slots, 0))
+    return embedded.masked_scatter(slots.unsqueeze(-1), features.to(embedded.dtype))
 
 
 def rows_of(features: torch.Tensor | list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:

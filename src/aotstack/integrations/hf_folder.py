@@ -27,6 +27,7 @@ import torch
 from ..compile.progress import Progress
 from ..compile.quantize import Quantization
 from ..errors import AotstackError, GenerationError, ModelFolderError, UnsupportedModelError
+from .audio import SETTINGS_FILES
 
 logger = logging.getLogger("aotstack")
 
@@ -53,7 +54,7 @@ TASK_ALIASES = {"text2text": "text2text-generation", "causal-lm": "text-generati
                 "ner": "token-classification", "masked-lm": "fill-mask", "vision-language": "image-text-to-text"}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-PROCESSOR_FILE = "preprocessor_config.json"
+PROCESSOR_FILE = SETTINGS_FILES[0]
 # Example sizes the non-generation exports trace with; batch and sequence stay dynamic for text.
 EXAMPLE_BATCH, EXAMPLE_LENGTH = 2, 8
 AUDIO_SECONDS = 1
@@ -264,7 +265,7 @@ def export_folder(
     try:
         if generation:
             exported = exporter.export_for_generation(
-                model, generation_inputs(model, task, preprocessor, image_size),
+                model, generation_inputs(model, task, preprocessor, image_size, model_dir),
                 AotstackConfig(engines=engines, device=device, max_cache_len=max_cache_len, **checking),
             )
         else:
@@ -298,15 +299,22 @@ def export_folder(
 
 
 def generation_inputs(
-    model: torch.nn.Module, task: str, preprocessor: Preprocessor, side: int | None = None
+    model: torch.nn.Module, task: str, preprocessor: Preprocessor, side: int | None = None,
+    model_dir: Path | None = None,
 ) -> dict[str, torch.Tensor]:
     """The ``sample_inputs`` a generation export traces with: a prompt, and for a vision-language model one image
     at the size its processor makes, or, for a processor that keeps an image's size, a square of ``side``; for one
     that cuts an image into tiles as its size decides (LLaVA-NeXT's), the tiles of a square of ``side`` (default:
-    one tile's side) and its ``image_sizes``."""
+    one tile's side) and its ``image_sizes``. For an audio-text model, a clip as the feature extractor in
+    ``model_dir`` makes it."""
+    from .audio_text import is_audio_text_lm
     from .generation import image_sizes_required
 
     inputs = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
+    if is_audio_text_lm(model) and model_dir is not None:
+        from .audio import sample_clip
+
+        return {**inputs, **sample_clip(model_dir)}
     if task == "image-text-to-text":
         vision = getattr(model.config, "vision_config", None) or model.config
         channels = getattr(vision, "num_channels", 3)
@@ -448,8 +456,6 @@ def without_cache(model: torch.nn.Module) -> None:
             config.use_cache = False
 
 
-# Where a processor's settings are: transformers 5 saves them inside processor_config.json.
-SETTINGS_FILES = (PROCESSOR_FILE, "processor_config.json")
 # A vision-language model's chat template may live beside its processor rather than in its tokenizer's config.
 PROCESSOR_FILES = (*SETTINGS_FILES, "chat_template.json", "chat_template.jinja")
 
@@ -482,8 +488,10 @@ def load_preprocessor(model_dir: Path, task: str, model: torch.nn.Module) -> Pre
 
     Speech-to-text and image-text-to-text need both: the processor makes the input, the tokenizer reads the output.
     """
+    from .audio_text import is_audio_text_lm
+
     main_input = getattr(model, "main_input_name", "input_ids")
-    if main_input == "input_ids" and task != "image-text-to-text":
+    if main_input == "input_ids" and task != "image-text-to-text" and not is_audio_text_lm(model):
         return Preprocessor(tokenizer=load_tokenizer(model_dir, task))
     tokenizer = load_tokenizer(model_dir, task) if task in GENERATION_TASKS else None
     require_any(model_dir, SETTINGS_FILES, "processor", task)
@@ -613,7 +621,9 @@ def generate_text(
     ``eos``); ``max_new_tokens`` defaults to the config's, else 32 (a transcript: until its end,
     as far as the cache holds). ``chat`` wraps ``prompt`` as a user message, ``messages`` is a
     whole conversation; either goes through the tokenizer's chat template. ``audio`` (an
-    automatic-speech-recognition export) is a WAV file to transcribe; ``image`` (an
+    automatic-speech-recognition export) is a WAV file to transcribe, or, for an audio-text model
+    (GLM-ASR's, Voxtral's), the clip the prompt is about (no prompt: the processor's own
+    transcription request); ``image`` (an
     image-text-to-text export) a picture the prompt is about, read through the model's processor
     (which needs Pillow). ``on_text`` is told each piece of text as it is generated.
     """
@@ -627,8 +637,6 @@ def generate_text(
     if not is_aotstack_export(folder):
         raise ModelFolderError(f"{folder} holds no aotstack export (export.json); make one with aotstack export-hf")
     require_any(folder, TOKENIZER_FILES, "tokenizer", "generate")
-    if audio is not None and (prompt is not None or messages is not None or chat):
-        raise GenerationError("a transcript is generated from audio alone; give either audio or a prompt")
     if audio is not None and image is not None:
         raise GenerationError("give either an image or audio, not both")
     started = time.perf_counter()
@@ -644,16 +652,22 @@ def generate_text(
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     load_seconds = time.perf_counter() - started
     decoder_prompt = None
-    images: dict[str, torch.Tensor] = {}
+    media: dict[str, torch.Tensor] = {}
     if image is not None:
         if "prefill_images" not in runner.methods:
             raise GenerationError(f"{folder} takes no images (its methods: {runner.methods}); export an "
                                   "image-text-to-text model with aotstack export-hf")
-        images = image_prompt(folder, image, prompt, chat, messages, runner.metadata.export_config)
-        source = ids = images.pop("input_ids")[0].tolist()
+        media = image_prompt(folder, image, prompt, chat, messages, runner.metadata.export_config)
+        source = ids = media.pop("input_ids")[0].tolist()
+    elif audio is not None and "prefill_audio" in runner.methods:
+        media = audio_prompt(folder, audio, prompt, chat, messages)
+        source = ids = media.pop("input_ids")[0].tolist()
     elif audio is not None:
         from .audio import audio_features, speech_decoder_prompt
 
+        if prompt is not None or messages is not None or chat:
+            raise GenerationError(f"{folder} transcribes audio alone (its methods: {runner.methods}); give either "
+                                  "audio or a prompt")
         source: Any = audio_features(folder, audio)
         decoder_prompt = speech_decoder_prompt(runner.program, source, exported.generation_config, exported.config)
         ids: list[int] = []
@@ -678,7 +692,7 @@ def generate_text(
             yield token
 
     began = time.perf_counter()
-    pieces = text_pieces(arrived(runner.stream(source, config, decoder_prompt=decoder_prompt, seed=seed, **images)),
+    pieces = text_pieces(arrived(runner.stream(source, config, decoder_prompt=decoder_prompt, seed=seed, **media)),
                          lambda seen: tokenizer.decode(seen, skip_special_tokens=True))
     text = ""
     for piece in pieces:
@@ -709,7 +723,6 @@ def image_prompt(
         from PIL import Image
     except ImportError as exc:
         raise GenerationError("reading an image needs Pillow: pip install pillow (aotstack[vision])") from exc
-    from transformers import AutoProcessor
 
     try:
         picture = Image.open(image).convert("RGB")
@@ -718,29 +731,84 @@ def image_prompt(
             picture = picture.resize((width, height), Image.Resampling.BICUBIC)
     except (OSError, ValueError) as exc:
         raise GenerationError(f"cannot read the image {image}: {exc}") from exc
+    processor = folder_processor(folder)
+    if messages is None and prompt is None:
+        raise GenerationError("nothing to generate from: give a prompt or chat messages with the image")
+    # Gemma 3's prompt names an image by its start token, which the processor expands; LLaVA's by its image token.
+    marker = getattr(processor, "boi_token", None) or getattr(processor, "image_token", None) or ""
+    text = prompt_text(processor, folder, prompt, chat, messages, "image", marker)
+    inputs = processor(images=picture, text=text, return_tensors="pt")
+    return {name: value for name, value in inputs.items()
+            if name in ("input_ids", "pixel_values", "token_type_ids", "image_grid_thw", "image_sizes")}
+
+
+def audio_prompt(
+    folder: Path,
+    audio: str | os.PathLike[str],
+    prompt: str | None,
+    chat: bool,
+    messages: list[dict[str, Any]] | None,
+) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``input_features`` (and ``input_features_mask``, where the processor makes it) for a prompt
+    about a WAV file, from the export's processor: its transcription request where there is no prompt (GLM-ASR's,
+    Voxtral's), through its chat template with ``chat`` or ``messages`` (the audio in the last user turn), else the
+    plain prompt after the processor's audio token."""
+    from .audio import read_wav, resampled
+
+    processor = folder_processor(folder)
+    extractor = getattr(processor, "feature_extractor", None)
+    if extractor is None:
+        raise ModelFolderError(f"the processor of {folder} ({type(processor).__name__}) has no feature extractor "
+                               "to read audio with")
+    rate = int(extractor.sampling_rate)
+    samples = resampled(*read_wav(audio), rate)
+    if prompt is None and messages is None:
+        request = getattr(processor, "apply_transcription_request", None)
+        if request is None or not getattr(processor, "chat_template", None):
+            raise GenerationError(f"the processor of {folder} makes no transcription request of its own: give a "
+                                  "prompt about the audio (--prompt)")
+        inputs = request(samples)
+    else:
+        text = prompt_text(processor, folder, prompt, chat, messages, "audio", getattr(processor, "audio_token", ""))
+        inputs = processor(text=text, audio=samples, sampling_rate=rate, return_tensors="pt")
+    return {name: value for name, value in inputs.items()
+            if name in ("input_ids", "input_features", "input_features_mask")}
+
+
+def folder_processor(folder: Path) -> Any:
+    """The processor saved in an export folder, built by transformers."""
+    from transformers import AutoProcessor
+
     try:
-        processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+        return AutoProcessor.from_pretrained(folder, local_files_only=True)
     except ImportError as exc:  # a library one of its parts needs: Qwen2-VL's video processor needs torchvision
         raise GenerationError(f"the processor of {folder} needs a library this environment lacks: "
                               f"{' '.join(str(exc).split())[:300]}") from exc
     except (ValueError, OSError, KeyError, TypeError) as exc:
         raise ModelFolderError(f"cannot build the processor of {folder}: {exc}") from exc
-    if messages is None and prompt is None:
-        raise GenerationError("nothing to generate from: give a prompt or chat messages with the image")
+
+
+def prompt_text(
+    processor: Any,
+    folder: Path,
+    prompt: str | None,
+    chat: bool,
+    messages: list[dict[str, Any]] | None,
+    kind: str,
+    marker: str,
+) -> str:
+    """A prompt about one image or clip (``kind``) as the processor reads it: through its chat template with
+    ``chat`` or ``messages`` (the image or clip first in the last user turn), else ``prompt`` after ``marker``, the
+    token the processor expands into the image's or clip's tokens, unless the prompt holds it already."""
     if chat or messages is not None:
         turns = checked_messages([*(messages or []), *([{"role": "user", "content": prompt}] if prompt else [])])
         last = turns[-1]
-        turns[-1] = {**last, "content": [{"type": "image"}, {"type": "text", "text": last["content"]}]}
+        turns[-1] = {**last, "content": [{"type": kind}, {"type": "text", "text": last["content"]}]}
         if not getattr(processor, "chat_template", None):
             raise ModelFolderError(f"the processor in {folder} has no chat template; generate from a plain prompt")
-        text = processor.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
-    else:
-        # Gemma 3's prompt names an image by its start token, which the processor expands; LLaVA's by its image token.
-        marker = getattr(processor, "boi_token", None) or getattr(processor, "image_token", None) or ""
-        text = prompt if marker and marker in prompt else f"{marker}{prompt}"
-    inputs = processor(images=picture, text=text, return_tensors="pt")
-    return {name: value for name, value in inputs.items()
-            if name in ("input_ids", "pixel_values", "token_type_ids", "image_grid_thw", "image_sizes")}
+        return str(processor.apply_chat_template(turns, add_generation_prompt=True, tokenize=False))
+    text = prompt or ""
+    return text if marker and marker in text else f"{marker}{text}"
 
 
 def transcript_of_frames(

@@ -50,7 +50,9 @@ from ..compile.measure import CallInputs
 from ..compile.progress import Progress
 from ..compile.quantize import Quantization
 from ..errors import AotstackError, ExportError, GenerationError, UnsupportedModelError
+from .audio_text import audio_token_id, export_audio_text_lm
 from .decoding import (
+    PromptAudio,
     PromptImages,
     collected,
     generation_settings,
@@ -189,7 +191,9 @@ class AotstackExporter(HfExporter):
         stages take any prompt up to the cache's length. ``multi_token_decode`` is not taken: ``prefill``
         already takes any number of tokens. A vision-language model given ``pixel_values`` (as its
         processor makes them) also gets ``encode_images`` and ``prefill_images``, for images of that
-        size, and takes ``token_type_ids`` where its forward reads them (Gemma 3).
+        size, and takes ``token_type_ids`` where its forward reads them (Gemma 3). An audio-text model given
+        ``input_features`` (and ``input_features_mask``, as its processor makes them) gets ``encode_audio`` and
+        ``prefill_audio`` (see ``aotstack.integrations.audio_text``).
         """
         if isinstance(config, dict):
             config = AotstackConfig(**config)
@@ -213,6 +217,8 @@ class AotstackExporter(HfExporter):
             pixel_values = sample_inputs.get("pixel_values")
             if model.config.is_encoder_decoder:
                 program = export_encoder_decoder_lm(model, max_cache_len, max_source_len=max_position)
+            elif isinstance(sample_inputs.get("input_features"), torch.Tensor):
+                program = export_audio_text_lm(model, max_cache_len, dict(sample_inputs))
             elif isinstance(pixel_values, torch.Tensor):
                 image_size = sample_image_size(model, pixel_values, sample_inputs.get("image_grid_thw"),
                                                sample_inputs.get("image_sizes"))
@@ -231,6 +237,8 @@ class AotstackExporter(HfExporter):
         metadata = build_export_metadata(model, example, program.methods[first], self.required_packages)
         metadata.packages["aotstack"] = aotstack.__version__
         metadata.export_config = {**json.loads(config.to_json_string()), "max_cache_len": max_cache_len}
+        if "prefill_audio" in program.methods:
+            metadata.export_config["audio_token_id"] = audio_token_id(model)
         if "prefill_images" in program.methods:
             metadata.export_config["image_token_id"] = image_token_id(model)
             metadata.export_config["image_size"] = list(image_size)
@@ -339,6 +347,8 @@ class AotstackModelRunner(ModelRunner):
         image_grid_thw: torch.Tensor | None = None,
         mm_token_type_ids: torch.Tensor | None = None,
         image_sizes: torch.Tensor | None = None,
+        input_features: torch.Tensor | None = None,
+        input_features_mask: torch.Tensor | None = None,
     ) -> Iterator[int]:
         """The new tokens of one prompt, each as it is chosen, under ``config`` (a ``GenerationConfig``).
 
@@ -349,7 +359,9 @@ class AotstackModelRunner(ModelRunner):
         one whose processor cuts images into patches, and ``image_sizes`` for one that keeps each
         image's size, each checked against the export's), all as its processor made them with the
         prompt; ``mm_token_type_ids`` is taken and not needed: the image tokens of the prompt say the
-        same. See ``aotstack.integrations.decoding``.
+        same. An audio-text export takes the prompt's audio as ``input_features`` (and
+        ``input_features_mask``), as its processor made them with the prompt. See
+        ``aotstack.integrations.decoding``.
         """
         limit = self.metadata.export_config.get("max_cache_len")
         if "prefill" in self.methods or "decode" in self.methods and "encode" not in self.methods:
@@ -361,7 +373,10 @@ class AotstackModelRunner(ModelRunner):
                     f"slots; this export has {limit} (export again with a larger max_cache_len)"
                 )
             images = self.prompt_images(pixel_values, token_type_ids, image_grid_thw, image_sizes)
-            return stream_decoder(self.program, prompt, config, seed, images)
+            audio = self.prompt_audio(input_features, input_features_mask)
+            if images is not None and audio is not None:
+                raise GenerationError("aotstack exports a prompt with images or with audio, not both in one prompt")
+            return stream_decoder(self.program, prompt, config, seed, images or audio)
         if "encode" in self.methods:
             if decoder_prompt is None:
                 # As model.generate does: without a decoder start token, the decoder starts from bos (mBART's).
@@ -401,6 +416,20 @@ class AotstackModelRunner(ModelRunner):
         refuse_other_sizes(image_sizes, self.metadata.export_config)
         return PromptImages(pixel_values, int(image_token), () if token_type_ids is None else (token_type_ids,))
 
+    def prompt_audio(
+        self, input_features: torch.Tensor | None, input_features_mask: torch.Tensor | None
+    ) -> PromptAudio | None:
+        """A prompt's audio for ``stream_decoder``; None for a prompt without."""
+        if input_features is None:
+            if input_features_mask is not None:
+                raise GenerationError("input_features_mask was given without the audio (input_features) it describes")
+            return None
+        audio_token = self.metadata.export_config.get("audio_token_id")
+        if audio_token is None:
+            raise GenerationError(f"this export takes no audio in its prompt: it holds the generation stages "
+                                  f"{self.methods}")
+        return PromptAudio(input_features, int(audio_token), input_features_mask)
+
     def generate(
         self,
         input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
@@ -415,6 +444,8 @@ class AotstackModelRunner(ModelRunner):
         image_grid_thw: torch.Tensor | None = None,
         mm_token_type_ids: torch.Tensor | None = None,
         image_sizes: torch.Tensor | None = None,
+        input_features: torch.Tensor | None = None,
+        input_features_mask: torch.Tensor | None = None,
     ) -> list[int] | list[list[int]]:
         """The new tokens of one prompt (a list), or of each row of a batch (a list per row).
 
@@ -422,16 +453,18 @@ class AotstackModelRunner(ModelRunner):
         tokenizer with ``padding_side="left"`` gives it; each row stops at its own eos and gets its
         own tokens, without padding. The file runs batch 1, so rows run one after another; with a
         ``seed``, row ``i`` samples from ``seed + i``. ``pixel_values`` (one prompt's images) as
-        :meth:`stream` takes them.
+        :meth:`stream` takes them, and an audio-text prompt's ``input_features``.
         """
         rows = prompt_rows(input_ids, attention_mask)
         if rows is None:
             tokens = self.stream(input_ids, config, decoder_prompt=decoder_prompt, seed=seed,
                                  pixel_values=pixel_values, token_type_ids=token_type_ids,
-                                 image_grid_thw=image_grid_thw, image_sizes=image_sizes)
+                                 image_grid_thw=image_grid_thw, image_sizes=image_sizes,
+                                 input_features=input_features, input_features_mask=input_features_mask)
             return collected(tokens, on_token)
-        if pixel_values is not None:
-            raise GenerationError(f"images are taken with one prompt at a time; input_ids has {len(rows)} rows")
+        if pixel_values is not None or input_features is not None:
+            raise GenerationError(f"images and audio are taken with one prompt at a time; input_ids has {len(rows)} "
+                                  "rows")
         return [collected(self.stream(row, config, decoder_prompt=decoder_prompt,
                                       seed=None if seed is None else seed + index), on_token)
                 for index, row in enumerate(rows)]
@@ -512,7 +545,8 @@ def generation_config_of(exported: ExportedModel, base: Any = None, **settings: 
     unknown = sorted(set(settings) - set(inspect.signature(generation_settings).parameters))
     if unknown:
         raise GenerationError(f"unknown argument(s) {', '.join(unknown)}: generation takes a prompt's input_ids, "
-                              "attention_mask, pixel_values, token_type_ids, image_grid_thw and image_sizes, and the "
+                              "attention_mask, pixel_values, token_type_ids, image_grid_thw, image_sizes, "
+                              "input_features and input_features_mask, and the "
                               "settings max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, eos")
     config = generation_settings(base if base is not None else exported.generation_config, **settings)
     for name in ("eos_token_id", "decoder_start_token_id", "pad_token_id", "bos_token_id"):
@@ -543,6 +577,8 @@ def generate(
     image_grid_thw: torch.Tensor | None = None,
     mm_token_type_ids: torch.Tensor | None = None,
     image_sizes: torch.Tensor | None = None,
+    input_features: torch.Tensor | None = None,
+    input_features_mask: torch.Tensor | None = None,
     **settings: Any,
 ) -> list[int] | list[list[int]]:
     """Generation from an aotstack ``export_for_generation``, following its generation config.
@@ -554,7 +590,8 @@ def generate(
     ``attention_mask``, a list of new tokens per row. An encoder-decoder's ``input_ids`` may be
     audio features (Whisper's ``input_features``); ``decoder_prompt`` is the decoder's first
     tokens (default: its start token; for Whisper see ``aotstack.integrations.audio``). A
-    vision-language export takes a prompt's images as its processor made them with the prompt.
+    vision-language export takes a prompt's images, and an audio-text one its audio (``input_features``,
+    ``input_features_mask``), as its processor made them with the prompt.
 
     Example::
 
@@ -566,7 +603,8 @@ def generate(
     return runner_of(exported).generate(input_ids, config, attention_mask=attention_mask,
                                         decoder_prompt=decoder_prompt, seed=seed, on_token=on_token,
                                         pixel_values=pixel_values, token_type_ids=token_type_ids,
-                                        image_grid_thw=image_grid_thw, image_sizes=image_sizes)
+                                        image_grid_thw=image_grid_thw, image_sizes=image_sizes,
+                                        input_features=input_features, input_features_mask=input_features_mask)
 
 
 def stream(
@@ -582,6 +620,8 @@ def stream(
     image_grid_thw: torch.Tensor | None = None,
     mm_token_type_ids: torch.Tensor | None = None,
     image_sizes: torch.Tensor | None = None,
+    input_features: torch.Tensor | None = None,
+    input_features_mask: torch.Tensor | None = None,
     **settings: Any,
 ) -> Iterator[int]:
     """The new tokens of one prompt, each as soon as it is chosen: the tokens :func:`generate` returns.
@@ -594,7 +634,8 @@ def stream(
     config = generation_config_of(exported, generation_config, max_new_tokens=max_new_tokens, **settings)
     return runner_of(exported).stream(input_ids, config, decoder_prompt=decoder_prompt, seed=seed,
                                       pixel_values=pixel_values, token_type_ids=token_type_ids,
-                                      image_grid_thw=image_grid_thw, image_sizes=image_sizes)
+                                      image_grid_thw=image_grid_thw, image_sizes=image_sizes,
+                                      input_features=input_features, input_features_mask=input_features_mask)
 
 
 register_backend(AotstackExporter, AotstackModelRunner)
