@@ -117,6 +117,9 @@ def feature_extractor(folder: str | os.PathLike[str]) -> Any:
                                "needs")
     try:
         return AutoFeatureExtractor.from_pretrained(folder, local_files_only=True)
+    except ImportError as exc:  # a library it computes with: Granite Speech's needs torchaudio
+        raise ModelFolderError(f"the feature extractor of {folder} needs a library this environment lacks: "
+                               f"{' '.join(str(exc).split())[:300]}") from exc
     except (ValueError, OSError, KeyError) as exc:
         raise ModelFolderError(f"cannot read the feature extractor of {folder}: {exc}") from exc
 

@@ -97,12 +97,6 @@ class AudioPrefillDecode(PrefillDecode):
         merged = embedded_with_features(self.lm.model, tokens, tokens == self.audio_token, audio_features)
         return self.cached_logits(torch.zeros((), dtype=torch.long), inputs_embeds=merged)
 
-    def clear(self) -> None:
-        """Empty the cache a check wrote."""
-        for layer in self.lm.static_cache.layers:
-            layer.keys.zero_()
-            layer.values.zero_()
-
 
 def one_clip(model: torch.nn.Module, sample: dict[str, Any]) -> tuple[torch.Tensor, ...]:
     """``encode_audio``'s inputs for the first clip of a sample (``input_features``, and its frames mask where the
@@ -141,7 +135,8 @@ def export_audio_text_lm(model: torch.nn.Module, max_cache_len: int, sample: dic
     length = Dim("length", min=1, max=max_cache_len)
     prompt_length = Dim("prompt_length", min=2, max=max_cache_len - 1)
     # torch.export keeps a side the encoder fixes (its mel bins, Whisper-style encoders' frames) and lets the others
-    # vary: GLM-ASR's and Granite Speech's frames, the rows following from them.
+    # vary: GLM-ASR's and Fun-ASR-Nano's frames, the rows following from them (Granite Speech's encoder branches on
+    # its frames, which fixes them).
     clip_shapes = tuple({axis: Dim.AUTO for axis in range(1, part.dim())} for part in clip)
     return export(
         module,
@@ -175,7 +170,7 @@ def check_audio_prompt(
             raise ExportError(f"{type(model).__name__}'s own forward fails on a prompt with a clip of "
                               f"{tuple(clip[0].shape)}: {str(error).splitlines()[0][:300]}") from error
         got = module.prefill_audio(tokens, rows)
-        module.clear()
+        module.clear_cache()
     difference = logits_difference(got, want)
     if difference > logits_tolerance(model.dtype):
         raise ExportError(

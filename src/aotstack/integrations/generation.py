@@ -120,6 +120,12 @@ class PrefillDecode(torch.nn.Module):
                                 use_cache=True, **inputs)
         return outputs.logits[:, -1, :]
 
+    def clear_cache(self) -> None:
+        """Empty the static cache a check before export wrote: the export keeps its buffers' values."""
+        for layer in self.lm.static_cache.layers:
+            layer.keys.zero_()
+            layer.values.zero_()
+
     def attention_mask(self, start: torch.Tensor) -> torch.Tensor | None:
         """None, as transformers' export wrapper passes; ones over the whole cache where ``mask_given``."""
         if not self.mask_given:
@@ -897,9 +903,7 @@ def check_images_prompt(module: ImagePrefillDecode, tokens: torch.Tensor, image:
             forget_rope_shifts(model)
         features = torch.cat([module.encode_images(one) for one in single_images(images, image.shape)])
         got = module.prefill_images(tokens, features, *(reference_inputs[name] for name in module.prompt_inputs))
-        for layer in module.lm.static_cache.layers:
-            layer.keys.zero_()
-            layer.values.zero_()
+        module.clear_cache()
         if module.positions_by_grid:
             module.rope_shift.zero_()
     difference = logits_difference(got, want)

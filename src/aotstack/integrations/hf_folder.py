@@ -666,8 +666,8 @@ def generate_text(
         from .audio import audio_features, speech_decoder_prompt
 
         if prompt is not None or messages is not None or chat:
-            raise GenerationError(f"{folder} transcribes audio alone (its methods: {runner.methods}); give either "
-                                  "audio or a prompt")
+            raise GenerationError(f"{folder} makes a transcript from audio alone (its methods: {runner.methods}); "
+                                  "give either audio or a prompt")
         source: Any = audio_features(folder, audio)
         decoder_prompt = speech_decoder_prompt(runner.program, source, exported.generation_config, exported.config)
         ids: list[int] = []
