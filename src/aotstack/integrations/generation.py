@@ -116,7 +116,8 @@ class PrefillDecode(torch.nn.Module):
     def cached_logits(self, start: torch.Tensor, **inputs: Any) -> torch.Tensor:
         """The model's logits after ``inputs`` (its ``input_ids`` or ``inputs_embeds``, ``[1, length, ...]``),
         written to the cache from slot ``start`` on."""
-        outputs = self.lm.model(attention_mask=self.attention_mask(start), past_key_values=self.cache_from(start),
+        self.start_cache_at(start)
+        outputs = self.lm.model(attention_mask=self.attention_mask(start), past_key_values=self.lm.static_cache,
                                 use_cache=True, **inputs)
         return outputs.logits[:, -1, :]
 
@@ -132,12 +133,16 @@ class PrefillDecode(torch.nn.Module):
             return None
         return torch.ones(1, self.max_cache_len, dtype=torch.long, device=start.device)
 
-    def cache_from(self, start: torch.Tensor) -> Any:
-        """The static cache, set to write the next tokens from slot ``start`` on."""
-        cache = self.lm.static_cache
-        for layer in cache.layers:
-            layer.cumulative_length.copy_(start)
-        return cache
+    def start_cache_at(self, start: torch.Tensor) -> None:
+        """Set the static cache to write the next tokens from slot ``start`` on.
+
+        A layer with no slots is left alone: Gemma 3n's layers that reuse another layer's keys and
+        values write none, so their fill would stay ``start`` itself, and torch.export cannot give
+        one value back as the new value of several buffers.
+        """
+        for layer in self.lm.static_cache.layers:
+            if layer.keys is None or layer.keys.numel():
+                layer.cumulative_length.copy_(start)
 
 
 @dataclass(frozen=True)
@@ -262,7 +267,8 @@ class ImagePrefillDecode(PrefillDecode):
             return super().cached_logits(start, **inputs)
         model = self.lm.model
         # The model's own forward makes these from pixel values, and takes no others: its decoder does.
-        hidden = model.get_decoder()(attention_mask=self.attention_mask(start), past_key_values=self.cache_from(start),
+        self.start_cache_at(start)
+        hidden = model.get_decoder()(attention_mask=self.attention_mask(start), past_key_values=self.lm.static_cache,
                                      use_cache=True, **inputs).last_hidden_state
         return model.get_output_embeddings()(hidden[:, -1, :])
 
