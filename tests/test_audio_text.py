@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,10 +38,10 @@ def drawn_again(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def glm_asr() -> torch.nn.Module:
-    encoder = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+    encoder = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 4,
                "num_key_value_heads": 4, "num_mel_bins": MEL_BINS}
-    config = transformers.GlmAsrConfig(audio_config=encoder, text_config={**TEXT, "model_type": "llama",
-                                                                          "max_position_embeddings": 256},
+    text = {**TEXT, "model_type": "llama", "max_position_embeddings": 256, "num_hidden_layers": 1}
+    config = transformers.GlmAsrConfig(audio_config=encoder, text_config=text,
                                        audio_token_id=VOCAB - 1)
     return drawn_again(transformers.GlmAsrForConditionalGeneration(config))
 
@@ -64,8 +65,9 @@ def test_a_folder_of_an_audio_text_model_answers_a_prompt_about_a_clip_through_t
     result = export_folder(folder, tmp_path / "out", engines="aoti", max_cache_len=128)
     assert {"encode_audio", "prefill_audio", "prefill", "decode"} <= set(result.methods)
     answers = []
-    for seconds in (1.3, 5.5):  # one chunk, and two (the second partly padding)
-        wav = write_wav(tmp_path / f"{seconds}.wav", speech(8000, seconds), 8000)
+    noise = np.random.default_rng(0).uniform(-0.5, 0.5, 8000 * 6)
+    for seconds, clip in ((1.3, speech(8000, 1.3)), (5.5, noise[:44000])):  # one chunk; two, the second part padding
+        wav = write_wav(tmp_path / f"{seconds}.wav", clip, 8000)
         samples = resampled(*read_wav(wav), 16000)  # the WAV is 8 kHz; the extractor takes 16 kHz
         inputs = processor(text=f"{AUDIO_TOKEN}the cat", audio=samples, return_tensors="pt")
         assert inputs["input_features"].shape[0] == (1 if seconds < 4 else 2)
@@ -81,10 +83,11 @@ def test_a_folder_of_an_audio_text_model_answers_a_prompt_about_a_clip_through_t
 
 
 def voxtral() -> torch.nn.Module:
-    encoder = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+    encoder = {"hidden_size": 64, "intermediate_size": 256, "num_hidden_layers": 1, "num_attention_heads": 4,
                "num_mel_bins": MEL_BINS, "max_source_positions": 48}
     # Voxtral's text config defaults to 8 key-value heads, more than the 4 query heads of TEXT.
-    text = {**TEXT, "model_type": "llama", "max_position_embeddings": 256, "num_key_value_heads": 2}
+    text = {**TEXT, "model_type": "llama", "max_position_embeddings": 256, "num_key_value_heads": 2,
+            "num_hidden_layers": 1}
     config = transformers.VoxtralConfig(audio_config=encoder, text_config=text,
                                         audio_token_id=VOCAB - 1)
     return drawn_again(transformers.VoxtralForConditionalGeneration(config))

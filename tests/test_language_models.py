@@ -257,6 +257,32 @@ def test_a_model_that_guards_its_prompts_length_takes_a_one_token_prompt_through
         assert greedy_decoder(loaded, prompt, 8) == want
 
 
+def test_a_decoder_whose_last_layers_reuse_earlier_layers_keys_generates_as_transformers_does(tmp_path):
+    # Gemma 3n's text decoder: its last layers compute no keys or values, reading those the last layer of their kind
+    # before them wrote; their cache layers have no slots. Setting those to the start left one value as the new value
+    # of several buffers, which torch.export refused.
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+    from aotstack.integrations.decoding import greedy_decoder
+
+    torch.manual_seed(0)
+    model = Gemma3nForCausalLM(Gemma3nTextConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=[64] * 3, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_kv_shared_layers=2, altup_num_inputs=2, laurel_rank=8,
+        activation_sparsity_pattern=[0.0] * 3, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16,
+        max_position_embeddings=64, pad_token_id=0, layer_types=["full_attention"] * 3)).eval()
+    aotstack.lower(export_decoder_lm(model, CACHE), [aotstack.AotiCpuPartitioner()], progress=False).save(
+        tmp_path / "gemma3n.pt2")
+    loaded = aotstack.load(tmp_path / "gemma3n.pt2")
+    answers = []
+    for prompt in (PROMPT, [9, 2, 5, 8]):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+        assert greedy_decoder(loaded, prompt, 12) == want
+        answers.append(want)
+    assert answers[0] != answers[1], "the prompt decides the tokens, so the comparison can fail"
+
+
 def small_short_convolution_lm() -> torch.nn.Module:
     """LFM2: short causal convolutions (a kernel of 3, their state in the cache) between attention layers."""
     from transformers import Lfm2Config, Lfm2ForCausalLM
