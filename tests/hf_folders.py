@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import wave
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -26,12 +27,12 @@ TEXT = {"vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hi
         "eos_token_id": 2}
 
 
-def tokenizer(image_token: str | None = None) -> transformers.PreTrainedTokenizerFast:
+def tokenizer(image_token: str | None = None, words: Sequence[str] = ()) -> transformers.PreTrainedTokenizerFast:
     """A word-level tokenizer of ``VOCAB`` entries, made here, not downloaded; with ``image_token``, that special
-    token is its last entry (``VOCAB - 1``)."""
+    token is its last entry (``VOCAB - 1``); ``words`` (a processor's prompt tokens) come before it."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    specials = [image_token] if image_token else []
+    specials = [*words, *([image_token] if image_token else [])]
     names = SPECIAL + WORDS + [f"w{i}" for i in range(VOCAB - len(SPECIAL) - len(WORDS) - len(specials))] + specials
     model = Tokenizer(models.WordLevel({name: i for i, name in enumerate(names)}, unk_token="<unk>"))
     model.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

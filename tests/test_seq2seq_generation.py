@@ -364,6 +364,26 @@ def test_a_recogniser_of_log_mel_frames_of_any_length_decodes_as_transformers_ge
         answers.append(eager)
     assert (answers[0][0] - answers[1][0]).abs().max() > 1e-3, "the audio decides the logits, so the check can fail"
 
+    # Its processor, saved beside the export, builds the decoder prompt for the language spoken: generate --language.
+    prompt_words = ["▁", "<|startofcontext|>", "<|startoftranscript|>", "<|emo:undefined|>", "<|en|>", "<|fr|>",
+                    "<|pnc|>", "<|noitn|>", "<|notimestamp|>", "<|nodiarize|>"]
+    processor = transformers.CohereAsrProcessor(feature_extractor=transformers.CohereAsrFeatureExtractor(
+        feature_size=32), tokenizer=tokenizer(words=prompt_words))
+    processor.save_pretrained(tmp_path / "asr")
+    wav = write_wav(tmp_path / "speech.wav", speech(SAMPLING_RATE, 1.2), SAMPLING_RATE)
+    inputs = processor(read_wav(wav)[0], language="fr", sampling_rate=SAMPLING_RATE)
+    assert inputs["decoder_input_ids"][0, 4:6].tolist() == [processor.tokenizer.convert_tokens_to_ids("<|fr|>")] * 2
+    with torch.no_grad():
+        want = model.generate(input_features=inputs["input_features"], decoder_input_ids=inputs["decoder_input_ids"],
+                              max_new_tokens=5, do_sample=False)[0].tolist()
+    # generate puts the decoder's start token (its bos) before the processor's prompt; the cache of 16 holds all.
+    assert want[:11] == [model.config.bos_token_id, *inputs["decoder_input_ids"][0].tolist()]
+    assert generate_text(tmp_path / "asr", audio=wav, language="fr", max_new_tokens=5).tokens == want[11:]
+    with pytest.raises(GenerationError, match=r"builds its decoder prompt for a language: give the one spoken"):
+        generate_text(tmp_path / "asr", audio=wav, max_new_tokens=5)
+    with pytest.raises(GenerationError, match="Unsupported language: 'xx'"):
+        generate_text(tmp_path / "asr", audio=wav, language="xx", max_new_tokens=5)
+
 
 def test_whisper_export_folder_holds_tokenizer_and_feature_extractor(whisper_export):
     _, output, _ = whisper_export
@@ -497,6 +517,23 @@ def test_generate_transcribes_a_wav_file_from_the_command_line(whisper_export, t
     result = generate_text(folder, audio=wav, max_new_tokens=WHISPER_TOKENS)
     assert result.tokens == expected
     assert not set(expected) & set(suppressed["suppress_tokens"])
+
+    # A multilingual generation config: --language picks the language token, as generate(language=...) does.
+    folder = tmp_path / "multilingual"
+    shutil.copytree(output, folder)
+    multilingual = multilingual_generation_config()
+    multilingual.save_pretrained(folder)
+    with torch.no_grad():
+        expected = model.generate(features, generation_config=multilingual, language="fr",
+                                  max_new_tokens=WHISPER_TOKENS)[0].tolist()
+    capsys.readouterr()
+    assert main(["generate", str(folder), "--audio", str(wav), "--language", "fr", "--max-new-tokens",
+                 str(WHISPER_TOKENS)]) == 0
+    assert capsys.readouterr().out.strip() == tokenizer().decode(expected, skip_special_tokens=True)
+    assert generate_text(folder, audio=wav, language="fr", max_new_tokens=WHISPER_TOKENS).tokens == expected
+    assert generate_text(folder, audio=wav, language="de", max_new_tokens=WHISPER_TOKENS).tokens != expected
+    with pytest.raises(GenerationError, match="takes no language"):
+        generate_text(output, audio=wav, language="fr")
 
     with pytest.raises(GenerationError, match="transcribes speech: give it a WAV file"):
         generate_text(output, "the cat")

@@ -132,6 +132,9 @@ def argument_parser() -> argparse.ArgumentParser:
     generate.add_argument("--audio", default=None, metavar="FILE.wav",
                           help="transcribe a WAV file (an automatic-speech-recognition export, e.g. Whisper), or, "
                                "for an audio-text model (e.g. GLM-ASR, Voxtral), the clip the prompt is about")
+    generate.add_argument("--language", default=None, metavar="CODE",
+                          help="with --audio, the language spoken (en, fr, ...): Whisper's language token, or the "
+                               "language a recogniser's processor builds its decoder prompt for (Cohere's, Canary's)")
     generate.add_argument("--image", default=None, metavar="FILE",
                           help="an image the prompt is about (an image-text-to-text export, e.g. LLaVA or Gemma 3); "
                                "read with Pillow through the model's processor")
@@ -418,7 +421,7 @@ def generate_command(args: argparse.Namespace) -> int:
     result = generate_text(
         args.folder, args.prompt, args.max_new_tokens, chat=args.chat,
         messages=read_messages(args.messages) if args.messages else None, audio=args.audio, image=args.image,
-        seed=args.seed,
+        language=args.language, seed=args.seed,
         on_text=printed if args.stream else None, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         repetition_penalty=args.repetition_penalty, eos=args.eos, do_sample=False if args.greedy else None,
     )

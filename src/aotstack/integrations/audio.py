@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import copy
+import inspect
 import logging
 import math
 import os
@@ -24,7 +26,7 @@ import numpy as np
 import torch
 
 from ..errors import AudioFileError, GenerationError, ModelFolderError
-from .decoding import encoder_state
+from .decoding import decoder_start_id, encoder_state
 
 logger = logging.getLogger("aotstack")
 
@@ -34,6 +36,8 @@ ZERO_CROSSINGS = 16
 RESAMPLE_CHUNK = 8192
 # Where a feature extractor keeps its settings: its own file, or inside a processor's saved by transformers 5.
 SETTINGS_FILES = ("preprocessor_config.json", "processor_config.json")
+# Where a processor of several parts (a feature extractor and a tokenizer) keeps its own settings.
+PROCESSOR_SETTINGS = SETTINGS_FILES[1]
 # Seconds of the clip an audio-text export is traced with: its encoder's frames vary, or are padded to its own.
 SAMPLE_SECONDS = 1
 
@@ -256,3 +260,68 @@ def speech_decoder_prompt(program: Any, features: torch.Tensor, generation_confi
         with torch.no_grad():
             language = detected_language(program.decode(start, *state, torch.tensor([0])), generation_config)
     return whisper_decoder_prompt(generation_config, config, language)
+
+
+def speech_source(
+    folder: Path, wav_path: str | os.PathLike[str], program: Any, exported: Any, language: str | None = None
+) -> tuple[torch.Tensor, list[int]]:
+    """What an encoder-decoder recogniser's ``encode`` takes for a WAV file, and the decoder prompt to start from.
+
+    Where the folder holds a processor that builds the decoder prompt for a language (Cohere's
+    ``language``, Canary's transcription request), it makes both, for ``language``, after the
+    decoder's start token as ``generate`` puts it; else the
+    feature extractor makes the features and the prompt is Whisper's (:func:`speech_decoder_prompt`),
+    with ``language``'s token where given.
+    """
+    made = processor_prompt(folder, wav_path, language)
+    if made is not None:
+        features, prompt = made
+        # As generate does with decoder_input_ids that do not start with the decoder's start token: it goes first.
+        start = decoder_start_id(exported.generation_config, exported.config)
+        return features, prompt if start is None or prompt[:1] == [start] else [start, *prompt]
+    features = audio_features(folder, wav_path)
+    generation_config = exported.generation_config
+    if language is not None:
+        if not getattr(generation_config, "lang_to_id", None):
+            raise GenerationError(f"{folder}'s model takes no language: neither its generation config (lang_to_id) "
+                                  "nor its processor names any")
+        generation_config = copy.deepcopy(generation_config)
+        generation_config.language = language
+    return features, speech_decoder_prompt(program, features, generation_config, exported.config)
+
+
+def processor_prompt(
+    folder: Path, wav_path: str | os.PathLike[str], language: str | None
+) -> tuple[torch.Tensor, list[int]] | None:
+    """The features of a WAV file and the decoder prompt, both from the processor in ``folder``, where it builds a
+    decoder prompt for a language (Cohere's takes ``language``; Canary's transcription request ``source_language``,
+    English by default); None where there is no such processor."""
+    if not (folder / PROCESSOR_SETTINGS).is_file():
+        return None
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
+    except (ImportError, ValueError, OSError, KeyError, TypeError) as exc:
+        raise ModelFolderError(f"cannot build the processor of {folder}: {' '.join(str(exc).split())[:300]}") from exc
+    request = getattr(processor, "apply_transcription_request", None)
+    takes_language = "language" in inspect.signature(processor.__call__).parameters
+    by_request = callable(request) and "source_language" in inspect.signature(request).parameters
+    if not (takes_language or by_request):
+        return None
+    rate = int(processor.feature_extractor.sampling_rate)
+    samples = resampled(*read_wav(wav_path), rate)
+    if not by_request and language is None:
+        raise GenerationError(f"the processor of {folder} ({type(processor).__name__}) builds its decoder prompt for "
+                              "a language: give the one spoken (--language, e.g. en)")
+    try:
+        if by_request:
+            made = request(samples, **({"source_language": language} if language else {}))
+        else:
+            made = processor(samples, language=language, sampling_rate=rate)
+    except ValueError as exc:  # a language it does not know: its message lists those it does
+        raise GenerationError(f"{type(processor).__name__}: {exc}") from exc
+    prompt = made.get("decoder_input_ids")
+    if prompt is None:
+        return None
+    return made["input_features"], [int(token) for token in torch.as_tensor(prompt).reshape(-1).tolist()]

@@ -560,6 +560,18 @@ def program_methods(program: Any) -> list[str]:
     return [name for name in ("prefill", "decode", "encode") if callable(getattr(program, name, None))]
 
 
+def decoder_start_id(*configs: Any) -> int | None:
+    """The token an encoder-decoder's ``generate`` starts its decoder from: the first of ``configs`` (a
+    generation config, then the model's) that names a decoder start token, else one that names a bos token (mBART's
+    decoder starts from bos); None where none does."""
+    for name in ("decoder_start_token_id", "bos_token_id"):
+        for config in configs:
+            token = getattr(config, name, None)
+            if isinstance(token, int):
+                return token
+    return None
+
+
 def stream_encoder_decoder(
     program: Any, source: torch.Tensor, decoder_prompt: Sequence[int], config: Any, seed: int | None = None
 ) -> Iterator[int]:

@@ -610,6 +610,7 @@ def generate_text(
     messages: list[dict[str, Any]] | None = None,
     audio: str | os.PathLike[str] | None = None,
     image: str | os.PathLike[str] | None = None,
+    language: str | None = None,
     seed: int | None = None,
     on_text: Callable[[str], None] | None = None,
     **settings: Any,
@@ -623,7 +624,9 @@ def generate_text(
     whole conversation; either goes through the tokenizer's chat template. ``audio`` (an
     automatic-speech-recognition export) is a WAV file to transcribe, or, for an audio-text model
     (GLM-ASR's, Voxtral's), the clip the prompt is about (no prompt: the processor's own
-    transcription request); ``image`` (an
+    transcription request); ``language`` is the language spoken in ``audio``, for a recogniser:
+    Whisper's language token (else its generation config's, or detected), or the language the
+    processor saved with a recogniser builds its decoder prompt for (Cohere's, Canary's); ``image`` (an
     image-text-to-text export) a picture the prompt is about, read through the model's processor
     (which needs Pillow). ``on_text`` is told each piece of text as it is generated.
     """
@@ -639,6 +642,8 @@ def generate_text(
     require_any(folder, TOKENIZER_FILES, "tokenizer", "generate")
     if audio is not None and image is not None:
         raise GenerationError("give either an image or audio, not both")
+    if language is not None and audio is None:
+        raise GenerationError("a language is the one spoken in the audio: give it with audio (--audio FILE.wav)")
     started = time.perf_counter()
     exported = ExportedModel.from_pretrained(folder, local_files_only=True)
     runner = runner_of(exported)
@@ -660,16 +665,18 @@ def generate_text(
         media = image_prompt(folder, image, prompt, chat, messages, runner.metadata.export_config)
         source = ids = media.pop("input_ids")[0].tolist()
     elif audio is not None and "prefill_audio" in runner.methods:
+        if language is not None:
+            raise GenerationError(f"{folder} hears audio with a prompt: say what to do with it in the prompt, not "
+                                  "with a language")
         media = audio_prompt(folder, audio, prompt, chat, messages)
         source = ids = media.pop("input_ids")[0].tolist()
     elif audio is not None:
-        from .audio import audio_features, speech_decoder_prompt
+        from .audio import speech_source
 
         if prompt is not None or messages is not None or chat:
             raise GenerationError(f"{folder} makes a transcript from audio alone (its methods: {runner.methods}); "
                                   "give either audio or a prompt")
-        source: Any = audio_features(folder, audio)
-        decoder_prompt = speech_decoder_prompt(runner.program, source, exported.generation_config, exported.config)
+        source, decoder_prompt = speech_source(folder, audio, runner.program, exported, language)
         ids: list[int] = []
         if max_new_tokens is None and getattr(exported.generation_config, "max_new_tokens", None) is None:
             cache = runner.metadata.export_config.get("max_cache_len") or DEFAULT_NEW_TOKENS

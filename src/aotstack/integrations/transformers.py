@@ -55,6 +55,7 @@ from .decoding import (
     PromptAudio,
     PromptImages,
     collected,
+    decoder_start_id,
     generation_settings,
     new_token_limit,
     stream_decoder,
@@ -379,10 +380,7 @@ class AotstackModelRunner(ModelRunner):
             return stream_decoder(self.program, prompt, config, seed, images or audio)
         if "encode" in self.methods:
             if decoder_prompt is None:
-                # As model.generate does: without a decoder start token, the decoder starts from bos (mBART's).
-                start = getattr(config, "decoder_start_token_id", None)
-                if start is None:
-                    start = getattr(config, "bos_token_id", None)
+                start = decoder_start_id(config)
                 if start is None:
                     raise GenerationError("an encoder-decoder export needs a decoder start token to generate: "
                                           "set decoder_start_token_id or bos_token_id in its generation config, or "
