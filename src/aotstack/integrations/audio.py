@@ -36,8 +36,6 @@ ZERO_CROSSINGS = 16
 RESAMPLE_CHUNK = 8192
 # Where a feature extractor keeps its settings: its own file, or inside a processor's saved by transformers 5.
 SETTINGS_FILES = ("preprocessor_config.json", "processor_config.json")
-# Where a processor of several parts (a feature extractor and a tokenizer) keeps its own settings.
-PROCESSOR_SETTINGS = SETTINGS_FILES[1]
 # Seconds of the clip an audio-text export is traced with: its encoder's frames vary, or are padded to its own.
 SAMPLE_SECONDS = 1
 
@@ -263,17 +261,22 @@ def speech_decoder_prompt(program: Any, features: torch.Tensor, generation_confi
 
 
 def speech_source(
-    folder: Path, wav_path: str | os.PathLike[str], program: Any, exported: Any, language: str | None = None
+    folder: Path,
+    wav_path: str | os.PathLike[str],
+    program: Any,
+    exported: Any,
+    language: str | None = None,
+    processor: Any = None,
 ) -> tuple[torch.Tensor, list[int]]:
     """What an encoder-decoder recogniser's ``encode`` takes for a WAV file, and the decoder prompt to start from.
 
-    Where the folder holds a processor that builds the decoder prompt for a language (Cohere's
+    Where the folder's ``processor`` builds the decoder prompt for a language (Cohere's
     ``language``, Canary's transcription request), it makes both, for ``language``, after the
     decoder's start token as ``generate`` puts it; else the
     feature extractor makes the features and the prompt is Whisper's (:func:`speech_decoder_prompt`),
     with ``language``'s token where given.
     """
-    made = processor_prompt(folder, wav_path, language)
+    made = None if processor is None else processor_prompt(processor, wav_path, language)
     if made is not None:
         features, prompt = made
         # As generate does with decoder_input_ids that do not start with the decoder's start token: it goes first.
@@ -291,19 +294,11 @@ def speech_source(
 
 
 def processor_prompt(
-    folder: Path, wav_path: str | os.PathLike[str], language: str | None
+    processor: Any, wav_path: str | os.PathLike[str], language: str | None
 ) -> tuple[torch.Tensor, list[int]] | None:
-    """The features of a WAV file and the decoder prompt, both from the processor in ``folder``, where it builds a
-    decoder prompt for a language (Cohere's takes ``language``; Canary's transcription request ``source_language``,
-    English by default); None where there is no such processor."""
-    if not (folder / PROCESSOR_SETTINGS).is_file():
-        return None
-    from transformers import AutoProcessor
-
-    try:
-        processor = AutoProcessor.from_pretrained(folder, local_files_only=True)
-    except (ImportError, ValueError, OSError, KeyError, TypeError) as exc:
-        raise ModelFolderError(f"cannot build the processor of {folder}: {' '.join(str(exc).split())[:300]}") from exc
+    """The features of a WAV file and the decoder prompt, both from ``processor``, where it builds a decoder prompt
+    for a language (Cohere's takes ``language``; Canary's transcription request ``source_language``, English by
+    default); None where it does not."""
     request = getattr(processor, "apply_transcription_request", None)
     takes_language = "language" in inspect.signature(processor.__call__).parameters
     by_request = callable(request) and "source_language" in inspect.signature(request).parameters
@@ -312,8 +307,8 @@ def processor_prompt(
     rate = int(processor.feature_extractor.sampling_rate)
     samples = resampled(*read_wav(wav_path), rate)
     if not by_request and language is None:
-        raise GenerationError(f"the processor of {folder} ({type(processor).__name__}) builds its decoder prompt for "
-                              "a language: give the one spoken (--language, e.g. en)")
+        raise GenerationError(f"{type(processor).__name__} builds its decoder prompt for a language: give the one "
+                              "spoken (--language, e.g. en)")
     try:
         if by_request:
             made = request(samples, **({"source_language": language} if language else {}))

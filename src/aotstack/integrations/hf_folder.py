@@ -676,7 +676,9 @@ def generate_text(
         if prompt is not None or messages is not None or chat:
             raise GenerationError(f"{folder} makes a transcript from audio alone (its methods: {runner.methods}); "
                                   "give either audio or a prompt")
-        source, decoder_prompt = speech_source(folder, audio, runner.program, exported, language)
+        # A processor of several parts (a feature extractor and a tokenizer) keeps its own settings file.
+        processor = folder_processor(folder) if (folder / SETTINGS_FILES[1]).is_file() else None
+        source, decoder_prompt = speech_source(folder, audio, runner.program, exported, language, processor)
         ids: list[int] = []
         if max_new_tokens is None and getattr(exported.generation_config, "max_new_tokens", None) is None:
             cache = runner.metadata.export_config.get("max_cache_len") or DEFAULT_NEW_TOKENS
