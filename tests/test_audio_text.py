@@ -18,7 +18,7 @@ import aotstack.integrations.transformers as aotstack_hf  # noqa: E402
 from aotstack.cli import main  # noqa: E402
 from aotstack.errors import GenerationError, UnsupportedModelError  # noqa: E402
 from aotstack.integrations.audio import read_wav, resampled  # noqa: E402
-from aotstack.integrations.hf_folder import export_folder  # noqa: E402
+from aotstack.integrations.hf_folder import DEFAULT_NEW_TOKENS, export_folder, generate_text  # noqa: E402
 from tests.hf_folders import TEXT, VOCAB, speech, tokenizer, write_wav  # noqa: E402
 
 AUDIO_TOKEN = "<|pad|>"
@@ -49,8 +49,12 @@ def glm_asr() -> torch.nn.Module:
 def glm_asr_processor() -> transformers.ProcessorMixin:
     # Chunks of 4 s, each padded to 400 frames with its mask: a longer clip is cut into several.
     features = transformers.WhisperFeatureExtractor(feature_size=MEL_BINS, chunk_length=4)
+    # A chat template as GLM-ASR's puts a clip and a request in a user turn: its transcription request goes through it.
+    template = ("{% for m in messages %}{{ m['role'] }}{% for c in m['content'] %}{% if c['type'] == 'audio' %}"
+                f"{AUDIO_TOKEN}" "{% else %} {{ c['text'] }}{% endif %}{% endfor %}{% endfor %} assistant")
     return transformers.GlmAsrProcessor(feature_extractor=features, tokenizer=tokenizer(AUDIO_TOKEN),
-                                        audio_token=AUDIO_TOKEN)
+                                        audio_token=AUDIO_TOKEN, chat_template=template,
+                                        default_transcription_prompt="the cat sat")
 
 
 def test_a_folder_of_an_audio_text_model_answers_a_prompt_about_a_clip_through_the_cli_as_transformers_does(
@@ -80,6 +84,14 @@ def test_a_folder_of_an_audio_text_model_answers_a_prompt_about_a_clip_through_t
         assert capsys.readouterr().out.strip() == processor.tokenizer.decode(want, skip_special_tokens=True)
         answers.append(want)
     assert answers[0] != answers[1], "the clip decides the answer, so the comparison can fail"
+
+    # No prompt: the processor's own transcription request, and a transcript as long as the cache leaves room for.
+    inputs = processor.apply_transcription_request(samples)
+    prompt = inputs["input_ids"].shape[1]
+    with torch.no_grad():
+        want = model.generate(**inputs, max_new_tokens=128 - prompt, do_sample=False)[0, prompt:].tolist()
+    assert len(want) > DEFAULT_NEW_TOKENS, "past the default for a text prompt, so the comparison can fail"
+    assert generate_text(tmp_path / "out", audio=wav).tokens == want
 
 
 def voxtral() -> torch.nn.Module:

@@ -619,9 +619,9 @@ def generate_text(
 
     Follows the export's generation config (greedy or sampled, its eos tokens), overridden by
     ``settings`` (``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``do_sample``,
-    ``eos``); ``max_new_tokens`` defaults to the config's, else 32 (a transcript: until its end,
-    as far as the cache holds). ``chat`` wraps ``prompt`` as a user message, ``messages`` is a
-    whole conversation; either goes through the tokenizer's chat template. ``audio`` (an
+    ``eos``); ``max_new_tokens`` defaults to the config's, else 32 (with audio, a transcript or an
+    answer about it: until its end, as far as the cache holds). ``chat`` wraps ``prompt`` as a user
+    message, ``messages`` is a whole conversation; either goes through the tokenizer's chat template. ``audio`` (an
     automatic-speech-recognition export) is a WAV file to transcribe, or, for an audio-text model
     (GLM-ASR's, Voxtral's), the clip the prompt is about (no prompt: the processor's own
     transcription request); ``language`` is the language spoken in ``audio``, for a recogniser:
@@ -680,15 +680,16 @@ def generate_text(
         processor = folder_processor(folder) if (folder / SETTINGS_FILES[1]).is_file() else None
         source, decoder_prompt = speech_source(folder, audio, runner.program, exported, language, processor)
         ids: list[int] = []
-        if max_new_tokens is None and getattr(exported.generation_config, "max_new_tokens", None) is None:
-            cache = runner.metadata.export_config.get("max_cache_len") or DEFAULT_NEW_TOKENS
-            max_new_tokens = max(cache - len(decoder_prompt), 1)
     else:
         if "encode" in runner.methods and (folder / PROCESSOR_FILE).is_file():
             raise GenerationError(f"{folder} transcribes speech: give it a WAV file (--audio FILE.wav)")
         source = ids = prompt_ids(tokenizer, folder, prompt, chat, messages)
     if max_new_tokens is None and getattr(exported.generation_config, "max_new_tokens", None) is None:
-        max_new_tokens = DEFAULT_NEW_TOKENS
+        # What is said in a clip is as long as it is: a transcript or an answer about audio runs to its end, as far as
+        # the cache holds.
+        cache = runner.metadata.export_config.get("max_cache_len")
+        spent = len(decoder_prompt if decoder_prompt is not None else ids)
+        max_new_tokens = max(cache - spent, 1) if audio is not None and cache else DEFAULT_NEW_TOKENS
     config = generation_config_of(exported, max_new_tokens=max_new_tokens, **settings)
 
     stamps: list[float] = []
