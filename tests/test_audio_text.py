@@ -14,6 +14,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from transformers.exporters import ExportedModel  # noqa: E402
+
 import aotstack.integrations.transformers as aotstack_hf  # noqa: E402
 from aotstack.cli import main  # noqa: E402
 from aotstack.errors import GenerationError, UnsupportedModelError  # noqa: E402
@@ -68,6 +70,7 @@ def test_a_folder_of_an_audio_text_model_answers_a_prompt_about_a_clip_through_t
     processor.save_pretrained(folder)
     result = export_folder(folder, tmp_path / "out", engines="aoti", max_cache_len=128)
     assert {"encode_audio", "prefill_audio", "prefill", "decode"} <= set(result.methods)
+    exported = ExportedModel.from_pretrained(tmp_path / "out")
     answers = []
     noise = np.random.default_rng(0).uniform(-0.5, 0.5, 8000 * 6)
     for seconds, clip in ((1.3, speech(8000, 1.3)), (5.5, noise[:44000])):  # one chunk; two, the second part padding
@@ -82,6 +85,8 @@ def test_a_folder_of_an_audio_text_model_answers_a_prompt_about_a_clip_through_t
         assert main(["generate", str(tmp_path / "out"), "--audio", str(wav), "--prompt", "the cat",
                      "--max-new-tokens", str(NEW_TOKENS)]) == 0
         assert capsys.readouterr().out.strip() == processor.tokenizer.decode(want, skip_special_tokens=True)
+        # In Python, everything the processor gives (its attention_mask too), as model.generate takes it.
+        assert aotstack_hf.generate(exported, **inputs, max_new_tokens=NEW_TOKENS) == want
         answers.append(want)
     assert answers[0] != answers[1], "the clip decides the answer, so the comparison can fail"
 

@@ -447,15 +447,18 @@ class AotstackModelRunner(ModelRunner):
     ) -> list[int] | list[list[int]]:
         """The new tokens of one prompt (a list), or of each row of a batch (a list per row).
 
-        A batch is ``input_ids`` of several rows, left-padded where ``attention_mask`` is 0, as a
+        One row is one prompt, with or without its ``attention_mask`` (a processor's output, passed
+        whole). A batch is ``input_ids`` of several rows, left-padded where ``attention_mask`` is 0, as a
         tokenizer with ``padding_side="left"`` gives it; each row stops at its own eos and gets its
         own tokens, without padding. The file runs batch 1, so rows run one after another; with a
         ``seed``, row ``i`` samples from ``seed + i``. ``pixel_values`` (one prompt's images) as
         :meth:`stream` takes them, and an audio-text prompt's ``input_features``.
         """
         rows = prompt_rows(input_ids, attention_mask)
-        if rows is None:
-            tokens = self.stream(input_ids, config, decoder_prompt=decoder_prompt, seed=seed,
+        if rows is None or len(rows) == 1:
+            # One prompt, its mask as its processor gives it (all ones, or left padding to drop).
+            tokens = self.stream(input_ids if rows is None else rows[0], config, decoder_prompt=decoder_prompt,
+                                 seed=seed,
                                  pixel_values=pixel_values, token_type_ids=token_type_ids,
                                  image_grid_thw=image_grid_thw, image_sizes=image_sizes,
                                  input_features=input_features, input_features_mask=input_features_mask)
@@ -584,8 +587,8 @@ def generate(
     Greedy or sampled as the config says, overridden by ``settings`` (``temperature``, ``top_k``,
     ``top_p``, ``repetition_penalty``, ``do_sample``, ``eos``). Returns the new tokens, as
     ``torch.manual_seed(seed); model.generate(input_ids, max_new_tokens=...)[0, len(prompt):]``
-    would (an encoder-decoder's without its decoder prompt); for a left-padded batch with its
-    ``attention_mask``, a list of new tokens per row. An encoder-decoder's ``input_ids`` may be
+    would (an encoder-decoder's without its decoder prompt); for a left-padded batch of several rows
+    with its ``attention_mask``, a list of new tokens per row. An encoder-decoder's ``input_ids`` may be
     audio features (Whisper's ``input_features``); ``decoder_prompt`` is the decoder's first
     tokens (default: its start token; for Whisper see ``aotstack.integrations.audio``). A
     vision-language export takes a prompt's images, and an audio-text one its audio (``input_features``,
