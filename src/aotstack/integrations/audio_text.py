@@ -1,4 +1,5 @@
-"""Audio-text LMs (Voxtral, GLM-ASR, Granite Speech, Audio Flamingo 3): a decoder whose prompt holds audio.
+"""Audio-text LMs (GLM-ASR, Voxtral, Audio Flamingo 3, Fun-ASR-Nano, Granite Speech): a decoder whose prompt holds
+audio.
 
 Such a model's processor turns a clip into log-mel frames (``input_features``) and puts as many
 audio tokens in the prompt as the clip's features have rows; its forward runs ``get_audio_features``
