@@ -26,6 +26,7 @@ from .generation import (
     holds_states,
     logits_difference,
     logits_tolerance,
+    refuse_without_room,
     rows_of,
 )
 
@@ -99,15 +100,15 @@ class AudioPrefillDecode(PrefillDecode):
         return self.cached_logits(torch.zeros((), dtype=torch.long), inputs_embeds=merged)
 
 
-def one_clip(model: torch.nn.Module, sample: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+def one_clip(sample: dict[str, Any], frames_masked: bool) -> tuple[torch.Tensor, ...]:
     """``encode_audio``'s inputs for the first clip of a sample (``input_features``, and its frames mask where the
-    model reads one), as the processor made them."""
+    model reads one: ``frames_masked``), as the processor made them."""
     features = sample.get("input_features")
     if not isinstance(features, torch.Tensor) or features.dim() < 3:
         raise ExportError("an audio-text export needs input_features as its processor makes them, [clips, ...]; got "
                           f"{None if features is None else tuple(getattr(features, 'shape', ()))}")
     clip = (features[:1],)
-    if not reads_frames_mask(model):
+    if not frames_masked:
         return clip
     mask = sample.get(FRAMES_MASK)
     if mask is None:
@@ -124,14 +125,11 @@ def export_audio_text_lm(model: torch.nn.Module, max_cache_len: int, sample: dic
     prompt and clip: a model that reads a prompt with audio another way is refused.
     """
     module = AudioPrefillDecode(model, max_cache_len).eval()
-    clip = one_clip(model, sample)
+    clip = one_clip(sample, module.frames_masked)
     with torch.no_grad():
         rows = module.encode_audio(*clip)
     tokens = torch.tensor([[1, 2] + [module.audio_token] * rows.shape[0] + [1, 2]], dtype=torch.long)
-    if tokens.shape[1] >= max_cache_len:
-        raise ExportError(f"{type(model).__name__}: a clip of {tuple(clip[0].shape)} takes {rows.shape[0]} tokens, "
-                          f"which leave no room for a prompt and its answer in the cache's {max_cache_len} slots; "
-                          "export with a larger max_cache_len")
+    refuse_without_room(model, f"a clip of {tuple(clip[0].shape)}", rows.shape[0], tokens.shape[1], max_cache_len)
     check_audio_prompt(module, tokens, clip, rows)
     length = Dim("length", min=1, max=max_cache_len)
     prompt_length = Dim("prompt_length", min=2, max=max_cache_len - 1)

@@ -822,10 +822,7 @@ def export_image_text_lm(
         count = 2 if 2 * rows + 5 < max_cache_len else 1
         image_tokens = [module.image_token] * rows
         tokens = torch.tensor([[1, 2] + (image_tokens + [1]) * count + [2]], dtype=torch.long)
-        if tokens.shape[1] >= max_cache_len:
-            raise ExportError(f"{type(model).__name__}: an image takes {rows} tokens, which leave no room for a "
-                              f"prompt and its answer in the cache's {max_cache_len} slots; export with a larger "
-                              "max_cache_len")
+        refuse_without_room(model, "an image", rows, tokens.shape[1], max_cache_len)
         check_images_prompt(module, tokens, image, count)
         length = Dim("length", min=1, max=max_cache_len)
         # Qwen3-VL's decoder adds its inner image features at the rows a mask picks, a count torch cannot tell from 1
@@ -853,6 +850,14 @@ def export_image_text_lm(
             # reads numpy on a shape there as a branch on data (LLaVA-NeXT's np.prod over an image's features).
             strict={"prefill": True, "decode": True, "encode_images": False, "prefill_images": True},
         )
+
+
+def refuse_without_room(model: torch.nn.Module, what: str, rows: int, sample_length: int, max_cache_len: int) -> None:
+    """Refuse, before anything is traced, an image or clip (``what``) of ``rows`` tokens whose sample prompt of
+    ``sample_length`` tokens leaves no room for an answer in the cache."""
+    if sample_length >= max_cache_len:
+        raise ExportError(f"{type(model).__name__}: {what} takes {rows} tokens, which leave no room for a prompt and "
+                          f"its answer in the cache's {max_cache_len} slots; export with a larger max_cache_len")
 
 
 def example_image(
