@@ -24,8 +24,7 @@ from .generation import (
     PrefillDecode,
     embedded_with_features,
     holds_states,
-    logits_difference,
-    logits_tolerance,
+    refuse_unfollowed_prompt,
     refuse_without_room,
     rows_of,
 )
@@ -170,10 +169,4 @@ def check_audio_prompt(
                               f"{tuple(clip[0].shape)}: {str(error).splitlines()[0][:300]}") from error
         got = module.prefill_audio(tokens, rows)
         module.clear_cache()
-    difference = logits_difference(got, want)
-    if difference > logits_tolerance(model.dtype):
-        raise ExportError(
-            f"{type(model).__name__}: a prompt with audio, its clip's features put in place of its audio tokens, "
-            f"gives logits {difference:.2g} off (relative to the largest) from the model's own forward: it reads a "
-            "prompt with audio in a way aotstack's export does not follow"
-        )
+    refuse_unfollowed_prompt(model, got, want, "audio", "its clip's features put in place of its audio tokens")

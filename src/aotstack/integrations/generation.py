@@ -917,12 +917,20 @@ def check_images_prompt(module: ImagePrefillDecode, tokens: torch.Tensor, image:
         module.clear_cache()
         if module.positions_by_grid:
             module.rope_shift.zero_()
+    refuse_unfollowed_prompt(model, got, want, "images", "its features put in place of its image tokens")
+
+
+def refuse_unfollowed_prompt(
+    model: torch.nn.Module, got: torch.Tensor, want: torch.Tensor, media: str, placed: str
+) -> None:
+    """Refuse a model whose own forward over a prompt with ``media`` gives logits (``want``) other than the export's
+    merge (``got``: ``placed`` says how it puts the features in)."""
     difference = logits_difference(got, want)
     if difference > logits_tolerance(model.dtype):
         raise ExportError(
-            f"{type(model).__name__}: a prompt with images, its features put in place of its image tokens, gives "
-            f"logits {difference:.2g} off (relative to the largest) from the model's own forward: it reads a "
-            "prompt with images in a way aotstack's export does not follow"
+            f"{type(model).__name__}: a prompt with {media}, {placed}, gives logits {difference:.2g} off (relative "
+            f"to the largest) from the model's own forward: it reads a prompt with {media} in a way aotstack's "
+            "export does not follow"
         )
 
 
