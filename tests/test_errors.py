@@ -22,10 +22,15 @@ def linear_path(lowered_package):
     return lowered_package("linear")[1]
 
 
-def test_all_errors_share_one_base():
-    for error in (aotstack.PackageError, aotstack.InputError, aotstack.LoweringError, aotstack.ExportError,
-                  aotstack.BackendNotFoundError, aotstack.MethodNotFoundError, aotstack.SaveError):
+def test_all_errors_share_one_base_and_are_named_by_aotstack():
+    from aotstack import errors
+
+    classes = [value for value in vars(errors).values() if isinstance(value, type) and issubclass(value, Exception)]
+    assert len(classes) > 10
+    for error in classes:
         assert issubclass(error, aotstack.AotstackError)
+        # A user catches what export-hf or generate raises by the name aotstack gives it.
+        assert getattr(aotstack, error.__name__) is error
 
 
 def test_a_file_that_is_not_an_archive_is_refused(tmp_path):

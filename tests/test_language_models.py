@@ -353,6 +353,24 @@ def test_a_model_keeping_its_states_outside_its_cache_is_refused_not_exported_wr
         export_decoder_lm(model, CACHE)
 
 
+def test_a_model_whose_cache_layers_static_caches_lack_is_refused_by_layer_type():
+    # DeepSeek-V4's compressed attention has a layer only its own dynamic cache holds: export raised a bare
+    # KeyError('heavily_compressed_attention') from inside transformers before.
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    import aotstack.integrations.transformers as aot_hf
+
+    torch.manual_seed(0)
+    model = DeepseekV4ForCausalLM(DeepseekV4Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=16, max_position_embeddings=64)).eval()
+    kinds = sorted(set(model.config.layer_types))
+    with pytest.raises(aotstack.UnsupportedModelError, match=(
+            f"DeepseekV4ForCausalLM cannot be exported for generation with a static cache: transformers' StaticCache "
+            f"has no static layer for layer type '{kinds[0]}'")):
+        aot_hf.AotstackExporter().export_for_generation(
+            model, {"input_ids": torch.tensor([PROMPT])}, aot_hf.AotstackConfig(engines="aoti", max_cache_len=CACHE))
+
 def test_a_hybrid_whose_prompt_loops_over_its_length_exports_decode_alone_and_generates(tmp_path, caplog):
     from transformers import MambaConfig, MambaForCausalLM
 

@@ -61,6 +61,24 @@ def static_cache_generation(model: torch.nn.Module) -> Iterator[None]:
         model.generation_config = original
 
 
+def static_cache(config: Any, max_cache_len: int) -> Any:
+    """transformers' ``StaticCache`` of ``max_cache_len`` slots for a model of ``config``.
+
+    A layer type it has no static layer for (DeepSeek-V4's compressed attention, which only its
+    own dynamic cache holds) is an ``ExportError`` naming it: generation is exported over a static cache.
+    """
+    from transformers import StaticCache
+
+    try:
+        return StaticCache(max_cache_len=max_cache_len, config=config)
+    except KeyError as error:
+        kinds = sorted(set(getattr(config, "layer_types", None) or ()))
+        raise ExportError(
+            f"transformers' StaticCache has no static layer for layer type {error.args[0]!r} (the config's layer "
+            f"types: {', '.join(map(repr, kinds)) or 'none listed'}); aotstack exports generation over a static cache"
+        ) from error
+
+
 class PrefillDecode(torch.nn.Module):
     """A causal LM behind two methods that update one static KV cache held in buffers."""
 
@@ -471,13 +489,9 @@ def linear_attention_layer_class() -> type | None:
 
 def holds_states(model: torch.nn.Module, max_cache_len: int) -> bool:
     """Whether ``model``'s static cache has a layer of convolution or recurrent states (a hybrid decoder)."""
-    from transformers import StaticCache
-
+    cache = static_cache(model.config.get_text_config(), max_cache_len)
     layer_class = linear_attention_layer_class()
-    if layer_class is None:
-        return False
-    cache = StaticCache(max_cache_len=max_cache_len, config=model.config.get_text_config())
-    return any(isinstance(layer, layer_class) for layer in cache.layers)
+    return layer_class is not None and any(isinstance(layer, layer_class) for layer in cache.layers)
 
 
 class StateCacheLM(torch.nn.Module):
@@ -492,13 +506,12 @@ class StateCacheLM(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, max_cache_len: int) -> None:
         super().__init__()
-        from transformers import StaticCache
         from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
         self.model = model
         # Mamba's models take their cache as ``cache_params``.
         self.cache_argument = cache_argument(model)
-        self.static_cache = StaticCache(max_cache_len=max_cache_len, config=model.config.get_text_config())
+        self.static_cache = static_cache(model.config.get_text_config(), max_cache_len)
         layers = self.static_cache.layers
         for index, layer in enumerate(layers):
             # A sliding window's wrap-around branches on the position: a plain static layer, as transformers' own

@@ -27,6 +27,7 @@ from transformers.modeling_outputs import BaseModelOutput
 
 from ..compile.export import Program, export
 from ..errors import ExportError, UnsupportedModelError
+from .generation import static_cache
 
 
 def decoder_start_token(config: Any) -> int:
@@ -97,14 +98,13 @@ class CachedCrossAttentionDecoder(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, max_cache_len: int) -> None:
         super().__init__()
-        from transformers.cache_utils import StaticCache
         from transformers.integrations.executorch import get_head_shapes
 
         self.model = model
         # The decoder's own config, where the model keeps one (Canary's decoder_config).
         decoder = model.config.get_text_config(decoder=True)
         self.hidden_size = getattr(decoder, "d_model", None) or decoder.hidden_size
-        self.self_attention = StaticCache(config=decoder, max_cache_len=max_cache_len)
+        self.self_attention = static_cache(decoder, max_cache_len)
         heads, head_size = get_head_shapes(decoder)
         dtype = next(model.parameters()).dtype
         self.self_attention.early_initialization(1, heads, head_size, dtype, next(model.parameters()).device)
