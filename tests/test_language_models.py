@@ -454,3 +454,23 @@ def test_a_layer_holding_both_states_and_keys_has_both_in_buffers():
     cache = {name for name, _ in wrapped.lm.named_buffers(recurse=False)}
     assert cache == {f"{kind}_{layer}" for kind in ("conv_states", "recurrent_states") for layer in ("0_0", "1_0")} | {
         f"{kind}_{layer}" for kind in ("key_cache", "value_cache", "cumulative_length") for layer in (0, 1)}
+
+
+def test_a_layer_holding_states_beside_a_sliding_windows_keys_keeps_both():
+    # Inkling's "hybrid_sliding" layers hold short convolutions' states beside a sliding window's keys. The wrapper
+    # put a plain static layer in place of every sliding window, so the model's first call failed ("Cannot get
+    # conv state for non linear attention layer 0 of type StaticLayer").
+    from transformers import InklingForCausalLM, InklingTextConfig
+
+    torch.manual_seed(0)
+    config = InklingTextConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                               pad_token_id=0)
+    assert set(config.layer_types) == {"hybrid_sliding"}
+    # Building the wrapper checks a prompt and two tokens through its cache against transformers' own.
+    wrapped = PrefillDecode(InklingForCausalLM(config).eval(), CACHE)
+    cache = {name for name, _ in wrapped.lm.named_buffers(recurse=False)}
+    for layer in (0, 1):
+        assert {f"key_cache_{layer}", f"value_cache_{layer}"} <= cache
+        assert any(name.startswith(f"conv_states_{layer}_") for name in cache)
+

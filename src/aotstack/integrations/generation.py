@@ -506,7 +506,7 @@ class StateCacheLM(torch.nn.Module):
 
     def __init__(self, model: torch.nn.Module, max_cache_len: int) -> None:
         super().__init__()
-        from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+        from transformers.cache_utils import StaticSlidingWindowLayer
 
         self.model = model
         # Mamba's models take their cache as ``cache_params``.
@@ -517,7 +517,7 @@ class StateCacheLM(torch.nn.Module):
             # A sliding window's wrap-around branches on the position: a plain static layer, as transformers' own
             # export wrapper does (a sequence past the window is not supported).
             if isinstance(layer, StaticSlidingWindowLayer):
-                layers[index] = StaticLayer(max_cache_len)
+                layers[index] = over_whole_cache(layer, max_cache_len)
         first = torch.zeros(1, dtype=torch.long, device=next(model.parameters()).device)
         with torch.no_grad():
             model(input_ids=first.reshape(1, 1), cache_position=first, use_cache=True,
@@ -636,6 +636,17 @@ class StateCacheLM(torch.nn.Module):
         outputs = self.model(input_ids=input_ids, cache_position=cache_position, attention_mask=None,
                              use_cache=True, **{self.cache_argument: self.static_cache})
         return outputs.logits
+
+
+def over_whole_cache(layer: Any, max_cache_len: int) -> Any:
+    """A cache layer of ``layer``'s kind over the whole cache, in place of its sliding window: with its states too
+    where it holds convolution or recurrent states beside its keys (Inkling's ``hybrid_sliding`` layers)."""
+    from transformers.cache_utils import LinearAttentionAndStaticFullAttentionLayer, StaticLayer
+
+    state_class = linear_attention_layer_class()
+    if state_class is not None and isinstance(layer, state_class):
+        return LinearAttentionAndStaticFullAttentionLayer(max_cache_len, number_of_states=layer.number_of_states)
+    return StaticLayer(max_cache_len)
 
 
 def relative_difference(got: torch.Tensor, want: torch.Tensor) -> float:
