@@ -73,6 +73,8 @@ def static_cache(config: Any, max_cache_len: int) -> Any:
         return StaticCache(max_cache_len=max_cache_len, config=config)
     except KeyError as error:
         kinds = sorted(set(getattr(config, "layer_types", None) or ()))
+        if not error.args or error.args[0] not in kinds:
+            raise
         raise ExportError(
             f"transformers' StaticCache has no static layer for layer type {error.args[0]!r} (the config's layer "
             f"types: {', '.join(map(repr, kinds)) or 'none listed'}); aotstack exports generation over a static cache"
@@ -514,8 +516,8 @@ class StateCacheLM(torch.nn.Module):
         self.static_cache = static_cache(model.config.get_text_config(), max_cache_len)
         layers = self.static_cache.layers
         for index, layer in enumerate(layers):
-            # A sliding window's wrap-around branches on the position: a plain static layer, as transformers' own
-            # export wrapper does (a sequence past the window is not supported).
+            # A sliding window's wrap-around branches on the position: a layer over the whole cache, as transformers'
+            # own export wrapper does (a sequence past the window is not supported).
             if isinstance(layer, StaticSlidingWindowLayer):
                 layers[index] = over_whole_cache(layer, max_cache_len)
         first = torch.zeros(1, dtype=torch.long, device=next(model.parameters()).device)
@@ -705,11 +707,9 @@ def cache_shapes_written(model: torch.nn.Module, max_cache_len: int) -> list[Cac
     head of ``kv_lora_rank`` values and its rotary key) would fail its first update. None: a
     layer that caches nothing this way.
     """
-    from transformers import StaticCache
-
     first = torch.zeros(1, dtype=torch.long, device=next(model.parameters()).device)
     try:
-        cache = StaticCache(max_cache_len=max_cache_len, config=model.config)
+        cache = static_cache(model.config, max_cache_len)
         with torch.no_grad():
             model(input_ids=first.reshape(1, 1), cache_position=first, past_key_values=cache, use_cache=True)
     except Exception:  # a model whose cache is not transformers' StaticCache: the wrapper's sizes stand
