@@ -122,6 +122,22 @@ def test_no_plan_is_timed_on_one_thread_where_none_runs_aotis_parts_between_anot
     assert one_thread_base(failed, "aoti_cpu", 2, "cpu") is None
 
 
+def test_a_stacked_plan_slowed_by_aotis_spinning_threads_is_timed_on_one_thread_by_what_its_opening_engine_took():
+    # ONNX Runtime's parts took 1.2 ms alone, but 5 ms between AOTInductor's, whose threads spin on its cores.
+    listed = measured({("aoti_cpu",): (2.0, [region("aoti_cpu", "abcd", 2.0)]),
+                       ("openvino", "aoti_cpu"): (1.0, WHOLE),
+                       ("onnxruntime", "aoti_cpu"): (5.0, [region("onnxruntime", "ab", 4.0),
+                                                           region("aoti_cpu", "cd", 1.0)])})
+    alone = Candidate(["onnxruntime"], 1.5, {"onnxruntime": 1.2})
+    opened = {("onnxruntime", "aoti_cpu"): (alone, {}, [])}
+
+    assert one_thread_base(listed, "aoti_cpu", 2, "cpu") is None, "its whole timing alone is 5x the fastest"
+    assert one_thread_base(listed, "aoti_cpu", 2, "cpu", opened) == ("onnxruntime", "aoti_cpu")
+    slower = {plan: (Candidate(["onnxruntime"], 3.0, {"onnxruntime": 1.0 * ONE_THREAD_CONTENDING * 1.01}), {}, [])
+              for plan in opened}
+    assert one_thread_base(listed, "aoti_cpu", 2, "cpu", slower) is None, "its opening engine alone is beyond reach"
+
+
 def test_a_region_estimate_shares_a_delegates_time_by_the_work_of_its_nodes():
     plan = measured_plan(("aoti_cpu",), [Region("aoti_cpu", {"mm": 9.0, "add": 1.0}, 1.0)])
 

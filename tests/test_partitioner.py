@@ -129,6 +129,27 @@ def test_an_engine_leaves_a_light_part_beside_others_ops_to_the_next_engine():
     assert claimed_relus(program) == ["relu"]
 
 
+def test_a_light_part_of_symbolic_sizes_is_weighed_at_the_largest_sizes_they_may_take():
+    """Rows of at most 64: each relu does at most 32768 values' work, light at every size, so both are left (a
+    prefill's norm split by an op XNNPACK leaves made a part of one ``pow``). Unbounded rows say nothing of the work:
+    the relus stay claimed, as do relus of up to 1024 rows."""
+    def dynamic_sandwich(largest: int | None) -> torch.export.ExportedProgram:
+        rows = torch.export.Dim("rows", min=1, max=largest) if largest else torch.export.Dim("rows")
+        return aotstack.export(Sandwich(), {"forward": (torch.randn(4, 512),)},
+                               dynamic_shapes={"forward": ({0: rows},)}).methods["forward"]
+
+    program = dynamic_sandwich(64)
+    result = aotstack.OrtPartitioner(ops=["aten.relu"]).partition(program)
+    assert claimed_relus(program) == []
+    assert all("does at most about 32,768 multiply-adds" in result.refusals[relu].detail
+               for relu in ("relu", "relu_1"))
+
+    for largest in (None, 1024):
+        program = dynamic_sandwich(largest)
+        aotstack.OrtPartitioner(ops=["aten.relu"]).partition(program)
+        assert len(claimed_relus(program)) == 2, largest
+
+
 def test_min_island_work_must_be_a_count():
     with pytest.raises(ValueError, match="min_island_work must be an int >= 0, got -1"):
         aotstack.OrtPartitioner(min_island_work=-1)

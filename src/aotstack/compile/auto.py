@@ -500,15 +500,21 @@ class AddedPlan:
     explanation: str
 
 
-def one_thread_base(listed: Mapping[Plan, Measurement], closing: str, threads: int, device: str) -> Plan | None:
-    """The plan whose ``closing`` parts auto also compiles for one thread: the fastest measured plan whose closing
-    engine runs parts between another engine's, where it took at most ``ONE_THREAD_CONTENDING`` times the fastest
-    plan's time; None at one thread, off the CPU (``SpecKey.THREADS`` is AOTInductor's on the CPU) or where there is
-    none.
+def one_thread_base(
+    listed: Mapping[Plan, Measurement], closing: str, threads: int, device: str,
+    opened: Mapping[Plan, Measurement] | None = None,
+) -> Plan | None:
+    """The plan whose ``closing`` parts auto also compiles for one thread: the measured plan whose closing engine
+    runs parts between another engine's that could be fastest, where it could take at most ``ONE_THREAD_CONTENDING``
+    times the fastest plan's time; None at one thread, off the CPU (``SpecKey.THREADS`` is AOTInductor's on the CPU)
+    or where there is none.
 
     Between another engine's parts, AOTInductor's parallel loops gain little (a decode step's glue is a
     few small ops) while its OpenMP threads, spinning as they wait for the next loop, hold cores that the
     other engine's own thread pool needs. Whether the plan is faster without them is measured, not assumed.
+    Where ``opened`` timed a plan's opening engine alone, that engine's delegates' time is what the plan
+    could take: the spinning itself slows the whole plan's timing, at 2 threads up to 5x (ONNX Runtime's
+    parts of a small Qwen3's prefill, 1.3 ms alone, 5.4 ms between AOTInductor's; 1.5 ms on one thread).
     """
     timed = {plan: c.seconds for plan, (c, _, _) in listed.items() if c.seconds is not None}
     if threads < 2 or not timed or parse_device_spec(device)[0].value != "cpu":
@@ -519,8 +525,15 @@ def one_thread_base(listed: Mapping[Plan, Measurement], closing: str, threads: i
     ]
     if not between:
         return None
-    base = min(between, key=lambda plan: timed[plan])
-    return base if timed[base] <= min(timed.values()) * ONE_THREAD_CONTENDING else None
+
+    def reach(plan: Plan) -> float:
+        """The least ``plan`` could take: its opening engine's delegates alone, where they were timed so."""
+        alone = (opened or {}).get(plan)
+        took = alone[0].engine_seconds.get(plan[0]) if alone is not None and alone[0].seconds is not None else None
+        return timed[plan] if took is None else min(took, timed[plan])
+
+    base = min(between, key=reach)
+    return base if reach(base) <= min(timed.values()) * ONE_THREAD_CONTENDING else None
 
 
 def one_thread_plans(base: Plan, partitioners: Callable[..., list[Partitioner]], key: str) -> list[AddedPlan]:

@@ -451,7 +451,8 @@ def measured_lowering(program: Program, auto: Auto, lower_plan: PlanLowering, sa
             logger.info("auto: %s: %s is measured too", name, plan_text(frozen.label))
             measure_added(program.only([name]), name, inputs[name].call, frozen, lower_plan, listed, added,
                           added_lowerings, saved)
-        base = one_thread_base(listed[name], closing, threads, auto.device)
+        base = one_thread_base(listed[name], closing, threads, auto.device,
+                               {plan: entry for (method, plan), entry in opened.items() if method == name})
         for one_thread in one_thread_plans(base, builds[base], keys_by_plan[base]) if base is not None else []:
             logger.info("auto: %s: %s is measured too", name, plan_text(one_thread.label))
             measure_added(program.only([name]), name, inputs[name].call, one_thread, lower_plan, listed, added,
@@ -926,6 +927,9 @@ class PlanLowering:
                     results[key] = given
                 else:
                     advance(key, self.steps(*given), None)
+                # A plan's claims may take this process seconds (ExecuTorch's question of a whole method): the
+                # workers that ended meanwhile take the next queued parts before the next plan claims.
+                pool.start()
             while waiting:
                 done = [key for key, (_, levels) in waiting.items() if levels[0][1].done]
                 if not done:
@@ -941,6 +945,7 @@ class PlanLowering:
                         ended(key, error)
                         continue
                     advance(key, steps, outcomes)
+                    pool.start()
         return {key: results[key] for key in plans}
 
     def steps(self, program: Program, partitioners: PartitionerPlan) -> LoweringSteps:

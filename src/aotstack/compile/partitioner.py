@@ -31,7 +31,7 @@ from .program_parts import (
     subgraph_modules,
     subgraph_nodes,
 )
-from .work import known_work
+from .work import Largest, known_work, largest_sizes
 
 DELEGATION_TAG = "delegation_tag"
 
@@ -178,14 +178,15 @@ class SupportedOpsPartitioner(Partitioner):
         if count < self.min_block_size:
             detail = f"its part has {plural(count, 'compute op')}, fewer than min_block_size={self.min_block_size}"
             return self.refusal("min_block_size", detail)
-        work = island_work(partition.nodes) if self.min_island_work else None
+        largest = largest_sizes(exported_program)
+        work = island_work(partition.nodes, largest) if self.min_island_work else None
         if work is None or work >= self.min_island_work:
             return None
-        method_work = known_work(node for node in exported_program.graph.nodes
-                                 if node.op == "call_function" and is_compute_node(node))
+        method_work = known_work((node for node in exported_program.graph.nodes
+                                  if node.op == "call_function" and is_compute_node(node)), largest)
         if method_work is None or work >= ISLAND_SHARE * method_work:
             return None
-        detail = (f"its part, beside ops left to others, does about {work:,.0f} multiply-adds, fewer than "
+        detail = (f"its part, beside ops left to others, does at most about {work:,.0f} multiply-adds, fewer than "
                   f"min_island_work={self.min_island_work:,} and {ISLAND_SHARE:.0%} of the method's: its boundaries "
                   "would cost more than it saves")
         return self.refusal("min_block_size", detail)
@@ -268,19 +269,22 @@ def plural(count: int, noun: str) -> str:
     return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
-def island_work(nodes: Collection[Node]) -> float | None:
-    """The work of a part that reads or feeds ops outside it; None for one of symbolic sizes, or that only reads the
-    method's inputs and weights and only feeds its outputs (nothing beside it to join).
+def island_work(nodes: Collection[Node], largest: Largest | None = None) -> float | None:
+    """The work of a part that reads or feeds ops outside it, at the largest sizes ``largest`` allows; None for one of
+    unbounded sizes, or that only reads the method's inputs and weights and only feeds its outputs (nothing beside it
+    to join).
 
     Such a part left to the engine beside it saves a boundary or two: a value that would have
-    crossed into the part and out again stays in that engine.
+    crossed into the part and out again stays in that engine. A part of symbolic sizes light even
+    at its largest (a prefill's ``pow`` between a linear and the norm's ``mean``) is light at
+    every size.
     """
     def computed_outside(node: Node) -> bool:
         return node not in nodes and node.op == "call_function" and not is_size_computation(node)
 
     reads = any(computed_outside(source) for node in nodes for source in node.all_input_nodes)
     feeds = any(computed_outside(user) for node in nodes for user in node.users)
-    return known_work(node for node in nodes if is_compute_node(node)) if reads or feeds else None
+    return known_work((node for node in nodes if is_compute_node(node)), largest) if reads or feeds else None
 
 
 def weight_computations(exported_program: ExportedProgram) -> list[Node]:
