@@ -15,6 +15,7 @@ import aotstack
 from aotstack.compile.partitioner import DELEGATION_TAG
 from aotstack.compile.splice import splice_delegate_call
 from aotstack.format.ops import call_delegate
+from aotstack.format.specs import SpecKey, count_spec
 from tests import models
 
 PARTITIONERS = {
@@ -191,6 +192,46 @@ def test_a_lone_op_is_claimed_where_no_other_engine_took_a_part():
 
     assert tag(program, "add") is not None
     assert len(result.partition_tags) == 3
+
+
+class AroundASigmoid(torch.nn.Module):
+    """Two products, with a sigmoid between them for another engine to take."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Parameter(torch.randn(256, 256))
+        self.second = torch.nn.Parameter(torch.randn(256, 256))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(torch.sigmoid(torch.relu(x) @ self.first) @ self.second)
+
+
+def threads_by_part(rows: int, threads: int) -> dict[str, int | None]:
+    """AOTInductor's parts around another engine's sigmoid, for ``rows`` rows at ``threads`` threads: each part's
+    threads spec."""
+    program = aotstack.export(AroundASigmoid(), {"forward": (torch.randn(rows, 256),)}).methods["forward"]
+    lower_by_hand(program, ["sigmoid"], ["matmul"])
+    outer = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        result = aotstack.AotiCpuPartitioner().partition(program)
+    finally:
+        torch.set_num_threads(outer)
+    return {tag: count_spec(spec.compile_specs, SpecKey.THREADS) for tag, spec in result.partition_tags.items()}
+
+
+def test_a_light_part_between_other_engines_delegates_compiles_for_one_thread():
+    """A row's products are light: AOTInductor's second thread, spinning between them, would hold the core the
+    other engine's pool needs. 1024 rows' are not, and at one thread there is no second thread."""
+    assert threads_by_part(1, 2) == {"aoti_cpu_0": 1, "aoti_cpu_1": 1}
+    assert threads_by_part(1024, 2) == {"aoti_cpu_0": None, "aoti_cpu_1": None}
+    assert threads_by_part(1, 1) == {"aoti_cpu_0": None, "aoti_cpu_1": None}
+
+    program = aotstack.export(AroundASigmoid(), {"forward": (torch.randn(1, 256),)}).methods["forward"]
+    lower_by_hand(program, ["sigmoid"], ["matmul"])
+    named = aotstack.AotiCpuPartitioner(compile_specs=[aotstack.CompileSpec(SpecKey.THREADS, b"2")])
+    result = named.partition(program)
+    assert {count_spec(spec.compile_specs, SpecKey.THREADS) for spec in result.partition_tags.values()} == {2}
 
 
 class RunningSum(torch.nn.Module):

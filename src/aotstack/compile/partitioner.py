@@ -163,10 +163,14 @@ class SupportedOpsPartitioner(Partitioner):
                 node.meta[DELEGATION_TAG] = tag
                 for subgraph in subgraph_nodes(node):
                     subgraph.meta[DELEGATION_TAG] = tag
-            tags[tag] = self.delegation_spec()
+            tags[tag] = self.part_delegation_spec(partition, exported_program)
         tag_constant_data(exported_program)
         tag_mutated_buffer(exported_program)
         return PartitionResult(exported_program, tags, refusals)
+
+    def part_delegation_spec(self, partition: Partition, exported_program: ExportedProgram) -> DelegationSpec:
+        """The delegation spec of a claimed part: ``delegation_spec()``; a subclass may compile some parts otherwise."""
+        return self.delegation_spec()
 
     def part_refusal(self, partition: Partition, exported_program: ExportedProgram) -> Reason | None:
         """Why a proposed part is left unclaimed as a whole; None where it is claimed.
