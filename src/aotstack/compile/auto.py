@@ -27,12 +27,13 @@ The algorithm, kept small so a report can explain it:
    timed like the others (at most one more plan per method), so boundaries are in its time too,
    and the selection's reason lists the regions it kept and what each measured against.
 4. At more than one thread on the CPU, the fastest plan whose AOTInductor parts run between
-   another engine's (where it is within ``ONE_THREAD_CONTENDING`` of the fastest) is lowered once more with
-   those parts compiled for one thread (``SpecKey.THREADS``), and timed like the others: there
-   AOTInductor's OpenMP threads, waiting for the next loop, spin on the cores the other engine's
-   own pool needs (``one_thread_base``). It is lowered once more with the other engines' sessions
-   on one thread instead (the same spec, which only their run sides read, so nothing compiles
-   again): a decode step's small ops do not pay for waking a pool's second thread at each.
+   another engine's (where it, or its opening engine alone, is within ``ONE_THREAD_CONTENDING`` of
+   the fastest) is lowered once more with those parts compiled for one thread (``SpecKey.THREADS``),
+   and timed like the others: there AOTInductor's OpenMP threads, waiting for the next loop, spin on
+   the cores the other engine's own pool needs (``one_thread_base``). It is lowered once more with
+   the other engines' sessions on one thread instead (the same spec, which only their run sides
+   read, so nothing compiles again): a decode step's small ops do not pay for waking a pool's
+   second thread at each.
 5. On the CPU, a method whose convolutions do most of its arithmetic, where AOTInductor alone is within
    ``FROZEN_CONTENDING`` of the fastest, is lowered once more by AOTInductor alone with its weights frozen into
    its library (``SpecKey.FREEZE_WEIGHTS``, ``frozen_plans``), and timed like the others: there a convolution
