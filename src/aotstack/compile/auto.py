@@ -514,8 +514,8 @@ def one_thread_base(
     few small ops) while its OpenMP threads, spinning as they wait for the next loop, hold cores that the
     other engine's own thread pool needs. Whether the plan is faster without them is measured, not assumed.
     Where ``opened`` timed a plan's opening engine alone, that engine's delegates' time is what the plan
-    could take: the spinning itself slows the whole plan's timing, at 2 threads up to 5x (ONNX Runtime's
-    parts of a small Qwen3's prefill, 1.3 ms alone, 5.4 ms between AOTInductor's; 1.5 ms on one thread).
+    could take: the spinning itself slows the whole plan's timing (a small Qwen3's prefill at 2 threads, ONNX
+    Runtime's parts 1.2 ms alone, the whole plan 15.6 ms, 2.1 ms with AOTInductor's parts on one thread).
     """
     timed = {plan: c.seconds for plan, (c, _, _) in listed.items() if c.seconds is not None}
     if threads < 2 or not timed or parse_device_spec(device)[0].value != "cpu":

@@ -65,8 +65,8 @@ class AotiCpuPartitioner(AotiPartitioner):
 
         Its OpenMP loops gain nothing from a second thread, while that thread, spinning as it waits for the next
         loop, holds the core the next engine's own pool needs: ONNX Runtime's parts of a 4-layer Qwen3 prefill with
-        AOTInductor updating the KV cache between them took 7.7 ms a call at 2 threads, 1.8 ms with those updates
-        on one thread (1.3 ms in ONNX Runtime's delegates).
+        AOTInductor updating the KV cache between them took 7.7 ms a call at 2 threads, 2.4 ms with those updates
+        on one thread (2.0 ms of it in ONNX Runtime's delegates).
         """
         spec = super().part_delegation_spec(partition, exported_program)
         if (torch.get_num_threads() < 2 or count_spec(spec.compile_specs, SpecKey.THREADS) is not None
