@@ -136,6 +136,19 @@ class MapModel(torch.nn.Module):
         return torch._higher_order_ops.map(lambda x, y: x.sin() + y, xs, y) * 2
 
 
+class Sandwich(torch.nn.Module):
+    """Two products, and between them a relu on ``rows`` rows of ``features``: an elementwise op for one engine
+    between products for another."""
+
+    def __init__(self, features: int = 512) -> None:
+        super().__init__()
+        self.first = torch.nn.Parameter(torch.randn(features, features))
+        self.second = torch.nn.Parameter(torch.randn(features, features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(torch.relu(x) @ self.first) @ self.second
+
+
 class IslandModel(torch.nn.Module):
     """One add stranded between two sigmoids: an island for ``min_block_size`` to leave alone."""
 

@@ -83,20 +83,8 @@ def test_lowering_a_lowered_program_again_names_the_delegate_it_cannot_place(low
         aotstack.lower(again, [sigmoid_only])
 
 
-class Sandwich(torch.nn.Module):
-    """Two products another engine runs, and between them an elementwise op on ``rows`` rows of 512."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = torch.nn.Parameter(torch.randn(512, 512))
-        self.second = torch.nn.Parameter(torch.randn(512, 512))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(torch.relu(x) @ self.first) @ self.second
-
-
 def sandwich(rows: int) -> torch.export.ExportedProgram:
-    return aotstack.export(Sandwich(), {"forward": (torch.randn(rows, 512),)}).methods["forward"]
+    return aotstack.export(models.Sandwich(), {"forward": (torch.randn(rows, 512),)}).methods["forward"]
 
 
 def claimed_relus(program: torch.export.ExportedProgram) -> list[str]:
@@ -135,7 +123,7 @@ def test_a_light_part_of_symbolic_sizes_is_weighed_at_the_largest_sizes_they_may
     the relus stay claimed, as do relus of up to 1024 rows."""
     def dynamic_sandwich(largest: int | None) -> torch.export.ExportedProgram:
         rows = torch.export.Dim("rows", min=1, max=largest) if largest else torch.export.Dim("rows")
-        return aotstack.export(Sandwich(), {"forward": (torch.randn(4, 512),)},
+        return aotstack.export(models.Sandwich(), {"forward": (torch.randn(4, 512),)},
                                dynamic_shapes={"forward": ({0: rows},)}).methods["forward"]
 
     program = dynamic_sandwich(64)

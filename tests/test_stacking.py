@@ -194,23 +194,17 @@ def test_a_lone_op_is_claimed_where_no_other_engine_took_a_part():
     assert len(result.partition_tags) == 3
 
 
-class AroundASigmoid(torch.nn.Module):
-    """Two products, with a sigmoid between them for another engine to take."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.first = torch.nn.Parameter(torch.randn(256, 256))
-        self.second = torch.nn.Parameter(torch.randn(256, 256))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(torch.sigmoid(torch.relu(x) @ self.first) @ self.second)
+def sandwich_around_a_delegate(rows: int) -> torch.export.ExportedProgram:
+    """Products of 256 features, the relu between them behind another engine's delegate."""
+    program = aotstack.export(models.Sandwich(256), {"forward": (torch.randn(rows, 256),)}).methods["forward"]
+    lower_by_hand(program, ["relu_1"], ["matmul"])
+    return program
 
 
 def threads_by_part(rows: int, threads: int) -> dict[str, int | None]:
-    """AOTInductor's parts around another engine's sigmoid, for ``rows`` rows at ``threads`` threads: each part's
+    """AOTInductor's parts around another engine's relu, for ``rows`` rows at ``threads`` threads: each part's
     threads spec."""
-    program = aotstack.export(AroundASigmoid(), {"forward": (torch.randn(rows, 256),)}).methods["forward"]
-    lower_by_hand(program, ["sigmoid"], ["matmul"])
+    program = sandwich_around_a_delegate(rows)
     outer = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -221,14 +215,14 @@ def threads_by_part(rows: int, threads: int) -> dict[str, int | None]:
 
 
 def test_a_light_part_between_other_engines_delegates_compiles_for_one_thread():
-    """A row's products are light: AOTInductor's second thread, spinning between them, would hold the core the
+    """A row's products are light: AOTInductor's second thread, spinning beside them, would hold the core the
     other engine's pool needs. 1024 rows' are not, and at one thread there is no second thread."""
-    assert threads_by_part(1, 2) == {"aoti_cpu_0": 1, "aoti_cpu_1": 1}
-    assert threads_by_part(1024, 2) == {"aoti_cpu_0": None, "aoti_cpu_1": None}
-    assert threads_by_part(1, 1) == {"aoti_cpu_0": None, "aoti_cpu_1": None}
+    # The first relu and product; the second product alone, a lone op between delegates, runs as plain ATen.
+    assert threads_by_part(1, 2) == {"aoti_cpu_0": 1}
+    assert threads_by_part(1024, 2) == {"aoti_cpu_0": None}
+    assert threads_by_part(1, 1) == {"aoti_cpu_0": None}
 
-    program = aotstack.export(AroundASigmoid(), {"forward": (torch.randn(1, 256),)}).methods["forward"]
-    lower_by_hand(program, ["sigmoid"], ["matmul"])
+    program = sandwich_around_a_delegate(1)
     named = aotstack.AotiCpuPartitioner(compile_specs=[aotstack.CompileSpec(SpecKey.THREADS, b"2")])
     result = named.partition(program)
     assert {count_spec(spec.compile_specs, SpecKey.THREADS) for spec in result.partition_tags.values()} == {2}
