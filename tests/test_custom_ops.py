@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import aotstack
+from aotstack.backends.aoti.experts import RANGES_COMPILE
 from aotstack.cli import main
 from aotstack.format.archive import MANIFEST_PATH
 from aotstack.report.schema import REPORT_SCHEMA
@@ -246,7 +247,7 @@ def test_expert_matmuls_compile_into_the_library_and_the_file_needs_no_custom_op
     op."""
     from transformers.integrations import moe  # noqa: F401  (registers the op)
 
-    from aotstack.backends.aoti.experts import RANGES_COMPILE, with_compiled_experts
+    from aotstack.backends.aoti.experts import with_compiled_experts
 
     model = ExpertsMatmul().eval()
     rows = torch.export.Dim("rows", min=2, max=64)
@@ -276,3 +277,39 @@ def test_expert_matmuls_compile_into_the_library_and_the_file_needs_no_custom_op
         with torch.no_grad():
             for call in [inputs, *others.get(name, [])]:
                 torch.testing.assert_close(loaded.forward(*call), model(*call))
+
+
+def sorted_rows(experts: int, count: int, seed: int, unassigned: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``count`` rows of 8 sorted by a random expert, the last ``unassigned`` of them of no expert; and the
+    cumulative counts transformers' op takes."""
+    generator = torch.Generator().manual_seed(seed)
+    expert = torch.sort(torch.randint(0, experts, (count - unassigned,), generator=generator)).values
+    expert = torch.cat([expert, torch.full((unassigned,), experts)])
+    return torch.randn(count, 8, generator=generator), torch.searchsorted(expert, torch.arange(experts), right=True)
+
+
+@pytest.mark.skipif(not RANGES_COMPILE, reason="torch 2.11's Inductor keeps a prompt's grouped matmul as the op")
+def test_a_prompts_matmuls_over_many_experts_run_a_block_of_experts_a_turn_of_a_loop(tmp_path):
+    """Past ``MOST_UNROLLED_EXPERTS`` a prompt's expert matmuls are not written out one by one (a tiny MiniMax-M2's 256
+    experts took over 10 minutes to compile): the library loops over blocks of experts, and matches the op at every
+    length, with empty experts and rows of no expert."""
+    from transformers.integrations import moe  # noqa: F401  (registers the op)
+
+    from aotstack.backends.aoti.experts import MOST_UNROLLED_EXPERTS, experts_per_turn, with_compiled_experts
+
+    assert [experts_per_turn(experts) for experts in (256, 60, 40, 37)] == [8, 6, 8, 1]
+    experts = MOST_UNROLLED_EXPERTS + 8
+    model = ExpertsMatmul(experts).eval()
+    example = sorted_rows(experts, 50, seed=0)
+    dynamic = {"forward": ({0: torch.export.Dim("rows", min=2, max=256)}, None)}
+    program = aotstack.export(model, {"forward": example}, dynamic_shapes=dynamic).methods["forward"]
+    targets = [str(node.target) for node in with_compiled_experts(program, on_host=True).graph.nodes]
+    assert "while_loop" in targets and "aten.mm.default" not in targets  # the matmuls are in the loop's body
+    lowered = aotstack.lower(aotstack.Program({"forward": program}), [aotstack.AotiCpuPartitioner()])
+    lowered.save(tmp_path / "experts.pt2")
+    assert aotstack.file_report(tmp_path / "experts.pt2").custom_ops == []
+    loaded = aotstack.load(tmp_path / "experts.pt2")
+    with torch.no_grad():
+        for count, seed, unassigned in [(50, 0, 0), (2, 1, 0), (3, 2, 1), (200, 3, 7)]:
+            call = sorted_rows(experts, count, seed, unassigned)
+            torch.testing.assert_close(loaded.forward(*call), model(*call))
