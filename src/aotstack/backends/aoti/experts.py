@@ -98,8 +98,8 @@ def ranged_expert_matmuls(rows: torch.Tensor, weight: torch.Tensor, offsets: tor
         block_products, (start, end) = matmuls_over_ranges(rows, weight.narrow(0, first * block, block), edges)
         return index + 1, products.slice_scatter(block_products, 0, start, end)
 
-    start = torch.zeros((), dtype=torch.int64, device=rows.device)
-    return while_loop(more, next_block, (start, rows.new_zeros(count, weight.shape[2])))[1]
+    first_turn = torch.zeros((), dtype=torch.int64, device=rows.device)
+    return while_loop(more, next_block, (first_turn, rows.new_zeros(count, weight.shape[2])))[1]
 
 
 def experts_per_turn(experts: int) -> int:
