@@ -13,7 +13,12 @@ import pytest
 import torch
 
 import aotstack
-from aotstack.backends.aoti.experts import RANGES_COMPILE
+from aotstack.backends.aoti.experts import (
+    MOST_UNROLLED_EXPERTS,
+    RANGES_COMPILE,
+    experts_per_turn,
+    with_compiled_experts,
+)
 from aotstack.cli import main
 from aotstack.format.archive import MANIFEST_PATH
 from aotstack.report.schema import REPORT_SCHEMA
@@ -247,8 +252,6 @@ def test_expert_matmuls_compile_into_the_library_and_the_file_needs_no_custom_op
     op."""
     from transformers.integrations import moe  # noqa: F401  (registers the op)
 
-    from aotstack.backends.aoti.experts import with_compiled_experts
-
     model = ExpertsMatmul().eval()
     rows = torch.export.Dim("rows", min=2, max=64)
     cases = {
@@ -294,8 +297,6 @@ def test_a_prompts_matmuls_over_many_experts_run_a_block_of_experts_a_turn_of_a_
     experts took over 10 minutes to compile): the library loops over blocks of experts, and matches the op at every
     length, with empty experts and rows of no expert."""
     from transformers.integrations import moe  # noqa: F401  (registers the op)
-
-    from aotstack.backends.aoti.experts import MOST_UNROLLED_EXPERTS, experts_per_turn, with_compiled_experts
 
     assert [experts_per_turn(experts) for experts in (256, 60, 40, 37)] == [8, 6, 8, 1]
     experts = MOST_UNROLLED_EXPERTS + 8

@@ -81,11 +81,11 @@ def ranged_expert_matmuls(rows: torch.Tensor, weight: torch.Tensor, offsets: tor
     turn, so the compile does not grow with the experts (a tiny MiniMax-M2's 256: over 10 minutes written out).
     """
     count, experts = rows.shape[0], weight.shape[0]
-    block = experts if experts <= MOST_UNROLLED_EXPERTS else experts_per_turn(experts)
     bounds = torch.cat([offsets.new_zeros(1), offsets])
-    if block == experts:
+    if experts <= MOST_UNROLLED_EXPERTS:
         products, (_, end) = matmuls_over_ranges(rows, weight, bounds)
         return torch.cat([products, rows.new_zeros(count - end, weight.shape[2])])  # rows of no expert
+    block = experts_per_turn(experts)
 
     def more(index: torch.Tensor, products: torch.Tensor) -> torch.Tensor:
         return index < experts // block
