@@ -94,6 +94,7 @@ def ranged_expert_matmuls(rows: torch.Tensor, weight: torch.Tensor, offsets: tor
         first = index.item()
         torch._check(first >= 0)
         torch._check(first < experts // block)
+        # Indexed by the tensor, not narrowed at ``first``: dynamo, tracing the loop's body, cannot narrow there.
         edges = torch.index_select(bounds, 0, index * block + torch.arange(block + 1, device=bounds.device))
         block_products, (start, end) = matmuls_over_ranges(rows, weight.narrow(0, first * block, block), edges)
         return index + 1, products.slice_scatter(block_products, 0, start, end)
