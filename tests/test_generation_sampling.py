@@ -199,6 +199,23 @@ def test_bad_settings_are_refused_by_name(exported, settings, message):
         aotstack_hf.generate(exported, [4, 5, 6], 4, **settings)
 
 
+def test_the_runner_refuses_a_prompt_input_it_does_not_know_or_whose_export_takes_none(exported):
+    """The runner's own ``stream`` and ``generate`` name what they refuse, as the module's functions do."""
+    runner = aotstack_hf.runner_of(exported)
+    config = aotstack_hf.generation_config_of(exported, max_new_tokens=2)
+    with pytest.raises(aotstack.GenerationError, match="unknown input.s. pixel_mask: a prompt takes pixel_values, "):
+        list(runner.stream([4, 5, 6], config, pixel_mask=torch.ones(1, 8, 8)))
+    with pytest.raises(aotstack.GenerationError, match="this export takes no images"):
+        runner.generate([4, 5, 6], config, pixel_values=torch.zeros(1, 3, 8, 8))
+    with pytest.raises(aotstack.GenerationError, match="images and audio are taken with one prompt at a time"):
+        runner.generate([[4, 5], [6, 7]], config, input_features=torch.zeros(1, 8, 4))
+    with pytest.raises(aotstack.GenerationError, match=r"expected a prompt's token ids; got torch.float32 values"):
+        runner.generate(torch.tensor([[4.0, 5.0]]), config)
+    with pytest.raises(aotstack.GenerationError, match="generation needs input_ids"):
+        aotstack_hf.generate(exported, max_new_tokens=2)
+    assert runner.generate([4, 5, 6], config, pixel_values=None) == aotstack_hf.generate(exported, [4, 5, 6], 2)
+
+
 def test_bad_batches_and_flags_are_refused(llama_export, exported, capsys):
     ids = torch.tensor([[4, 5, 6], [7, 8, 9]])
     with pytest.raises(aotstack.GenerationError, match="row 1 of attention_mask is not left padding"):

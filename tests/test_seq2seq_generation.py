@@ -227,6 +227,9 @@ def test_whisper_export_transcribes_as_transformers_generate(whisper_export):
     settings = generation_settings(model.generation_config, max_new_tokens=WHISPER_TOKENS)
     tokens = list(stream_encoder_decoder(loaded, features, prompt, settings))
     assert tokens == expected
+    # As transformers takes a feature extractor's output: generate(**extractor(samples, return_tensors="pt")).
+    exported = ExportedModel.from_pretrained(output)
+    assert aotstack_hf.generate(exported, input_features=features, max_new_tokens=WHISPER_TOKENS) == expected
     assert len(set(tokens)) > 1  # a tiny model that says one token forever would prove little
 
     with torch.no_grad():

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import torch
 from transformers.exporters.auto import register_backend
@@ -77,6 +77,35 @@ EXPORT_FORMAT = "aotstack"
 # The one component every aotstack export holds: several methods live in its one file.
 COMPONENT = "model"
 DEFAULT_MAX_CACHE_LEN = 1024
+
+
+class PromptInputs(TypedDict, total=False):
+    """What a processor gives beside a prompt's ``input_ids`` and ``attention_mask``, passed on by name.
+
+    A vision-language prompt's images: ``pixel_values``, with ``token_type_ids`` where the model reads them,
+    ``image_grid_thw`` where its processor cuts images into patches and ``image_sizes`` where it keeps each image's
+    size (both checked against the export's); ``mm_token_type_ids`` is taken and not needed, the prompt's image tokens
+    saying the same. An audio-text prompt's audio: ``input_features``, and ``input_features_mask``.
+    """
+
+    pixel_values: torch.Tensor | None
+    token_type_ids: torch.Tensor | None
+    image_grid_thw: torch.Tensor | None
+    mm_token_type_ids: torch.Tensor | None
+    image_sizes: torch.Tensor | None
+    input_features: torch.Tensor | None
+    input_features_mask: torch.Tensor | None
+
+
+class GenerationInputs(PromptInputs, total=False):
+    """A prompt's inputs and the settings :func:`~aotstack.integrations.decoding.generation_settings` takes."""
+
+    do_sample: bool | None
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    repetition_penalty: float | None
+    eos: int | Sequence[int] | None
 
 
 @dataclass
@@ -338,32 +367,24 @@ class AotstackModelRunner(ModelRunner):
 
     def stream(
         self,
-        source: torch.Tensor | Sequence[int],
+        source: torch.Tensor | Sequence[int] | None,
         config: Any,
         *,
         decoder_prompt: Sequence[int] | None = None,
         seed: int | None = None,
-        pixel_values: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-        image_grid_thw: torch.Tensor | None = None,
-        mm_token_type_ids: torch.Tensor | None = None,
-        image_sizes: torch.Tensor | None = None,
-        input_features: torch.Tensor | None = None,
-        input_features_mask: torch.Tensor | None = None,
+        **inputs: Unpack[PromptInputs],
     ) -> Iterator[int]:
         """The new tokens of one prompt, each as it is chosen, under ``config`` (a ``GenerationConfig``).
 
         ``source`` is a decoder-only model's prompt, or what an encoder-decoder's ``encode`` takes
-        (token ids, or audio features); ``decoder_prompt`` is the decoder's first tokens (default:
-        the config's decoder start token). A vision-language export takes the prompt's images as
-        ``pixel_values`` (and ``token_type_ids``, where its model reads them; ``image_grid_thw`` for
-        one whose processor cuts images into patches, and ``image_sizes`` for one that keeps each
-        image's size, each checked against the export's), all as its processor made them with the
-        prompt; ``mm_token_type_ids`` is taken and not needed: the image tokens of the prompt say the
-        same. An audio-text export takes the prompt's audio as ``input_features`` (and
-        ``input_features_mask``), as its processor made them with the prompt. See
-        ``aotstack.integrations.decoding``.
+        (token ids, or audio features; None takes a speech recogniser's ``input_features`` from ``inputs``, as
+        ``model.generate(**processor(audio))`` does); ``decoder_prompt`` is the decoder's first tokens (default:
+        the config's decoder start token). ``inputs`` are a vision-language prompt's images or an
+        audio-text prompt's audio, as its processor made them with the prompt (:class:`PromptInputs`).
+        See ``aotstack.integrations.decoding``.
         """
+        if source is None:
+            source, inputs = self.audio_source(inputs)
         limit = self.metadata.export_config.get("max_cache_len")
         if "prefill" in self.methods or "decode" in self.methods and "encode" not in self.methods:
             prompt = token_list(source)
@@ -373,11 +394,7 @@ class AotstackModelRunner(ModelRunner):
                     f"a prompt of {len(prompt)} tokens plus {needed - len(prompt)} new ones needs {needed} cache "
                     f"slots; this export has {limit} (export again with a larger max_cache_len)"
                 )
-            images = self.prompt_images(pixel_values, token_type_ids, image_grid_thw, image_sizes)
-            audio = self.prompt_audio(input_features, input_features_mask)
-            if images is not None and audio is not None:
-                raise GenerationError("aotstack exports a prompt with images or with audio, not both in one prompt")
-            return stream_decoder(self.program, prompt, config, seed, images or audio)
+            return stream_decoder(self.program, prompt, config, seed, self.prompt_media(inputs))
         if "encode" in self.methods:
             if decoder_prompt is None:
                 start = decoder_start_id(config)
@@ -389,10 +406,35 @@ class AotstackModelRunner(ModelRunner):
             needed = len(decoder_prompt) + new_token_limit(config, len(decoder_prompt))
             if limit is not None and needed > limit:
                 raise GenerationError(f"{needed} decoder tokens need as many cache slots; this export has {limit}")
+            given = sorted(name for name, value in inputs.items() if value is not None)
+            if given:
+                raise GenerationError(f"an encoder-decoder export takes its source alone (input_ids, or audio features "
+                                      f"in their place), not {', '.join(given)} beside it")
             if not (isinstance(source, torch.Tensor) and source.is_floating_point()):
                 source = torch.tensor([token_list(source)], dtype=torch.long)
             return stream_encoder_decoder(self.program, source, decoder_prompt, config, seed)
         raise GenerationError(f"this export has no generation stages, only {self.methods}")
+
+    def audio_source(self, inputs: PromptInputs) -> tuple[torch.Tensor, PromptInputs]:
+        """A speech recogniser's source given by name, its audio features (``input_features``), and the other inputs."""
+        features = inputs.get("input_features")
+        if "encode" not in self.methods or features is None:
+            raise GenerationError("generation needs input_ids: a prompt's token ids, or a speech recogniser's audio "
+                                  "features (as input_ids or input_features)")
+        return features, PromptInputs(**{name: value for name, value in inputs.items() if name != "input_features"})
+
+    def prompt_media(self, inputs: PromptInputs) -> PromptImages | PromptAudio | None:
+        """A prompt's images or audio for ``stream_decoder``; None for a prompt of text alone."""
+        unknown = sorted(set(inputs) - set(PromptInputs.__annotations__))
+        if unknown:
+            raise GenerationError(f"unknown input(s) {', '.join(unknown)}: a prompt takes "
+                                  f"{', '.join(PromptInputs.__annotations__)} beside its input_ids")
+        images = self.prompt_images(inputs.get("pixel_values"), inputs.get("token_type_ids"),
+                                    inputs.get("image_grid_thw"), inputs.get("image_sizes"))
+        audio = self.prompt_audio(inputs.get("input_features"), inputs.get("input_features_mask"))
+        if images is not None and audio is not None:
+            raise GenerationError("aotstack exports a prompt with images or with audio, not both in one prompt")
+        return images or audio
 
     def prompt_images(
         self,
@@ -430,20 +472,14 @@ class AotstackModelRunner(ModelRunner):
 
     def generate(
         self,
-        input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
+        input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]] | None,
         config: Any,
         *,
         attention_mask: torch.Tensor | None = None,
         decoder_prompt: Sequence[int] | None = None,
         seed: int | None = None,
         on_token: Callable[[int], None] | None = None,
-        pixel_values: torch.Tensor | None = None,
-        token_type_ids: torch.Tensor | None = None,
-        image_grid_thw: torch.Tensor | None = None,
-        mm_token_type_ids: torch.Tensor | None = None,
-        image_sizes: torch.Tensor | None = None,
-        input_features: torch.Tensor | None = None,
-        input_features_mask: torch.Tensor | None = None,
+        **inputs: Unpack[PromptInputs],
     ) -> list[int] | list[list[int]]:
         """The new tokens of one prompt (a list), or of each row of a batch (a list per row).
 
@@ -451,19 +487,18 @@ class AotstackModelRunner(ModelRunner):
         whole). A batch is ``input_ids`` of several rows, left-padded where ``attention_mask`` is 0, as a
         tokenizer with ``padding_side="left"`` gives it; each row stops at its own eos and gets its
         own tokens, without padding. The file runs batch 1, so rows run one after another; with a
-        ``seed``, row ``i`` samples from ``seed + i``. ``pixel_values`` (one prompt's images) as
-        :meth:`stream` takes them, and an audio-text prompt's ``input_features``.
+        ``seed``, row ``i`` samples from ``seed + i``. ``inputs``: one prompt's images or audio, as
+        :meth:`stream` takes them, and ``input_ids`` too where it takes None.
         """
+        if input_ids is None:
+            input_ids, inputs = self.audio_source(inputs)
         rows = prompt_rows(input_ids, attention_mask)
         if rows is None or len(rows) == 1:
             # One prompt, its mask as its processor gives it (all ones, or left padding to drop).
             tokens = self.stream(input_ids if rows is None else rows[0], config, decoder_prompt=decoder_prompt,
-                                 seed=seed,
-                                 pixel_values=pixel_values, token_type_ids=token_type_ids,
-                                 image_grid_thw=image_grid_thw, image_sizes=image_sizes,
-                                 input_features=input_features, input_features_mask=input_features_mask)
+                                 seed=seed, **inputs)
             return collected(tokens, on_token)
-        if pixel_values is not None or input_features is not None:
+        if any(value is not None for value in inputs.values()):
             raise GenerationError(f"images and audio are taken with one prompt at a time; input_ids has {len(rows)} "
                                   "rows")
         return [collected(self.stream(row, config, decoder_prompt=decoder_prompt,
@@ -504,6 +539,8 @@ def refuse_other_sizes(image_sizes: torch.Tensor | None, export_config: dict[str
 def token_list(ids: torch.Tensor | Sequence[int]) -> list[int]:
     """One prompt's token ids from a list, a 1-D tensor or a ``[1, length]`` tensor."""
     if isinstance(ids, torch.Tensor):
+        if ids.is_floating_point():
+            raise GenerationError(f"expected a prompt's token ids; got {ids.dtype} values of shape {tuple(ids.shape)}")
         if ids.dim() == 2 and ids.shape[0] != 1:
             raise GenerationError(f"expected one prompt; input_ids has batch {ids.shape[0]}")
         return [int(token) for token in ids.flatten().tolist()]
@@ -537,18 +574,24 @@ def prompt_rows(
     return kept
 
 
+def prompt_inputs_and_settings(inputs: GenerationInputs) -> tuple[PromptInputs, dict[str, Any]]:
+    """``inputs`` parted into the prompt's (:class:`PromptInputs`) and the rest, the settings."""
+    prompt = {name: value for name, value in inputs.items() if name in PromptInputs.__annotations__}
+    return PromptInputs(**prompt), {name: value for name, value in inputs.items() if name not in prompt}
+
+
 def generation_config_of(exported: ExportedModel, base: Any = None, **settings: Any) -> Any:
     """The export's generation config (or ``base``) with ``settings`` applied; eos and start ids filled from its config.
 
     ``settings`` are :func:`~aotstack.integrations.decoding.generation_settings`'s: ``max_new_tokens``,
     ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ``eos``.
     """
-    unknown = sorted(set(settings) - set(inspect.signature(generation_settings).parameters))
+    accepted = [name for name in inspect.signature(generation_settings).parameters if name != "base"]
+    unknown = sorted(set(settings) - set(accepted))
     if unknown:
         raise GenerationError(f"unknown argument(s) {', '.join(unknown)}: generation takes a prompt's input_ids, "
-                              "attention_mask, pixel_values, token_type_ids, image_grid_thw, image_sizes, "
-                              "input_features and input_features_mask, and the "
-                              "settings max_new_tokens, do_sample, temperature, top_k, top_p, repetition_penalty, eos")
+                              f"attention_mask, {', '.join(PromptInputs.__annotations__)}, and the settings "
+                              f"{', '.join(accepted)}")
     config = generation_settings(base if base is not None else exported.generation_config, **settings)
     for name in ("eos_token_id", "decoder_start_token_id", "pad_token_id", "bos_token_id"):
         if getattr(config, name, None) is None and getattr(exported.config, name, None) is not None:
@@ -565,7 +608,7 @@ def runner_of(exported: ExportedModel) -> AotstackModelRunner:
 
 def generate(
     exported: ExportedModel,
-    input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]],
+    input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]] | None = None,
     max_new_tokens: int = 20,
     *,
     attention_mask: torch.Tensor | None = None,
@@ -573,24 +616,17 @@ def generate(
     generation_config: Any = None,
     seed: int | None = None,
     on_token: Callable[[int], None] | None = None,
-    pixel_values: torch.Tensor | None = None,
-    token_type_ids: torch.Tensor | None = None,
-    image_grid_thw: torch.Tensor | None = None,
-    mm_token_type_ids: torch.Tensor | None = None,
-    image_sizes: torch.Tensor | None = None,
-    input_features: torch.Tensor | None = None,
-    input_features_mask: torch.Tensor | None = None,
-    **settings: Any,
+    **inputs: Unpack[GenerationInputs],
 ) -> list[int] | list[list[int]]:
     """Generation from an aotstack ``export_for_generation``, following its generation config.
 
-    Greedy or sampled as the config says, overridden by ``settings`` (``temperature``, ``top_k``,
-    ``top_p``, ``repetition_penalty``, ``do_sample``, ``eos``). Returns the new tokens, as
+    Greedy or sampled as the config says, overridden by the settings among ``inputs`` (``temperature``,
+    ``top_k``, ``top_p``, ``repetition_penalty``, ``do_sample``, ``eos``). Returns the new tokens, as
     ``torch.manual_seed(seed); model.generate(input_ids, max_new_tokens=...)[0, len(prompt):]``
     would (an encoder-decoder's without its decoder prompt); for a left-padded batch of several rows
     with its ``attention_mask``, a list of new tokens per row. An encoder-decoder's ``input_ids`` may be
-    audio features (Whisper's ``input_features``); ``decoder_prompt`` is the decoder's first
-    tokens (default: its start token; for Whisper see ``aotstack.integrations.audio``). A
+    audio features (Whisper's ``input_features``, which may go by that name too); ``decoder_prompt`` is the
+    decoder's first tokens (default: its start token; for Whisper see ``aotstack.integrations.audio``). A
     vision-language export takes a prompt's images, and an audio-text one its audio (``input_features``,
     ``input_features_mask``), as its processor made them with the prompt.
 
@@ -599,31 +635,23 @@ def generate(
         tokens = generate(exported, ids, 32, temperature=0.7, top_p=0.9, seed=0)
         inputs = processor(images=image, text=prompt, return_tensors="pt")
         tokens = generate(exported, **inputs, max_new_tokens=32)    # input_ids, pixel_values, token_type_ids, ...
+        tokens = generate(exported, **feature_extractor(samples, return_tensors="pt"))   # Whisper: input_features
     """
+    prompt, settings = prompt_inputs_and_settings(inputs)
     config = generation_config_of(exported, generation_config, max_new_tokens=max_new_tokens, **settings)
     return runner_of(exported).generate(input_ids, config, attention_mask=attention_mask,
-                                        decoder_prompt=decoder_prompt, seed=seed, on_token=on_token,
-                                        pixel_values=pixel_values, token_type_ids=token_type_ids,
-                                        image_grid_thw=image_grid_thw, image_sizes=image_sizes,
-                                        input_features=input_features, input_features_mask=input_features_mask)
+                                        decoder_prompt=decoder_prompt, seed=seed, on_token=on_token, **prompt)
 
 
 def stream(
     exported: ExportedModel,
-    input_ids: torch.Tensor | Sequence[int],
+    input_ids: torch.Tensor | Sequence[int] | None = None,
     max_new_tokens: int = 20,
     *,
     decoder_prompt: Sequence[int] | None = None,
     generation_config: Any = None,
     seed: int | None = None,
-    pixel_values: torch.Tensor | None = None,
-    token_type_ids: torch.Tensor | None = None,
-    image_grid_thw: torch.Tensor | None = None,
-    mm_token_type_ids: torch.Tensor | None = None,
-    image_sizes: torch.Tensor | None = None,
-    input_features: torch.Tensor | None = None,
-    input_features_mask: torch.Tensor | None = None,
-    **settings: Any,
+    **inputs: Unpack[GenerationInputs],
 ) -> Iterator[int]:
     """The new tokens of one prompt, each as soon as it is chosen: the tokens :func:`generate` returns.
 
@@ -632,11 +660,9 @@ def stream(
         for token in stream(exported, ids, 32):
             print(tokenizer.decode([token]), end="", flush=True)
     """
+    prompt, settings = prompt_inputs_and_settings(inputs)
     config = generation_config_of(exported, generation_config, max_new_tokens=max_new_tokens, **settings)
-    return runner_of(exported).stream(input_ids, config, decoder_prompt=decoder_prompt, seed=seed,
-                                      pixel_values=pixel_values, token_type_ids=token_type_ids,
-                                      image_grid_thw=image_grid_thw, image_sizes=image_sizes,
-                                      input_features=input_features, input_features_mask=input_features_mask)
+    return runner_of(exported).stream(input_ids, config, decoder_prompt=decoder_prompt, seed=seed, **prompt)
 
 
 register_backend(AotstackExporter, AotstackModelRunner)
