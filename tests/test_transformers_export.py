@@ -317,6 +317,39 @@ def test_a_vision_heads_task_is_read_from_its_config_at_its_processors_image_siz
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4)
 
 
+def test_a_zero_shot_image_classifier_scores_any_number_of_images_against_any_number_of_texts(tmp_path, capsys):
+    """CLIP, a text encoder beside an image encoder: its task read from its config, exported with its tokenizer and
+    image processor, its texts and images counted apart, each image scored against each text as the model does."""
+    text = {name: TEXT[name] for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                          "num_attention_heads", "max_position_embeddings", "pad_token_id")}
+    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "image_size": 32, "patch_size": 8}
+    torch.manual_seed(0)
+    config = transformers.CLIPConfig(text_config={**text, "eos_token_id": 3}, vision_config=vision, projection_dim=16)
+    model = transformers.CLIPModel(config).eval()
+    processor = {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 32},
+                 "crop_size": {"height": 32, "width": 32}, "do_center_crop": True}
+    folder = saved(model, tmp_path / "model", processor)
+    tokenizer().save_pretrained(folder)
+    export_hf(str(folder), "-o", str(tmp_path / "out"), "--engines", "aoti")
+    assert "(zero-shot-image-classification: forward;" in capsys.readouterr().out
+    assert {"tokenizer.json", "preprocessor_config.json"} <= {path.name for path in (tmp_path / "out").iterdir()}
+    exported = ExportedModel.from_pretrained(tmp_path / "out")
+    generator = torch.Generator().manual_seed(1)
+    for texts, length, images in [(3, 6, 2), (1, 9, 4)]:
+        ids = torch.randint(4, VOCAB, (texts, length), generator=generator)
+        ids[:, length - 2] = 3  # each text's end, where CLIP pools it; the last row padded after it
+        mask = torch.ones_like(ids)
+        mask[-1, -1] = 0
+        pixels = torch.randn(images, 3, 32, 32, generator=generator)
+        got = exported(input_ids=ids, attention_mask=mask, pixel_values=pixels)
+        with torch.no_grad():
+            want = model(input_ids=ids, attention_mask=mask, pixel_values=pixels)
+        assert got["logits_per_image"].shape == (images, texts)
+        for name in ("logits_per_image", "logits_per_text", "text_embeds", "image_embeds"):
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4)
+
+
 # Errors: each names what is wrong and what is expected, and leaves nothing in or beside the output.
 
 

@@ -9,6 +9,7 @@ folder beside the output, renamed into place only once everything is written.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -42,6 +43,10 @@ HEAD_TASKS = {
     "question-answering": ("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"),
     "fill-mask": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
     "image-classification": ("AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+    # A text encoder and an image encoder (CLIP, SigLIP): how well each image matches each text.
+    "zero-shot-image-classification": (
+        "AutoModelForZeroShotImageClassification", "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES"
+    ),
     "object-detection": ("AutoModelForObjectDetection", "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES"),
     "semantic-segmentation": ("AutoModelForSemanticSegmentation", "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES"),
     "depth-estimation": ("AutoModelForDepthEstimation", "MODEL_FOR_DEPTH_ESTIMATION_MAPPING_NAMES"),
@@ -51,7 +56,8 @@ TASKS = (*GENERATION_TASKS, *HEAD_TASKS, "feature-extraction")
 TASK_ALIASES = {"text2text": "text2text-generation", "causal-lm": "text-generation", "seq2seq": "text2text-generation",
                 "asr": "automatic-speech-recognition", "speech-recognition": "automatic-speech-recognition",
                 "sequence-classification": "text-classification", "sentiment-analysis": "text-classification",
-                "ner": "token-classification", "masked-lm": "fill-mask", "vision-language": "image-text-to-text"}
+                "ner": "token-classification", "masked-lm": "fill-mask", "vision-language": "image-text-to-text",
+                "zero-shot": "zero-shot-image-classification"}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 PROCESSOR_FILE = SETTINGS_FILES[0]
@@ -491,9 +497,10 @@ def load_preprocessor(model_dir: Path, task: str, model: torch.nn.Module) -> Pre
     from .audio_text import is_audio_text_lm
 
     main_input = getattr(model, "main_input_name", "input_ids")
-    if main_input == "input_ids" and task != "image-text-to-text" and not is_audio_text_lm(model):
+    both = takes_text_and_images(model)
+    if main_input == "input_ids" and not both and task != "image-text-to-text" and not is_audio_text_lm(model):
         return Preprocessor(tokenizer=load_tokenizer(model_dir, task))
-    tokenizer = load_tokenizer(model_dir, task) if task in GENERATION_TASKS else None
+    tokenizer = load_tokenizer(model_dir, task) if task in GENERATION_TASKS or both else None
     require_any(model_dir, SETTINGS_FILES, "processor", task)
     files = [model_dir / name for name in PROCESSOR_FILES if (model_dir / name).is_file()]
     return Preprocessor(tokenizer=tokenizer, files=files, settings=processor_settings(model_dir))
@@ -526,31 +533,37 @@ def load_tokenizer(model_dir: Path, task: str) -> Any:
         raise ModelFolderError(f"cannot read the tokenizer of {model_dir}: {exc}") from exc
 
 
+def takes_text_and_images(model: torch.nn.Module) -> bool:
+    """Whether ``model.forward`` reads texts and images side by side (CLIP's, SigLIP's): a zero-shot classifier."""
+    return {"input_ids", "pixel_values"} <= set(inspect.signature(model.forward).parameters)
+
+
 def example_inputs(
     model: torch.nn.Module, preprocessor: Preprocessor
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Inputs to trace ``model.forward`` with, and which of their sizes stay dynamic."""
+    """Inputs to trace ``model.forward`` with, and which of their sizes stay dynamic.
+
+    A model of texts and images (CLIP's) takes a batch of each, their counts apart: each image is scored against
+    each text.
+    """
     from torch.export import Dim
 
     config = model.config
     generator = torch.Generator().manual_seed(0)
     batch = Dim("batch", min=1, max=64)
     main_input = getattr(model, "main_input_name", "input_ids")
+    if "spatial_shapes" in inspect.signature(model.forward).parameters:
+        raise UnsupportedModelError(f"{type(model).__name__} reads each image as patches at about its own size "
+                                    "(pixel_attention_mask, spatial_shapes), inputs the folder export does not make")
+    if takes_text_and_images(model):
+        texts, text_shapes = example_texts(config.get_text_config(), preprocessor, generator, Dim("texts", max=64))
+        vision = getattr(config, "vision_config", None) or config
+        images, image_shapes = example_images(vision, preprocessor, generator, Dim("images", max=64))
+        return {**texts, **images}, {**text_shapes, **image_shapes}
     if main_input == "input_ids":
-        length = Dim("sequence", min=2, max=getattr(config, "max_position_embeddings", None) or 512)
-        ids = torch.randint(0, config.vocab_size, (EXAMPLE_BATCH, EXAMPLE_LENGTH), generator=generator)
-        inputs = {"input_ids": ids}
-        for name in preprocessor.model_input_names:
-            if name == "attention_mask":
-                inputs[name] = torch.ones_like(ids)
-            elif name == "token_type_ids":
-                inputs[name] = torch.zeros_like(ids)
-        return inputs, {name: {0: batch, 1: length} for name in inputs}
+        return example_texts(config, preprocessor, generator, batch)
     if main_input == "pixel_values":
-        height, width = image_size(preprocessor.settings, config)
-        channels = getattr(config, "num_channels", 3)
-        pixels = torch.randn(EXAMPLE_BATCH, channels, height, width, generator=generator)
-        return {"pixel_values": pixels}, {"pixel_values": {0: batch}}
+        return example_images(config, preprocessor, generator, batch)
     if main_input == "input_values":
         rate = int(preprocessor.settings.get("sampling_rate", 16000))
         audio = torch.randn(EXAMPLE_BATCH, rate * AUDIO_SECONDS, generator=generator)
@@ -562,6 +575,34 @@ def example_inputs(
         features = torch.randn(EXAMPLE_BATCH, config.num_mel_bins, frames, generator=generator)
         return {"input_features": features}, {"input_features": {0: batch}}
     raise UnsupportedModelError(f"{type(model).__name__} takes {main_input!r}, an input aotstack cannot make up")
+
+
+def example_texts(
+    config: Any, preprocessor: Preprocessor, generator: torch.Generator, batch: Any
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A batch of token ids of ``config``'s vocabulary, with the other inputs its tokenizer makes; batch and length
+    dynamic."""
+    from torch.export import Dim
+
+    length = Dim("sequence", min=2, max=getattr(config, "max_position_embeddings", None) or 512)
+    ids = torch.randint(0, config.vocab_size, (EXAMPLE_BATCH, EXAMPLE_LENGTH), generator=generator)
+    inputs = {"input_ids": ids}
+    for name in preprocessor.model_input_names:
+        if name == "attention_mask":
+            inputs[name] = torch.ones_like(ids)
+        elif name == "token_type_ids":
+            inputs[name] = torch.zeros_like(ids)
+    return inputs, {name: {0: batch, 1: length} for name in inputs}
+
+
+def example_images(
+    config: Any, preprocessor: Preprocessor, generator: torch.Generator, batch: Any
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A batch of images at the size the processor makes; batch dynamic."""
+    height, width = image_size(preprocessor.settings, config)
+    channels = getattr(config, "num_channels", 3)
+    pixels = torch.randn(EXAMPLE_BATCH, channels, height, width, generator=generator)
+    return {"pixel_values": pixels}, {"pixel_values": {0: batch}}
 
 
 def image_size(settings: dict[str, Any], config: Any) -> tuple[int, int]:
