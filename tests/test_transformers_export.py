@@ -11,6 +11,7 @@ import copy
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -317,24 +318,34 @@ def test_a_vision_heads_task_is_read_from_its_config_at_its_processors_image_siz
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4)
 
 
-def test_a_zero_shot_image_classifier_scores_any_number_of_images_against_any_number_of_texts(tmp_path, capsys):
-    """CLIP, a text encoder beside an image encoder: its task read from its config, exported with its tokenizer and
-    image processor, its texts and images counted apart, each image scored against each text as the model does."""
-    text = {name: TEXT[name] for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                                          "num_attention_heads", "max_position_embeddings", "pad_token_id")}
-    vision = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "image_size": 32, "patch_size": 8}
-    torch.manual_seed(0)
-    config = transformers.CLIPConfig(text_config={**text, "eos_token_id": 3}, vision_config=vision, projection_dim=16)
-    model = transformers.CLIPModel(config).eval()
-    processor = {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 32},
-                 "crop_size": {"height": 32, "width": 32}, "do_center_crop": True}
+# A text encoder's and a vision tower's small configs, for models that read both.
+TEXT_ENCODER = {name: TEXT[name] for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                              "num_attention_heads", "max_position_embeddings", "pad_token_id")}
+VISION_TOWER = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                "image_size": 32, "patch_size": 8}
+
+
+def exported_text_and_images(model: torch.nn.Module, processor: dict, task: str, tmp_path: Path, capsys) -> Any:
+    """``model`` saved with a tokenizer and ``processor``, exported with ``export-hf`` (its task read from its
+    config), and loaded; the folder keeps both."""
     folder = saved(model, tmp_path / "model", processor)
     tokenizer().save_pretrained(folder)
     export_hf(str(folder), "-o", str(tmp_path / "out"), "--engines", "aoti")
-    assert "(zero-shot-image-classification: forward;" in capsys.readouterr().out
+    assert f"({task}: forward;" in capsys.readouterr().out
     assert {"tokenizer.json", "preprocessor_config.json"} <= {path.name for path in (tmp_path / "out").iterdir()}
-    exported = ExportedModel.from_pretrained(tmp_path / "out")
+    return ExportedModel.from_pretrained(tmp_path / "out")
+
+
+def test_a_zero_shot_image_classifier_scores_any_number_of_images_against_any_number_of_texts(tmp_path, capsys):
+    """CLIP, a text encoder beside an image encoder: its texts and images counted apart, each image scored against
+    each text as the model does."""
+    torch.manual_seed(0)
+    config = transformers.CLIPConfig(text_config={**TEXT_ENCODER, "eos_token_id": 3}, vision_config=VISION_TOWER,
+                                     projection_dim=16)
+    model = transformers.CLIPModel(config).eval()
+    processor = {"image_processor_type": "CLIPImageProcessor", "size": {"shortest_edge": 32},
+                 "crop_size": {"height": 32, "width": 32}, "do_center_crop": True}
+    exported = exported_text_and_images(model, processor, "zero-shot-image-classification", tmp_path, capsys)
     generator = torch.Generator().manual_seed(1)
     for texts, length, images in [(3, 6, 2), (1, 9, 4)]:
         ids = torch.randint(4, VOCAB, (texts, length), generator=generator)
@@ -347,6 +358,27 @@ def test_a_zero_shot_image_classifier_scores_any_number_of_images_against_any_nu
             want = model(input_ids=ids, attention_mask=mask, pixel_values=pixels)
         assert got["logits_per_image"].shape == (images, texts)
         for name in ("logits_per_image", "logits_per_text", "text_embeds", "image_embeds"):
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4)
+
+
+def test_a_zero_shot_detector_finds_boxes_in_an_image_for_any_number_of_texts(tmp_path, capsys):
+    """OWL-ViT: one image at the processor's size, and one or more texts, each scored against each box."""
+    torch.manual_seed(0)
+    config = transformers.OwlViTConfig(text_config={**TEXT_ENCODER, "max_position_embeddings": 16},
+                                       vision_config=VISION_TOWER, projection_dim=32)
+    model = transformers.OwlViTForObjectDetection(config).eval()
+    processor = {"image_processor_type": "OwlViTImageProcessor", "size": {"height": 32, "width": 32}}
+    exported = exported_text_and_images(model, processor, "zero-shot-object-detection", tmp_path, capsys)
+    generator = torch.Generator().manual_seed(1)
+    pixels = torch.randn(1, 3, 32, 32, generator=generator)
+    for texts, length in [(3, 6), (1, 16)]:
+        ids = torch.randint(4, VOCAB, (texts, length), generator=generator)
+        inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pixels}
+        got = exported(**inputs)
+        with torch.no_grad():
+            want = model(**inputs)
+        assert got["logits"].shape == (1, 16, texts)  # a box per patch, a score per text
+        for name in ("logits", "pred_boxes"):
             torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4)
 
 

@@ -47,6 +47,10 @@ HEAD_TASKS = {
     "zero-shot-image-classification": (
         "AutoModelForZeroShotImageClassification", "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES"
     ),
+    # Boxes in an image for what texts name (OWL-ViT, OWLv2, Grounding DINO).
+    "zero-shot-object-detection": (
+        "AutoModelForZeroShotObjectDetection", "MODEL_FOR_ZERO_SHOT_OBJECT_DETECTION_MAPPING_NAMES"
+    ),
     "object-detection": ("AutoModelForObjectDetection", "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES"),
     "semantic-segmentation": ("AutoModelForSemanticSegmentation", "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES"),
     "depth-estimation": ("AutoModelForDepthEstimation", "MODEL_FOR_DEPTH_ESTIMATION_MAPPING_NAMES"),
@@ -275,7 +279,7 @@ def export_folder(
                 AotstackConfig(engines=engines, device=device, max_cache_len=max_cache_len, **checking),
             )
         else:
-            inputs, dynamic_shapes = example_inputs(model, preprocessor)
+            inputs, dynamic_shapes = example_inputs(model, preprocessor, task)
             exported = exporter.export(model, inputs, AotstackConfig(engines=engines, device=device,
                                                                      dynamic_shapes=dynamic_shapes, **checking))
     except UnsupportedModelError:
@@ -539,12 +543,12 @@ def takes_text_and_images(model: torch.nn.Module) -> bool:
 
 
 def example_inputs(
-    model: torch.nn.Module, preprocessor: Preprocessor
+    model: torch.nn.Module, preprocessor: Preprocessor, task: str | None = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Inputs to trace ``model.forward`` with, and which of their sizes stay dynamic.
 
     A model of texts and images (CLIP's) takes a batch of each, their counts apart: each image is scored against
-    each text.
+    each text. A zero-shot detector takes one image, and the texts naming what to find in it (:func:`queries`).
     """
     from torch.export import Dim
 
@@ -555,6 +559,8 @@ def example_inputs(
     if "spatial_shapes" in inspect.signature(model.forward).parameters:
         raise UnsupportedModelError(f"{type(model).__name__} reads each image as patches at about its own size "
                                     "(pixel_attention_mask, spatial_shapes), inputs the folder export does not make")
+    if task == "zero-shot-object-detection" and takes_text_and_images(model):
+        return queries(model, preprocessor, generator)
     if takes_text_and_images(model):
         texts, text_shapes = example_texts(config.get_text_config(), preprocessor, generator, Dim("texts", max=64))
         vision = getattr(config, "vision_config", None) or config
@@ -575,6 +581,29 @@ def example_inputs(
         features = torch.randn(EXAMPLE_BATCH, config.num_mel_bins, frames, generator=generator)
         return {"input_features": features}, {"input_features": {0: batch}}
     raise UnsupportedModelError(f"{type(model).__name__} takes {main_input!r}, an input aotstack cannot make up")
+
+
+def queries(
+    model: torch.nn.Module, preprocessor: Preprocessor, generator: torch.Generator
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """One image at the size the processor makes, and the texts naming what to find in it: any number of them where
+    the model reads each apart (OWL-ViT's queries), else one, as its processor joins the names (Grounding DINO's
+    "a cat. a remote."); their length dynamic, within what the model allows."""
+    from torch.export import Dim
+
+    config = model.config
+    texts, _ = example_texts(config.get_text_config(), preprocessor, generator, None)
+    vision = getattr(config, "vision_config", None) or getattr(config, "backbone_config", None) or config
+    image, _ = example_images(vision, preprocessor, generator, None)
+    inputs = {**texts, "pixel_values": image["pixel_values"][:1]}
+    with torch.no_grad():
+        try:
+            model(**inputs)
+            count: Any = Dim("texts", min=1, max=256)
+        except (RuntimeError, ValueError, IndexError):  # one text per image: its batch
+            inputs = {**{name: value[:1] for name, value in texts.items()}, "pixel_values": inputs["pixel_values"]}
+            count = None
+    return inputs, {**{name: {0: count, 1: Dim.DYNAMIC} for name in texts}, "pixel_values": None}
 
 
 def example_texts(
