@@ -226,7 +226,8 @@ def test_bad_batches_and_flags_are_refused(llama_export, exported, capsys):
     assert main(["generate", out, "--prompt", "the", "--greedy", "--temperature", "0.5"]) == 1
     assert "--greedy picks the likeliest token" in capsys.readouterr().err
     assert main(["generate", out]) == 1
-    assert "generate needs --prompt TEXT, --messages FILE.json or --audio FILE.wav" in capsys.readouterr().err
+    needs = "generate needs --prompt TEXT, --messages FILE.json, --audio FILE.wav or --image FILE"
+    assert needs in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["generate", out, "--prompt", "the", "--eos", "x"])
     assert "expected token ids like 2 or 2,32000" in capsys.readouterr().err

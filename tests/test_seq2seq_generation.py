@@ -335,6 +335,43 @@ def test_a_recogniser_of_raw_audio_transcribes_clips_of_any_length_as_transforme
     assert (answers[0][0] - answers[1][0]).abs().max() > 1e-3, "the audio decides the logits, so the check can fail"
 
 
+def test_an_image_encoders_decoder_reads_text_from_a_picture_as_transformers_generate(tmp_path, capsys):
+    """TrOCR-style: a ViT encoder and a text decoder (``VisionEncoderDecoderModel``, which transformers maps to
+    image-text-to-text): ``encode`` takes the processor's pixels; the tokens from ``generate(pixel_values=...)`` and
+    from ``aotstack generate --image`` are transformers' own."""
+    image = pytest.importorskip("PIL.Image")
+    torch.manual_seed(0)
+    encoder = transformers.ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     image_size=32, patch_size=8)
+    decoder = transformers.TrOCRConfig(vocab_size=VOCAB, d_model=32, decoder_layers=2, decoder_attention_heads=4,
+                                       decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+                                       eos_token_id=2, decoder_start_token_id=1)
+    config = transformers.VisionEncoderDecoderConfig.from_encoder_decoder_configs(encoder, decoder)
+    config.decoder_start_token_id, config.pad_token_id, config.eos_token_id = 1, 0, 2
+    model = transformers.VisionEncoderDecoderModel(config).eval()
+    for weight in model.parameters():
+        if weight.dim() > 1:
+            torch.nn.init.normal_(weight, std=1.0)  # varied tokens: the default weights repeat one token
+    folder = tmp_path / "trocr"
+    model.save_pretrained(folder)
+    tokenizer().save_pretrained(folder)
+    transformers.ViTImageProcessor(size={"height": 32, "width": 32}).save_pretrained(folder)
+    result = export_folder(folder, tmp_path / "out", engines="aoti", max_cache_len=16)
+    assert set(result.methods) == {"encode", "decode"}
+    exported = ExportedModel.from_pretrained(tmp_path / "out")
+    pixels = np.random.default_rng(0).integers(0, 256, (40, 52, 3), dtype=np.uint8)
+    image.fromarray(pixels).save(tmp_path / "text.png")
+    processed = transformers.ViTImageProcessor.from_pretrained(folder)(images=image.open(tmp_path / "text.png"),
+                                                                      return_tensors="pt")
+    with torch.no_grad():
+        expected = model.generate(**processed, max_new_tokens=8, do_sample=False)[0, 1:].tolist()
+    assert len(set(expected)) > 1
+    assert aotstack_hf.generate(exported, **processed, max_new_tokens=8, do_sample=False) == expected
+    assert main(["generate", str(tmp_path / "out"), "--image", str(tmp_path / "text.png"), "--max-new-tokens", "8",
+                 "--greedy"]) == 0
+    assert capsys.readouterr().out.strip() == tokenizer().decode(expected, skip_special_tokens=True)
+
+
 def test_a_recogniser_of_log_mel_frames_of_any_length_decodes_as_transformers_generate(tmp_path):
     """Cohere's recogniser (a Parakeet encoder, as Canary's): ``input_features`` ``[1, frames, bins]`` of any length,
     subsampled by its convolutions, where Whisper's are one fixed length. XNNPACK first: it leaves what has no upper

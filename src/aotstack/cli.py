@@ -136,8 +136,9 @@ def argument_parser() -> argparse.ArgumentParser:
                           help="with --audio, the language spoken (en, fr, ...): Whisper's language token, or the "
                                "language a recogniser's processor builds its decoder prompt for (Cohere's, Canary's)")
     generate.add_argument("--image", default=None, metavar="FILE",
-                          help="an image the prompt is about (an image-text-to-text export, e.g. LLaVA or Gemma 3); "
-                               "read with Pillow through the model's processor")
+                          help="an image the prompt is about (an image-text-to-text export, e.g. LLaVA or Gemma 3), "
+                               "or to read text from (an image encoder-decoder, e.g. TrOCR or Donut, --prompt "
+                               "starting its text); read with Pillow through the model's processor")
     generate.add_argument("--max-new-tokens", type=positive_int, default=None, metavar="N",
                           help="generate at most N tokens (default: the generation config's, else 32); fewer when "
                                "the model ends its text")
@@ -410,8 +411,8 @@ def export_hf_command(args: argparse.Namespace) -> int:
 def generate_command(args: argparse.Namespace) -> int:
     from .integrations.hf_folder import generate_text, read_messages
 
-    if args.prompt is None and args.messages is None and args.audio is None:
-        raise AotstackError("generate needs --prompt TEXT, --messages FILE.json or --audio FILE.wav")
+    if args.prompt is None and args.messages is None and args.audio is None and args.image is None:
+        raise AotstackError("generate needs --prompt TEXT, --messages FILE.json, --audio FILE.wav or --image FILE")
     if args.greedy and (args.temperature or args.top_k is not None or args.top_p is not None):
         raise AotstackError("--greedy picks the likeliest token; it takes no --temperature, --top-k or --top-p")
 

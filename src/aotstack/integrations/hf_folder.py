@@ -728,7 +728,15 @@ def generate_text(
     load_seconds = time.perf_counter() - started
     decoder_prompt = None
     media: dict[str, torch.Tensor] = {}
-    if image is not None:
+    if image is not None and "encode" in runner.methods and (folder / PROCESSOR_FILE).is_file():
+        # An image encoder's decoder (TrOCR's) reads the picture; a prompt, if any, starts its text (Donut's task).
+        if chat or messages is not None:
+            raise GenerationError(f"{folder} reads text from an image: its prompt is the start of the text (--prompt),"
+                                  " not a chat")
+        source = picture_pixels(folder, image)
+        decoder_prompt = tokenizer(prompt, add_special_tokens=False).input_ids if prompt else None
+        ids = []
+    elif image is not None:
         if "prefill_images" not in runner.methods:
             raise GenerationError(f"{folder} takes no images (its methods: {runner.methods}); export an "
                                   "image-text-to-text model with aotstack export-hf")
@@ -783,6 +791,26 @@ def generate_text(
     return Generation(text, tokens, len(ids), load_seconds, first, stamps[-1] - stamps[0] if stamps else 0.0)
 
 
+def opened_picture(image: str | os.PathLike[str], size: tuple[int, int] | None = None) -> Any:
+    """``image`` read by Pillow as RGB, resized to ``size`` (height, width) where given."""
+    try:
+        from PIL import Image
+    except ImportError as exc:
+        raise GenerationError("reading an image needs Pillow: pip install pillow (aotstack[vision])") from exc
+
+    try:
+        picture = Image.open(image).convert("RGB")
+        return picture if size is None else picture.resize((size[1], size[0]), Image.Resampling.BICUBIC)
+    except (OSError, ValueError) as exc:
+        raise GenerationError(f"cannot read the image {image}: {exc}") from exc
+
+
+def picture_pixels(folder: Path, image: str | os.PathLike[str]) -> torch.Tensor:
+    """``pixel_values`` of ``image`` as the export's processor makes them, for an image encoder's source."""
+    processor = folder_processor(folder, "AutoImageProcessor")
+    return processor(images=opened_picture(image), return_tensors="pt")["pixel_values"]
+
+
 def image_prompt(
     folder: Path,
     image: str | os.PathLike[str],
@@ -799,18 +827,8 @@ def image_prompt(
     For an export whose processor keeps an image's size (Qwen2-VL's: ``export_config`` has its
     ``image_grid_thw``; Mistral 3's, and LLaVA-NeXT's whose tiles follow it: ``image_size_kept``), the image is first
     resized to the size the export takes."""
-    try:
-        from PIL import Image
-    except ImportError as exc:
-        raise GenerationError("reading an image needs Pillow: pip install pillow (aotstack[vision])") from exc
-
-    try:
-        picture = Image.open(image).convert("RGB")
-        if export_config and ("image_grid_thw" in export_config or export_config.get("image_size_kept")):
-            height, width = export_config["image_size"]
-            picture = picture.resize((width, height), Image.Resampling.BICUBIC)
-    except (OSError, ValueError) as exc:
-        raise GenerationError(f"cannot read the image {image}: {exc}") from exc
+    resized = export_config and ("image_grid_thw" in export_config or export_config.get("image_size_kept"))
+    picture = opened_picture(image, tuple(export_config["image_size"]) if resized else None)  # type: ignore[index]
     processor = folder_processor(folder)
     if messages is None and prompt is None:
         raise GenerationError("nothing to generate from: give a prompt or chat messages with the image")
@@ -855,12 +873,13 @@ def audio_prompt(
             if name in ("input_ids", "input_features", "input_features_mask")}
 
 
-def folder_processor(folder: Path) -> Any:
-    """The processor saved in an export folder, built by transformers."""
-    from transformers import AutoProcessor
+def folder_processor(folder: Path, auto: str = "AutoProcessor") -> Any:
+    """The processor saved in an export folder, built by transformers (``auto``: ``"AutoImageProcessor"`` for its
+    image processor alone)."""
+    import transformers
 
     try:
-        return AutoProcessor.from_pretrained(folder, local_files_only=True)
+        return getattr(transformers, auto).from_pretrained(folder, local_files_only=True)
     except ImportError as exc:  # a library one of its parts needs: Qwen2-VL's video processor needs torchvision
         raise GenerationError(f"the processor of {folder} needs a library this environment lacks: "
                               f"{' '.join(str(exc).split())[:300]}") from exc

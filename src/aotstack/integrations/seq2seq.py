@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch.export import Dim, ExportedProgram
+from transformers.cache_utils import EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
 
 from ..compile.export import Program, export
@@ -93,6 +94,44 @@ class EncoderStates(BaseModelOutput):
     attention_mask: torch.Tensor | None = None
 
 
+class SteppedCache(EncoderDecoderCache):
+    """The cache of one decoder step. ``length_as_int``: its filled length is the step's position read as an int, as
+    transformers' interface says, rather than the static cache's count tensor. A decoder that bounds a range by that
+    length (TrOCR's positions, ``arange(filled, filled + tokens)``) then has sizes export can follow; from the tensor,
+    each end of the range was a number of its own. Others add the tensor to their positions, which every engine
+    takes, where the int would be a read of data an engine may leave to the next."""
+
+    def __init__(
+        self, self_attention: Any, cross_attention: Any, position: torch.Tensor, max_cache_len: int, length_as_int: bool
+    ) -> None:
+        super().__init__(self_attention, cross_attention)
+        self.position = position
+        self.max_cache_len = max_cache_len
+        self.length_as_int = length_as_int
+        self.filled: int | None = None
+
+    def get_seq_length(self, layer_idx: int = 0) -> Any:
+        if not self.length_as_int:
+            return super().get_seq_length(layer_idx)
+        if self.filled is None:
+            filled = self.position[0].item()
+            torch._check(filled >= 0)
+            torch._check(filled < self.max_cache_len)
+            self.filled = filled
+        return self.filled
+
+
+def decoder_config(config: Any) -> Any:
+    """The config of the decoder's own layers, as transformers' ``get_text_config(decoder=True)`` gives it: for a
+    model whose decoder is a model of its own (a vision encoder-decoder's), asked of that model's config too. An MBart
+    config (Donut's decoder) counts its encoder's layers as ``num_hidden_layers``, so a cache sized by it would hold
+    too many layers, or too few for a decoder deeper than that."""
+    decoder = config.get_text_config(decoder=True)
+    if decoder is getattr(config, "decoder", None):
+        return decoder.get_text_config(decoder=True)
+    return decoder
+
+
 class CachedCrossAttentionDecoder(torch.nn.Module):
     """``decode``: one token through the whole model, reading cross-attention keys and values it is given."""
 
@@ -101,8 +140,10 @@ class CachedCrossAttentionDecoder(torch.nn.Module):
         from transformers.integrations.executorch import get_head_shapes
 
         self.model = model
+        self.max_cache_len = max_cache_len
+        self.length_as_int = False
         # The decoder's own config, where the model keeps one (Canary's decoder_config).
-        decoder = model.config.get_text_config(decoder=True)
+        decoder = decoder_config(model.config)
         self.hidden_size = getattr(decoder, "d_model", None) or decoder.hidden_size
         self.self_attention = static_cache(decoder, max_cache_len)
         heads, head_size = get_head_shapes(decoder)
@@ -115,13 +156,12 @@ class CachedCrossAttentionDecoder(torch.nn.Module):
             self.register_buffer(f"cumulative_length_{index}", layer.cumulative_length, persistent=False)
 
     def forward(self, token: torch.Tensor, *state_and_position: torch.Tensor) -> torch.Tensor:
-        from transformers.cache_utils import EncoderDecoderCache
-
         *state, position = state_and_position
         # The cache's length is the position written next: a new generation restarts from slot 0.
         for layer in self.self_attention.layers:
             layer.cumulative_length.copy_(position[0])
-        cache = EncoderDecoderCache(self.self_attention, filled_cross_attention(tuple(state)))
+        cache = SteppedCache(self.self_attention, filled_cross_attention(tuple(state)), position, self.max_cache_len,
+                             self.length_as_int)
         cache.is_updated = dict.fromkeys(range(len(state) // 2), True)
         # Attention layers read only the shape of the encoder's states once their keys and values are
         # cached; a tensor of that shape (never computed) stands in for them.
@@ -154,14 +194,17 @@ EXAMPLE_SAMPLES = 16000
 EXAMPLE_FRAMES = 100
 
 
-def example_source(model: torch.nn.Module) -> tuple[torch.Tensor, str]:
+def example_source(model: torch.nn.Module, images: torch.Tensor | None = None) -> tuple[torch.Tensor, str]:
     """A source to trace ``encode`` with, and how its length varies: ``"tokens"`` (any length, the state as long),
     ``"audio"`` (any length along its second dimension, the state's length following from it: Moonshine's samples,
-    Parakeet-style encoders' frames of features ``[1, frames, bins]``), or ``"fixed"`` (Whisper's frames)."""
+    Parakeet-style encoders' frames of features ``[1, frames, bins]``), or ``"fixed"`` (Whisper's frames; an image
+    encoder's pixels, shaped as ``images``, a processor's output, or else as its config says)."""
     config = model.config
     main_input = getattr(model, "main_input_name", "input_ids")
     if main_input == "input_ids":
         return torch.zeros(1, 4, dtype=torch.long), "tokens"
+    if main_input == "pixel_values":
+        return torch.zeros(1, *(images.shape[1:] if images is not None else config_image_shape(config))), "fixed"
     if main_input == "input_values":
         return torch.zeros(1, EXAMPLE_SAMPLES), "audio"
     mel_bins, positions = getattr(config, "num_mel_bins", None), getattr(config, "max_source_positions", None)
@@ -173,9 +216,20 @@ def example_source(model: torch.nn.Module) -> tuple[torch.Tensor, str]:
         return torch.zeros(1, EXAMPLE_FRAMES, encoder_bins), "audio"
     raise UnsupportedModelError(
         f"{type(model).__name__}'s encoder takes {main_input!r}; generation exports take token ids, raw audio "
-        "input_values, log-mel input_features of any length (config.encoder_config.num_mel_bins) or Whisper-style "
-        "ones (config.num_mel_bins, config.max_source_positions)"
+        "input_values, log-mel input_features of any length (config.encoder_config.num_mel_bins), Whisper-style "
+        "ones (config.num_mel_bins, config.max_source_positions) or images (pixel_values)"
     )
+
+
+def config_image_shape(config: Any) -> tuple[int, int, int]:
+    """Channels, height and width of the images an encoder-decoder's image encoder (TrOCR's ViT) takes, by config."""
+    encoder = getattr(config, "encoder", None) or getattr(config, "vision_config", None) or config
+    side = getattr(encoder, "image_size", None)
+    if side is None:
+        raise UnsupportedModelError(f"{type(config).__name__} names no image size for its encoder; export it with "
+                                    "the images its processor makes (sample pixel_values)")
+    height, width = (side, side) if isinstance(side, int) else side
+    return getattr(encoder, "num_channels", 3), int(height), int(width)
 
 
 def source_dims(kind: str, max_source_len: int) -> tuple[Any, Any]:
@@ -192,22 +246,25 @@ def source_dims(kind: str, max_source_len: int) -> tuple[Any, Any]:
 
 def check_cache_fits(model: torch.nn.Module, max_cache_len: int) -> None:
     """Refuse a cache longer than the decoder has learned positions for: decoding past them would index out of range."""
-    config = model.config
+    config = decoder_config(model.config)
     positions = getattr(config, "max_target_positions", None) or getattr(config, "max_position_embeddings", None)
     if positions and max_cache_len > positions:
         raise ExportError(f"max_cache_len {max_cache_len} is longer than the {positions} positions "
                           f"{type(model).__name__}'s decoder has; use at most {positions}")
 
 
-def export_encoder_decoder_lm(model: torch.nn.Module, max_cache_len: int, max_source_len: int) -> Program:
-    """``encode`` and ``decode`` of one :class:`EncoderDecoderLM`; token sources of 2 to ``max_source_len``.
+def export_encoder_decoder_lm(
+    model: torch.nn.Module, max_cache_len: int, max_source_len: int, images: torch.Tensor | None = None
+) -> Program:
+    """``encode`` and ``decode`` of one :class:`EncoderDecoderLM`; token sources of 2 to ``max_source_len``; an image
+    encoder's (TrOCR's, Donut's) one image shaped as ``images``, its processor's ``pixel_values``.
 
     Each half is exported on its own (a strict export of ``decode`` as a method of the whole
     module trips over cross-attention tensors Dynamo lifts), so each method names its weights
     from its own half; the file stores a weight both read once all the same, by content.
     """
     check_cache_fits(model, max_cache_len)
-    source, kind = example_source(model)
+    source, kind = example_source(model, images)
     module = EncoderDecoderLM(model, max_cache_len).eval()
     length, state_length = source_dims(kind, max_source_len)
     with torch.no_grad():
@@ -217,13 +274,26 @@ def export_encoder_decoder_lm(model: torch.nn.Module, max_cache_len: int, max_so
     encode = export(module.encoder, {"forward": (source,)},
                     dynamic_shapes={"forward": {"source": {1: length}} if length else None}, strict=True)
     state_shapes = tuple({2: state_length} if state_length else None for _ in state)
-    decode = export(
-        module.decoder,
+    try:
+        decode = exported_decode(module.decoder, state, state_shapes)
+    except ExportError as error:
+        if "unbacked" not in str(error):
+            raise
+        module.decoder.length_as_int = True  # the cache's length bounds a range: TrOCR's positions
+        decode = exported_decode(module.decoder, state, state_shapes)
+    return Program({"encode": without_dead_code(encode.methods["forward"]), "decode": decode})
+
+
+def exported_decode(
+    decoder: CachedCrossAttentionDecoder, state: tuple[torch.Tensor, ...], state_shapes: tuple[Any, ...]
+) -> ExportedProgram:
+    """``decode``: one token, the cross-attention state (its length ``state_shapes``) and the position."""
+    return export(
+        decoder,
         {"forward": (torch.zeros(1, 1, dtype=torch.long), *state, torch.zeros(1, dtype=torch.long))},
         dynamic_shapes={"forward": {"token": None, "state_and_position": (*state_shapes, None)}},
         strict=True,
-    )
-    return Program({"encode": without_dead_code(encode.methods["forward"]), "decode": decode.methods["forward"]})
+    ).methods["forward"]
 
 
 def without_dead_code(exported: ExportedProgram) -> ExportedProgram:

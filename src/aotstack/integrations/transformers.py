@@ -79,6 +79,10 @@ COMPONENT = "model"
 DEFAULT_MAX_CACHE_LEN = 1024
 
 
+# What an encoder-decoder's ``encode`` reads, by the name its processor gives it.
+ENCODER_SOURCES = ("input_features", "pixel_values")
+
+
 class PromptInputs(TypedDict, total=False):
     """What a processor gives beside a prompt's ``input_ids`` and ``attention_mask``, passed on by name.
 
@@ -246,7 +250,7 @@ class AotstackExporter(HfExporter):
         try:
             pixel_values = sample_inputs.get("pixel_values")
             if model.config.is_encoder_decoder:
-                program = export_encoder_decoder_lm(model, max_cache_len, max_source_len=max_position)
+                program = export_encoder_decoder_lm(model, max_cache_len, max_position, pixel_values)
             elif isinstance(sample_inputs.get("input_features"), torch.Tensor):
                 program = export_audio_text_lm(model, max_cache_len, dict(sample_inputs))
             elif isinstance(pixel_values, torch.Tensor):
@@ -377,14 +381,14 @@ class AotstackModelRunner(ModelRunner):
         """The new tokens of one prompt, each as it is chosen, under ``config`` (a ``GenerationConfig``).
 
         ``source`` is a decoder-only model's prompt, or what an encoder-decoder's ``encode`` takes
-        (token ids, or audio features; None takes a speech recogniser's ``input_features`` from ``inputs``, as
+        (token ids, audio features or an image's pixels; None takes them from ``inputs`` by name, as
         ``model.generate(**processor(audio))`` does); ``decoder_prompt`` is the decoder's first tokens (default:
         the config's decoder start token). ``inputs`` are a vision-language prompt's images or an
         audio-text prompt's audio, as its processor made them with the prompt (:class:`PromptInputs`).
         See ``aotstack.integrations.decoding``.
         """
         if source is None:
-            source, inputs = self.audio_source(inputs)
+            source, inputs = self.encoder_source(inputs)
         limit = self.metadata.export_config.get("max_cache_len")
         if "prefill" in self.methods or "decode" in self.methods and "encode" not in self.methods:
             prompt = token_list(source)
@@ -415,13 +419,14 @@ class AotstackModelRunner(ModelRunner):
             return stream_encoder_decoder(self.program, source, decoder_prompt, config, seed)
         raise GenerationError(f"this export has no generation stages, only {self.methods}")
 
-    def audio_source(self, inputs: PromptInputs) -> tuple[torch.Tensor, PromptInputs]:
-        """A speech recogniser's source given by name, its audio features (``input_features``), and the other inputs."""
-        features = inputs.get("input_features")
-        if "encode" not in self.methods or features is None:
-            raise GenerationError("generation needs input_ids: a prompt's token ids, or a speech recogniser's audio "
-                                  "features (as input_ids or input_features)")
-        return features, PromptInputs(**{name: value for name, value in inputs.items() if name != "input_features"})
+    def encoder_source(self, inputs: PromptInputs) -> tuple[torch.Tensor, PromptInputs]:
+        """An encoder-decoder's source given by name, as transformers' ``generate`` takes it (a speech recogniser's
+        ``input_features``, an image encoder's ``pixel_values``), and the other inputs."""
+        given = [name for name in ENCODER_SOURCES if inputs.get(name) is not None]
+        if "encode" not in self.methods or len(given) != 1:
+            raise GenerationError("generation needs input_ids: a prompt's token ids, or an encoder-decoder's source "
+                                  f"(as input_ids, or by name: one of {', '.join(ENCODER_SOURCES)})")
+        return inputs[given[0]], PromptInputs(**{name: value for name, value in inputs.items() if name != given[0]})
 
     def prompt_media(self, inputs: PromptInputs) -> PromptImages | PromptAudio | None:
         """A prompt's images or audio for ``stream_decoder``; None for a prompt of text alone."""
@@ -491,7 +496,7 @@ class AotstackModelRunner(ModelRunner):
         :meth:`stream` takes them, and ``input_ids`` too where it takes None.
         """
         if input_ids is None:
-            input_ids, inputs = self.audio_source(inputs)
+            input_ids, inputs = self.encoder_source(inputs)
         rows = prompt_rows(input_ids, attention_mask)
         if rows is None or len(rows) == 1:
             # One prompt, its mask as its processor gives it (all ones, or left padding to drop).
