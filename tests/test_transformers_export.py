@@ -275,7 +275,8 @@ def test_a_head_no_task_covers_is_refused_rather_than_dropped(tmp_path, capsys):
 
 
 def vision_head(task: str) -> torch.nn.Module:
-    """A SegFormer that segments, a DETR that detects (on a ResNet of its own, no timm), a GLPN that estimates depth."""
+    """A SegFormer that segments, a DETR that detects (on a ResNet of its own, no timm), a GLPN that estimates depth, a
+    VideoMAE that classifies videos of 4 frames, a Mask2Former (on a Swin of its own) that finds masks."""
     from aotstack.integrations.hf_folder import auto_class
 
     stages = {"num_encoder_blocks": 2, "depths": [1, 1], "sr_ratios": [2, 1], "hidden_sizes": [16, 32],
@@ -288,6 +289,16 @@ def vision_head(task: str) -> torch.nn.Module:
                 embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], out_features=["stage1", "stage2"]),
             d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4, decoder_attention_heads=4,
             encoder_ffn_dim=64, decoder_ffn_dim=64, num_queries=5, num_labels=3),
+        "video-classification": lambda: transformers.VideoMAEConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=(48, 40),
+            patch_size=8, num_frames=4, tubelet_size=2, num_labels=3),
+        "image-segmentation": lambda: transformers.Mask2FormerConfig(
+            backbone_config=transformers.SwinConfig(embed_dim=16, depths=[1, 1, 1, 1], num_heads=[1, 1, 2, 2],
+                                                    window_size=4, out_features=["stage1", "stage2", "stage3",
+                                                                                 "stage4"]),
+            feature_size=32, mask_feature_size=32, hidden_dim=32, encoder_feedforward_dim=64, dim_feedforward=64,
+            encoder_layers=1, decoder_layers=2, num_attention_heads=4, num_queries=5, num_labels=3,
+            use_timm_backbone=False),
     }[task]()
     torch.manual_seed(0)
     model = auto_class(task).from_config(config).eval()
@@ -299,6 +310,7 @@ def vision_head(task: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize(("task", "engines"), [
     ("semantic-segmentation", "ort"), ("object-detection", "ov"), ("depth-estimation", "ort"),
+    ("video-classification", "ov"), ("image-segmentation", "ov"),
 ])
 def test_a_vision_heads_task_is_read_from_its_config_at_its_processors_image_size(tmp_path, capsys, task, engines):
     """Exported at the size the processor makes (48 by 40 here; none of these configs names one), every output
@@ -308,7 +320,8 @@ def test_a_vision_heads_task_is_read_from_its_config_at_its_processors_image_siz
     export_hf(str(saved(model, tmp_path / "model", processor)), "-o", str(tmp_path / "out"), "--engines", engines)
     assert f"({task}: forward;" in capsys.readouterr().out
     exported = ExportedModel.from_pretrained(tmp_path / "out")
-    pixels = torch.randn(2, 3, 48, 40, generator=torch.Generator().manual_seed(2))
+    frames = (model.config.num_frames,) if task == "video-classification" else ()
+    pixels = torch.randn(2, *frames, 3, 48, 40, generator=torch.Generator().manual_seed(2))
     got = exported(pixel_values=pixels)
     with torch.no_grad():
         want = model(pixel_values=pixels)

@@ -55,6 +55,14 @@ HEAD_TASKS = {
     "semantic-segmentation": ("AutoModelForSemanticSegmentation", "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES"),
     "depth-estimation": ("AutoModelForDepthEstimation", "MODEL_FOR_DEPTH_ESTIMATION_MAPPING_NAMES"),
     "audio-classification": ("AutoModelForAudioClassification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"),
+    "audio-frame-classification": (
+        "AutoModelForAudioFrameClassification", "MODEL_FOR_AUDIO_FRAME_CLASSIFICATION_MAPPING_NAMES"
+    ),
+    "audio-xvector": ("AutoModelForAudioXVector", "MODEL_FOR_AUDIO_XVECTOR_MAPPING_NAMES"),
+    "video-classification": ("AutoModelForVideoClassification", "MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES"),
+    # Masks and their classes (Mask2Former, MaskFormer, OneFormer's, DETR's panoptic head): what the
+    # image-segmentation pipeline reads.
+    "image-segmentation": ("AutoModelForUniversalSegmentation", "MODEL_FOR_UNIVERSAL_SEGMENTATION_MAPPING_NAMES"),
 }
 TASKS = (*GENERATION_TASKS, *HEAD_TASKS, "feature-extraction")
 TASK_ALIASES = {"text2text": "text2text-generation", "causal-lm": "text-generation", "seq2seq": "text2text-generation",
@@ -627,10 +635,12 @@ def example_texts(
 def example_images(
     config: Any, preprocessor: Preprocessor, generator: torch.Generator, batch: Any
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """A batch of images at the size the processor makes; batch dynamic."""
+    """A batch of images at the size the processor makes, or of videos of ``config.num_frames`` such images
+    (``[batch, frames, channels, height, width]``, VideoMAE's); batch dynamic."""
     height, width = image_size(preprocessor.settings, config)
     channels = getattr(config, "num_channels", 3)
-    pixels = torch.randn(EXAMPLE_BATCH, channels, height, width, generator=generator)
+    frames = (config.num_frames,) if isinstance(getattr(config, "num_frames", None), int) else ()
+    pixels = torch.randn(EXAMPLE_BATCH, *frames, channels, height, width, generator=generator)
     return {"pixel_values": pixels}, {"pixel_values": {0: batch}}
 
 
