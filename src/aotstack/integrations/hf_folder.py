@@ -60,8 +60,8 @@ HEAD_TASKS = {
     ),
     "audio-xvector": ("AutoModelForAudioXVector", "MODEL_FOR_AUDIO_XVECTOR_MAPPING_NAMES"),
     "video-classification": ("AutoModelForVideoClassification", "MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES"),
-    # Masks and their classes (Mask2Former, MaskFormer, OneFormer's, DETR's panoptic head): what the
-    # image-segmentation pipeline reads.
+    # Masks and their classes (Mask2Former, MaskFormer, DETR's panoptic head): what the image-segmentation pipeline
+    # reads.
     "image-segmentation": ("AutoModelForUniversalSegmentation", "MODEL_FOR_UNIVERSAL_SEGMENTATION_MAPPING_NAMES"),
 }
 TASKS = (*GENERATION_TASKS, *HEAD_TASKS, "feature-extraction")
@@ -567,12 +567,11 @@ def example_inputs(
     if "spatial_shapes" in inspect.signature(model.forward).parameters:
         raise UnsupportedModelError(f"{type(model).__name__} reads each image as patches at about its own size "
                                     "(pixel_attention_mask, spatial_shapes), inputs the folder export does not make")
-    if task == "zero-shot-object-detection" and takes_text_and_images(model):
-        return queries(model, preprocessor, generator)
     if takes_text_and_images(model):
+        if task == "zero-shot-object-detection":
+            return queries(model, preprocessor, generator)
         texts, text_shapes = example_texts(config.get_text_config(), preprocessor, generator, Dim("texts", max=64))
-        vision = getattr(config, "vision_config", None) or config
-        images, image_shapes = example_images(vision, preprocessor, generator, Dim("images", max=64))
+        images, image_shapes = example_images(image_config(config), preprocessor, generator, Dim("images", max=64))
         return {**texts, **images}, {**text_shapes, **image_shapes}
     if main_input == "input_ids":
         return example_texts(config, preprocessor, generator, batch)
@@ -601,8 +600,7 @@ def queries(
 
     config = model.config
     texts, _ = example_texts(config.get_text_config(), preprocessor, generator, None)
-    vision = getattr(config, "vision_config", None) or getattr(config, "backbone_config", None) or config
-    image, _ = example_images(vision, preprocessor, generator, None)
+    image, _ = example_images(image_config(config), preprocessor, generator, None)
     inputs = {**texts, "pixel_values": image["pixel_values"][:1]}
     with torch.no_grad():
         try:
@@ -612,6 +610,12 @@ def queries(
             inputs = {**{name: value[:1] for name, value in texts.items()}, "pixel_values": inputs["pixel_values"]}
             count = None
     return inputs, {**{name: {0: count, 1: Dim.DYNAMIC} for name in texts}, "pixel_values": None}
+
+
+def image_config(config: Any) -> Any:
+    """The part of a model of texts and images that reads the images: its vision tower's config (CLIP's), its
+    backbone's (Grounding DINO's), else its own."""
+    return getattr(config, "vision_config", None) or getattr(config, "backbone_config", None) or config
 
 
 def example_texts(

@@ -413,7 +413,7 @@ class AotstackModelRunner(ModelRunner):
             given = sorted(name for name, value in inputs.items() if value is not None)
             if given:
                 raise GenerationError(f"an encoder-decoder export takes its source alone (input_ids, or audio features "
-                                      f"in their place), not {', '.join(given)} beside it")
+                                      f"or pixels in their place), not {', '.join(given)} beside it")
             if not (isinstance(source, torch.Tensor) and source.is_floating_point()):
                 source = torch.tensor([token_list(source)], dtype=torch.long)
             return stream_encoder_decoder(self.program, source, decoder_prompt, config, seed)
