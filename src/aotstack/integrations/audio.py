@@ -142,7 +142,13 @@ def sample_clip(folder: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
 
 def audio_features(folder: str | os.PathLike[str], wav_path: str | os.PathLike[str]) -> torch.Tensor:
     """The model's input for a WAV file, as the feature extractor in ``folder`` makes it: Whisper's ``input_features``
-    ``[1, mel bins, frames]``, wav2vec2's ``input_values`` ``[1, samples]``.
+    ``[1, mel bins, frames]``, wav2vec2's ``input_values`` ``[1, samples]`` (see :func:`audio_inputs`)."""
+    return next(iter(audio_inputs(folder, wav_path).values()))
+
+
+def audio_inputs(folder: str | os.PathLike[str], wav_path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Everything the feature extractor in ``folder`` makes of a WAV file, by name, its model's input first
+    (``input_features`` and a frames ``attention_mask``, Parakeet's).
 
     The audio is resampled to the extractor's ``sampling_rate``; the extractor pads or cuts it
     to its ``chunk_length`` seconds, so a longer file is transcribed from its first chunk only.
@@ -155,8 +161,37 @@ def audio_features(folder: str | os.PathLike[str], wav_path: str | os.PathLike[s
     if chunk and samples.size > chunk:
         logger.warning("%s lasts %.1f s; only its first %.1f s are transcribed", wav_path, samples.size / target,
                        chunk / target)
-    features = extractor(samples, sampling_rate=target, return_tensors="pt")
-    return features[extractor.model_input_names[0]]
+    made = extractor(samples, sampling_rate=target, return_tensors="pt")
+    first = extractor.model_input_names[0]
+    return {first: made[first], **{name: value for name, value in made.items()
+                                   if name != first and isinstance(value, torch.Tensor)}}
+
+
+def audio_frames(input_features: torch.Tensor, attention_mask: torch.Tensor | None) -> int:
+    """How many of one clip's frames hold audio: those its feature extractor's mask keeps, which lead (a padded tail
+    is masked), else all."""
+    if attention_mask is None:
+        return input_features.shape[1]
+    mask = attention_mask.reshape(-1).to(torch.bool)
+    count = int(mask.sum())
+    if mask.numel() != input_features.shape[1] or not mask[:count].all():
+        raise GenerationError(f"attention_mask must mark one clip's {input_features.shape[1]} frames, those holding "
+                              f"audio first, as a feature extractor makes it; got {list(attention_mask.shape)}")
+    return count
+
+
+def unpadded(clip: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One clip's inputs (:func:`audio_inputs`) cut to the frames holding audio, its mask all ones.
+
+    A masked encoder gives those frames as it gives them unmasked without the tail (Parakeet's: the same bits), and
+    transformers' ``generate`` labels a masked frame its pad, which is no one's text.
+    """
+    mask = clip.get("attention_mask")
+    first = next(iter(clip))
+    if mask is None or mask.dim() != 2 or clip[first].dim() < 2 or mask.shape[1] != clip[first].shape[1]:
+        return clip
+    count = audio_frames(clip[first], mask)
+    return {name: value[:, :count] for name, value in clip.items()}
 
 
 def whisper_decoder_prompt(generation_config: Any, config: Any, detected_language: int | None = None) -> list[int]:

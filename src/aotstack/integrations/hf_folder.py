@@ -18,11 +18,12 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..compile.progress import Progress
@@ -65,6 +66,9 @@ HEAD_TASKS = {
     "image-segmentation": ("AutoModelForUniversalSegmentation", "MODEL_FOR_UNIVERSAL_SEGMENTATION_MAPPING_NAMES"),
 }
 TASKS = (*GENERATION_TASKS, *HEAD_TASKS, "feature-extraction")
+# Speech recognisers whose head reads the encoder alone: labels per frame (wav2vec2's, Parakeet's CTC), or a
+# transducer's prediction and joint networks (Parakeet's RNN-T and TDT, aotstack.integrations.transducer).
+SPEECH_HEADS = ("ctc", "rnnt", "tdt")
 TASK_ALIASES = {"text2text": "text2text-generation", "causal-lm": "text-generation", "seq2seq": "text2text-generation",
                 "asr": "automatic-speech-recognition", "speech-recognition": "automatic-speech-recognition",
                 "sequence-classification": "text-classification", "sentiment-analysis": "text-classification",
@@ -89,6 +93,8 @@ def auto_class(task: str) -> type:
         return getattr(transformers, HEAD_TASKS[task][0])
     return getattr(transformers, {
         "ctc": "AutoModelForCTC",
+        "rnnt": "AutoModelForRNNT",
+        "tdt": "AutoModelForTDT",
         "image-text-to-text": "AutoModelForImageTextToText",
         "text-generation": "AutoModelForCausalLM",
         "text2text-generation": "AutoModelForSeq2SeqLM",
@@ -111,23 +117,34 @@ def task_architectures() -> dict[str, set[str]]:
         "image-text-to-text": names(auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES),
         "text-generation": names(auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES),
         "text2text-generation": names(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
-        "automatic-speech-recognition": names(auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES) | ctc_architectures(),
+        "automatic-speech-recognition": (names(auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
+                                         | set().union(*map(head_architectures, SPEECH_HEADS))),
         **{task: names(getattr(auto, mapping)) for task, (_, mapping) in HEAD_TASKS.items()},
         "feature-extraction": names(auto.MODEL_MAPPING_NAMES),
     }
 
 
-def ctc_architectures() -> set[str]:
-    """The speech recognisers that label each audio frame (wav2vec2's ``ForCTC`` heads): one forward, no decoder."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CTC_MAPPING_NAMES
+def head_architectures(head: str) -> set[str]:
+    """The architecture names of a speech recogniser's head on its encoder alone (``SPEECH_HEADS``)."""
+    from transformers.models.auto import modeling_auto as auto
 
-    return set(MODEL_FOR_CTC_MAPPING_NAMES.values())
+    return set(getattr(auto, f"MODEL_FOR_{head.upper()}_MAPPING_NAMES", {}).values())
+
+
+def speech_head(task: str, config: Any) -> str:
+    """What loads a model of ``config`` for ``task``: a speech recogniser's head on its encoder alone
+    (``SPEECH_HEADS``), else ``task`` itself (:func:`auto_class`)."""
+    architectures = set(getattr(config, "architectures", None) or [])
+    if task == "automatic-speech-recognition":
+        for head in SPEECH_HEADS:
+            if architectures & head_architectures(head):
+                return head
+    return task
 
 
 def is_ctc(task: str, config: Any) -> bool:
     """Whether ``task`` on a model of ``config`` is speech recognition by a frame-labelling (CTC) head."""
-    architectures = set(getattr(config, "architectures", None) or [])
-    return task == "automatic-speech-recognition" and bool(architectures & ctc_architectures())
+    return speech_head(task, config) == "ctc"
 
 
 def infer_task(config: Any) -> str:
@@ -323,13 +340,14 @@ def generation_inputs(
     """The ``sample_inputs`` a generation export traces with: a prompt, and for a vision-language model one image
     at the size its processor makes, or, for a processor that keeps an image's size, a square of ``side``; for one
     that cuts an image into tiles as its size decides (LLaVA-NeXT's), the tiles of a square of ``side`` (default:
-    one tile's side) and its ``image_sizes``. For an audio-text model, a clip as the feature extractor in
-    ``model_dir`` makes it."""
+    one tile's side) and its ``image_sizes``. For an audio-text model or a speech transducer, a clip as the feature
+    extractor in ``model_dir`` makes it."""
     from .audio_text import is_audio_text_lm
     from .generation import image_sizes_required
+    from .transducer import is_transducer
 
     inputs = {"input_ids": torch.zeros(1, 4, dtype=torch.long)}
-    if is_audio_text_lm(model) and model_dir is not None:
+    if (is_audio_text_lm(model) or is_transducer(model)) and model_dir is not None:
         from .audio import sample_clip
 
         return {**inputs, **sample_clip(model_dir)}
@@ -434,7 +452,7 @@ def install(staging: Path, output: Path) -> None:
 
 def load_model(model_dir: Path, task: str, config: Any) -> torch.nn.Module:
     """The model for ``task`` from safetensors, in eval mode; a mismatch of task and architecture is named."""
-    cls = auto_class("ctc" if is_ctc(task, config) else task)
+    cls = auto_class(speech_head(task, config))
     try:
         model = cls.from_pretrained(model_dir, config=config, local_files_only=True, use_safetensors=True)
     except ValueError as exc:
@@ -489,6 +507,7 @@ class Preprocessor:
     tokenizer: Any = None
     files: list[Path] = field(default_factory=list)
     settings: dict[str, Any] = field(default_factory=dict)
+    folder: Path | None = None  # where the processor's files are, for one that must be built (audio's)
 
     @property
     def model_input_names(self) -> list[str]:
@@ -515,7 +534,7 @@ def load_preprocessor(model_dir: Path, task: str, model: torch.nn.Module) -> Pre
     tokenizer = load_tokenizer(model_dir, task) if task in GENERATION_TASKS or both else None
     require_any(model_dir, SETTINGS_FILES, "processor", task)
     files = [model_dir / name for name in PROCESSOR_FILES if (model_dir / name).is_file()]
-    return Preprocessor(tokenizer=tokenizer, files=files, settings=processor_settings(model_dir))
+    return Preprocessor(tokenizer=tokenizer, files=files, settings=processor_settings(model_dir), folder=model_dir)
 
 
 def processor_settings(model_dir: Path) -> dict[str, Any]:
@@ -584,10 +603,40 @@ def example_inputs(
         # (its frames' count divides its own multiples) that hold for every length but that torch cannot prove.
         return {"input_values": audio}, {"input_values": {0: batch, 1: Dim.DYNAMIC}}
     if main_input == "input_features":
-        frames = 2 * getattr(config, "max_source_positions", 1500)
-        features = torch.randn(EXAMPLE_BATCH, config.num_mel_bins, frames, generator=generator)
-        return {"input_features": features}, {"input_features": {0: batch}}
+        return example_clips(model, preprocessor, batch)
     raise UnsupportedModelError(f"{type(model).__name__} takes {main_input!r}, an input aotstack cannot make up")
+
+
+def example_clips(
+    model: torch.nn.Module, preprocessor: Preprocessor, batch: Any
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A batch of clips of quiet noise as the folder's feature extractor makes them, with the inputs beside the
+    features it makes by default that the model reads (Parakeet's frames ``attention_mask``); batch dynamic, and the
+    frames where the extractor's follow a clip's length (Parakeet's, wav2vec2-BERT's), not where it pads every clip
+    to one window (Whisper's 30 s)."""
+    from torch.export import Dim
+
+    from .audio import feature_extractor
+
+    if preprocessor.folder is None:
+        raise ModelFolderError(f"{type(model).__name__} takes input_features: its folder needs the feature "
+                               f"extractor's {' or '.join(SETTINGS_FILES)}")
+    extractor = feature_extractor(preprocessor.folder)
+    rate = int(extractor.sampling_rate)
+    noise = np.random.default_rng(0)
+
+    def made(seconds: int) -> dict[str, torch.Tensor]:
+        clips = [noise.standard_normal(rate * seconds).astype(np.float32) * 0.01 for _ in range(EXAMPLE_BATCH)]
+        return dict(extractor(clips, sampling_rate=rate, return_tensors="pt"))
+
+    short, long = made(AUDIO_SECONDS), made(2 * AUDIO_SECONDS)
+    read = set(inspect.signature(model.forward).parameters)
+    inputs = {name: value for name, value in short.items() if name in read and isinstance(value, torch.Tensor)}
+    # A hint rather than a named Dim, as for raw audio: the frames' guards hold for every clip but torch cannot
+    # prove them.
+    return inputs, {name: {0: batch, **{axis: Dim.DYNAMIC for axis in range(1, value.dim())
+                                        if value.shape[axis] != long[name].shape[axis]}}
+                    for name, value in inputs.items()}
 
 
 def queries(
@@ -731,10 +780,15 @@ def generate_text(
     started = time.perf_counter()
     exported = ExportedModel.from_pretrained(folder, local_files_only=True)
     runner = runner_of(exported)
-    if is_ctc("automatic-speech-recognition", exported.config):
+    if is_ctc("automatic-speech-recognition", exported.config) or "joint" in runner.methods:
         if audio is None:
             raise GenerationError(f"{folder} transcribes speech: give it a WAV file (--audio FILE.wav)")
+        if prompt is not None or messages is not None or chat or language is not None:
+            raise GenerationError(f"{folder} transcribes audio alone: give no prompt, chat or language")
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        if "joint" in runner.methods:
+            return transducer_transcript(exported, tokenizer, folder, audio, max_new_tokens,
+                                         time.perf_counter() - started, on_text)
         return transcript_of_frames(exported, tokenizer, folder, audio, time.perf_counter() - started, on_text)
     if "decode" not in runner.methods:
         raise UnsupportedModelError(f"{folder} holds methods {runner.methods}, not a text generation export")
@@ -929,18 +983,53 @@ def transcript_of_frames(
     on_text: Callable[[str], None] | None,
 ) -> Generation:
     """The transcript a CTC speech recogniser gives a WAV file: each frame's likeliest label, repeats and
-    blanks dropped by its tokenizer. One forward over the whole file; its text arrives at once."""
-    from .audio import audio_features
+    blanks dropped by its tokenizer, over the frames holding audio (:func:`unpadded`). One forward over the whole
+    file; its text arrives at once."""
+    from .audio import audio_inputs, unpadded
+    from .transformers import runner_of
 
-    values = audio_features(folder, audio)
+    read = {record.name for record in runner_of(exported).program.method("forward").inputs}
+    clip = {name: value for name, value in unpadded(audio_inputs(folder, audio)).items() if name in read}
     began = time.perf_counter()
-    labels = exported(input_values=values).logits.argmax(dim=-1)[0].tolist()
+    labels = exported(**clip).logits.argmax(dim=-1)[0].tolist()
     text = tokenizer.decode(labels)
     seconds = time.perf_counter() - began
     if on_text is not None:
         on_text(text)
     tokens = tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
     return Generation(text, list(tokens), 0, load_seconds, seconds, 0.0)
+
+
+def transducer_transcript(
+    exported: Any, tokenizer: Any, folder: Path, audio: str | os.PathLike[str], max_new_tokens: int | None,
+    load_seconds: float, on_text: Callable[[str], None] | None,
+) -> Generation:
+    """The transcript a speech transducer (Parakeet's RNN-T or TDT) gives a WAV file, its text told as it comes."""
+    from .audio import audio_inputs
+    from .decoding import text_pieces
+    from .transformers import stream
+
+    clip = audio_inputs(folder, audio)
+    stamps: list[float] = []
+    tokens: list[int] = []
+
+    def arrived(stream: Iterator[int]) -> Iterator[int]:
+        for token in stream:
+            stamps.append(time.perf_counter())
+            tokens.append(token)
+            yield token
+
+    began = time.perf_counter()
+    emitted = stream(exported, clip["input_features"], max_new_tokens, attention_mask=clip.get("attention_mask"))
+    # Each token is its own: a tokenizer that merges repeats for CTC (Parakeet's) must not here.
+    text = ""
+    for piece in text_pieces(arrived(emitted), lambda seen: tokenizer.decode(seen, skip_special_tokens=True,
+                                                                             group_tokens=False)):
+        text += piece
+        if on_text is not None:
+            on_text(piece)
+    first = (stamps[0] if stamps else time.perf_counter()) - began
+    return Generation(text, tokens, 0, load_seconds, first, stamps[-1] - stamps[0] if stamps else 0.0)
 
 
 def prompt_ids(

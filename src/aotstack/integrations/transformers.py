@@ -16,6 +16,8 @@ Example::
 encoder-decoder LM as ``encode`` and ``decode``: methods of one ``.pt2``, still the one
 component ``model``, sharing weights and a static KV cache (``aotstack.integrations.generation``);
 ``generate(exported, input_ids)`` and ``stream(...)`` run it, greedy or sampled as its generation config says.
+A speech transducer (Parakeet's RNN-T and TDT) becomes ``encode``, ``predict`` and ``joint``
+(``aotstack.integrations.transducer``); ``generate(exported, **feature_extractor(samples))`` transcribes a clip.
 """
 
 from __future__ import annotations
@@ -72,11 +74,14 @@ from .generation import (
     typical_step_inputs,
 )
 from .seq2seq import export_encoder_decoder_lm
+from .transducer import export_transducer, is_transducer, stream_transducer, transducer_settings
 
 EXPORT_FORMAT = "aotstack"
 # The one component every aotstack export holds: several methods live in its one file.
 COMPONENT = "model"
 DEFAULT_MAX_CACHE_LEN = 1024
+# New tokens generate and stream choose when not told, as transformers' generate does (its max_length of 20).
+UNASKED_NEW_TOKENS = 20
 
 
 # What an encoder-decoder's ``encode`` reads, by the name its processor gives it.
@@ -249,7 +254,9 @@ class AotstackExporter(HfExporter):
         started = time.perf_counter()
         try:
             pixel_values = sample_inputs.get("pixel_values")
-            if model.config.is_encoder_decoder:
+            if is_transducer(model):
+                program = export_transducer(model, sample_inputs.get("input_features"))
+            elif model.config.is_encoder_decoder:
                 program = export_encoder_decoder_lm(model, max_cache_len, max_position, pixel_values)
             elif isinstance(sample_inputs.get("input_features"), torch.Tensor):
                 program = export_audio_text_lm(model, max_cache_len, dict(sample_inputs))
@@ -273,6 +280,8 @@ class AotstackExporter(HfExporter):
         metadata.export_config = {**json.loads(config.to_json_string()), "max_cache_len": max_cache_len}
         if "prefill_audio" in program.methods:
             metadata.export_config["audio_token_id"] = audio_token_id(model)
+        if "joint" in program.methods:
+            metadata.export_config["transducer"] = transducer_settings(model)
         if "prefill_images" in program.methods:
             metadata.export_config["image_token_id"] = image_token_id(model)
             metadata.export_config["image_size"] = list(image_size)
@@ -376,6 +385,7 @@ class AotstackModelRunner(ModelRunner):
         *,
         decoder_prompt: Sequence[int] | None = None,
         seed: int | None = None,
+        attention_mask: torch.Tensor | None = None,
         **inputs: Unpack[PromptInputs],
     ) -> Iterator[int]:
         """The new tokens of one prompt, each as it is chosen, under ``config`` (a ``GenerationConfig``).
@@ -385,10 +395,17 @@ class AotstackModelRunner(ModelRunner):
         ``model.generate(**processor(audio))`` does); ``decoder_prompt`` is the decoder's first tokens (default:
         the config's decoder start token). ``inputs`` are a vision-language prompt's images or an
         audio-text prompt's audio, as its processor made them with the prompt (:class:`PromptInputs`).
-        See ``aotstack.integrations.decoding``.
+        A speech transducer's ``source`` is a clip's ``input_features``, ``attention_mask`` its frames' mask as the
+        feature extractor gives it; it emits its transcript's tokens, greedily (``config.max_new_tokens`` bounds
+        its choices, blanks included, as in transformers). See ``aotstack.integrations.decoding``.
         """
         if source is None:
             source, inputs = self.encoder_source(inputs)
+        if "joint" in self.methods:
+            return self.transcript(source, attention_mask, config, inputs)
+        if attention_mask is not None:
+            raise GenerationError("stream takes an attention_mask for a speech transducer's frames only; a "
+                                  "prompt's mask goes to generate")
         limit = self.metadata.export_config.get("max_cache_len")
         if "prefill" in self.methods or "decode" in self.methods and "encode" not in self.methods:
             prompt = token_list(source)
@@ -418,6 +435,17 @@ class AotstackModelRunner(ModelRunner):
                 source = torch.tensor([token_list(source)], dtype=torch.long)
             return stream_encoder_decoder(self.program, source, decoder_prompt, config, seed)
         raise GenerationError(f"this export has no generation stages, only {self.methods}")
+
+    def transcript(
+        self, features: Any, attention_mask: torch.Tensor | None, config: Any, inputs: PromptInputs
+    ) -> Iterator[int]:
+        """A speech transducer's tokens for one clip (see :meth:`stream`)."""
+        given = sorted(name for name, value in inputs.items() if value is not None)
+        if given or not (isinstance(features, torch.Tensor) and features.is_floating_point()):
+            raise GenerationError("a speech transducer export takes one clip's input_features (and its "
+                                  f"attention_mask), not {', '.join(given) or 'token ids'}")
+        settings = self.metadata.export_config["transducer"]
+        return stream_transducer(self.program, features, attention_mask, settings, config.max_new_tokens)
 
     def encoder_source(self, inputs: PromptInputs) -> tuple[torch.Tensor, PromptInputs]:
         """An encoder-decoder's source given by name, as transformers' ``generate`` takes it (a speech recogniser's
@@ -497,6 +525,8 @@ class AotstackModelRunner(ModelRunner):
         """
         if input_ids is None:
             input_ids, inputs = self.encoder_source(inputs)
+        if "joint" in self.methods:
+            return collected(self.stream(input_ids, config, attention_mask=attention_mask, **inputs), on_token)
         rows = prompt_rows(input_ids, attention_mask)
         if rows is None or len(rows) == 1:
             # One prompt, its mask as its processor gives it (all ones, or left padding to drop).
@@ -614,7 +644,7 @@ def runner_of(exported: ExportedModel) -> AotstackModelRunner:
 def generate(
     exported: ExportedModel,
     input_ids: torch.Tensor | Sequence[int] | Sequence[Sequence[int]] | None = None,
-    max_new_tokens: int = 20,
+    max_new_tokens: int | None = None,
     *,
     attention_mask: torch.Tensor | None = None,
     decoder_prompt: Sequence[int] | None = None,
@@ -626,14 +656,17 @@ def generate(
     """Generation from an aotstack ``export_for_generation``, following its generation config.
 
     Greedy or sampled as the config says, overridden by the settings among ``inputs`` (``temperature``,
-    ``top_k``, ``top_p``, ``repetition_penalty``, ``do_sample``, ``eos``). Returns the new tokens, as
+    ``top_k``, ``top_p``, ``repetition_penalty``, ``do_sample``, ``eos``); ``max_new_tokens`` defaults to
+    ``UNASKED_NEW_TOKENS`` (a speech transducer's to its whole clip: see below). Returns the new tokens, as
     ``torch.manual_seed(seed); model.generate(input_ids, max_new_tokens=...)[0, len(prompt):]``
     would (an encoder-decoder's without its decoder prompt); for a left-padded batch of several rows
     with its ``attention_mask``, a list of new tokens per row. An encoder-decoder's ``input_ids`` may be
     audio features (Whisper's ``input_features``, which may go by that name too); ``decoder_prompt`` is the
     decoder's first tokens (default: its start token; for Whisper see ``aotstack.integrations.audio``). A
     vision-language export takes a prompt's images, and an audio-text one its audio (``input_features``,
-    ``input_features_mask``), as its processor made them with the prompt.
+    ``input_features_mask``), as its processor made them with the prompt. A speech transducer (Parakeet's RNN-T and
+    TDT) takes a clip's ``input_features`` and ``attention_mask`` as its feature extractor makes them, and returns
+    the tokens of its transcript: ``model.generate(...).sequences`` without its start token and blanks.
 
     Example::
 
@@ -643,16 +676,19 @@ def generate(
         tokens = generate(exported, **feature_extractor(samples, return_tensors="pt"))   # Whisper: input_features
     """
     prompt, settings = prompt_inputs_and_settings(inputs)
-    config = generation_config_of(exported, generation_config, max_new_tokens=max_new_tokens, **settings)
-    return runner_of(exported).generate(input_ids, config, attention_mask=attention_mask,
+    runner = runner_of(exported)
+    config = generation_config_of(exported, generation_config, max_new_tokens=new_tokens_asked(runner, max_new_tokens),
+                                  **settings)
+    return runner.generate(input_ids, config, attention_mask=attention_mask,
                                         decoder_prompt=decoder_prompt, seed=seed, on_token=on_token, **prompt)
 
 
 def stream(
     exported: ExportedModel,
     input_ids: torch.Tensor | Sequence[int] | None = None,
-    max_new_tokens: int = 20,
+    max_new_tokens: int | None = None,
     *,
+    attention_mask: torch.Tensor | None = None,
     decoder_prompt: Sequence[int] | None = None,
     generation_config: Any = None,
     seed: int | None = None,
@@ -666,8 +702,18 @@ def stream(
             print(tokenizer.decode([token]), end="", flush=True)
     """
     prompt, settings = prompt_inputs_and_settings(inputs)
-    config = generation_config_of(exported, generation_config, max_new_tokens=max_new_tokens, **settings)
-    return runner_of(exported).stream(input_ids, config, decoder_prompt=decoder_prompt, seed=seed, **prompt)
+    runner = runner_of(exported)
+    config = generation_config_of(exported, generation_config, max_new_tokens=new_tokens_asked(runner, max_new_tokens),
+                                  **settings)
+    return runner.stream(input_ids, config, attention_mask=attention_mask, decoder_prompt=decoder_prompt, seed=seed,
+                         **prompt)
+
+
+def new_tokens_asked(runner: AotstackModelRunner, max_new_tokens: int | None) -> int | None:
+    """``max_new_tokens``, else ``UNASKED_NEW_TOKENS``; None for a speech transducer, whose clip bounds it."""
+    if max_new_tokens is not None or "joint" in runner.methods:
+        return max_new_tokens
+    return UNASKED_NEW_TOKENS
 
 
 register_backend(AotstackExporter, AotstackModelRunner)

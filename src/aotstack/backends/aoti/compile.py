@@ -26,6 +26,7 @@ from ...errors import LoweringError
 from ...format.devices import HOST, Device, DeviceType
 from ...format.tensor_data import content_key
 from .experts import with_compiled_experts
+from .index_analysis import bounded_index_simplification
 from .kernels import recorded_fallback_kernels
 from .passes import GraphPass
 
@@ -237,7 +238,7 @@ def compiled_files(
 
 def aoti_package(program: ExportedProgram, package_path: str, steps: CompileSteps) -> None:
     kernels = contextlib.nullcontext() if steps.attention_kernels is None else sdpa_kernel(steps.attention_kernels)
-    with torch.no_grad(), kernels, on_device(steps.device):
+    with torch.no_grad(), kernels, on_device(steps.device), bounded_index_simplification():
         torch._inductor.aoti_compile_and_package(program, package_path=package_path, inductor_configs=steps.options)
 
 
