@@ -799,3 +799,32 @@ def test_few_queries_pass_leaves_other_attentions_as_they_are(rows, dynamic, is_
 
     assert FewQueriesAttentionPass()(exported.graph_module) is False
     assert targets(exported.graph_module).count(aten.scaled_dot_product_attention.default) == 2
+
+
+def test_inductors_stride_analysis_leaves_a_large_index_as_it_stands_within_the_bound():
+    """What Inductor's CPU code generation simplifies to find an index's stride: a small index as before, one of more
+    than ``SIMPLIFIED_INDEX_OPS`` operations untouched (a conformer's relative shift over symbolic frames made
+    indices that sympy took most of a minute each to simplify); torch's own again after the block."""
+    import sympy
+
+    from aotstack.backends.aoti.index_analysis import (
+        SIMPLIFIED_INDEX_OPS,
+        bounded_index_simplification,
+        stride_analysis_module,
+    )
+
+    module = stride_analysis_module()
+    assert module is not None, "this torch keeps its stride analysis elsewhere: the bound would do nothing"
+    x, frames = sympy.symbols("x frames", integer=True, nonnegative=True)
+    small = (x**2 - 1) / (x - 1) + frames
+    # Sixty such terms: sympy's simplify runs past minutes on them, so only the bound lets this test end.
+    terms = sympy.symbols("t0:60", integer=True, positive=True)
+    large = sum((term**2 - 1) / (term - 1) for term in terms)
+    assert sympy.count_ops(large) > SIMPLIFIED_INDEX_OPS >= sympy.count_ops(small)
+    with bounded_index_simplification():
+        assert module.sympy.simplify(small) == x + 1 + frames
+        assert module.sympy.simplify(large) is large
+        with bounded_index_simplification():  # a block inside another leaves the bound to the outer one
+            assert module.sympy.simplify(large) is large
+        assert module.sympy.simplify(large) is large
+    assert module.sympy is sympy
