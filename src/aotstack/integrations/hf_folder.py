@@ -1013,8 +1013,8 @@ def transducer_transcript(
     stamps: list[float] = []
     tokens: list[int] = []
 
-    def arrived(stream: Iterator[int]) -> Iterator[int]:
-        for token in stream:
+    def arrived(chosen: Iterator[int]) -> Iterator[int]:
+        for token in chosen:
             stamps.append(time.perf_counter())
             tokens.append(token)
             yield token

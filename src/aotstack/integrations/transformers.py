@@ -696,6 +696,8 @@ def stream(
 ) -> Iterator[int]:
     """The new tokens of one prompt, each as soon as it is chosen: the tokens :func:`generate` returns.
 
+    ``attention_mask`` is a speech transducer's frames mask, as its feature extractor gives it with the clip.
+
     Example::
 
         for token in stream(exported, ids, 32):
