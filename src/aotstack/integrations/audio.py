@@ -108,6 +108,14 @@ def resampled(samples: np.ndarray, rate: int, target: int) -> np.ndarray:
     return output
 
 
+def head_architectures(head: str) -> set[str]:
+    """The architecture names transformers loads with a speech recogniser's head on its encoder alone: ``ctc``,
+    ``rnnt`` or ``tdt`` (its ``MODEL_FOR_<HEAD>_MAPPING_NAMES``; none in a transformers without that head)."""
+    from transformers.models.auto import modeling_auto as auto
+
+    return set(getattr(auto, f"MODEL_FOR_{head.upper()}_MAPPING_NAMES", {}).values())
+
+
 def feature_extractor(folder: str | os.PathLike[str]) -> Any:
     """The feature extractor saved in ``folder`` (``preprocessor_config.json``, or inside a processor's
     ``processor_config.json``)."""

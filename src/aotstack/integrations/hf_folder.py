@@ -29,7 +29,7 @@ import torch
 from ..compile.progress import Progress
 from ..compile.quantize import Quantization
 from ..errors import AotstackError, GenerationError, ModelFolderError, UnsupportedModelError
-from .audio import SETTINGS_FILES
+from .audio import SETTINGS_FILES, head_architectures
 
 logger = logging.getLogger("aotstack")
 
@@ -122,13 +122,6 @@ def task_architectures() -> dict[str, set[str]]:
         **{task: names(getattr(auto, mapping)) for task, (_, mapping) in HEAD_TASKS.items()},
         "feature-extraction": names(auto.MODEL_MAPPING_NAMES),
     }
-
-
-def head_architectures(head: str) -> set[str]:
-    """The architecture names of a speech recogniser's head on its encoder alone (``SPEECH_HEADS``)."""
-    from transformers.models.auto import modeling_auto as auto
-
-    return set(getattr(auto, f"MODEL_FOR_{head.upper()}_MAPPING_NAMES", {}).values())
 
 
 def speech_head(task: str, config: Any) -> str:

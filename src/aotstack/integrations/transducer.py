@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import GenerationError, UnsupportedModelError
-from .audio import audio_frames
+from .audio import audio_frames, head_architectures
 
 # The prediction network's parts the program runs one token at a time (transformers' ParakeetRNNTDecoder).
 PREDICTION_PARTS = ("embedding", "lstm", "decoder_projector")
@@ -30,12 +30,7 @@ PREDICTION_PARTS = ("embedding", "lstm", "decoder_projector")
 
 def transducer_architectures() -> set[str]:
     """The architecture names transformers loads as speech transducers (``ForRNNT``, ``ForTDT`` heads)."""
-    from transformers.models.auto import modeling_auto as auto
-
-    names: set[str] = set()
-    for mapping in ("MODEL_FOR_RNNT_MAPPING_NAMES", "MODEL_FOR_TDT_MAPPING_NAMES"):
-        names.update(getattr(auto, mapping, {}).values())
-    return names
+    return head_architectures("rnnt") | head_architectures("tdt")
 
 
 def is_transducer(model: torch.nn.Module) -> bool:
