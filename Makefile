@@ -2,6 +2,8 @@
 PYTHON ?= python3
 TORCH_SPEC ?= torch==2.13.0
 VENV ?= .venv
+# Test files run in this many processes at once (pytest-xdist), each file whole in one of them.
+TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 
 .PHONY: demo test lint bench clean
@@ -21,7 +23,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/ruff check src tests bench examples
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile tests
 
 # The benchmarks' extra engines (ExecuTorch), torch pinned on the same command line so it is not upgraded.
 $(VENV)/.installed-bench: $(VENV)/.installed

@@ -18,14 +18,25 @@ from tests import models
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# One line per real model and lowering: which engines ran it; printed after the run.
+# One line per real model and lowering, which engines ran it, printed after the run. A test records its line
+# among its report's properties (``report_corpus_line``), which reach this process from a worker's too.
+CORPUS_PROPERTY = "corpus_line"
 CORPUS_REPORT: list[str] = []
+
+
+def report_corpus_line(node: pytest.Item, line: str) -> None:
+    node.user_properties.append((CORPUS_PROPERTY, line))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        CORPUS_REPORT.extend(value for name, value in report.user_properties if name == CORPUS_PROPERTY)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
     if CORPUS_REPORT:
         terminalreporter.section("real models: engines per lowering")
-        for line in CORPUS_REPORT:
+        for line in sorted(CORPUS_REPORT):
             terminalreporter.write_line(line)
 
 FRESH_PROCESS_RUN = """

@@ -21,7 +21,7 @@ import aotstack
 from aotstack.backends.xnnpack.packages import executorch_problem
 from aotstack.report.schema import REPORT_SCHEMA
 from tests import hf_models
-from tests.conftest import CORPUS_REPORT, run_child
+from tests.conftest import report_corpus_line, run_child
 from tests.schema_check import schema_errors
 
 LOWERINGS: dict[str, Callable[[], list[aotstack.Partitioner]]] = {
@@ -119,13 +119,14 @@ def lowered_in_suite(name: str, lowering: str) -> bool:
 
 @pytest.mark.parametrize("lowering", list(LOWERINGS))
 @pytest.mark.parametrize("name", list(hf_models.CORPUS))
-def test_corpus_model_matches_eager_from_a_fresh_process(corpus, name, lowering):
+def test_corpus_model_matches_eager_from_a_fresh_process(corpus, name, lowering, request):
     if lowering == "xnnpack+aoti" and executorch_problem() is not None:
         pytest.skip(executorch_problem())
     if not lowered_in_suite(name, lowering):
         pytest.skip(f"{lowering} runs on {', '.join(PARTIAL_LOWERINGS[lowering])} (AOTSTACK_FULL_CORPUS=1: all)")
     result = corpus(lowering)[name]
-    CORPUS_REPORT.append(
+    report_corpus_line(
+        request.node,
         f"{name:<10} {hf_models.CORPUS[name].kind:<26} {lowering:<9} "
         + (f"FAILED: {result.error.splitlines()[0][:80]}" if result.error else result.engines)
     )
