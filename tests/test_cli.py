@@ -17,7 +17,9 @@ from tests.conftest import ROOT
 def aotstack_command(
     *args: str, cwd=ROOT, columns: int | None = None, cache: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # pytest-xdist gives its workers an 80-column COLUMNS; a user's pipe has none unless they set it.
+    env = {name: value for name, value in os.environ.items() if name not in ("COLUMNS", "LINES")}
+    env["PYTHONPATH"] = str(ROOT)
     if cache is not None:
         env["AOTSTACK_CACHE_DIR"] = str(cache)
     if columns is not None:
