@@ -23,7 +23,7 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(BIN)/ruff check src tests bench examples
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile tests
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The benchmarks' extra engines (ExecuTorch), torch pinned on the same command line so it is not upgraded.
 $(VENV)/.installed-bench: $(VENV)/.installed

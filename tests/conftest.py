@@ -39,6 +39,28 @@ def pytest_terminal_summary(terminalreporter) -> None:
         for line in sorted(CORPUS_REPORT):
             terminalreporter.write_line(line)
 
+# The test files that take longest from cold caches, longest first (per-file sums of a cold run's test times).
+# `make test` hands files to its processes in the order they are collected (`--no-loadscope-reorder`), so these
+# start first and the processes finish together, rather than one running a slow file alone at the end.
+LONGEST_FILES = (
+    "test_real_models.py",
+    "test_quantized_models.py",
+    "test_transformers_export.py",
+    "test_seq2seq_generation.py",
+    "test_image_text.py",
+    "test_language_models.py",
+    "test_xnnpack.py",
+    "test_cli.py",
+    "test_xnnpack_lm.py",
+    "test_image_grids.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: index for index, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable: each file's order kept
+
+
 FRESH_PROCESS_RUN = """
 import json, sys
 import torch
