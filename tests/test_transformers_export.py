@@ -258,11 +258,30 @@ def test_a_fine_tuned_heads_task_is_read_from_its_config_and_its_outputs_match_e
             torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4)
 
 
+def test_a_multiple_choice_head_scores_each_answer_for_any_count_of_questions_answers_and_tokens(tmp_path, capsys):
+    """A question paired with each of its answers, ``[batch, choices, length]``, all three dynamic (one answer
+    included): a score per answer, padding included."""
+    model = bert_with_head("multiple-choice")
+    export_hf(str(saved(model, tmp_path / "model")), "-o", str(tmp_path / "out"), "--engines", "ort")
+    assert "(multiple-choice: forward;" in capsys.readouterr().out
+    exported = ExportedModel.from_pretrained(tmp_path / "out")
+    for batch, choices, length in ((2, 4, 5), (1, 2, 9), (3, 1, 3)):
+        ids = torch.randint(4, VOCAB, (batch, choices, length), generator=torch.Generator().manual_seed(length))
+        mask = torch.ones_like(ids)
+        mask[0, -1, -2:] = 0
+        got = exported(input_ids=ids, attention_mask=mask).logits
+        with torch.no_grad():
+            want = model(input_ids=ids, attention_mask=mask).logits
+        assert got.shape == (batch, choices)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_a_head_no_task_covers_is_refused_rather_than_dropped(tmp_path, capsys):
-    """A multiple-choice BERT is not taken for its base model; asked for features, it gives them."""
+    """A BERT that predicts whether one sentence follows another is not taken for its base model; asked for
+    features, it gives them."""
     model = bert_with_head("text-classification")
-    folder = saved(transformers.BertForMultipleChoice(model.config).eval(), tmp_path / "model")
-    with pytest.raises(UnsupportedModelError, match="no task here exports the head of BertForMultipleChoice .*"
+    folder = saved(transformers.BertForNextSentencePrediction(model.config).eval(), tmp_path / "model")
+    with pytest.raises(UnsupportedModelError, match="no task here exports the head of BertForNextSentencePrediction .*"
                                                     "pass --task feature-extraction"):
         export_folder(folder, tmp_path / "out", engines="ort")
     assert_nothing_written(tmp_path)

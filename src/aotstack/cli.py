@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import AotstackError, CheckError
+from .integrations.tasks import TASKS
 
 if TYPE_CHECKING:
     from .compile.auto import Auto
@@ -91,12 +92,7 @@ def argument_parser() -> argparse.ArgumentParser:
     export_hf.add_argument("-o", "--output", required=True, metavar="OUT_DIR",
                            help="the folder to write; written beside it first and renamed when complete")
     export_hf.add_argument("--task", default=None, metavar="TASK",
-                           help="image-text-to-text, text-generation, text2text-generation, "
-                                "automatic-speech-recognition, "
-                                "text-classification, token-classification, question-answering, fill-mask, "
-                                "image-classification, object-detection, semantic-segmentation, depth-estimation, "
-                                "audio-classification or feature-extraction "
-                                "(default: from the model's config)")
+                           help=f"{', '.join(TASKS[:-1])} or {TASKS[-1]} (default: from the model's config)")
     export_hf.add_argument("--engines", default="auto", metavar="auto|ENGINE,...",
                            help="auto (default: time each installed engine's plan, keep the fastest per method), "
                                 "or engines in claiming order, e.g. aoti, ort,aoti or ov,aoti")

@@ -30,55 +30,17 @@ from ..compile.progress import Progress
 from ..compile.quantize import Quantization
 from ..errors import AotstackError, GenerationError, ModelFolderError, UnsupportedModelError
 from .audio import SETTINGS_FILES, head_architectures
+from .tasks import GENERATION_TASKS, HEAD_TASKS, SPEECH_HEADS, TASK_ALIASES, TASKS
 
 logger = logging.getLogger("aotstack")
 
-# In the order a task is inferred in: a vision-language model whose causal LM class transformers also maps
-# (Gemma 3's) is exported with its images.
-GENERATION_TASKS = ("image-text-to-text", "text-generation", "text2text-generation", "automatic-speech-recognition")
-# One forward each, its head's outputs returned as transformers' model returns them. In the order a task is
-# inferred in: an architecture some head task names is never taken for the base model.
-HEAD_TASKS = {
-    "text-classification": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
-    "token-classification": ("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
-    "question-answering": ("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"),
-    "fill-mask": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
-    "image-classification": ("AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
-    # A text encoder and an image encoder (CLIP, SigLIP): how well each image matches each text.
-    "zero-shot-image-classification": (
-        "AutoModelForZeroShotImageClassification", "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES"
-    ),
-    # Boxes in an image for what texts name (OWL-ViT, OWLv2, Grounding DINO).
-    "zero-shot-object-detection": (
-        "AutoModelForZeroShotObjectDetection", "MODEL_FOR_ZERO_SHOT_OBJECT_DETECTION_MAPPING_NAMES"
-    ),
-    "object-detection": ("AutoModelForObjectDetection", "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES"),
-    "semantic-segmentation": ("AutoModelForSemanticSegmentation", "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES"),
-    "depth-estimation": ("AutoModelForDepthEstimation", "MODEL_FOR_DEPTH_ESTIMATION_MAPPING_NAMES"),
-    "audio-classification": ("AutoModelForAudioClassification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"),
-    "audio-frame-classification": (
-        "AutoModelForAudioFrameClassification", "MODEL_FOR_AUDIO_FRAME_CLASSIFICATION_MAPPING_NAMES"
-    ),
-    "audio-xvector": ("AutoModelForAudioXVector", "MODEL_FOR_AUDIO_XVECTOR_MAPPING_NAMES"),
-    "video-classification": ("AutoModelForVideoClassification", "MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES"),
-    # Masks and their classes (Mask2Former, MaskFormer, DETR's panoptic head): what the image-segmentation pipeline
-    # reads.
-    "image-segmentation": ("AutoModelForUniversalSegmentation", "MODEL_FOR_UNIVERSAL_SEGMENTATION_MAPPING_NAMES"),
-}
-TASKS = (*GENERATION_TASKS, *HEAD_TASKS, "feature-extraction")
-# Speech recognisers whose head reads the encoder alone: labels per frame (wav2vec2's, Parakeet's CTC), or a
-# transducer's prediction and joint networks (Parakeet's RNN-T and TDT, aotstack.integrations.transducer).
-SPEECH_HEADS = ("ctc", "rnnt", "tdt")
-TASK_ALIASES = {"text2text": "text2text-generation", "causal-lm": "text-generation", "seq2seq": "text2text-generation",
-                "asr": "automatic-speech-recognition", "speech-recognition": "automatic-speech-recognition",
-                "sequence-classification": "text-classification", "sentiment-analysis": "text-classification",
-                "ner": "token-classification", "masked-lm": "fill-mask", "vision-language": "image-text-to-text",
-                "zero-shot": "zero-shot-image-classification"}
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 PROCESSOR_FILE = SETTINGS_FILES[0]
 # Example sizes the non-generation exports trace with; batch and sequence stay dynamic for text.
 EXAMPLE_BATCH, EXAMPLE_LENGTH = 2, 8
+# Answers per question a multiple-choice head is traced with: not the batch's count, so torch keeps them apart.
+EXAMPLE_CHOICES = 3
 AUDIO_SECONDS = 1
 # The side of the square images exported for a processor that keeps an image's size (Qwen2-VL's): 448 pixels
 # make 256 image tokens at Qwen2-VL's patches of 14 merged 2x2, about what fixed-size vision-language models take.
@@ -143,7 +105,7 @@ def is_ctc(task: str, config: Any) -> bool:
 def infer_task(config: Any) -> str:
     """The task ``config.architectures`` names; a config naming none is a base model's, feature extraction.
 
-    A head no task here covers (``BertForMultipleChoice``) is refused rather than exported without
+    A head no task here covers (``BertForNextSentencePrediction``) is refused rather than exported without
     it: the outputs would not be the ones the checkpoint was trained to give.
     """
     from transformers.models.auto.modeling_auto import MODEL_MAPPING_NAMES
@@ -586,7 +548,8 @@ def example_inputs(
         images, image_shapes = example_images(image_config(config), preprocessor, generator, Dim("images", max=64))
         return {**texts, **images}, {**text_shapes, **image_shapes}
     if main_input == "input_ids":
-        return example_texts(config, preprocessor, generator, batch)
+        choices = Dim("choices", min=1, max=64) if task == "multiple-choice" else None
+        return example_texts(config, preprocessor, generator, batch, choices)
     if main_input == "pixel_values":
         return example_images(config, preprocessor, generator, batch)
     if main_input == "input_values":
@@ -661,21 +624,24 @@ def image_config(config: Any) -> Any:
 
 
 def example_texts(
-    config: Any, preprocessor: Preprocessor, generator: torch.Generator, batch: Any
+    config: Any, preprocessor: Preprocessor, generator: torch.Generator, batch: Any, choices: Any = None
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A batch of token ids of ``config``'s vocabulary, with the other inputs its tokenizer makes; batch and length
-    dynamic."""
+    dynamic. With ``choices`` (a multiple-choice head's), ``[batch, choices, length]``: each question paired with
+    each of its answers, their count dynamic too."""
     from torch.export import Dim
 
     length = Dim("sequence", min=2, max=getattr(config, "max_position_embeddings", None) or 512)
-    ids = torch.randint(0, config.vocab_size, (EXAMPLE_BATCH, EXAMPLE_LENGTH), generator=generator)
+    rows = (EXAMPLE_BATCH, EXAMPLE_CHOICES) if choices is not None else (EXAMPLE_BATCH,)
+    ids = torch.randint(0, config.vocab_size, (*rows, EXAMPLE_LENGTH), generator=generator)
     inputs = {"input_ids": ids}
     for name in preprocessor.model_input_names:
         if name == "attention_mask":
             inputs[name] = torch.ones_like(ids)
         elif name == "token_type_ids":
             inputs[name] = torch.zeros_like(ids)
-    return inputs, {name: {0: batch, 1: length} for name in inputs}
+    sizes = (batch, choices, length) if choices is not None else (batch, length)
+    return inputs, {name: dict(enumerate(sizes)) for name in inputs}
 
 
 def example_images(

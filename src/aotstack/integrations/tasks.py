@@ -1,0 +1,51 @@
+"""The tasks a Hugging Face model folder is exported for, by name, and the auto classes that load each.
+
+Names only, so the command line lists them without importing transformers or the compiler;
+``aotstack.integrations.hf_folder`` exports them.
+"""
+
+from __future__ import annotations
+
+# In the order a task is inferred in: a vision-language model whose causal LM class transformers also maps
+# (Gemma 3's) is exported with its images.
+GENERATION_TASKS = ("image-text-to-text", "text-generation", "text2text-generation", "automatic-speech-recognition")
+# One forward each, its head's outputs returned as transformers' model returns them. In the order a task is
+# inferred in: an architecture some head task names is never taken for the base model.
+HEAD_TASKS = {
+    "text-classification": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+    "token-classification": ("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
+    "question-answering": ("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"),
+    # A question paired with each of its answers, ``[batch, choices, length]``: a score per answer (SWAG's heads).
+    "multiple-choice": ("AutoModelForMultipleChoice", "MODEL_FOR_MULTIPLE_CHOICE_MAPPING_NAMES"),
+    "fill-mask": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    "image-classification": ("AutoModelForImageClassification", "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+    # A text encoder and an image encoder (CLIP, SigLIP): how well each image matches each text.
+    "zero-shot-image-classification": (
+        "AutoModelForZeroShotImageClassification", "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES"
+    ),
+    # Boxes in an image for what texts name (OWL-ViT, OWLv2, Grounding DINO).
+    "zero-shot-object-detection": (
+        "AutoModelForZeroShotObjectDetection", "MODEL_FOR_ZERO_SHOT_OBJECT_DETECTION_MAPPING_NAMES"
+    ),
+    "object-detection": ("AutoModelForObjectDetection", "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES"),
+    "semantic-segmentation": ("AutoModelForSemanticSegmentation", "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES"),
+    "depth-estimation": ("AutoModelForDepthEstimation", "MODEL_FOR_DEPTH_ESTIMATION_MAPPING_NAMES"),
+    "audio-classification": ("AutoModelForAudioClassification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"),
+    "audio-frame-classification": (
+        "AutoModelForAudioFrameClassification", "MODEL_FOR_AUDIO_FRAME_CLASSIFICATION_MAPPING_NAMES"
+    ),
+    "audio-xvector": ("AutoModelForAudioXVector", "MODEL_FOR_AUDIO_XVECTOR_MAPPING_NAMES"),
+    "video-classification": ("AutoModelForVideoClassification", "MODEL_FOR_VIDEO_CLASSIFICATION_MAPPING_NAMES"),
+    # Masks and their classes (Mask2Former, MaskFormer, DETR's panoptic head): what the image-segmentation pipeline
+    # reads.
+    "image-segmentation": ("AutoModelForUniversalSegmentation", "MODEL_FOR_UNIVERSAL_SEGMENTATION_MAPPING_NAMES"),
+}
+TASKS = (*GENERATION_TASKS, *HEAD_TASKS, "feature-extraction")
+# Speech recognisers whose head reads the encoder alone: labels per frame (wav2vec2's, Parakeet's CTC), or a
+# transducer's prediction and joint networks (Parakeet's RNN-T and TDT, aotstack.integrations.transducer).
+SPEECH_HEADS = ("ctc", "rnnt", "tdt")
+TASK_ALIASES = {"text2text": "text2text-generation", "causal-lm": "text-generation", "seq2seq": "text2text-generation",
+                "asr": "automatic-speech-recognition", "speech-recognition": "automatic-speech-recognition",
+                "sequence-classification": "text-classification", "sentiment-analysis": "text-classification",
+                "ner": "token-classification", "masked-lm": "fill-mask", "vision-language": "image-text-to-text",
+                "zero-shot": "zero-shot-image-classification"}
