@@ -32,8 +32,10 @@ class OrtBackend(Backend):
     cached_by_packages = ("onnx", "onnxscript")
     run_side_specs = (SpecKey.THREADS,)
     # 2: the small constants the exporter computes are folded (``compile.fold_small_constants``); 3: a zero bias
-    # the exporter made is dropped from its convolution (``compile.drop_zero_biases``).
-    compile_revision = 4
+    # the exporter made is dropped from its convolution (``compile.drop_zero_biases``); 5: a repeat_interleave by a
+    # count known when it runs is written out (``compile.with_counted_repeats_expanded``), and the weights the
+    # session must copy are named (``compile.broadcast_operands``).
+    compile_revision = 5
     # Exporting a part to ONNX: 5-6 s for a 4-layer BERT encoder.
     expected_compile_seconds = 5.0
 
@@ -71,6 +73,7 @@ class OrtBackend(Backend):
             "weights": {fqn: meta for fqn, meta in weights.items() if fqn not in buffers},
             "inputs": inputs,
             "outputs": outputs,
+            "session_owned": onnx_partition.session_owned,
             "state": state_record(buffers, state_inputs, state_outputs, updated_in_place(onnx_model(onnx_partition),
                                                                                           state_pairs)),
             # What the model takes; its run side checks every call against it.

@@ -24,6 +24,8 @@ class OnnxPartition:
     weights: dict[str, torch.Tensor]
     input_names: list[str]
     output_names: list[str]
+    # The weights the session must hold a copy of (``broadcast_operands``), not read from the package.
+    session_owned: list[str]
 
 
 def export_partition(
@@ -50,6 +52,7 @@ def export_partition(
     try:
         contiguous_attention_outputs(exported_program)
         with_every_dimension_named(exported_program)
+        with_counted_repeats_expanded(exported_program)
         with quieted(EXPORTER_REGISTRATION_LOGGER):
             onnx_program = torch.onnx.export(
                 exported_program, (), dynamo=True, optimize=False, verbose=False,
@@ -72,7 +75,38 @@ def export_partition(
         weights=external,
         input_names=[value.name for value in model.graph.input],
         output_names=[value.name for value in model.graph.output],
+        session_owned=sorted(broadcast_operands(model) & set(external)),
     )
+
+
+# ONNX ops that broadcast their operands elementwise: ONNX Runtime's transpose optimizer moves a Transpose through
+# them, transposing a constant operand as it goes.
+BROADCASTING_OPS = frozenset({
+    "Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min", "Mean", "Sum", "Where", "PRelu", "BitShift",
+    "Equal", "Greater", "GreaterOrEqual", "Less", "LessOrEqual", "And", "Or", "Xor",
+    "BitwiseAnd", "BitwiseOr", "BitwiseXor",
+})
+
+
+def broadcast_operands(model: Any) -> set[str]:
+    """The initializers of ``model`` (an ``onnx`` ModelProto) that an elementwise op reads, in any of its graphs.
+
+    ONNX Runtime 1.32's transpose optimizer, moving a Transpose through such an op, cannot rewrite an initializer
+    the session shares from the caller's memory (``add_initializer``) and runs it untransposed: SAM's vision encoder
+    (a convolution's output permuted, plus its position embedding, normalised, then permuted back) failed at its
+    first run ("Attempting to broadcast an axis by a dimension other than 1. 8 by 32"). Such operands (biases,
+    position embeddings, scales) are small beside the weights matrix products read, which stay shared.
+    """
+    read: set[str] = set()
+    graphs = [model.graph]
+    while graphs:
+        graph = graphs.pop()
+        for node in graph.node:
+            if node.op_type in BROADCASTING_OPS:
+                read.update(node.input)
+            for attribute in node.attribute:  # an If's branches, a Loop's body
+                graphs.extend([attribute.g] if attribute.HasField("g") else attribute.graphs)
+    return read
 
 
 def with_every_dimension_named(exported_program: ExportedProgram) -> None:
@@ -88,6 +122,43 @@ def with_every_dimension_named(exported_program: ExportedProgram) -> None:
             node.args = (node.args[0], list(range(node.args[0].meta["val"].dim())))
             node.kwargs = {key: value for key, value in node.kwargs.items() if key != "dim"}
             changed = True
+    if changed:
+        exported_program.graph_module.recompile()
+
+
+def with_counted_repeats_expanded(exported_program: ExportedProgram) -> None:
+    """Write, in place, each ``repeat_interleave`` of a tensor by a count known only when it runs as the
+    ``unsqueeze``, ``expand`` and ``flatten`` it is.
+
+    The exporter's translation (onnxscript 0.7) puts such a count on the axis before the new one: its ``Expand``
+    failed for every count but 1, or every size but 1 of the axis repeated ("invalid expand shape"; SAM's mask
+    decoder repeats each image's embeddings once per prompt). A constant count translates right and is left.
+    """
+    graph = exported_program.graph
+    changed = False
+    for node in list(graph.nodes):
+        if node.target is not torch.ops.aten.repeat_interleave.self_int or isinstance(node.args[1], int):
+            continue
+        source, count = node.args[0], node.args[1]
+        dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+        if dim is None:  # repeats of the flattened tensor: never a symbolic count in the models seen
+            continue
+        value = source.meta["val"]
+        axis = dim % value.dim()
+        sizes = [-1] * (value.dim() + 1)
+        sizes[axis + 1] = count
+        with graph.inserting_before(node):
+            unsqueezed = graph.call_function(torch.ops.aten.unsqueeze.default, (source, axis + 1))
+            expanded = graph.call_function(torch.ops.aten.expand.default, (unsqueezed, sizes))
+            merged = graph.call_function(torch.ops.aten.flatten.using_ints, (expanded, axis, axis + 1))
+        unsqueezed.meta["val"] = value.unsqueeze(axis + 1)
+        expanded.meta["val"] = unsqueezed.meta["val"].expand(
+            [count.meta["val"] if size is count else size for size in sizes]
+        )
+        merged.meta = dict(node.meta)
+        node.replace_all_uses_with(merged)
+        graph.erase_node(node)
+        changed = True
     if changed:
         exported_program.graph_module.recompile()
 

@@ -52,9 +52,12 @@ class OrtRuntime(SessionRuntime):
                 f"{label}: processed data names {len(input_names)} inputs, its boundary {len(boundary.inputs)}"
             )
         weights = processed_json.weights(processed, delegate.named_data, label)
+        # Written since compile revision 5; every weight was shared before.
+        owned = processed_json.string_list(processed, "session_owned", label) if "session_owned" in processed else []
         return open_session(
             bytes(delegate.blob(MODEL_NAME)), weights, providers(delegate.compile_specs), input_names, output_names,
             label, check=boundary.checker(label), state=delegate.state, threads=session_threads(delegate.compile_specs),
+            session_owned=frozenset(owned),
         )
 
     def execute(self, handle: OrtHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -108,6 +111,7 @@ def open_session(
     check: BoundaryCheck | None = None,
     state: list[OwnedBuffer] | None = None,
     threads: int | None = None,
+    session_owned: frozenset[str] = frozenset(),
 ) -> OrtHandle:
     """An ``InferenceSession`` for ``model``, its external initializers taken from ``weights``.
 
@@ -117,7 +121,8 @@ def open_session(
     On the CPU provider the session reads the weights where they are (views of the mapped
     package), not copies: each is both an external initializer, which the model's placeholders
     ask for, and a shared initializer (``add_initializer``), which ONNX Runtime uses in place
-    instead of copying it into memory of its own. Two copies remain ONNX Runtime's own doing:
+    instead of copying it into memory of its own; ``session_owned`` ones (which ONNX Runtime's optimizers may
+    rewrite) are external initializers alone, copied. Two copies remain ONNX Runtime's own doing:
     while the session starts it holds a transient copy of each external initializer (ONNX
     Runtime 1.31; the model cannot name the weights' memory itself, as ONNX Runtime refuses
     in-memory addresses in a model), and a kernel that prepacks its weights (MatMul, Gemm,
@@ -151,7 +156,8 @@ def open_session(
         if set(providers) <= HOST_PROVIDERS:
             # A provider with memory of its own copies weights there anyway; host memory is shared.
             for name, value in zip(names, values):
-                options.add_initializer(name, value)
+                if name not in session_owned:
+                    options.add_initializer(name, value)
     try:
         session = onnxruntime.InferenceSession(model, options, providers=providers)
     except Exception as error:
