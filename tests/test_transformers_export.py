@@ -350,6 +350,42 @@ def test_a_vision_heads_task_is_read_from_its_config_at_its_processors_image_siz
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4)
 
 
+def test_a_mask_generator_takes_any_number_of_prompts_of_any_number_of_points_per_image(tmp_path, capsys):
+    """SAM: each image with its prompts of points and their labels (one of each included), as its processor makes
+    them for images padded to 128 pixels; masks and their scores as the model gives them. Through ONNX Runtime, whose
+    exporter and optimizer each got a part of it wrong before."""
+    torch.manual_seed(0)
+    config = transformers.SamConfig(
+        vision_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 64,
+                       "image_size": 128, "patch_size": 16, "output_channels": 32, "window_size": 4,
+                       "global_attn_indexes": [1], "mlp_dim": 64, "num_pos_feats": 16},
+        prompt_encoder_config={"hidden_size": 32, "image_size": 128, "patch_size": 16, "mask_input_channels": 4},
+        mask_decoder_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2, "mlp_dim": 64,
+                             "iou_head_hidden_dim": 32},
+    )
+    model = transformers.SamModel(config).eval()
+    for weight in model.parameters():
+        if weight.dim() > 1:
+            torch.nn.init.normal_(weight, std=0.1)
+    processor = {"image_processor_type": "SamImageProcessor", "size": {"longest_edge": 128}, "do_pad": True,
+                 "pad_size": {"height": 128, "width": 128}}
+    export_hf(str(saved(model, tmp_path / "model", processor)), "-o", str(tmp_path / "out"), "--engines", "ort")
+    assert "(mask-generation: forward;" in capsys.readouterr().out
+    exported = ExportedModel.from_pretrained(tmp_path / "out")
+    generator = torch.Generator().manual_seed(3)
+    for images, prompts, points in ((2, 5, 3), (1, 1, 1), (3, 2, 1)):
+        pixels = torch.randn(images, 3, 128, 128, generator=generator)
+        where = torch.rand(images, prompts, points, 2, generator=generator) * 128
+        labels = torch.randint(0, 2, (images, prompts, points), generator=generator)
+        labels[0, 0, -1] = -1 if points > 1 else 1  # a padding point
+        got = exported(pixel_values=pixels, input_points=where, input_labels=labels)
+        with torch.no_grad():
+            want = model(pixel_values=pixels, input_points=where, input_labels=labels)
+        for name in ("iou_scores", "pred_masks"):
+            assert got[name].shape[:2] == (images, prompts)
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4)
+
+
 # A text encoder's and a vision tower's small configs, for models that read both.
 TEXT_ENCODER = {name: TEXT[name] for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                               "num_attention_heads", "max_position_embeddings", "pad_token_id")}

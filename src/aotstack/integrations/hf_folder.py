@@ -39,8 +39,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 PROCESSOR_FILE = SETTINGS_FILES[0]
 # Example sizes the non-generation exports trace with; batch and sequence stay dynamic for text.
 EXAMPLE_BATCH, EXAMPLE_LENGTH = 2, 8
-# Answers per question a multiple-choice head is traced with: not the batch's count, so torch keeps them apart.
-EXAMPLE_CHOICES = 3
+# Answers per question a multiple-choice head is traced with, and prompts per image and points per prompt a mask
+# generator is: none of them 1, so torch keeps each dynamic.
+EXAMPLE_CHOICES, EXAMPLE_PROMPTS, EXAMPLE_POINTS = 3, 3, 2
 AUDIO_SECONDS = 1
 # The side of the square images exported for a processor that keeps an image's size (Qwen2-VL's): 448 pixels
 # make 256 image tokens at Qwen2-VL's patches of 14 merged 2x2, about what fixed-size vision-language models take.
@@ -541,6 +542,8 @@ def example_inputs(
     if "spatial_shapes" in inspect.signature(model.forward).parameters:
         raise UnsupportedModelError(f"{type(model).__name__} reads each image as patches at about its own size "
                                     "(pixel_attention_mask, spatial_shapes), inputs the folder export does not make")
+    if task == "mask-generation":
+        return prompted_images(model, preprocessor, generator, batch)
     if takes_text_and_images(model):
         if task == "zero-shot-object-detection":
             return queries(model, preprocessor, generator)
@@ -617,6 +620,24 @@ def queries(
     return inputs, {**{name: {0: count, 1: Dim.DYNAMIC} for name in texts}, "pixel_values": None}
 
 
+def prompted_images(
+    model: torch.nn.Module, preprocessor: Preprocessor, generator: torch.Generator, batch: Any
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A batch of images at the size the processor makes, each with prompts of points in its pixels
+    (``input_points`` ``[batch, prompts, points, 2]``) and their labels (1 picks, 0 leaves out, -1 pads), as SAM's
+    processor makes them; batch and the counts of prompts and of points dynamic."""
+    from torch.export import Dim
+
+    images, _ = example_images(image_config(model.config), preprocessor, generator, batch)
+    height, width = images["pixel_values"].shape[-2:]
+    shape = (EXAMPLE_BATCH, EXAMPLE_PROMPTS, EXAMPLE_POINTS)
+    points = torch.rand(*shape, 2, generator=generator) * torch.tensor([width, height])
+    labels = torch.randint(0, 2, shape, generator=generator)
+    sizes = {0: batch, 1: Dim("prompts", min=1, max=64), 2: Dim("points", min=1, max=64)}
+    return ({**images, "input_points": points, "input_labels": labels},
+            {"pixel_values": {0: batch}, "input_points": sizes, "input_labels": sizes})
+
+
 def image_config(config: Any) -> Any:
     """The part of a model of texts and images that reads the images: its vision tower's config (CLIP's), its
     backbone's (Grounding DINO's), else its own."""
@@ -657,11 +678,13 @@ def example_images(
 
 
 def image_size(settings: dict[str, Any], config: Any) -> tuple[int, int]:
-    """The height and width of the images the processor makes: its center crop, else the size it resizes to (a
-    square of its shortest edge, for one that keeps the aspect ratio), else the config's ``image_size``, else 224.
+    """The height and width of the images the processor makes: the size it pads to, else its center crop, else the
+    size it resizes to (a square of its shortest edge, for one that keeps the aspect ratio), else the config's
+    ``image_size``, else 224.
     """
     crop = settings.get("crop_size") if settings.get("do_center_crop") else None
-    for size in (crop, settings.get("size")):
+    padded = settings.get("pad_size") if settings.get("do_pad") else None  # SAM's: resized, then padded to this
+    for size in (padded, crop, settings.get("size")):
         if isinstance(size, int):
             return size, size
         if isinstance(size, dict) and isinstance(size.get("height"), int) and isinstance(size.get("width"), int):

@@ -39,6 +39,9 @@ HEAD_TASKS = {
     # Masks and their classes (Mask2Former, MaskFormer, DETR's panoptic head): what the image-segmentation pipeline
     # reads.
     "image-segmentation": ("AutoModelForUniversalSegmentation", "MODEL_FOR_UNIVERSAL_SEGMENTATION_MAPPING_NAMES"),
+    # Masks of what points in an image pick out (SAM, SAM 2, SAM-HQ, EdgeTAM): before feature extraction, which
+    # maps the same classes and would drop the prompt.
+    "mask-generation": ("AutoModelForMaskGeneration", "MODEL_FOR_MASK_GENERATION_MAPPING_NAMES"),
 }
 TASKS = (*GENERATION_TASKS, *HEAD_TASKS, "feature-extraction")
 # Speech recognisers whose head reads the encoder alone: labels per frame (wav2vec2's, Parakeet's CTC), or a
