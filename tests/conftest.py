@@ -39,20 +39,22 @@ def pytest_terminal_summary(terminalreporter) -> None:
         for line in sorted(CORPUS_REPORT):
             terminalreporter.write_line(line)
 
-# The test files that take longest from cold caches, longest first (per-file sums of a cold run's test times).
+
+# The test files that take longest, longest first (per-file sums of test times in a full run, stop 103).
 # `make test` hands files to its processes in the order they are collected (`--no-loadscope-reorder`), so these
 # start first and the processes finish together, rather than one running a slow file alone at the end.
 LONGEST_FILES = (
     "test_real_models.py",
-    "test_quantized_models.py",
     "test_transformers_export.py",
+    "test_quantized_models.py",
     "test_seq2seq_generation.py",
-    "test_image_text.py",
     "test_language_models.py",
+    "test_image_text.py",
     "test_xnnpack.py",
-    "test_cli.py",
     "test_xnnpack_lm.py",
-    "test_image_grids.py",
+    "test_openvino.py",
+    "test_torchao_configs.py",
+    "test_cli.py",
 )
 
 
