@@ -213,11 +213,11 @@ def run(handle: OrtHandle, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     try:
         outputs = handle.session.run(handle.output_names, feeds)
     except handle.argument_errors as error:
-        refused_inputs(handle, error)
+        raise_argument_error(handle, error)
     return [torch.from_numpy(array) for array in outputs]
 
 
-def refused_inputs(handle: OrtHandle, error: BaseException) -> NoReturn:
+def raise_argument_error(handle: OrtHandle, error: BaseException) -> NoReturn:
     """``error`` (ONNX Runtime's invalid argument) as the caller's ``InputError``, unless the inputs were checked
     against the sizes the model was exported for: then the fault is the engine's, in a size it should take, and
     ``error`` goes on to the step that ran the delegate, which names it."""
@@ -245,7 +245,7 @@ def run_bound(handle: OrtHandle, feeds: dict[str, Any]) -> list[torch.Tensor]:
     try:
         handle.session.run_with_iobinding(binding)
     except handle.argument_errors as error:
-        refused_inputs(handle, error)
+        raise_argument_error(handle, error)
     values = dict(zip(handle.bound_outputs, binding.get_outputs(), strict=True))
     for buffer in copied:
         buffer.tensor.copy_(torch.from_numpy(values[buffer.output].numpy()))
