@@ -200,3 +200,43 @@ def test_a_new_compile_revision_keys_compiles_and_auto_measurements_apart(monkey
     after = preprocess_key(OrtBackend(), program, []), measurement_key("fingerprint", inputs, plan, 1)
 
     assert before[0] != after[0] and before[1] != after[1]
+
+
+def test_an_engines_cache_entries_are_keyed_by_the_source_it_runs(tmp_path, monkeypatch):
+    """A result is reused only by the code that made it: an edit to the engine's folder or to a module it imports
+    (lazily too, transitively) keys its entries apart without a raised compile_revision; an edit elsewhere does not.
+    A clean clone sharing the home directory's cache once read models a development edit had compiled."""
+    from aotstack.engine import source
+
+    package = tmp_path / "myengines"
+    (package / "engine").mkdir(parents=True)
+    (package / "shared").mkdir()
+    files = {
+        "__init__.py": "",
+        "engine/__init__.py": "",
+        "engine/backend.py": "from ..shared import names\n\nclass MyBackend:\n    compile_revision = 3\n",
+        "engine/compile.py": "def convert():\n    from ..shared.quantized import (\n        packed,\n    )\n",
+        "shared/__init__.py": "",
+        "shared/names.py": "NAME = 'a'\n",
+        "shared/quantized.py": "import myengines.shared.deep as deep\n",
+        "shared/deep.py": "LEVEL = 1\n",
+        "shared/unrelated.py": "OTHER = 1\n",
+    }
+    for name, text in files.items():
+        (package / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from myengines.engine.backend import MyBackend
+
+    def version_after(edited: str) -> str:
+        (package / edited).write_text((package / edited).read_text() + "# edited\n")
+        source.source_digest.cache_clear()
+        return source.code_version(MyBackend)
+
+    first = source.code_version(MyBackend)
+    assert first.startswith("revision 3 source ") and "?" not in first
+    assert version_after("shared/unrelated.py") == first
+    seen = {first}
+    for edited in ("engine/compile.py", "shared/names.py", "shared/deep.py"):
+        seen.add(version_after(edited))
+    assert len(seen) == 4
+    source.source_digest.cache_clear()

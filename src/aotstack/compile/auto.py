@@ -69,6 +69,7 @@ from torch.export import ExportedProgram
 from .. import __version__
 from ..engine.processor import processor_fingerprint
 from ..engine.registry import BUILT_IN, backend_class
+from ..engine.source import code_version
 from ..errors import EngineCrashError, InputError, LoweringError
 from ..format.devices import parse_device_spec
 from ..format.placement import Candidate, Selection
@@ -268,20 +269,20 @@ def checked_inputs(name: str, exported: ExportedProgram, given: Any) -> CallInpu
 def measurement_key(fingerprint: str, inputs: TimingInputs, plan: Plan, threads: int) -> str:
     """What a measurement depends on: the program (its ``program_fingerprint``), the inputs it is timed on, the
     plan, the thread count, the processor and the versions of torch, aotstack and the plan's engines (their
-    compile revisions too).
+    code too).
     """
     parts = [torch.__version__, __version__, str(threads), processor_fingerprint(), json.dumps(list(plan)),
              json.dumps(inputs.digest())]
     parts += [f"{name}={package_version(name)}" for backend_id in plan for name in BUILT_IN[backend_id].packages]
-    parts += [f"{backend_id} revision {compile_revision(backend_id)}" for backend_id in plan]
+    parts += [f"{backend_id} {backend_code(backend_id)}" for backend_id in plan]
     return hashlib.sha256("\0".join([*parts, fingerprint]).encode()).hexdigest()
 
 
-def compile_revision(backend_id: str) -> str:
-    """``backend_id``'s ``compile_revision``; ``?`` where its compile side cannot be loaded here (an engine built for
+def backend_code(backend_id: str) -> str:
+    """``backend_id``'s ``code_version``; ``?`` where its compile side cannot be loaded here (an engine built for
     another torch), whose plan then fails alone when its partitioners are made."""
     try:
-        return str(backend_class(backend_id).compile_revision)
+        return code_version(backend_class(backend_id))
     except Exception:  # noqa: BLE001 - the plan's own lowering reports why
         return "?"
 

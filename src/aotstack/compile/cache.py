@@ -15,6 +15,7 @@ from torch.export import ExportedProgram
 from .. import __version__
 from ..engine.interface import Backend
 from ..engine.processor import processor_fingerprint
+from ..engine.source import code_version
 from ..format.specs import CompileSpec, PreprocessResult
 from ..format.tensor_data import WEIGHT_PREFIX, content_key, weights_as_named_data
 from .program_parts import Structure, program_fingerprint, program_weights
@@ -71,7 +72,7 @@ PREPROCESS_KIND = "preprocess"
 
 def preprocess_key(backend: Backend, program: ExportedProgram, compile_specs: list[CompileSpec]) -> str | None:
     """What a partition's compile depends on: its program (weights' values included), its specs, the versions
-    (the backend's ``compile_revision`` too) and the processor (an engine may compile for its instructions).
+    (the backend's code too: ``code_version``) and the processor (an engine may compile for its instructions).
 
     None where ``backend`` asks for no cache of its results (``Backend.cached_by_packages``).
     """
@@ -89,7 +90,7 @@ def backend_key(backend: Backend, compile_specs: list[CompileSpec], program: str
     if backend.cached_by_packages is None:
         return None
     parts = [backend.backend_id, type(backend).__qualname__, torch.__version__, __version__,
-             str(torch.get_num_threads()), f"revision {backend.compile_revision}", processor_fingerprint()]
+             str(torch.get_num_threads()), code_version(type(backend)), processor_fingerprint()]
     parts += [f"{spec.key}={spec.value.hex()}" for spec in compile_specs if spec.key not in backend.run_side_specs]
     parts += [f"{name}={package_version(name)}" for name in backend.cached_by_packages]
     digest = hashlib.sha256("\0".join(parts).encode())

@@ -170,8 +170,9 @@ class Backend(BackendRuntime):
     # Compile specs that only the run side reads (a session's thread count): that cache's key leaves them out, so a
     # plan differing from a compiled one only in them compiles nothing again.
     run_side_specs: ClassVar[tuple[str, ...]] = ()
-    # Raised when ``preprocess`` writes something else for the same partition (a fix in the compile
-    # side): results kept under an earlier revision, and auto's measurements of them, are not read.
+    # Raised when ``preprocess`` writes something else for the same partition for a reason its source does not show
+    # (a change to its own source already keys its results apart: ``engine.source.code_version``): results kept
+    # under an earlier revision, and auto's measurements of them, are not read.
     compile_revision: ClassVar[int] = 1
     # True where partitions of the same structure (the same ops on the same shapes, other weights,
     # other names: a model's repeated layers) compile to code that ``cached_preprocess`` answers

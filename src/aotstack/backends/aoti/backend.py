@@ -18,6 +18,7 @@ from torch.nn.attention import SDPBackend
 
 from ...compile.program_parts import partition_boundary, user_input_placeholders
 from ...engine.interface import Backend
+from ...engine.source import code_version
 from ...errors import LoweringError, MissingFallbackKernelsError
 from ...format.custom_ops import is_custom_op_name
 from ...format.devices import HOST, Device
@@ -134,7 +135,7 @@ class AotiBackend(Backend):
             decompositions=self.decomposition_table(),
             attention_kernels=self.attention_kernels(),
             options=options,
-            revision=self.compile_revision,
+            code=code_version(type(self)),
             program_passes=[with_scalar_weights_inlined, with_constants_as_buffers, *self.program_passes()],
         )
 

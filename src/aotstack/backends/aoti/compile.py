@@ -50,8 +50,8 @@ class CompileSteps:
     options: dict[str, Any]
     # None: Inductor picks attention kernels as plain AOTInductor does.
     attention_kernels: list[SDPBackend] | None = None
-    # The backend's ``compile_revision``: a change to its passes keys its libraries apart in the cache.
-    revision: int = 1
+    # The backend's ``code_version``: a change to its passes keys its libraries apart in the cache.
+    code: str = ""
     # Run before ``passes``.
     program_passes: list[ProgramPass] = field(default_factory=list)
 
@@ -119,7 +119,7 @@ def compile_partition(
         options["fx_graph_cache"] = False
     structure = program_structure(program, every_value=folds_weights(options))
     asked = [] if held else structure.weights
-    key = cache_key(structure, {**options, "aotstack.device": str(steps.device), "aotstack.revision": steps.revision})
+    key = cache_key(structure, {**options, "aotstack.device": str(steps.device), "aotstack.code": steps.code})
     files = cached_files(key)
     if files is not None and len(files.weights) == len(asked):
         logger.debug("%s: reusing the library from the compile cache", label)
