@@ -302,6 +302,46 @@ def test_a_tensor_sized_by_a_product_of_dynamic_sizes_crosses_into_aotinductor(t
             torch.testing.assert_close(loaded.forward(x), model(x))
 
 
+class Patches(torch.nn.Module):
+    """Non-overlapping 16-pixel patches of an image, each projected, and the image's features upsampled."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches = torch.nn.Conv2d(4, 8, 16, 16)
+        self.project = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        features = self.patches(x)
+        tokens = self.project(features.flatten(2).transpose(1, 2)).relu()
+        return tokens, torch.nn.functional.interpolate(features, scale_factor=2.0) + 1
+
+
+def test_an_image_whose_sides_are_multiples_of_a_size_keeps_them_dynamic_in_aotinductor(tmp_path):
+    """Sides declared as multiples (``32 * Dim``, a processor padding to 32) reach each partition as the multiple
+    of one size, which an engine solves from the tensor fed: AOTInductor failed to compile it before, given a
+    data-dependent stand-in for each side instead ("Could not extract specialized integer")."""
+    model = Patches().eval()
+    rows, columns = torch.export.Dim("rows", min=1, max=64), torch.export.Dim("columns", min=1, max=64)
+    program = aotstack.export(model, {"forward": (torch.randn(2, 4, 224, 160),)},
+                              dynamic_shapes={"forward": ({0: torch.export.Dim("batch", max=8), 2: 32 * rows,
+                                                           3: 32 * columns},)})
+    lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner()])
+    for delegate in lowered.delegates("forward"):
+        boundary = json.loads(delegate.processed_bytes)["boundary"]
+        assert [str(size)[:3] for size in boundary["inputs"][0]["sizes"][2:]] == ["32*", "32*"]
+        assert not [symbol for symbol in boundary["symbols"] if symbol.startswith("u")], "no stand-in"
+    lowered.save(tmp_path / "patches.pt2")
+
+    loaded = aotstack.load(tmp_path / "patches.pt2")
+    with torch.no_grad():
+        for shape in ((1, 4, 64, 96), (3, 4, 224, 160), (2, 4, 128, 64)):
+            x = torch.randn(shape)
+            for got, want in zip(loaded.forward(x), model(x), strict=True):
+                torch.testing.assert_close(got, want)
+    with pytest.raises(aotstack.InputError, match="32"):
+        loaded.forward(torch.randn(1, 4, 48, 64))
+
+
 class IntegerArithmetic(torch.nn.Module):
     """Integers made from a linear's output, in the arithmetic whose rounding and signs engines differ on."""
 

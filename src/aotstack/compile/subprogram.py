@@ -239,6 +239,20 @@ def stand_in_ranges(stand_ins: Mapping[Any, torch.SymInt]) -> dict[Any, Any]:
     return {size.node.expr: size.node.shape_env.var_to_range[size.node.expr] for size in stand_ins.values()}
 
 
+def is_derived_size(expr: Any) -> bool:
+    """Whether ``expr`` is ``a * s + b`` of one size ``s`` (integers ``a``, ``b``), as torch.export's derived dims are
+    (an image's height, a multiple of 32: ``32 * s``): an engine solves it for ``s`` from the size it is fed."""
+    import sympy
+
+    if len(expr.free_symbols) != 1:
+        return False
+    try:
+        polynomial = sympy.Poly(expr, *expr.free_symbols)
+    except sympy.PolynomialError:
+        return False
+    return polynomial.degree() == 1 and all(coefficient.is_Integer for coefficient in polynomial.all_coeffs())
+
+
 def compound_size_stand_ins(inputs: list[torch.Tensor]) -> dict[Any, torch.SymInt]:
     """For each size of ``inputs`` computed from sizes no input has as a size of its own, a fresh data-dependent one.
 
@@ -246,8 +260,9 @@ def compound_size_stand_ins(inputs: list[torch.Tensor]) -> dict[Any, torch.SymIn
     transformers linear, where an engine declines the matmul); ``u0 + u1``: rows routed to two
     experts, concatenated. An engine reads an input's sizes from the tensor it is fed, and cannot
     solve one product or sum for the sizes in it (AOTInductor asserts it has them), unless another
-    input has them as sizes. Otherwise the expression stands as a size of its own (one per distinct
-    expression, so inputs of the same size keep sharing it).
+    input has them as sizes, or it is a multiple of one size (``is_derived_size``). Otherwise the
+    expression stands as a size of its own (one per distinct expression, so inputs of the same size
+    keep sharing it).
     """
     sizes = [size.node.expr for value in inputs for size in value.shape if isinstance(size, torch.SymInt)]
     read = {expr for expr in sizes if expr.is_Symbol}
@@ -255,7 +270,7 @@ def compound_size_stand_ins(inputs: list[torch.Tensor]) -> dict[Any, torch.SymIn
     shape_env = getattr(fake_mode, "shape_env", None)
     stand_ins: dict[Any, torch.SymInt] = {}
     for expr in dict.fromkeys(sizes):
-        if shape_env is None or expr.is_Symbol or expr.free_symbols <= read:
+        if shape_env is None or expr.is_Symbol or expr.free_symbols <= read or is_derived_size(expr):
             continue
         # An input's size is bound by the tensor fed, not computed by an op of the partition.
         with shape_env.ignore_fresh_unbacked_symbols():
