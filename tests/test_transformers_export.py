@@ -386,6 +386,57 @@ def test_a_mask_generator_takes_any_number_of_prompts_of_any_number_of_points_pe
             torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4)
 
 
+def test_a_pose_estimator_with_an_expert_per_dataset_reads_each_images_dataset(tmp_path, capsys):
+    """ViTPose++: a heatmap per keypoint of each image, its backbone's MLP chosen per image by the dataset its
+    keypoints are read for (``dataset_index``), which the export takes beside the images, batch dynamic."""
+    torch.manual_seed(0)
+    backbone = transformers.VitPoseBackboneConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                                  intermediate_size=64, image_size=[64, 48], patch_size=[8, 8],
+                                                  num_experts=2, part_features=8)
+    model = transformers.VitPoseForPoseEstimation(transformers.VitPoseConfig(backbone_config=backbone,
+                                                                             num_labels=5)).eval()
+    processor = {"image_processor_type": "VitPoseImageProcessor", "size": {"height": 64, "width": 48}}
+    export_hf(str(saved(model, tmp_path / "model", processor)), "-o", str(tmp_path / "out"), "--engines", "ort")
+    assert "(pose-estimation: forward;" in capsys.readouterr().out
+    exported = ExportedModel.from_pretrained(tmp_path / "out")
+    generator = torch.Generator().manual_seed(3)
+    for images, datasets in ((2, [0, 1]), (1, [1]), (3, [1, 0, 1])):
+        pixels, chosen = torch.randn(images, 3, 64, 48, generator=generator), torch.tensor(datasets)
+        got = exported(pixel_values=pixels, dataset_index=chosen)
+        with torch.no_grad():
+            want = model(pixel_values=pixels, dataset_index=chosen)
+        torch.testing.assert_close(got["heatmaps"], want.heatmaps, rtol=1e-4, atol=1e-5)
+
+
+def test_a_matting_model_takes_images_of_their_own_size_padded_to_its_multiple(tmp_path, capsys):
+    """ViTMatte: each image with its trimap as a fourth channel, at its own size, which its processor pads to a
+    multiple of 32 (not one size for all): height and width stay dynamic, multiples of 32, and another size is
+    refused by name."""
+    torch.manual_seed(0)
+    backbone = transformers.VitDetConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2,
+                                         image_size=64, patch_size=16, num_channels=4, out_features=["stage2"],
+                                         pretrain_image_size=64)
+    model = transformers.VitMatteForImageMatting(transformers.VitMatteConfig(
+        backbone_config=backbone, hidden_size=32, convstream_hidden_sizes=[8, 16, 32],
+        fusion_hidden_sizes=[32, 16, 8, 8])).eval()
+    for weight in model.parameters():  # alphas far from a flat 0.5, so a wrong one shows
+        torch.nn.init.normal_(weight, std=1.0 if weight.dim() > 1 else 0.1)
+    processor = {"image_processor_type": "VitMatteImageProcessor", "do_pad": True, "size_divisor": 32}
+    export_hf(str(saved(model, tmp_path / "model", processor)), "-o", str(tmp_path / "out"), "--engines", "ort")
+    assert "(image-matting: forward;" in capsys.readouterr().out
+    exported = ExportedModel.from_pretrained(tmp_path / "out")
+    generator = torch.Generator().manual_seed(3)
+    for shape in ((2, 4, 64, 64), (1, 4, 96, 64), (3, 4, 64, 128)):
+        pixels = torch.randn(*shape, generator=generator)
+        got = exported(pixel_values=pixels)
+        with torch.no_grad():
+            want = model(pixel_values=pixels)
+        assert got["alphas"].shape == (shape[0], 1, *shape[2:])
+        torch.testing.assert_close(got["alphas"], want.alphas, rtol=1e-4, atol=1e-5)
+    with pytest.raises(aotstack.InputError, match="32"):
+        exported(pixel_values=torch.randn(1, 4, 48, 64))
+
+
 # A text encoder's and a vision tower's small configs, for models that read both.
 TEXT_ENCODER = {name: TEXT[name] for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                               "num_attention_heads", "max_position_embeddings", "pad_token_id")}

@@ -46,6 +46,8 @@ AUDIO_SECONDS = 1
 # The side of the square images exported for a processor that keeps an image's size (Qwen2-VL's): 448 pixels
 # make 256 image tokens at Qwen2-VL's patches of 14 merged 2x2, about what fixed-size vision-language models take.
 GRID_IMAGE_SIDE = 448
+# The largest height or width an export for images of their own size takes (``kept_size_multiple``).
+MAX_IMAGE_SIDE = 4096
 
 
 def auto_class(task: str) -> type:
@@ -554,7 +556,9 @@ def example_inputs(
         choices = Dim("choices", min=1, max=64) if task == "multiple-choice" else None
         return example_texts(config, preprocessor, generator, batch, choices)
     if main_input == "pixel_values":
-        return example_images(config, preprocessor, generator, batch)
+        images, shapes = example_images(config, preprocessor, generator, batch)
+        indices = dataset_indices(model, generator)
+        return {**images, **indices}, {**shapes, **{name: {0: batch} for name in indices}}
     if main_input == "input_values":
         rate = int(preprocessor.settings.get("sampling_rate", 16000))
         audio = torch.randn(EXAMPLE_BATCH, rate * AUDIO_SECONDS, generator=generator)
@@ -638,6 +642,16 @@ def prompted_images(
             {"pixel_values": {0: batch}, "input_points": sizes, "input_labels": sizes})
 
 
+def dataset_indices(model: torch.nn.Module, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """The dataset each image's keypoints are read for (``dataset_index``, which of its backbone's experts), where a
+    model has several (ViTPose++'s, whose forward refuses to run without); else none."""
+    experts = getattr(image_config(model.config), "num_experts", 1)
+    if "dataset_index" not in inspect.signature(model.forward).parameters or not isinstance(experts, int) \
+            or experts < 2:
+        return {}
+    return {"dataset_index": torch.randint(0, experts, (EXAMPLE_BATCH,), generator=generator)}
+
+
 def image_config(config: Any) -> Any:
     """The part of a model of texts and images that reads the images: its vision tower's config (CLIP's), its
     backbone's (Grounding DINO's), else its own."""
@@ -669,12 +683,31 @@ def example_images(
     config: Any, preprocessor: Preprocessor, generator: torch.Generator, batch: Any
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A batch of images at the size the processor makes, or of videos of ``config.num_frames`` such images
-    (``[batch, frames, channels, height, width]``, VideoMAE's); batch dynamic."""
+    (``[batch, frames, channels, height, width]``, VideoMAE's); batch dynamic, and height and width where the
+    processor keeps each image's own, rounded to a multiple (``kept_size_multiple``)."""
+    from torch.export import Dim
+
     height, width = image_size(preprocessor.settings, config)
-    channels = getattr(config, "num_channels", 3)
+    multiple = kept_size_multiple(preprocessor.settings)
+    sides: dict[int, Any] = {}
+    if multiple is not None:
+        height, width = (-(-side // multiple) * multiple for side in (height, width))
+        sides = {-2: multiple * Dim("height_blocks", min=1, max=MAX_IMAGE_SIDE // multiple),
+                 -1: multiple * Dim("width_blocks", min=1, max=MAX_IMAGE_SIDE // multiple)}
+    # A model whose backbone reads the images keeps their channels there (ViTMatte's: RGB and the trimap).
+    channels = getattr(config, "num_channels", None) or getattr(image_config(config), "num_channels", 3)
     frames = (config.num_frames,) if isinstance(getattr(config, "num_frames", None), int) else ()
     pixels = torch.randn(EXAMPLE_BATCH, *frames, channels, height, width, generator=generator)
-    return {"pixel_values": pixels}, {"pixel_values": {0: batch}}
+    return {"pixel_values": pixels}, {"pixel_values": {0: batch, **{pixels.dim() + axis: dim
+                                                                    for axis, dim in sides.items()}}}
+
+
+def kept_size_multiple(settings: dict[str, Any]) -> int | None:
+    """The multiple the processor rounds each image's own height and width to, where it makes no fixed size:
+    ViTMatte's pads to 32, GLPN's resizes down to it; None for a processor that resizes to one size."""
+    multiple = settings.get("size_divisor")
+    fixed = any(settings.get(name) for name in ("size", "crop_size", "pad_size"))
+    return multiple if isinstance(multiple, int) and multiple > 0 and not fixed else None
 
 
 def image_size(settings: dict[str, Any], config: Any) -> tuple[int, int]:

@@ -30,6 +30,10 @@ HEAD_TASKS = {
     "object-detection": ("AutoModelForObjectDetection", "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES"),
     "semantic-segmentation": ("AutoModelForSemanticSegmentation", "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES"),
     "depth-estimation": ("AutoModelForDepthEstimation", "MODEL_FOR_DEPTH_ESTIMATION_MAPPING_NAMES"),
+    # A heatmap per keypoint of the person each image crops (ViTPose, Sapiens2).
+    "pose-estimation": ("AutoModelForPoseEstimation", "MODEL_FOR_POSE_ESTIMATION_MAPPING_NAMES"),
+    # The foreground's alpha of each image, given with its trimap as a fourth channel (ViTMatte).
+    "image-matting": ("AutoModelForImageMatting", "MODEL_FOR_IMAGE_MATTING_MAPPING_NAMES"),
     "audio-classification": ("AutoModelForAudioClassification", "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES"),
     "audio-frame-classification": (
         "AutoModelForAudioFrameClassification", "MODEL_FOR_AUDIO_FRAME_CLASSIFICATION_MAPPING_NAMES"
