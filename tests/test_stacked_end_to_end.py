@@ -282,8 +282,8 @@ def test_a_tensor_sized_by_a_product_of_dynamic_sizes_crosses_into_aotinductor(t
                               dynamic_shapes={"forward": ({0: batch, 1: length},)})
     # ONNX Runtime normalizes and flattens (rows: batch * length), and unflattens after the ops it declines.
     # AOTInductor's partition has no input sized by batch or length alone: it reads the rows' count from the
-    # tensor fed (it cannot solve one product for the sizes in it), up to the product's largest value (an
-    # engine that plans memory at a size's largest, ExecuTorch, needs one).
+    # tensor fed (it cannot solve one product for the sizes in it), from 1 (batch and length are at least 1) up to
+    # the product's largest value (an engine that plans memory at a size's largest, ExecuTorch, needs one).
     ort = aotstack.OrtPartitioner(ops=["aten.layer_norm", "aten.view", "aten.relu"], min_island_work=0)
     lowered = aotstack.lower(program, [ort, aotstack.AotiCpuPartitioner()])
     delegates = lowered.delegates("forward")
@@ -292,7 +292,7 @@ def test_a_tensor_sized_by_a_product_of_dynamic_sizes_crosses_into_aotinductor(t
     assert aoti.ops == ["aten.mm.default", "aten.mul.Tensor", "aten.silu.default"]
     boundary = json.loads(aoti.processed_bytes)["boundary"]
     rows = boundary["inputs"][0]["sizes"][0]
-    assert boundary["symbols"][rows] == [0, 8 * 32], "any count of rows up to the product's largest"
+    assert boundary["symbols"][rows] == [1, 8 * 32], "any count of rows the declared sizes make, up to the largest"
     lowered.save(tmp_path / "flattened.pt2")
 
     loaded = aotstack.load(tmp_path / "flattened.pt2")
@@ -340,6 +340,32 @@ def test_an_image_whose_sides_are_multiples_of_a_size_keeps_them_dynamic_in_aoti
                 torch.testing.assert_close(got, want)
     with pytest.raises(aotstack.InputError, match="32"):
         loaded.forward(torch.randn(1, 4, 48, 64))
+
+
+def test_xnnpack_takes_an_images_patches_flattened_by_its_dynamic_sides(tmp_path):
+    """XNNPACK's partition reads the patches flattened (rows ``4 * rows * columns``, a product no input has): the
+    stand-in for that count is at least 1 where the declared sizes say so, as XNNPACK's ops ask; it failed to
+    compile before ("Could not guard on data-dependent expression u0 < 1")."""
+    from aotstack.backends.xnnpack.packages import executorch_problem
+
+    if executorch_problem() is not None:
+        pytest.skip(str(executorch_problem()))
+    model = Patches().eval()
+    rows, columns = torch.export.Dim("rows", min=1, max=64), torch.export.Dim("columns", min=1, max=64)
+    program = aotstack.export(model, {"forward": (torch.randn(2, 4, 224, 160),)},
+                              dynamic_shapes={"forward": ({0: torch.export.Dim("batch", min=1, max=8), 2: 32 * rows,
+                                                           3: 32 * columns},)})
+    lowered = aotstack.lower(program, [aotstack.XnnpackPartitioner(), aotstack.AotiCpuPartitioner()])
+    [xnnpack] = [d for d in lowered.delegates("forward") if d.backend_id == "xnnpack"]
+    assert "aten.linear.default" in xnnpack.ops
+    lowered.save(tmp_path / "patches.pt2")
+
+    loaded = aotstack.load(tmp_path / "patches.pt2")
+    with torch.no_grad():
+        for shape in ((1, 4, 64, 96), (3, 4, 224, 160)):
+            x = torch.randn(shape)
+            for got, want in zip(loaded.forward(x), model(x), strict=True):
+                torch.testing.assert_close(got, want)
 
 
 class IntegerArithmetic(torch.nn.Module):

@@ -92,7 +92,7 @@ def partition_program(
     graph = Graph()
     env: dict[Node, Node] = {}
     input_specs = []
-    stand_ins = compound_size_stand_ins([n.meta["val"] for n in user_inputs])
+    stand_ins = compound_size_stand_ins([n.meta["val"] for n in user_inputs], exported.range_constraints)
     for node in owned + user_inputs:
         placeholder = graph.placeholder(node.name)
         placeholder.meta = copy.copy(node.meta)
@@ -253,7 +253,9 @@ def is_derived_size(expr: Any) -> bool:
     return polynomial.degree() == 1 and all(coefficient.is_Integer for coefficient in polynomial.all_coeffs())
 
 
-def compound_size_stand_ins(inputs: list[torch.Tensor]) -> dict[Any, torch.SymInt]:
+def compound_size_stand_ins(
+    inputs: list[torch.Tensor], declared: Mapping[Any, Any] | None = None
+) -> dict[Any, torch.SymInt]:
     """For each size of ``inputs`` computed from sizes no input has as a size of its own, a fresh data-dependent one.
 
     ``batch * length``: tokens flattened for a matmul by one engine and read by another (every
@@ -263,7 +265,13 @@ def compound_size_stand_ins(inputs: list[torch.Tensor]) -> dict[Any, torch.SymIn
     input has them as sizes, or it is a multiple of one size (``is_derived_size``). Otherwise the
     expression stands as a size of its own (one per distinct expression, so inputs of the same size
     keep sharing it).
+
+    Its range is the expression's over ``declared`` (the method's ``range_constraints``: the sizes its
+    inputs may have), at least 0; an engine that plans memory (ExecuTorch) needs its largest, and one
+    whose ops ask whether a size is empty (XNNPACK's) a smallest above 0 where the sizes allow it.
     """
+    from torch.utils._sympy.value_ranges import bound_sympy
+
     sizes = [size.node.expr for value in inputs for size in value.shape if isinstance(size, torch.SymInt)]
     read = {expr for expr in sizes if expr.is_Symbol}
     fake_mode = detect_fake_mode(inputs)
@@ -275,11 +283,12 @@ def compound_size_stand_ins(inputs: list[torch.Tensor]) -> dict[Any, torch.SymIn
         # An input's size is bound by the tensor fed, not computed by an op of the partition.
         with shape_env.ignore_fresh_unbacked_symbols():
             stand_in = shape_env.create_unbacked_symint()
-        torch._check(stand_in >= 0)
-        # The expression's largest value carries over: an engine that plans memory at a size's largest (ExecuTorch)
-        # needs one. Not its smallest: the shape environment takes a dynamic size to be at least 2, an input may be 1.
-        upper = shape_env.bound_sympy(expr).upper
-        if upper.is_Integer:  # torch's int_oo is not
-            torch._check(stand_in <= int(upper))
+        # Over the declared ranges, not the shape environment's: it takes a dynamic size to be at least 2, where
+        # an input may be 1 or 0.
+        known = {**shape_env.var_to_range, **(declared or {})}
+        reach = bound_sympy(expr, {symbol: known[symbol] for symbol in expr.free_symbols if symbol in known})
+        torch._check(stand_in >= (1 if reach.lower.is_Integer and reach.lower >= 1 else 0))
+        if reach.upper.is_Integer:  # torch's int_oo is not
+            torch._check(stand_in <= int(reach.upper))
         stand_ins[expr] = stand_in
     return stand_ins
