@@ -118,6 +118,29 @@ def test_a_dynamic_batch_runs_at_every_size_in_its_range(tmp_path):
         loaded.forward(torch.randn(65, 16))
 
 
+class Patched(torch.nn.Module):
+    """A series cut into patches along a dimension counted from the back, as PatchTSMixer cuts its windows."""
+
+    def forward(self, series: torch.Tensor, image: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return series.unfold(-2, 8, 4) * 2, image.unfold(-1, 4, 4).sum(-1)
+
+
+def test_openvino_cuts_patches_along_a_dimension_counted_from_the_back(tmp_path):
+    # OpenVINO 2026.4's own translation of unfold(-2, ...) failed to convert ("Input order must have shape [n]").
+    model = Patched()
+    batch = torch.export.Dim("batch", min=1, max=16)
+    program = aotstack.export(model, {"forward": (torch.randn(2, 32, 3), torch.randn(2, 3, 6, 16))},
+                              dynamic_shapes={"forward": ({0: batch}, {0: batch})})
+    lowered = aotstack.lower(program, [aotstack.OpenVinoPartitioner()], jobs=1)
+    assert plain_ops(lowered) == [] and all(d.backend_id == "openvino" for d in lowered.delegates("forward"))
+    lowered.save(tmp_path / "patches.pt2")
+    loaded = aotstack.load(tmp_path / "patches.pt2")
+    for size in (1, 5):
+        inputs = (torch.randn(size, 32, 3), torch.randn(size, 3, 6, 16))
+        for got, want in zip(loaded.forward(*inputs), model(*inputs), strict=True):
+            torch.testing.assert_close(got, want)
+
+
 def test_dynamic_outputs_of_successive_calls_do_not_share_memory(tmp_path):
     model = models.build("stacked")
     program = aotstack.export(

@@ -60,6 +60,7 @@ def convert_partition(exported_program: ExportedProgram, label: str, state: int 
         raise LoweringError(f"{label}: OpenVINO's decompositions failed: {error}") from error
     roles = parameter_roles(decomposed, label)
     without_dropped_checks(decomposed.graph_module)
+    with_unfolds_counted_from_the_front(decomposed.graph_module)
     outputs = distinct_outputs(decomposed.graph_module)
     model = converted(decomposed.graph_module, label)
     without_identity_broadcasts(model)
@@ -206,6 +207,21 @@ def without_dropped_checks(graph_module: torch.fx.GraphModule) -> None:
         if node.op == "call_function" and str(node.target) in DROPPED and not node.users:
             graph.erase_node(node)
     graph_module.recompile()
+
+
+def with_unfolds_counted_from_the_front(graph_module: torch.fx.GraphModule) -> None:
+    """Write, in place, each ``unfold`` along a dimension counted from the back as the same one counted from the front.
+
+    OpenVINO 2026.4's translation of a negative one builds a transpose of the wrong rank and fails ("Input order
+    must have shape [n], where n is the rank of arg"): PatchTSMixer's patches, ``x.unfold(-2, size, step)``.
+    """
+    changed = False
+    for node in graph_module.graph.nodes:
+        if node.target is torch.ops.aten.unfold.default and node.args[1] < 0:
+            node.args = (node.args[0], node.args[1] + node.args[0].meta["val"].dim(), *node.args[2:])
+            changed = True
+    if changed:
+        graph_module.recompile()
 
 
 def distinct_outputs(graph_module: torch.fx.GraphModule) -> list[int]:
