@@ -437,6 +437,48 @@ def test_a_matting_model_takes_images_of_their_own_size_padded_to_its_multiple(t
         exported(pixel_values=torch.randn(1, 4, 48, 64))
 
 
+def time_series_head(task: str) -> torch.nn.Module:
+    """A PatchTST or PatchTSMixer head on 3 channels of 32 steps, cut into patches of 8; weights large enough that
+    its outputs differ from row to row."""
+    patches = {"num_input_channels": 3, "context_length": 32, "patch_length": 8, "patch_stride": 8, "d_model": 16}
+    model = {
+        "time-series-classification": lambda: transformers.PatchTSTForClassification(transformers.PatchTSTConfig(
+            **patches, num_attention_heads=2, num_hidden_layers=2, ffn_dim=32, num_targets=4)),
+        "time-series-regression": lambda: transformers.PatchTSMixerForRegression(transformers.PatchTSMixerConfig(
+            **patches, num_layers=2, num_targets=2)),
+        "time-series-forecasting": lambda: transformers.PatchTSMixerForPrediction(transformers.PatchTSMixerConfig(
+            **patches, num_layers=2, prediction_length=12)),
+    }[task]().eval()
+    for weight in model.parameters():
+        if weight.dim() > 1:
+            torch.nn.init.normal_(weight, std=0.5)
+    return model
+
+
+@pytest.mark.parametrize(("task", "engines"), [
+    ("time-series-classification", "ort"), ("time-series-regression", "ov"), ("time-series-forecasting", "ov"),
+])
+def test_a_time_series_head_is_read_from_its_config_and_takes_any_batch_of_windows(tmp_path, capsys, task, engines):
+    """Heads transformers has no auto class for (PatchTST's, PatchTSMixer's), loaded by the class its mapping names;
+    a folder with no processor; ``past_values`` ``[batch, context_length, channels]``, batch dynamic."""
+    torch.manual_seed(0)
+    model = time_series_head(task)
+    model.save_pretrained(tmp_path / "model")
+    export_hf(str(tmp_path / "model"), "-o", str(tmp_path / "out"), "--engines", engines)
+    assert f"({task}: forward;" in capsys.readouterr().out
+    exported = ExportedModel.from_pretrained(tmp_path / "out")
+    generator = torch.Generator().manual_seed(3)
+    for batch in (2, 1, 5):
+        series = torch.randn(batch, 32, 3, generator=generator)
+        got = exported(past_values=series)
+        with torch.no_grad():
+            want = model(past_values=series)
+        names = [name for name, value in want.items() if isinstance(value, torch.Tensor)]
+        assert names and all(got[name].shape[0] == batch for name in names)
+        for name in names:  # values of about 1 to 10, through float32 in another engine's order
+            torch.testing.assert_close(got[name], want[name], rtol=1e-3, atol=1e-4)
+
+
 # A text encoder's and a vision tower's small configs, for models that read both.
 TEXT_ENCODER = {name: TEXT[name] for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                                               "num_attention_heads", "max_position_embeddings", "pad_token_id")}

@@ -50,12 +50,13 @@ GRID_IMAGE_SIDE = 448
 MAX_IMAGE_SIDE = 4096
 
 
-def auto_class(task: str) -> type:
-    """The ``transformers`` auto class that loads a model for ``task``."""
+def auto_class(task: str) -> Any:
+    """The ``transformers`` auto class that loads a model for ``task`` (``from_pretrained``, ``from_config``)."""
     import transformers
 
     if task in HEAD_TASKS:
-        return getattr(transformers, HEAD_TASKS[task][0])
+        name, mapping = HEAD_TASKS[task]
+        return getattr(transformers, name) if name is not None else MappedAutoClass(mapping)
     return getattr(transformers, {
         "ctc": "AutoModelForCTC",
         "rnnt": "AutoModelForRNNT",
@@ -66,6 +67,36 @@ def auto_class(task: str) -> type:
         "automatic-speech-recognition": "AutoModelForSpeechSeq2Seq",
         "feature-extraction": "AutoModel",
     }[task])
+
+
+@dataclass(frozen=True)
+class MappedAutoClass:
+    """An auto class transformers lacks (time series' heads): the class its ``mapping`` (``HEAD_TASKS``'s) names
+    for a config's model type."""
+
+    mapping: str | dict[str, str]
+
+    def model_class(self, config: Any) -> type:
+        import transformers
+
+        names = mapped_names(self.mapping)
+        if config.model_type not in names:
+            raise ValueError(f"Unrecognized configuration class {type(config).__name__} for this head, which loads "
+                             f"model types {', '.join(names)}")
+        return getattr(transformers, names[config.model_type])
+
+    def from_pretrained(self, folder: Any, *, config: Any, **options: Any) -> torch.nn.Module:
+        return self.model_class(config).from_pretrained(folder, config=config, **options)
+
+    def from_config(self, config: Any) -> torch.nn.Module:
+        return self.model_class(config)(config)
+
+
+def mapped_names(mapping: str | dict[str, str]) -> dict[str, Any]:
+    """A ``HEAD_TASKS`` mapping of model types to head classes: itself, or the one ``modeling_auto`` names so."""
+    from transformers.models.auto import modeling_auto
+
+    return mapping if isinstance(mapping, dict) else getattr(modeling_auto, mapping)
 
 
 def task_architectures() -> dict[str, set[str]]:
@@ -84,7 +115,7 @@ def task_architectures() -> dict[str, set[str]]:
         "text2text-generation": names(auto.MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES),
         "automatic-speech-recognition": (names(auto.MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
                                          | set().union(*map(head_architectures, SPEECH_HEADS))),
-        **{task: names(getattr(auto, mapping)) for task, (_, mapping) in HEAD_TASKS.items()},
+        **{task: names(mapped_names(mapping)) for task, (_, mapping) in HEAD_TASKS.items()},
         "feature-extraction": names(auto.MODEL_MAPPING_NAMES),
     }
 
@@ -486,6 +517,8 @@ def load_preprocessor(model_dir: Path, task: str, model: torch.nn.Module) -> Pre
     from .audio_text import is_audio_text_lm
 
     main_input = getattr(model, "main_input_name", "input_ids")
+    if main_input == "past_values":  # a time series' model reads numbers as they are
+        return Preprocessor()
     both = takes_text_and_images(model)
     if main_input == "input_ids" and not both and task != "image-text-to-text" and not is_audio_text_lm(model):
         return Preprocessor(tokenizer=load_tokenizer(model_dir, task))
@@ -559,6 +592,8 @@ def example_inputs(
         images, shapes = example_images(config, preprocessor, generator, batch)
         indices = dataset_indices(model, generator)
         return {**images, **indices}, {**shapes, **{name: {0: batch} for name in indices}}
+    if main_input == "past_values":
+        return example_series(config, generator, batch)
     if main_input == "input_values":
         rate = int(preprocessor.settings.get("sampling_rate", 16000))
         audio = torch.randn(EXAMPLE_BATCH, rate * AUDIO_SECONDS, generator=generator)
@@ -568,6 +603,19 @@ def example_inputs(
     if main_input == "input_features":
         return example_clips(model, preprocessor, batch)
     raise UnsupportedModelError(f"{type(model).__name__} takes {main_input!r}, an input aotstack cannot make up")
+
+
+def example_series(
+    config: Any, generator: torch.Generator, batch: Any
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A batch of multivariate series, ``[batch, config.context_length, config.num_input_channels]`` (the window a
+    PatchTST or PatchTSMixer reads); batch dynamic."""
+    for name in ("context_length", "num_input_channels"):
+        if not isinstance(getattr(config, name, None), int):
+            raise UnsupportedModelError(f"{type(config).__name__} names no {name}, which sizes the series its model "
+                                        "reads")
+    series = torch.randn(EXAMPLE_BATCH, config.context_length, config.num_input_channels, generator=generator)
+    return {"past_values": series}, {"past_values": {0: batch}}
 
 
 def example_clips(

@@ -11,7 +11,9 @@ from __future__ import annotations
 GENERATION_TASKS = ("image-text-to-text", "text-generation", "text2text-generation", "automatic-speech-recognition")
 # One forward each, its head's outputs returned as transformers' model returns them. In the order a task is
 # inferred in: an architecture some head task names is never taken for the base model.
-HEAD_TASKS = {
+# Each task's auto class, or None where transformers has none; and the mapping of model types to head classes that
+# class reads: its name in ``transformers.models.auto.modeling_auto``, or the mapping itself.
+HEAD_TASKS: dict[str, tuple[str | None, str | dict[str, str]]] = {
     "text-classification": ("AutoModelForSequenceClassification", "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
     "token-classification": ("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
     "question-answering": ("AutoModelForQuestionAnswering", "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES"),
@@ -43,6 +45,14 @@ HEAD_TASKS = {
     # Masks and their classes (Mask2Former, MaskFormer, DETR's panoptic head): what the image-segmentation pipeline
     # reads.
     "image-segmentation": ("AutoModelForUniversalSegmentation", "MODEL_FOR_UNIVERSAL_SEGMENTATION_MAPPING_NAMES"),
+    # A label, or values, for each window of a multivariate time series (PatchTST, PatchTSMixer); transformers has
+    # no auto class for either, so the class is the one its mapping names for the config's model type.
+    "time-series-classification": (None, "MODEL_FOR_TIME_SERIES_CLASSIFICATION_MAPPING_NAMES"),
+    "time-series-regression": (None, "MODEL_FOR_TIME_SERIES_REGRESSION_MAPPING_NAMES"),
+    # The next values of each channel; transformers maps these forecasting heads nowhere.
+    "time-series-forecasting": (
+        None, {"patchtst": "PatchTSTForPrediction", "patchtsmixer": "PatchTSMixerForPrediction"}
+    ),
     # Masks of what points in an image pick out (SAM, SAM 2, SAM-HQ, EdgeTAM): before feature extraction, which
     # maps the same classes and would drop the prompt.
     "mask-generation": ("AutoModelForMaskGeneration", "MODEL_FOR_MASK_GENERATION_MAPPING_NAMES"),
