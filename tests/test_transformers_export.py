@@ -437,6 +437,35 @@ def test_a_matting_model_takes_images_of_their_own_size_padded_to_its_multiple(t
         exported(pixel_values=torch.randn(1, 4, 48, 64))
 
 
+def test_a_keypoint_detector_that_loops_over_its_images_is_exported_for_one_at_a_time(tmp_path, capsys):
+    """SuperPoint's forward takes its images one by one (torch.export refuses its batch as dynamic): exported for one
+    image, said so, each image's keypoints as many as it has; a batch of two refused by name."""
+    torch.manual_seed(0)
+    config = transformers.SuperPointConfig(encoder_hidden_sizes=[8, 8, 16, 16], decoder_hidden_size=32,
+                                           keypoint_decoder_dim=65, descriptor_decoder_dim=32,
+                                           keypoint_threshold=0.016)
+    model = transformers.SuperPointForKeypointDetection(config).eval()
+    for weight in model.parameters():
+        if weight.dim() > 1:
+            torch.nn.init.normal_(weight, std=0.1)
+    processor = {"image_processor_type": "SuperPointImageProcessor", "size": {"height": 64, "width": 96}}
+    export_hf(str(saved(model, tmp_path / "model", processor)), "-o", str(tmp_path / "out"), "--engines", "ort")
+    assert "cannot take a batch of any size" in capsys.readouterr().err
+    exported = ExportedModel.from_pretrained(tmp_path / "out")
+    counts = set()
+    for seed in range(3):
+        pixels = torch.randn(1, 3, 64, 96, generator=torch.Generator().manual_seed(seed))
+        got = exported(pixel_values=pixels)
+        with torch.no_grad():
+            want = model(pixel_values=pixels)
+        for name in ("keypoints", "scores", "descriptors", "mask"):
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-5)
+        counts.add(want.keypoints.shape[1])
+    assert len(counts) > 1, "the count of keypoints follows each image"
+    with pytest.raises(aotstack.InputError):
+        exported(pixel_values=torch.randn(2, 3, 64, 96))
+
+
 def time_series_head(task: str) -> torch.nn.Module:
     """A PatchTST or PatchTSMixer head on 3 channels of 32 steps, cut into patches of 8; weights large enough that
     its outputs differ from row to row."""

@@ -294,8 +294,17 @@ def export_folder(
             )
         else:
             inputs, dynamic_shapes = example_inputs(model, preprocessor, task)
-            exported = exporter.export(model, inputs, AotstackConfig(engines=engines, device=device,
-                                                                     dynamic_shapes=dynamic_shapes, **checking))
+            try:
+                exported = exporter.export(model, inputs, AotstackConfig(engines=engines, device=device,
+                                                                         dynamic_shapes=dynamic_shapes, **checking))
+            except AotstackError as exc:
+                if exporter.lower_seconds or not specialises_batch(exc):
+                    raise
+                say(f"{type(model).__name__} cannot take a batch of any size (torch.export: {first_line(exc)}); "
+                    "exporting it for one input at a time")
+                inputs, dynamic_shapes = one_at_a_time(inputs, dynamic_shapes)
+                exported = exporter.export(model, inputs, AotstackConfig(engines=engines, device=device,
+                                                                         dynamic_shapes=dynamic_shapes, **checking))
     except UnsupportedModelError:
         raise
     except AotstackError as exc:
@@ -409,6 +418,30 @@ def grid_image_size(settings: dict[str, Any], side: int | None) -> tuple[int, in
     while square * square > most and square > unit:
         square -= unit
     return square, square
+
+
+def specialises_batch(error: BaseException) -> bool:
+    """Whether ``error`` is torch.export's refusal of the batch as dynamic (SuperPoint's forward loops over its
+    images: "Constraints violated (batch)!")."""
+    return "Constraints violated (batch)" in str(error)
+
+
+def first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [""])[0]
+
+
+def one_at_a_time(
+    inputs: dict[str, torch.Tensor], dynamic_shapes: dict[str, Any]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``inputs`` cut to their first row where their first axis is the batch, and that axis left static; other
+    dynamic axes stay so."""
+    def batched(name: str) -> bool:
+        spec = dynamic_shapes.get(name)
+        return isinstance(spec, dict) and getattr(spec.get(0), "__name__", None) == "batch"
+
+    return ({name: value[:1] if batched(name) else value for name, value in inputs.items()},
+            {name: {axis: dim for axis, dim in spec.items() if axis != 0} if batched(name) else spec
+             for name, spec in dynamic_shapes.items()})
 
 
 def check_output(output: Path) -> None:

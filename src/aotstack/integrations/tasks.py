@@ -32,6 +32,9 @@ HEAD_TASKS: dict[str, tuple[str | None, str | dict[str, str]]] = {
     "object-detection": ("AutoModelForObjectDetection", "MODEL_FOR_OBJECT_DETECTION_MAPPING_NAMES"),
     "semantic-segmentation": ("AutoModelForSemanticSegmentation", "MODEL_FOR_SEMANTIC_SEGMENTATION_MAPPING_NAMES"),
     "depth-estimation": ("AutoModelForDepthEstimation", "MODEL_FOR_DEPTH_ESTIMATION_MAPPING_NAMES"),
+    # Keypoints of an image, their scores and descriptors, as many as it has (SuperPoint, whose forward takes one
+    # image at a time when exported).
+    "keypoint-detection": ("AutoModelForKeypointDetection", "MODEL_FOR_KEYPOINT_DETECTION_MAPPING_NAMES"),
     # A heatmap per keypoint of the person each image crops (ViTPose, Sapiens2).
     "pose-estimation": ("AutoModelForPoseEstimation", "MODEL_FOR_POSE_ESTIMATION_MAPPING_NAMES"),
     # The foreground's alpha of each image, given with its trimap as a fourth channel (ViTMatte).
