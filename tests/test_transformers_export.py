@@ -440,6 +440,9 @@ def test_a_matting_model_takes_images_of_their_own_size_padded_to_its_multiple(t
 def test_a_keypoint_detector_that_loops_over_its_images_is_exported_for_one_at_a_time(tmp_path, capsys):
     """SuperPoint's forward takes its images one by one (torch.export refuses its batch as dynamic): exported for one
     image, said so, each image's keypoints as many as it has; a batch of two refused by name."""
+    if torch.torch_version.TorchVersion(torch.__version__) < "2.13":
+        pytest.skip("torch 2.11's torch.export cannot trace SuperPoint's keypoints, as many as each image has "
+                    "(\"Could not guard on data-dependent expression Eq(u4, u1)\"); 2.13's can")
     torch.manual_seed(0)
     config = transformers.SuperPointConfig(encoder_hidden_sizes=[8, 8, 16, 16], decoder_hidden_size=32,
                                            keypoint_decoder_dim=65, descriptor_decoder_dim=32,
