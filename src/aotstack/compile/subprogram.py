@@ -277,15 +277,15 @@ def compound_size_stand_ins(
     fake_mode = detect_fake_mode(inputs)
     shape_env = getattr(fake_mode, "shape_env", None)
     stand_ins: dict[Any, torch.SymInt] = {}
+    # Over the declared ranges, not the shape environment's: it takes a dynamic size to be at least 2, where an input
+    # may be 1 or 0.
+    known = {**(shape_env.var_to_range if shape_env is not None else {}), **(declared or {})}
     for expr in dict.fromkeys(sizes):
         if shape_env is None or expr.is_Symbol or expr.free_symbols <= read or is_derived_size(expr):
             continue
         # An input's size is bound by the tensor fed, not computed by an op of the partition.
         with shape_env.ignore_fresh_unbacked_symbols():
             stand_in = shape_env.create_unbacked_symint()
-        # Over the declared ranges, not the shape environment's: it takes a dynamic size to be at least 2, where
-        # an input may be 1 or 0.
-        known = {**shape_env.var_to_range, **(declared or {})}
         reach = bound_sympy(expr, {symbol: known[symbol] for symbol in expr.free_symbols if symbol in known})
         torch._check(stand_in >= (1 if reach.lower.is_Integer and reach.lower >= 1 else 0))
         if reach.upper.is_Integer:  # torch's int_oo is not
