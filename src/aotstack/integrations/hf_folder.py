@@ -29,6 +29,7 @@ import torch
 from ..compile.progress import Progress
 from ..compile.quantize import Quantization
 from ..errors import AotstackError, GenerationError, ModelFolderError, UnsupportedModelError
+from ..format.archive import first_line
 from .audio import SETTINGS_FILES, head_architectures
 from .tasks import GENERATION_TASKS, HEAD_TASKS, SPEECH_HEADS, TASK_ALIASES, TASKS
 
@@ -424,10 +425,6 @@ def specialises_batch(error: BaseException) -> bool:
     """Whether ``error`` is torch.export's refusal of the batch as dynamic (SuperPoint's forward loops over its
     images: "Constraints violated (batch)!")."""
     return "Constraints violated (batch)" in str(error)
-
-
-def first_line(error: BaseException) -> str:
-    return (str(error).splitlines() or [""])[0]
 
 
 def one_at_a_time(
