@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -295,17 +295,16 @@ def export_folder(
             )
         else:
             inputs, dynamic_shapes = example_inputs(model, preprocessor, task)
+            head = AotstackConfig(engines=engines, device=device, dynamic_shapes=dynamic_shapes, **checking)
             try:
-                exported = exporter.export(model, inputs, AotstackConfig(engines=engines, device=device,
-                                                                         dynamic_shapes=dynamic_shapes, **checking))
+                exported = exporter.export(model, inputs, head)
             except AotstackError as exc:
                 if exporter.lower_seconds or not specialises_batch(exc):
                     raise
                 say(f"{type(model).__name__} cannot take a batch of any size (torch.export: {first_line(exc)}); "
                     "exporting it for one input at a time")
                 inputs, dynamic_shapes = one_at_a_time(inputs, dynamic_shapes)
-                exported = exporter.export(model, inputs, AotstackConfig(engines=engines, device=device,
-                                                                         dynamic_shapes=dynamic_shapes, **checking))
+                exported = exporter.export(model, inputs, replace(head, dynamic_shapes=dynamic_shapes))
     except UnsupportedModelError:
         raise
     except AotstackError as exc:
