@@ -30,8 +30,8 @@ from .kernels import recorded_fallback_kernels, stopped_before_cpp_compile, stop
 
 logger = logging.getLogger("aotstack")
 
-# (backend id, device, options, op signature) -> the kernels its code calls, or None where Inductor cannot compile the
-# op on its own; one probe per process, and on disk.
+# (backend id, its code, device, options, op signature) -> the kernels its code calls, or None where Inductor cannot
+# compile the op on its own; one probe per process, and on disk.
 _PROBED: dict[tuple[str, ...], frozenset[str] | None] = {}
 CACHE_KIND = "aoti-probes"
 
@@ -47,7 +47,7 @@ def probed_fallback_kernels(backend_id: str, node: Node, steps: CompileSteps) ->
     """The fallback kernels Inductor's code for ``node``'s op alone calls when compiled with ``steps``; None where it
     cannot compile the op on its own. Probed once per signature and kept in the cache on disk, so a later lowering
     asks again without Inductor."""
-    key = (backend_id, str(steps.device), repr(sorted(steps.options.items())), signature_key(node))
+    key = (backend_id, steps.code, str(steps.device), repr(sorted(steps.options.items())), signature_key(node))
     if key not in _PROBED:
         name = disk_key(key)
         found, answer = kept_answer(name)
@@ -67,7 +67,8 @@ def probe_answer(backend_id: str, node: Node, steps: CompileSteps) -> frozenset[
 
 
 def disk_key(key: tuple[str, ...]) -> str:
-    """A probe's name in the cache: its key, with the versions and the processor Inductor's code depends on."""
+    """A probe's name in the cache: its key (the backend's ``code_version`` among it), with the versions and the
+    processor Inductor's code depends on."""
     parts = (torch.__version__, __version__, processor_fingerprint(), *key)
     return hashlib.sha256("\0".join(parts).encode()).hexdigest() + ".json"
 
