@@ -27,6 +27,15 @@ class FailingBackend(aotstack.Backend):
         raise RuntimeError("boom: this backend cannot compile anything")
 
 
+class VerboseFailingBackend(aotstack.Backend):
+    """Fails as a compiler does that prints its whole graph and traceback into its message."""
+
+    backend_id = "test_verbose_failing"
+
+    def preprocess(self, exported_program, compile_specs):
+        raise RuntimeError("boom: guard failed\n" + "  File line, in frame\n" * 2000)
+
+
 class AddBackend(aotstack.Backend):
     """Compiles a two-tensor ``aten.add.Tensor`` and runs it with ``torch.add``."""
 
@@ -196,6 +205,24 @@ def test_fallback_leaves_failed_partitions_to_plain_aten_and_says_so(tmp_path, c
     path = tmp_path / "fallback.pt2"
     lowered.save(path)
     torch.testing.assert_close(aotstack.load(path).forward(*inputs), AddReluModel()(*inputs))
+
+
+def test_a_file_whose_engine_failed_at_length_loads_and_reports_the_failures_start(tmp_path):
+    from aotstack.format.placement import MAX_TEXT
+    from aotstack.report.model import file_report
+
+    program, inputs = add_relu_program()
+    lowered = aotstack.lower(program, [OpPartitioner(relu=VerboseFailingBackend.backend_id, add=AddBackend.backend_id)],
+                             on_compile_error="fallback")
+    path = tmp_path / "verbose.pt2"
+    lowered.save(path)
+
+    torch.testing.assert_close(aotstack.load(path).forward(*inputs), AddReluModel()(*inputs))
+    details = sorted({reason.detail for group in file_report(path).method("forward").unclaimed
+                      for reason in group.reasons if reason.kind == "compile_failed"})
+    for part, detail in zip(("relu_0", "relu_1"), details, strict=True):
+        assert detail.startswith(f"its part {part} failed to compile: boom: guard failed")
+        assert len(detail) == MAX_TEXT and detail.endswith("characters)")
 
 
 def test_a_clean_lowering_records_no_failures():

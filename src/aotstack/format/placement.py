@@ -119,20 +119,36 @@ def placement_to_json(placement: Placement) -> dict[str, Any]:
             for delegate_id, delegate in placement.delegates.items()
         },
         "unclaimed": [
-            {"node": op.node, "op": op.op, "reasons": [vars(reason).copy() for reason in op.reasons]}
+            {"node": op.node, "op": op.op, "reasons": [reason_to_json(reason) for reason in op.reasons]}
             for op in placement.unclaimed
         ],
         **({} if placement.selection is None else {"selection": selection_to_json(placement.selection)}),
     }
 
 
+def reason_to_json(reason: Reason) -> dict[str, Any]:
+    return {"engine": reason.engine, "kind": reason.kind, "detail": readable_text(reason.detail)}
+
+
 def selection_to_json(selection: Selection) -> dict[str, Any]:
     return {
-        "candidates": [vars(candidate).copy() for candidate in selection.candidates],
+        "candidates": [
+            {**vars(candidate), "error": None if candidate.error is None else readable_text(candidate.error)}
+            for candidate in selection.candidates
+        ],
         "chosen": selection.chosen,
         "threads": selection.threads,
-        "reason": selection.reason,
+        "reason": readable_text(selection.reason),
     }
+
+
+def readable_text(value: str) -> str:
+    """``value`` cut to the ``MAX_TEXT`` characters a reader takes, marked where cut: an engine's error (a compiler's
+    message with its traceback) may run to pages, and a file must load whatever it explains."""
+    if len(value) <= MAX_TEXT:
+        return value
+    mark = f" ... (cut from {len(value)} characters)"
+    return value[: MAX_TEXT - len(mark)] + mark
 
 
 def placement_from_json(data: Any) -> Placement:
