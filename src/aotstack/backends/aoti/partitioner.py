@@ -9,6 +9,7 @@ from typing import ClassVar
 import torch
 from torch.export import ExportedProgram
 from torch.fx import GraphModule, Node
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.fx.passes.infra.partitioner import Partition
 
 from ...compile.partitioner import PartitionResult, SupportedOpsPartitioner, compute_node_count
@@ -101,6 +102,12 @@ class AotiPartitioner(SupportedOpsPartitioner):
         refused = super().node_refusal(node, owner)
         if refused is not None:
             return refused
+        if is_convolution_over_data_dependent_sizes(node):
+            return self.refusal(
+                "unsupported",
+                "Inductor lays out a convolution of other than 2 spatial dimensions by each stride's value, and a size "
+                "here is read from data (plain AOTInductor fails on it too); ATen's kernel or another engine runs it",
+            )
         missing = self.missing_kernels(node)
         if missing:
             kernels = ", ".join(sorted(missing))
@@ -155,6 +162,27 @@ class AotiPartitioner(SupportedOpsPartitioner):
                         yield from self.candidate_nodes(body)
             else:
                 yield node
+
+
+CONVOLUTIONS = frozenset({
+    "aten.convolution", "aten._convolution", "aten.conv1d", "aten.conv2d", "aten.conv3d", "aten.conv_transpose1d",
+    "aten.conv_transpose2d", "aten.conv_transpose3d",
+})
+
+
+def is_convolution_over_data_dependent_sizes(node: Node) -> bool:
+    """Whether ``node`` is a convolution Inductor cannot compile: one of 1 or 3 spatial dimensions whose input or
+    output has a size read from data. Inductor's lowering asks for its output's strides as numbers (2-D convolutions
+    take its channels-last path, which does not)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return False
+    if op_name(node.target).rsplit(".", 1)[0] not in CONVOLUTIONS:
+        return False
+    weight = node.args[1].meta.get("val") if len(node.args) > 1 and isinstance(node.args[1], Node) else None
+    if not isinstance(weight, torch.Tensor) or weight.dim() == 4:  # [out, in, height, width]: 2 spatial dimensions
+        return False
+    values = [node.meta.get("val"), *(source.meta.get("val") for source in node.all_input_nodes)]
+    return any(isinstance(value, torch.Tensor) and free_unbacked_symbols(value) for value in values)
 
 
 def is_lone_plain_op(partition: Partition, exported_program: ExportedProgram) -> bool:
