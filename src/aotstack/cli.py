@@ -1,4 +1,4 @@
-"""The ``aotstack`` command: demo, compile, run, inspect, keygen, sign, verify, and export-hf, generate."""
+"""The ``aotstack`` command: demo, compile, run, inspect, keygen, sign, verify, and export-hf, generate, speak."""
 
 from __future__ import annotations
 
@@ -153,6 +153,14 @@ def argument_parser() -> argparse.ArgumentParser:
     generate.add_argument("--no-stream", dest="stream", action="store_false",
                           help="print the text once it is complete, not token by token")
     generate.set_defaults(command=generate_command)
+
+    speak = commands.add_parser(
+        "speak", help="say a text with a text-to-speech export-hf folder (VITS, MMS-TTS) into a WAV file"
+    )
+    speak.add_argument("folder", metavar="OUT_DIR", help="a folder aotstack export-hf wrote for text-to-speech")
+    speak.add_argument("--text", required=True, metavar="TEXT", help="what to say")
+    speak.add_argument("--out", required=True, metavar="FILE.wav", help="the WAV file to write (16-bit PCM)")
+    speak.set_defaults(command=speak_command)
 
     run = commands.add_parser("run", help="run a method on random inputs of the recorded shapes")
     run.add_argument("package", metavar="FILE.pt2")
@@ -434,6 +442,18 @@ def generate_command(args: argparse.Namespace) -> int:
         timing = f"all in {result.first_token_seconds * 1e3:.1f} ms"
     print(f"{count} token{'s' if count != 1 else ''} {source}; loaded in {result.load_seconds * 1e3:.0f} ms, "
           f"{timing}", file=sys.stderr)
+    return 0
+
+
+def speak_command(args: argparse.Namespace) -> int:
+    from .integrations.audio import write_wav
+    from .integrations.speech import speak
+
+    speech = speak(args.folder, args.text)
+    path = write_wav(args.out, speech.samples, speech.rate)
+    print(f"wrote {path}: {speech.seconds:.2f} s of speech at {speech.rate} Hz; loaded in "
+          f"{speech.load_seconds * 1e3:.0f} ms, spoken in {speech.speak_seconds * 1e3:.0f} ms "
+          f"({speech.seconds / max(speech.speak_seconds, 1e-9):.1f}x real time)", file=sys.stderr)
     return 0
 
 

@@ -26,7 +26,8 @@ class GenerationError(AotstackError):
 
 
 class AudioFileError(AotstackError):
-    """An audio file cannot be read: not a WAV, a compressed or float WAV, or no samples; the message names it."""
+    """An audio file cannot be read (not a WAV, a compressed or float WAV, no samples) or written; the message names
+    it."""
 
 
 class QuantizationError(AotstackError):

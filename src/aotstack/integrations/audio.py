@@ -1,7 +1,7 @@
 """Speech input for a speech-to-text export: a WAV file to log-mel features, and Whisper's decoder prompt.
 
 - :func:`read_wav` reads PCM WAV files (8, 16, 24 or 32-bit integers) with the standard library's
-  ``wave`` module, mixing several channels down to one.
+  ``wave`` module, mixing several channels down to one; :func:`write_wav` writes one (a text-to-speech export's).
 - :func:`resampled` converts samples to another rate with a windowed-sinc filter (numpy only).
 - :func:`audio_features` gives the model's input (Whisper's log-mel ``input_features``, wav2vec2's
   ``input_values``) as the feature extractor saved in an export folder computes it, after resampling
@@ -79,6 +79,25 @@ def pcm_samples(frames: bytes, width: int) -> np.ndarray:
     return np.frombuffer(frames[: len(frames) - len(frames) % width], dtype=dtype).astype(np.float64) / 2.0 ** (
         8 * width - 1
     )
+
+
+def write_wav(path: str | os.PathLike[str], samples: np.ndarray, rate: int) -> Path:
+    """``samples`` (one channel, floats in [-1, 1]; louder ones clipped) written to ``path`` as a 16-bit PCM WAV file
+    at ``rate`` Hz, through a temporary file beside it: a failed write leaves no half-written file."""
+    path = Path(path)
+    pcm = (np.clip(np.asarray(samples, dtype=np.float32).reshape(-1), -1.0, 1.0) * 32767).round().astype("<i2")
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        with wave.open(str(partial), "wb") as writer:
+            writer.setnchannels(1)
+            writer.setsampwidth(2)
+            writer.setframerate(rate)
+            writer.writeframes(pcm.tobytes())
+        os.replace(partial, path)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        raise AudioFileError(f"cannot write {path}: {exc}") from exc
+    return path
 
 
 def resampled(samples: np.ndarray, rate: int, target: int) -> np.ndarray:

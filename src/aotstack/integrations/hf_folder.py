@@ -614,6 +614,8 @@ def example_inputs(
         texts, text_shapes = example_texts(config.get_text_config(), preprocessor, generator, Dim("texts", max=64))
         images, image_shapes = example_images(image_config(config), preprocessor, generator, Dim("images", max=64))
         return {**texts, **images}, {**text_shapes, **image_shapes}
+    if task == "text-to-speech":
+        return example_speech_texts(model, preprocessor, generator, batch)
     if main_input == "input_ids":
         choices = Dim("choices", min=1, max=64) if task == "multiple-choice" else None
         return example_texts(config, preprocessor, generator, batch, choices)
@@ -754,6 +756,22 @@ def example_texts(
             inputs[name] = torch.zeros_like(ids)
     sizes = (batch, choices, length) if choices is not None else (batch, length)
     return inputs, {name: dict(enumerate(sizes)) for name in inputs}
+
+
+def example_speech_texts(
+    model: torch.nn.Module, preprocessor: Preprocessor, generator: torch.Generator, batch: Any
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Token ids for a model that speaks them in one forward (VITS's), as :func:`example_texts` makes them, their
+    length a hint rather than a named Dim: relative attention over windows (VITS's) leaves guards on the length
+    that hold for every length but that torch cannot prove. A model that generates its audio is refused."""
+    from torch.export import Dim
+
+    if model.can_generate() or getattr(model, "main_input_name", "input_ids") != "input_ids":
+        raise UnsupportedModelError(
+            f"{type(model).__name__} generates its audio step by step; export-hf exports text-to-speech models that "
+            "make the waveform from token ids in one forward (VITS, MMS-TTS, FastSpeech 2 with HiFi-GAN)")
+    inputs, shapes = example_texts(model.config, preprocessor, generator, batch)
+    return inputs, {name: {0: batch, 1: Dim.DYNAMIC} for name in shapes}
 
 
 def example_images(

@@ -56,6 +56,9 @@ HEAD_TASKS: dict[str, tuple[str | None, str | dict[str, str]]] = {
     "time-series-forecasting": (
         None, {"patchtst": "PatchTSTForPrediction", "patchtsmixer": "PatchTSMixerForPrediction"}
     ),
+    # A waveform spoken from a text in one forward (VITS, MMS-TTS, FastSpeech 2 with HiFi-GAN); models that generate
+    # audio tokens step by step (Bark, MusicGen) are refused.
+    "text-to-speech": ("AutoModelForTextToWaveform", "MODEL_FOR_TEXT_TO_WAVEFORM_MAPPING_NAMES"),
     # Masks of what points in an image pick out (SAM, SAM 2, SAM-HQ, EdgeTAM): before feature extraction, which
     # maps the same classes and would drop the prompt.
     "mask-generation": ("AutoModelForMaskGeneration", "MODEL_FOR_MASK_GENERATION_MAPPING_NAMES"),
@@ -68,4 +71,5 @@ TASK_ALIASES = {"text2text": "text2text-generation", "causal-lm": "text-generati
                 "asr": "automatic-speech-recognition", "speech-recognition": "automatic-speech-recognition",
                 "sequence-classification": "text-classification", "sentiment-analysis": "text-classification",
                 "ner": "token-classification", "masked-lm": "fill-mask", "vision-language": "image-text-to-text",
-                "zero-shot": "zero-shot-image-classification"}
+                "zero-shot": "zero-shot-image-classification",
+                "text-to-audio": "text-to-speech", "tts": "text-to-speech"}
