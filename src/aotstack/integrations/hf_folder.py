@@ -769,7 +769,7 @@ def example_speech_texts(
     if model.can_generate() or getattr(model, "main_input_name", "input_ids") != "input_ids":
         raise UnsupportedModelError(
             f"{type(model).__name__} generates its audio step by step; export-hf exports text-to-speech models that "
-            "make the waveform from token ids in one forward (VITS, MMS-TTS, FastSpeech 2 with HiFi-GAN)")
+            "make the waveform from token ids in one forward (VITS, MMS-TTS)")
     inputs, shapes = example_texts(model.config, preprocessor, generator, batch)
     return inputs, {name: {0: batch, 1: Dim.DYNAMIC} for name in shapes}
 

@@ -73,16 +73,15 @@ def speak(folder: str | os.PathLike[str], text: str) -> Speech:
 
 
 def speech_rate(folder: Path, config: Any) -> int:
-    """The sampling rate of what the model in ``folder`` says: its config's, or its vocoder's (FastSpeech 2's
-    HiFi-GAN); a folder of another task is an ``UnsupportedModelError``."""
+    """The sampling rate of what the model in ``folder`` says, its config's; a folder of another task is an
+    ``UnsupportedModelError``."""
     architectures = set(getattr(config, "architectures", None) or ())
     if not architectures & task_architectures()[TASK]:
         raise UnsupportedModelError(f"{folder} holds {', '.join(sorted(architectures)) or 'a model'}, not a "
-                                    f"{TASK} model (VITS, MMS-TTS, FastSpeech 2 with HiFi-GAN)")
-    for source in (config, getattr(config, "vocoder_config", None)):
-        rate = getattr(source, "sampling_rate", None)
-        if isinstance(rate, int) and rate > 0:
-            return rate
+                                    f"{TASK} model (VITS, MMS-TTS)")
+    rate = getattr(config, "sampling_rate", None)
+    if isinstance(rate, int) and rate > 0:
+        return rate
     raise UnsupportedModelError(f"the config in {folder} names no sampling_rate for its waveform")
 
 

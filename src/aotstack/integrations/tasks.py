@@ -56,8 +56,8 @@ HEAD_TASKS: dict[str, tuple[str | None, str | dict[str, str]]] = {
     "time-series-forecasting": (
         None, {"patchtst": "PatchTSTForPrediction", "patchtsmixer": "PatchTSMixerForPrediction"}
     ),
-    # A waveform spoken from a text in one forward (VITS, MMS-TTS, FastSpeech 2 with HiFi-GAN); models that generate
-    # audio tokens step by step (Bark, MusicGen) are refused.
+    # A waveform spoken from a text in one forward (VITS, MMS-TTS); models that generate audio tokens step by step
+    # (Bark, MusicGen) are refused. (FastSpeech 2's forward grows its position table in place: torch.export fails.)
     "text-to-speech": ("AutoModelForTextToWaveform", "MODEL_FOR_TEXT_TO_WAVEFORM_MAPPING_NAMES"),
     # Masks of what points in an image pick out (SAM, SAM 2, SAM-HQ, EdgeTAM): before feature extraction, which
     # maps the same classes and would drop the prompt.
