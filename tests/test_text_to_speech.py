@@ -49,6 +49,9 @@ def vits_folder(folder):
 
 
 def test_a_vits_folder_is_exported_for_text_to_speech_and_says_texts_as_transformers_model_does(tmp_path, capsys):
+    if torch.torch_version.TorchVersion(torch.__version__) < "2.13":
+        pytest.skip("torch 2.11's torch.export cannot trace VITS (\"Could not guard on data-dependent expression "
+                    "u4 < 1\", its spectrogram's length); 2.13's can")
     model, tokenizer = vits_folder(tmp_path / "vits")
     # AOTInductor takes the upsampling convolutions ONNX Runtime cannot: over a length read from data, they are left to
     # ATen, not failed on.
