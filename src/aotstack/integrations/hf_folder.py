@@ -448,6 +448,14 @@ def check_output(output: Path) -> None:
         raise ModelFolderError(f"{output} exists and is not an aotstack export folder; choose another output")
 
 
+def export_folder_path(folder: str | os.PathLike[str]) -> Path:
+    """``folder`` as a path, refused by name (``ModelFolderError``) where it holds no aotstack export."""
+    folder = Path(folder)
+    if not is_aotstack_export(folder):
+        raise ModelFolderError(f"{folder} holds no aotstack export (export.json); make one with aotstack export-hf")
+    return folder
+
+
 def is_aotstack_export(folder: Path) -> bool:
     try:
         manifest = json.loads((folder / "export.json").read_text(encoding="utf-8"))
@@ -879,9 +887,7 @@ def generate_text(
     from .decoding import text_pieces
     from .transformers import generation_config_of, runner_of
 
-    folder = Path(folder)
-    if not is_aotstack_export(folder):
-        raise ModelFolderError(f"{folder} holds no aotstack export (export.json); make one with aotstack export-hf")
+    folder = export_folder_path(folder)
     require_any(folder, TOKENIZER_FILES, "tokenizer", "generate")
     if audio is not None and image is not None:
         raise GenerationError("give either an image or audio, not both")

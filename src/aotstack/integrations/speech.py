@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import GenerationError, ModelFolderError, UnsupportedModelError
-from .hf_folder import TOKENIZER_FILES, is_aotstack_export, require_any, task_architectures
+from ..errors import GenerationError, UnsupportedModelError
+from .hf_folder import TOKENIZER_FILES, export_folder_path, require_any, task_architectures
 
 TASK = "text-to-speech"
 
@@ -50,9 +50,7 @@ def speak(folder: str | os.PathLike[str], text: str) -> Speech:
 
     from .transformers import runner_of
 
-    folder = Path(folder)
-    if not is_aotstack_export(folder):
-        raise ModelFolderError(f"{folder} holds no aotstack export (export.json); make one with aotstack export-hf")
+    folder = export_folder_path(folder)
     require_any(folder, TOKENIZER_FILES, "tokenizer", TASK)
     if not text.strip():
         raise GenerationError("give a text to speak; this one is empty")
