@@ -18,6 +18,7 @@ import inspect
 import logging
 import math
 import os
+import tempfile
 import wave
 from pathlib import Path
 from typing import Any
@@ -86,17 +87,23 @@ def write_wav(path: str | os.PathLike[str], samples: np.ndarray, rate: int) -> P
     at ``rate`` Hz, through a temporary file beside it: a failed write leaves no half-written file."""
     path = Path(path)
     pcm = (np.clip(np.asarray(samples, dtype=np.float32).reshape(-1), -1.0, 1.0) * 32767).round().astype("<i2")
-    partial = path.with_name(f".{path.name}.partial")
     try:
-        with wave.open(str(partial), "wb") as writer:
+        # A name of its own, as the compile cache's entries get: two writers of one path do not share a partial file.
+        fd, partial = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    except OSError as exc:
+        raise AudioFileError(f"cannot write {path}: {exc}") from exc
+    try:
+        with os.fdopen(fd, "wb") as file, wave.open(file, "wb") as writer:
             writer.setnchannels(1)
             writer.setsampwidth(2)
             writer.setframerate(rate)
             writer.writeframes(pcm.tobytes())
         os.replace(partial, path)
-    except OSError as exc:
-        partial.unlink(missing_ok=True)
-        raise AudioFileError(f"cannot write {path}: {exc}") from exc
+    except BaseException as exc:
+        os.unlink(partial)
+        if isinstance(exc, OSError):
+            raise AudioFileError(f"cannot write {path}: {exc}") from exc
+        raise
     return path
 
 
