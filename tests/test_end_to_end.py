@@ -152,6 +152,66 @@ def test_a_convolution_of_a_data_dependent_count_of_images_matches_eager(tmp_pat
         torch.testing.assert_close(loaded.forward(images), model(images))
 
 
+class RelativeWindow(torch.nn.Module):
+    """Scores each position against a window of relative embeddings, padded out or sliced to the length, as VITS's
+    attention does: the slice starts at ``max(window + 1 - length, 0)``, 0 for a length past the window."""
+
+    window = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.relative = torch.nn.Parameter(torch.randn(1, 2 * self.window + 1, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        length = x.shape[1]
+        pad = max(length - (self.window + 1), 0)
+        relative = torch.nn.functional.pad(self.relative, [0, 0, pad, pad, 0, 0])
+        start = max(self.window + 1 - length, 0)
+        return torch.softmax(x @ relative[:, start:start + 2 * length - 1].transpose(-2, -1), -1)
+
+
+def test_a_slice_that_starts_by_the_length_matches_eager_below_the_traced_length(tmp_path):
+    # Decomposing the export retraced it, evaluating its guard that the slice is in bounds by the traced length:
+    # its shape environment took the length to be at least 6, Inductor compiled the slice's start as 0, and the
+    # file's range let a length of 3 in (0.9 off). Plain AOTInductor on torch.export's program was right.
+    torch.manual_seed(0)
+    model = RelativeWindow().eval()
+    length = torch.export.Dim.DYNAMIC
+    program = aotstack.export(model, {"forward": (torch.randn(2, 8, 8),)},
+                              dynamic_shapes={"forward": ({1: length},)})
+    aotstack.lower(program, [aotstack.AotiCpuPartitioner()], progress=False).save(tmp_path / "window.pt2")
+    loaded = aotstack.load(tmp_path / "window.pt2")
+
+    with torch.no_grad():
+        for tokens in (8, 5, 3, 2):
+            x = torch.randn(2, tokens, 8)
+            torch.testing.assert_close(loaded.forward(x), model(x))
+
+
+def test_a_program_decomposed_before_lowering_refuses_the_sizes_its_shapes_no_longer_hold_for(tmp_path):
+    # torch's own run_decompositions narrows the length to at least 6 in the program's shape environment, not in
+    # its range_constraints: below 6 the file would compute the slice wrongly, so it refuses.
+    torch.manual_seed(0)
+    model = RelativeWindow().eval()
+    with torch.no_grad():
+        exported = torch.export.export(model, (torch.randn(2, 8, 8),),
+                                       dynamic_shapes=({1: torch.export.Dim.DYNAMIC},)).run_decompositions()
+    declared = dict(exported.range_constraints)
+    with pytest.warns(UserWarning, match=r"method 'forward': size s\d+ was declared in \[2, int_oo\] but the "
+                                         r"program's shapes hold for \[6, int_oo\] only"):
+        program = aotstack.Program({"forward": exported})
+    assert exported.range_constraints == declared, "the caller's program is left as it was"
+    aotstack.lower(program, [aotstack.AotiCpuPartitioner()], progress=False).save(tmp_path / "window.pt2")
+    loaded = aotstack.load(tmp_path / "window.pt2")
+
+    with torch.no_grad():
+        for tokens in (8, 6):
+            x = torch.randn(2, tokens, 8)
+            torch.testing.assert_close(loaded.forward(x), model(x))
+        with pytest.raises(aotstack.InputError, match=r"'x' dimension 1 is 5, outside the range \[6, ∞\]"):
+            loaded.forward(torch.randn(2, 5, 8))
+
+
 class FloorOfPositives(torch.nn.Module):
     """Makes a tensor as it runs, in a submodule (GPT-Neo's and Falcon's attention make their mask value so)."""
 

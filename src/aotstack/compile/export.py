@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._guards import detect_fake_mode
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
@@ -57,7 +58,9 @@ class Program:
         # - a concatenation may start from an empty cache (``torch.tensor([])``), an operand OpenVINO refuses;
         # - a one-token attention may read its key/value heads repeated per query head, a copy of the cache per call;
         # - torchao's dynamic int8 layers take a form of their own on CPUs with VNNI and without AMX.
-        self.methods = {name: normalized(program) for name, program in self.methods.items()}
+        # - a program decomposed before it came may hold its sizes to narrower ranges than it declares.
+        self.methods = {name: narrowed_to_its_shapes(name, normalized(program))
+                        for name, program in self.methods.items()}
 
 
 def export(
@@ -146,7 +149,27 @@ def functional(exported: ExportedProgram) -> ExportedProgram:
     with warnings.catch_warnings():
         # torch's TreeSpec warns about its own deprecated LeafSpec while being deep-copied.
         warnings.simplefilter("ignore", FutureWarning)
-        return without_unnamed_weights(exported.run_decompositions({}))
+        return without_unnamed_weights(decomposed_unguarded(exported))
+
+
+def decomposed_unguarded(exported: ExportedProgram) -> ExportedProgram:
+    """``exported.run_decompositions({})``, its export's guards left out of the retrace.
+
+    Retracing evaluates the program's guards (``_guards_code``) over symbolic sizes, and one with a max in it is
+    decided by the traced size's value: VITS's windowed attention, exported at length 8, guards that its slice
+    ``[Max(0, 5 - n), Max(0, 5 - n) + 2n - 1)`` is in bounds, and the retrace narrows n to at least 6 in the new
+    program's shape environment while its ``range_constraints`` keep n >= 2. Inductor compiles for the narrow range
+    (``Max(0, 5 - n)`` becomes 0) and the boundary check lets a length of 3 in: wrong values, silently. Those guards
+    held over the declared ranges when exported, and the new program makes its own from its shape environment.
+    """
+    guards = getattr(exported, "_guards_code", None)
+    if guards:
+        exported._guards_code = []
+    try:
+        return exported.run_decompositions({})
+    finally:
+        if guards:
+            exported._guards_code = guards
 
 
 def without_unnamed_weights(exported: ExportedProgram) -> ExportedProgram:
@@ -171,6 +194,41 @@ def normalized(exported: ExportedProgram) -> ExportedProgram:
         exported = functional(exported)
     fitted = with_empty_concat_operands_dropped(with_pooling_windows_fitted(exported))
     return with_signed_int8_products(with_grouped_attention(fitted))
+
+
+def narrowed_to_its_shapes(method: str, exported: ExportedProgram) -> ExportedProgram:
+    """``exported``, or a copy whose ``range_constraints`` are no wider than the ranges its shape environment holds.
+
+    A program decomposed before it came here (``run_decompositions``, as a user or an exporter may call it) can have
+    its sizes narrowed in its shape environment by the retrace (``decomposed_unguarded``) but not in its
+    ``range_constraints``: compilers build for the narrow range, the file's check would let the rest in. A size
+    narrowed so is refused outside the narrow range, with a warning naming it, rather than computed wrongly.
+    """
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    fake_mode = detect_fake_mode([node.meta.get("val") for node in exported.graph.find_nodes(op="placeholder")])
+    shape_env = getattr(fake_mode, "shape_env", None)
+    if shape_env is None:
+        return exported
+    narrowed = {}
+    for symbol, declared in exported.range_constraints.items():
+        held = shape_env.var_to_range.get(symbol)
+        if held is None:
+            continue
+        # A shape environment takes a dynamic size to be at least 2 (it specializes 0 and 1), where the program
+        # takes the 1 or 0 it declares: not a narrowing.
+        lower = held.lower if held.lower > max(declared.lower, 2) else declared.lower
+        upper = min(held.upper, declared.upper)
+        if (lower, upper) != (declared.lower, declared.upper):
+            warnings.warn(f"method {method!r}: size {symbol} was declared in [{declared.lower}, {declared.upper}] "
+                          f"but the program's shapes hold for [{lower}, {upper}] only (was it decomposed before "
+                          "aotstack saw it?); sizes outside are refused", stacklevel=3)
+            narrowed[symbol] = ValueRanges(lower, upper)
+    if not narrowed:
+        return exported
+    program = copy.copy(exported)
+    program._range_constraints = {**exported.range_constraints, **narrowed}
+    return program
 
 
 def mutates_in_place(exported: ExportedProgram) -> bool:
