@@ -138,7 +138,7 @@ def test_a_failed_compile_raises_naming_method_partition_backend_and_ops():
     assert "method 'forward', partition 'relu_0' (test_failing, delegate forward.0) failed to compile" in message
     assert "(ops: aten.relu.default)" in message
     assert "RuntimeError: boom: this backend cannot compile anything" in message
-    assert "on_compile_error='fallback'" in message
+    assert "on_compile_error='fallback') (--on-compile-error fallback on the command line)" in message
     assert isinstance(raised.value.__cause__, RuntimeError)
 
 

@@ -165,7 +165,8 @@ def test_tampered_and_unsigned_files_are_refused_before_any_library_is_opened(
 @pytest.mark.parametrize(
     "target",
     ["operator.attrgetter", "operator.call", "builtins.eval", "os.system", "aten.add_.Tensor", "aten.add.out",
-     "aten.from_file.default", "higher_order.run_const_graph", "aotstack.call_delegate.default"],
+     "aten.from_file.default", "higher_order.run_const_graph", "aotstack.call_delegate.default", "torch.load",
+     "torch.sym_fresh_size"],
 )
 def test_a_plan_step_calling_outside_the_closed_list_is_refused(lowered_package, tmp_path, target):
     def call_it(manifest):

@@ -223,6 +223,28 @@ def test_image_classification_folder_matches_eager(tmp_path, capsys):
         torch.testing.assert_close(got.logits, model(pixel_values=pixels).logits, rtol=1e-4, atol=1e-5)
 
 
+def test_a_part_an_engine_cannot_compile_is_left_to_the_next_when_asked_and_the_folder_matches_eager(tmp_path, caplog):
+    """DeBERTa's disentangled attention: Inductor cannot compile its relative positions over the length (plain
+    AOTInductor fails on it too, "Could not guard on data-dependent expression Max(1, u2) >= u2"); with
+    --on-compile-error fallback that part runs as plain ATen, at any length."""
+    torch.manual_seed(0)
+    model = transformers.DebertaModel(transformers.DebertaConfig(
+        **TEXT, relative_attention=True, max_relative_positions=4, pos_att_type=["c2p", "p2c"])).eval()
+    export_hf(str(saved(model, tmp_path / "deberta")), "-o", str(tmp_path / "out"), "--engines", "aoti",
+              "--on-compile-error", "fallback")
+    assert "aoti_cpu failed to compile partition" in caplog.text, "the part left to ATen is reported"
+    report = aotstack.file_report(tmp_path / "out" / "model.pt2").to_json()
+    assert any(share["engine"] == "aten" and share["ops"] for method in report["methods"]
+               for share in method["engines"]), report["methods"]
+    exported = ExportedModel.from_pretrained(tmp_path / "out")
+    for batch, length in ((2, 3), (1, 13)):
+        ids = torch.randint(4, VOCAB, (batch, length), generator=torch.Generator().manual_seed(length))
+        got = exported(input_ids=ids, attention_mask=torch.ones_like(ids))
+        with torch.no_grad():
+            want = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+        torch.testing.assert_close(got.last_hidden_state, want.last_hidden_state, rtol=1e-4, atol=1e-4)
+
+
 def bert_with_head(task: str) -> torch.nn.Module:
     """A BERT with ``task``'s head, every weight drawn anew: a head that starts near zero would hide an error."""
     from aotstack.integrations.hf_folder import auto_class

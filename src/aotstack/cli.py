@@ -66,9 +66,7 @@ def argument_parser() -> argparse.ArgumentParser:
     compile_.add_argument("-o", "--output", required=True, metavar="FILE.pt2")
     add_partitioner_options(compile_)
     add_quantize_options(compile_)
-    compile_.add_argument("--on-compile-error", choices=("raise", "fallback"), default="raise",
-                          help="when an engine fails to compile a part: stop with an error (raise, the default), "
-                               "or warn and leave the part to the next engine or plain ATen (fallback)")
+    add_compile_error_option(compile_)
     add_compile_run_options(compile_)
     compile_.add_argument("--check", nargs="?", const="outputs", choices=("outputs", "partition"), default=None,
                           help="run each method on its example inputs, eagerly and from the package, and fail past "
@@ -110,6 +108,7 @@ def argument_parser() -> argparse.ArgumentParser:
                            help="run each method of the file on its example inputs, eagerly and from the file, "
                                 "and fail past aotstack.Check's tolerance (or --atol, --rtol)")
     add_tolerance_options(export_hf)
+    add_compile_error_option(export_hf)
     add_compile_run_options(export_hf)
     export_hf.set_defaults(command=export_hf_command)
 
@@ -243,6 +242,12 @@ def add_tolerance_options(parser: argparse.ArgumentParser) -> None:
                         help="absolute tolerance of --check (default: aotstack.Check's, 1e-4)")
     parser.add_argument("--rtol", type=float, default=None, metavar="R",
                         help="relative tolerance of --check (default: aotstack.Check's, 1e-4)")
+
+
+def add_compile_error_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--on-compile-error", choices=("raise", "fallback"), default="raise",
+                        help="when an engine fails to compile a part: stop with an error (raise, the default), "
+                             "or warn and leave the part to the next engine or plain ATen (fallback)")
 
 
 def add_compile_run_options(parser: argparse.ArgumentParser) -> None:
@@ -403,7 +408,7 @@ def export_hf_command(args: argparse.Namespace) -> int:
         quantization=cli_quantization(args),
         max_cache_len=args.max_cache_len, progress={"auto": None, "live": True, "log": False}[args.progress],
         jobs=args.jobs, step=lambda text: print(f"aotstack: {text}", file=sys.stderr), check=args.check,
-        check_tolerance=(args.atol, args.rtol), image_size=args.image_size,
+        check_tolerance=(args.atol, args.rtol), image_size=args.image_size, on_compile_error=args.on_compile_error,
     )
     seconds = done.seconds
     print(f"wrote {done.output} ({done.task}: {', '.join(done.methods)}; {done.bytes / 1e6:.2f} MB) in "

@@ -1386,7 +1386,8 @@ def compile_error(
     message = (
         f"method {method!r}, partition {tag!r} ({backend_id}, delegate {delegate_id}) failed to compile "
         f"(ops: {ops_text(ops)}): {type(exc).__name__}: {exc}\n"
-        "lower(..., on_compile_error='fallback') would leave this partition to the next partitioner or plain ATen"
+        "lower(..., on_compile_error='fallback') (--on-compile-error fallback on the command line) would leave this "
+        "partition to the next partitioner or plain ATen"
     )
     if isinstance(exc, EngineCrashError):
         return EngineCrashError(message, exc.signal)

@@ -17,6 +17,7 @@ from ..format.devices import HOST
 from ..format.op_names import op_name
 from ..format.ops import is_delegate_call, is_delegate_output
 from ..format.plan import (
+    SYMBOLIC_FUNCTIONS,
     DelegateStep,
     InputStep,
     MethodPlan,
@@ -89,6 +90,8 @@ def target_name(node: Node, runnable_only: bool = True) -> str:
         name = op_name(target)
     elif getattr(operator, getattr(target, "__name__", ""), None) is target:
         name = f"operator.{target.__name__}"
+    elif getattr(target, "__name__", "") in SYMBOLIC_FUNCTIONS and getattr(torch, target.__name__) is target:
+        name = f"torch.{target.__name__}"
     else:
         raise LoweringError(f"node {node.name!r} calls {target!r}, which a package cannot store; only ops can run")
     try:

@@ -23,8 +23,9 @@ import torch
 
 from ..errors import CustomOpError, PackageError
 
-# Namespaces that are not custom: ATen, prims, control flow, export's operator functions, ours.
-BUILT_IN_NAMESPACES = frozenset({"aten", "prims", "higher_order", "operator", "aotstack"})
+# Namespaces that are not custom: ATen, prims, control flow, export's operator and size (``torch.sym_*``)
+# functions, ours.
+BUILT_IN_NAMESPACES = frozenset({"aten", "prims", "higher_order", "operator", "torch", "aotstack"})
 # ``ns.op.overload`` as a step names it: identifiers only, so a name cannot reach past ``torch.ops``.
 OP_NAME_PATTERN = re.compile(r"[A-Za-z_]\w*\.[A-Za-z_]\w*\.[A-Za-z_]\w*", re.ASCII)
 _MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", re.ASCII)

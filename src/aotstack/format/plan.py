@@ -18,7 +18,7 @@ formats and layouts.
 
 The plan is closed: a step may call only what a lowered program contains (ATen and prims ops that
 write into none of their arguments, aotstack's copies, the control-flow ops, and the ``operator``
-functions export emits), so an edited manifest cannot reach arbitrary Python. A custom op
+and ``torch.sym_*`` functions export emits), so an edited manifest cannot reach arbitrary Python. A custom op
 (``format/custom_ops.py``) is callable only where the loader names it in ``allow_ops``, and one
 that writes into its arguments only through ``auto_functionalized``, which hands it copies.
 Reading checks that every name a step reads was computed before it, and bounds sizes and nesting.
@@ -133,6 +133,8 @@ OPERATOR_FUNCTIONS = frozenset(
         "eq", "ne", "lt", "le", "gt", "ge", "and_", "or_", "xor", "not_", "invert", "lshift", "rshift",
     }
 )  # fmt: skip
+# The ones it emits for a builtin on sizes (``max(n - 5, 0)`` is ``torch.sym_max``), called as ``torch.<name>``.
+SYMBOLIC_FUNCTIONS = frozenset({"sym_not", "sym_max", "sym_min", "sym_float", "sym_int", "sym_ite", "sym_sum"})
 CONTROL_FLOW_OPS = frozenset({"cond", "while_loop", "map_impl", "scan"})
 # Functionalized calls of an op that writes into its arguments; the op is an ``OpRef`` argument.
 FUNCTIONALIZED_OPS = frozenset({"auto_functionalized", "auto_functionalized_v2"})
@@ -156,6 +158,10 @@ def resolved_op(name: str, allowed: frozenset[str] = frozenset()) -> Any:
         if rest not in OPERATOR_FUNCTIONS:
             raise PackageError(f"calls {name!r}, which is not one of the operator functions a lowered program uses")
         return getattr(operator, rest)
+    if namespace == "torch":
+        if rest not in SYMBOLIC_FUNCTIONS:
+            raise PackageError(f"calls {name!r}, which is not one of the size functions {sorted(SYMBOLIC_FUNCTIONS)}")
+        return getattr(torch, rest)
     if namespace == "higher_order":
         if rest not in CONTROL_FLOW_OPS | FUNCTIONALIZED_OPS:
             raise PackageError(f"calls {name!r}, which is not one of the control-flow ops {sorted(CONTROL_FLOW_OPS)}")

@@ -241,6 +241,7 @@ def export_folder(
     check: bool = False,
     check_tolerance: tuple[float | None, float | None] = (None, None),
     image_size: int | None = None,
+    on_compile_error: str = "raise",
 ) -> FolderExport:
     """Export the model in ``model_dir`` for ``task`` (inferred when None) into the folder ``output``.
 
@@ -252,8 +253,11 @@ def export_folder(
     ``aotstack.Check``'s, or ``check_tolerance`` (atol, rtol) where given. ``image_size`` is the side of
     the square images a vision-language model whose processor keeps an image's size (Qwen2-VL's, Mistral 3's)
     is exported for (default ``GRID_IMAGE_SIDE``); other processors make images of one size themselves.
+    ``on_compile_error="fallback"`` leaves a part an engine fails to compile to the next engine or plain ATen, as
+    ``aotstack.lower`` does.
     """
-    checking = {"check": check, "check_atol": check_tolerance[0], "check_rtol": check_tolerance[1]}
+    lowering = {"check": check, "check_atol": check_tolerance[0], "check_rtol": check_tolerance[1],
+                "on_compile_error": on_compile_error}
     started = time.perf_counter()
     say = step or (lambda text: logger.info("%s", text))
     model_dir, output = Path(model_dir), Path(output)
@@ -291,11 +295,11 @@ def export_folder(
         if generation:
             exported = exporter.export_for_generation(
                 model, generation_inputs(model, task, preprocessor, image_size, model_dir),
-                AotstackConfig(engines=engines, device=device, max_cache_len=max_cache_len, **checking),
+                AotstackConfig(engines=engines, device=device, max_cache_len=max_cache_len, **lowering),
             )
         else:
             inputs, dynamic_shapes = example_inputs(model, preprocessor, task)
-            head = AotstackConfig(engines=engines, device=device, dynamic_shapes=dynamic_shapes, **checking)
+            head = AotstackConfig(engines=engines, device=device, dynamic_shapes=dynamic_shapes, **lowering)
             try:
                 exported = exporter.export(model, inputs, head)
             except AotstackError as exc:

@@ -47,7 +47,7 @@ from ..compile.auto import Auto
 from ..compile.check import Check
 from ..compile.engines import partitioners_for
 from ..compile.export import Program
-from ..compile.lower import LoweredProgram
+from ..compile.lower import ON_COMPILE_ERROR, LoweredProgram
 from ..compile.measure import CallInputs
 from ..compile.progress import Progress
 from ..compile.quantize import Quantization
@@ -136,6 +136,8 @@ class AotstackConfig(DynamoConfig):
             file, and raise ``LoweringError`` where they are further apart than ``aotstack.Check``'s
             tolerance (``aotstack.lower(..., check=True)``), or ``check_atol`` and ``check_rtol``
             where given (a quantized model's engines round its activations each their own way).
+        on_compile_error: ``"raise"`` (default) or ``"fallback"``: a part an engine fails to compile is left to
+            the next engine or plain ATen, as ``aotstack.lower(..., on_compile_error=)`` does.
     """
 
     export_format: str = EXPORT_FORMAT
@@ -149,10 +151,14 @@ class AotstackConfig(DynamoConfig):
     check: bool = False
     check_atol: float | None = None
     check_rtol: float | None = None
+    on_compile_error: str = "raise"
 
     def __post_init__(self) -> None:
-        # An unknown scheme or a bad group size fails here, before any export.
+        # An unknown scheme, a bad group size or a bad compile-error choice fails here, before any export.
         Quantization(self.qlinear, self.qembedding, self.qgroup_size)
+        if self.on_compile_error not in ON_COMPILE_ERROR:
+            raise ValueError(f"AotstackConfig.on_compile_error must be one of "
+                             f"{', '.join(map(repr, ON_COMPILE_ERROR))}, got {self.on_compile_error!r}")
 
     @property
     def quantization(self) -> Quantization:
@@ -190,7 +196,8 @@ class AotstackExporter(HfExporter):
             plan = replace(plan, inputs=timing_inputs)
         started = time.perf_counter()
         try:
-            lowered = aotstack.lower(program, plan, progress=self.progress, jobs=self.jobs, check=check_of(config))
+            lowered = aotstack.lower(program, plan, progress=self.progress, jobs=self.jobs, check=check_of(config),
+                                     on_compile_error=config.on_compile_error)  # type: ignore[arg-type]
         finally:
             self.lower_seconds += time.perf_counter() - started
         self.check_result = lowered.check_result
