@@ -757,7 +757,9 @@ def example_texts(
     each of its answers, their count dynamic too."""
     from torch.export import Dim
 
-    length = Dim("sequence", min=2, max=getattr(config, "max_position_embeddings", None) or 512)
+    positions = getattr(config, "max_position_embeddings", None)
+    # XLNet's config says -1: its relative positions take any length.
+    length = Dim("sequence", min=2, max=positions if isinstance(positions, int) and positions >= 2 else 512)
     rows = (EXAMPLE_BATCH, EXAMPLE_CHOICES) if choices is not None else (EXAMPLE_BATCH,)
     ids = torch.randint(0, config.vocab_size, (*rows, EXAMPLE_LENGTH), generator=generator)
     inputs = {"input_ids": ids}

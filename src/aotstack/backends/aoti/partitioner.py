@@ -176,7 +176,7 @@ def is_convolution_over_data_dependent_sizes(node: Node) -> bool:
     take its channels-last path, which does not)."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return False
-    if op_name(node.target).rsplit(".", 1)[0] not in CONVOLUTIONS:
+    if not matches_any(node.target, CONVOLUTIONS):
         return False
     weight = node.args[1].meta.get("val") if len(node.args) > 1 and isinstance(node.args[1], Node) else None
     if not isinstance(weight, torch.Tensor) or weight.dim() == 4:  # [out, in, height, width]: 2 spatial dimensions
