@@ -227,6 +227,9 @@ def test_a_part_an_engine_cannot_compile_is_left_to_the_next_when_asked_and_the_
     """DeBERTa's disentangled attention: Inductor cannot compile its relative positions over the length (plain
     AOTInductor fails on it too, "Could not guard on data-dependent expression Max(1, u2) >= u2"); with
     --on-compile-error fallback that part runs as plain ATen, at any length."""
+    if torch.torch_version.TorchVersion(torch.__version__) < "2.13":
+        pytest.skip("torch 2.11's torch.export cannot trace DeBERTa's relative positions (\"Could not extract "
+                    "specialized integer from data-dependent expression u0\"); 2.13's can")
     torch.manual_seed(0)
     model = transformers.DebertaModel(transformers.DebertaConfig(
         **TEXT, relative_attention=True, max_relative_positions=4, pos_att_type=["c2p", "p2c"])).eval()
