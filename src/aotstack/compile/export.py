@@ -201,8 +201,10 @@ def narrowed_to_its_shapes(method: str, exported: ExportedProgram) -> ExportedPr
 
     A program decomposed before it came here (``run_decompositions``, as a user or an exporter may call it) can have
     its sizes narrowed in its shape environment by the retrace (``decomposed_unguarded``) but not in its
-    ``range_constraints``: compilers build for the narrow range, the file's check would let the rest in. A size
-    narrowed so is refused outside the narrow range, with a warning naming it, rather than computed wrongly.
+    ``range_constraints``; so can a guard of its own export that is no plain range (a strided convolution's output
+    frames ``(n - 1) // 2 + 1 != 1`` holds n >= 3, ranges say n >= 2). Compilers build for the narrow range, the
+    file's check would let the rest in. A size narrowed so is refused outside the narrow range, with a warning naming
+    it, rather than computed wrongly.
     """
     from torch.utils._sympy.value_ranges import ValueRanges
 
@@ -221,8 +223,8 @@ def narrowed_to_its_shapes(method: str, exported: ExportedProgram) -> ExportedPr
         upper = min(held.upper, declared.upper)
         if (lower, upper) != (declared.lower, declared.upper):
             warnings.warn(f"method {method!r}: size {symbol} was declared in [{declared.lower}, {declared.upper}] "
-                          f"but the program's shapes hold for [{lower}, {upper}] only (was it decomposed before "
-                          "aotstack saw it?); sizes outside are refused", stacklevel=3)
+                          f"but the program's shapes hold for [{lower}, {upper}] only (a guard of its export, or a "
+                          "decomposition before aotstack saw it, narrowed it); sizes outside are refused", stacklevel=3)
             narrowed[symbol] = ValueRanges(lower, upper)
     if not narrowed:
         return exported
