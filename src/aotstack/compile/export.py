@@ -19,7 +19,7 @@ from .attention import with_grouped_attention
 from .empty_concat import with_empty_concat_operands_dropped
 from .int8_tensor import with_signed_int8_products
 from .pooling import with_pooling_windows_fitted
-from .program_parts import updated_buffers
+from .program_parts import updated_buffers, without_outer_guards
 
 
 @dataclass
@@ -162,9 +162,8 @@ def decomposed_unguarded(exported: ExportedProgram) -> ExportedProgram:
     (``Max(0, 5 - n)`` becomes 0) and the boundary check lets a length of 3 in: wrong values, silently. Those guards
     held over the declared ranges when exported, and the new program makes its own from its shape environment.
     """
-    guards = getattr(exported, "_guards_code", None)
-    if guards:
-        exported._guards_code = []
+    guards = list(getattr(exported, "_guards_code", []))
+    without_outer_guards(exported)
     try:
         return exported.run_decompositions({})
     finally:
