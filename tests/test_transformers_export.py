@@ -223,6 +223,12 @@ def test_image_classification_folder_matches_eager(tmp_path, capsys):
         torch.testing.assert_close(got.logits, model(pixel_values=pixels).logits, rtol=1e-4, atol=1e-5)
 
 
+def test_a_compile_error_choice_other_than_raise_or_fallback_is_refused_before_any_export():
+    with pytest.raises(ValueError, match=r"AotstackConfig.on_compile_error must be one of 'raise', 'fallback', "
+                                         r"got 'ignore'"):
+        aotstack_hf.AotstackConfig(on_compile_error="ignore")
+
+
 def test_a_part_an_engine_cannot_compile_is_left_to_the_next_when_asked_and_the_folder_matches_eager(tmp_path, caplog):
     """DeBERTa's disentangled attention: Inductor cannot compile its relative positions over the length (plain
     AOTInductor fails on it too, "Could not guard on data-dependent expression Max(1, u2) >= u2"); with

@@ -58,7 +58,8 @@ class Program:
         # - a concatenation may start from an empty cache (``torch.tensor([])``), an operand OpenVINO refuses;
         # - a one-token attention may read its key/value heads repeated per query head, a copy of the cache per call;
         # - torchao's dynamic int8 layers take a form of their own on CPUs with VNNI and without AMX.
-        # - a program decomposed before it came may hold its sizes to narrower ranges than it declares.
+        # - its shape environment may hold a size narrower than its ranges say (a guard of its export that is no
+        #   plain range, a decomposition before it came): the ranges are narrowed to match.
         self.methods = {name: narrowed_to_its_shapes(name, normalized(program))
                         for name, program in self.methods.items()}
 

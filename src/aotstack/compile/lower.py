@@ -980,12 +980,15 @@ def raise_first_failure(
                 raise_compile_error(claim, error)
 
 
+def check_on_compile_error(value: object, option: str = "on_compile_error") -> None:
+    """Refuse an ``on_compile_error`` other than ``ON_COMPILE_ERROR``'s, naming ``option`` as the caller took it."""
+    if not isinstance(value, str) or value not in ON_COMPILE_ERROR:
+        raise ValueError(f"{option} must be one of {', '.join(map(repr, ON_COMPILE_ERROR))}, got {value!r}")
+
+
 def check_lower_options(skip_h2d: object, skip_d2h: object, on_compile_error: object) -> None:
     """Refuse a bad option before any compile starts, rather than after minutes of compiling."""
-    if not isinstance(on_compile_error, str) or on_compile_error not in ON_COMPILE_ERROR:
-        raise ValueError(
-            f"on_compile_error must be one of {', '.join(map(repr, ON_COMPILE_ERROR))}, got {on_compile_error!r}"
-        )
+    check_on_compile_error(on_compile_error)
     for option, value in (("skip_h2d_for_method_inputs", skip_h2d), ("skip_d2h_for_method_outputs", skip_d2h)):
         # A bare str is a Collection[str] too, and would match its own substrings as method names.
         if isinstance(value, bool):

@@ -47,7 +47,7 @@ from ..compile.auto import Auto
 from ..compile.check import Check
 from ..compile.engines import partitioners_for
 from ..compile.export import Program
-from ..compile.lower import ON_COMPILE_ERROR, LoweredProgram
+from ..compile.lower import LoweredProgram, check_on_compile_error
 from ..compile.measure import CallInputs
 from ..compile.progress import Progress
 from ..compile.quantize import Quantization
@@ -156,9 +156,7 @@ class AotstackConfig(DynamoConfig):
     def __post_init__(self) -> None:
         # An unknown scheme, a bad group size or a bad compile-error choice fails here, before any export.
         Quantization(self.qlinear, self.qembedding, self.qgroup_size)
-        if self.on_compile_error not in ON_COMPILE_ERROR:
-            raise ValueError(f"AotstackConfig.on_compile_error must be one of "
-                             f"{', '.join(map(repr, ON_COMPILE_ERROR))}, got {self.on_compile_error!r}")
+        check_on_compile_error(self.on_compile_error, "AotstackConfig.on_compile_error")
 
     @property
     def quantization(self) -> Quantization:
