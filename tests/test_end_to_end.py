@@ -212,6 +212,25 @@ def test_a_program_decomposed_before_lowering_refuses_the_sizes_its_shapes_no_lo
             loaded.forward(torch.randn(2, 5, 8))
 
 
+def test_compiled_code_refuses_a_size_that_breaks_a_guard_of_its_export_rather_than_computing_it(tmp_path):
+    # AOTInductor's code does not check torch.export's guards: it read 6 rows as one run of four and returned it,
+    # where eager raises. The file checks them before the library runs.
+    model = models.build("rows_of_four")
+    program = aotstack.export(model, {"forward": models.example_inputs("rows_of_four")},
+                              dynamic_shapes={"forward": ({0: torch.export.Dim.DYNAMIC},)})
+    lowered = aotstack.lower(program, [aotstack.AotiCpuPartitioner()], progress=False)
+    assert [d.backend_id for d in lowered.delegates("forward")] == ["aoti_cpu"]
+    lowered.save(tmp_path / "fours.pt2")
+    loaded = aotstack.load(tmp_path / "fours.pt2")
+
+    for rows in (8, 12):
+        x = torch.randn(rows, 3)
+        torch.testing.assert_close(loaded.forward(x), model(x))
+    with pytest.raises(aotstack.InputError, match=r"argument 'x' dimension 0 is 6 \(s\d+\), but the method was "
+                                                  r"exported for sizes where .*// 4"):
+        loaded.forward(torch.randn(6, 3))
+
+
 class FloorOfPositives(torch.nn.Module):
     """Makes a tensor as it runs, in a submodule (GPT-Neo's and Falcon's attention make their mask value so)."""
 

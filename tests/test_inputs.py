@@ -11,6 +11,7 @@ import torch
 from torch.export import Dim
 
 import aotstack
+from tests import models
 
 
 class KeywordModel(torch.nn.Module):
@@ -93,3 +94,85 @@ def test_one_symbol_means_one_size_across_arguments(dynamic_program):
 def test_a_static_dimension_is_checked_too(dynamic_program):
     with pytest.raises(aotstack.InputError, match=r"argument 'x' has shape \[4, 5\], expected \[s\d+ in \[2, 8\], 3\]"):
         dynamic_program.forward(torch.randn(4, 5), torch.randn(4, 3))
+
+
+class PairsAcross(torch.nn.Module):
+    """Pairs up the rows of two inputs together: a guard over both counts."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, y]).reshape(-1, 2, x.shape[1]).sum(1)
+
+
+def rows_of_four(tmp_path) -> aotstack.LoadedProgram:
+    program = aotstack.export(models.RowsOfFour(), {"forward": (torch.randn(8, 3),)},
+                              dynamic_shapes={"forward": ({0: Dim.DYNAMIC},)})
+    return saved(tmp_path, program)
+
+
+def test_sizes_inside_the_guards_of_the_export_run(tmp_path):
+    loaded = rows_of_four(tmp_path)
+    for rows in (8, 12, 20):
+        x = torch.randn(rows, 3)
+        torch.testing.assert_close(loaded.forward(x), models.RowsOfFour()(x))
+
+
+@pytest.mark.parametrize("rows", [6, 5, 2])
+def test_a_size_its_range_allows_but_a_guard_of_the_export_does_not_is_refused_naming_the_condition(tmp_path, rows):
+    loaded = rows_of_four(tmp_path)
+    with pytest.raises(aotstack.InputError) as raised:
+        loaded.forward(torch.randn(rows, 3))
+    message = str(raised.value)
+    assert message.startswith(f"forward(): argument 'x' dimension 0 is {rows} (s")
+    assert "but the method was exported for sizes where " in message and "// 4" in message
+
+
+def test_a_guard_over_two_arguments_names_both(tmp_path):
+    program = aotstack.export(PairsAcross(), {"forward": (torch.randn(4, 3), torch.randn(6, 3))},
+                              dynamic_shapes={"forward": ({0: Dim.DYNAMIC}, {0: Dim.DYNAMIC})})
+    loaded = saved(tmp_path, program)
+    x, y = torch.randn(3, 3), torch.randn(5, 3)
+    torch.testing.assert_close(loaded.forward(x, y), PairsAcross()(x, y))
+    with pytest.raises(aotstack.InputError, match=r"argument 'x' dimension 0 is 3 \(s\d+\), argument 'y' dimension 0 "
+                                                  r"is 4 \(s\d+\), but the method was exported for sizes where .*%"):
+        loaded.forward(torch.randn(3, 3), torch.randn(4, 3))
+
+
+class PaddedPastFive(torch.nn.Module):
+    """Pads its rows out by however many they are past five, in a branch as VITS writes it: torch.export guards the
+    branch it traced, ``max(0, n - 5) > 0``, though padding by 0 is no padding."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pad = max(x.shape[0] - 5, 0)
+        if pad > 0:
+            x = torch.nn.functional.pad(x, [0, 0, pad, 0])
+        return x.cumsum(0)
+
+
+class ScaledPastFour(torch.nn.Module):
+    """Doubles its rows where they are past four, triples fewer: the branch torch.export guards matters (and it is
+    written over a ``max``, which torch cannot make a range of)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if max(x.shape[0] - 4, 0) > 0 else x * 3
+
+
+def traced_at_eight(tmp_path, model: torch.nn.Module) -> aotstack.LoadedProgram:
+    program = aotstack.export(model, {"forward": (torch.randn(8, 3),)}, dynamic_shapes={"forward": ({0: Dim.DYNAMIC},)})
+    return saved(tmp_path, program)
+
+
+def test_a_guarded_branch_whose_other_side_eager_shows_to_agree_does_not_refuse_its_sizes(tmp_path):
+    loaded = traced_at_eight(tmp_path, PaddedPastFive())
+    assert loaded.method("forward").check.guards == []
+    for rows in (8, 5, 3, 2):
+        x = torch.randn(rows, 3)
+        torch.testing.assert_close(loaded.forward(x), PaddedPastFive()(x))
+
+
+def test_a_guarded_branch_whose_other_side_differs_refuses_its_sizes_rather_than_computing_them_wrongly(tmp_path):
+    loaded = traced_at_eight(tmp_path, ScaledPastFour())
+    x = torch.randn(6, 3)
+    torch.testing.assert_close(loaded.forward(x), x * 2)
+    with pytest.raises(aotstack.InputError, match=r"dimension 0 is 3 \(s\d+\), but the method was exported for sizes "
+                                                  r"where max\(0, s\d+ - 4\) > 0 only"):
+        loaded.forward(torch.randn(3, 3))

@@ -52,6 +52,10 @@ def huge_symbolic_range(manifest):
     first_method(manifest)["inputs"][0]["shape"][0] = {"symbol": "s0", "min": 5, "max": 2}
 
 
+def guard_calling_code(manifest):
+    first_method(manifest)["guards"] = ["__import__('os').getcwd() == 0"]
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -61,6 +65,7 @@ def huge_symbolic_range(manifest):
         (delegate_output_out_of_range, r"reads output 7 of delegate forward.\d, which has 1"),
         (blob_key_with_a_path, r"named_data must map names to blob keys"),
         (huge_symbolic_range, r"range must be sizes with min <= max"),
+        (guard_calling_code, r"method 'forward': size guard term .*getcwd.* holds ints, .*; found Call"),
     ],
 )
 def test_a_resealed_manifest_with_a_bad_field_is_refused_naming_it(

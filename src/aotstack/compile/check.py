@@ -31,6 +31,7 @@ from ..format.records import Delegate
 from ..runtime.inputs import InputCheck
 from ..runtime.interpreter import LoadedDelegate
 from ..runtime.load import DelegateWrapper, LoadedProgram, loaded_program
+from .guards import size_guards
 from .package import input_records, save
 from .parallel import quiet_torch_warnings
 from .program_parts import program_weights
@@ -317,7 +318,9 @@ def example_inputs(method: str, exported: ExportedProgram) -> tuple[tuple[Any, .
 def check_call_inputs(method: str, exported: ExportedProgram, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Raise ``InputError``, naming the argument and what it must be, unless the method takes ``args`` and
     ``kwargs``, as its loaded form would check them."""
-    InputCheck(method, input_records(method, exported), exported.call_spec.in_spec).flat_arguments(args, kwargs)
+    records = input_records(method, exported)
+    guards = size_guards(exported, records)
+    InputCheck(method, records, exported.call_spec.in_spec, guards).flat_arguments(args, kwargs)
 
 
 def lowered_outputs(

@@ -17,6 +17,7 @@ from torch.export.graph_signature import InputKind
 from ..errors import ExportError
 from .attention import with_grouped_attention
 from .empty_concat import with_empty_concat_operands_dropped
+from .guards import waive_guards_eager_agrees_past
 from .int8_tensor import with_signed_int8_products
 from .pooling import with_pooling_windows_fitted
 from .program_parts import updated_buffers, without_outer_guards
@@ -120,6 +121,7 @@ def export_method(
         # An inference program: a buffer updated from a weight (a KV cache) must not ask for gradients.
         with torch.no_grad():
             exported = torch.export.export(module, args, dynamic_shapes=dynamic_shapes, strict=strict)
+            waive_guards_eager_agrees_past(name, module, exported)
             return functional(with_subclass_weights_frozen(with_made_tensors_renamed(exported)))
     except Exception as exc:
         raise ExportError(f"torch.export failed for method {name!r}: {exc}") from exc

@@ -24,6 +24,7 @@ from ..format.records import Delegate
 from ..format.state import state_devices
 from ..format.tensor_data import BytesLike, content_key, dtype_name, tensor_buffer, tensor_is_viewable
 from .custom_ops import custom_op_records
+from .guards import size_guards
 from .plan import method_plan
 from .program_parts import program_weights, rebuilt
 
@@ -201,15 +202,17 @@ def method_record(
     runnable_only: bool = True,
 ) -> MethodRecord:
     call_spec = program.call_spec
+    inputs = input_records(name, program)
     return MethodRecord(
         program=PROGRAM_PATH.format(name),
-        inputs=input_records(name, program),
+        inputs=inputs,
         plan=method_plan(program, runnable_only=runnable_only),
         in_spec=pytree.treespec_dumps(call_spec.in_spec),
         out_spec=pytree.treespec_dumps(call_spec.out_spec),
         weights=weight_records(program_weights(program), store),
         delegates=[delegate_record(delegate, store) for delegate in delegates],
         placement=placement,
+        guards=size_guards(program, inputs),
     )
 
 

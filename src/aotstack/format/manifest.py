@@ -16,6 +16,7 @@ from typing import Any
 
 from ..errors import PackageError
 from .custom_ops import PLAN, CustomOpRecord, custom_op_from_json, custom_op_to_json, is_custom_op_name
+from .guards import MAX_GUARDS, size_guard
 from .placement import Placement, placement_from_json, placement_to_json
 from .plan import (
     DelegateStep,
@@ -140,6 +141,15 @@ class MethodRecord:
     delegates: list[DelegateRecord]
     # Where each op went and why; None in a file written before aotstack recorded it.
     placement: Placement | None = None
+    # Conditions on the input sizes, beyond their ranges, that the export holds under (``format/guards.py``).
+    guards: list[str] = field(default_factory=list)
+
+
+def size_symbols(inputs: Sequence[InputRecord]) -> set[str]:
+    """The symbols of the sizes ``inputs`` bind: a tensor's symbolic dimensions and symbolic ints."""
+    symbols = {record.dim.symbol for record in inputs if record.dim is not None}
+    symbols.update(d.symbol for record in inputs for d in record.shape or [] if isinstance(d, Dim))
+    return symbols
 
 
 @dataclass(frozen=True)
@@ -255,6 +265,7 @@ def method_to_json(method: MethodRecord) -> dict[str, Any]:
         "weights": {fqn: vars(weight).copy() for fqn, weight in method.weights.items()},
         "delegates": [delegate_to_json(delegate) for delegate in method.delegates],
         **({} if method.placement is None else {"placement": placement_to_json(method.placement)}),
+        **({"guards": list(method.guards)} if method.guards else {}),
     }
 
 
@@ -271,6 +282,7 @@ def method_from_json(data: Any) -> MethodRecord:
         weights={fqn: within(f"weight {fqn!r}", weight_from_json, weight) for fqn, weight in weights.items()},
         delegates=[delegate_from_json(d) for d in bounded(data.get("delegates"), list, "delegates", MAX_ITEMS)],
         placement=None if placement is None else within("placement", placement_from_json, placement),
+        guards=bounded(data.get("guards", []), list, "guards", MAX_GUARDS),
     )
 
 
@@ -464,6 +476,9 @@ def check_method(method: MethodRecord, blobs: dict[str, int]) -> None:
     for fqn, name in plan.mutations:
         if fqn not in method.weights or name not in names:
             raise PackageError(f"the plan updates {fqn!r} from {name!r}, but the method lacks one of them")
+    symbols = size_symbols(method.inputs)
+    for guard in method.guards:
+        size_guard(guard, symbols)
 
 
 def check_weight(fqn: str, weight: WeightRecord, blobs: dict[str, int]) -> None:

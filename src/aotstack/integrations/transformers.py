@@ -47,6 +47,7 @@ from ..compile.auto import Auto
 from ..compile.check import Check
 from ..compile.engines import partitioners_for
 from ..compile.export import Program
+from ..compile.guards import waive_guards_eager_agrees_past
 from ..compile.lower import LoweredProgram, check_on_compile_error
 from ..compile.measure import CallInputs
 from ..compile.progress import Progress
@@ -216,6 +217,7 @@ class AotstackExporter(HfExporter):
             exported, metadata = DynamoExporter().export_program(model, sample_inputs, dynamo)
         except Exception as exc:
             raise ExportError(f"torch.export failed for {type(model).__name__}.forward: {exc}") from exc
+        waive_guards_eager_agrees_past("forward", model, exported)
         self.export_seconds += time.perf_counter() - started
         metadata.packages["aotstack"] = aotstack.__version__
         return self.lower(Program({"forward": exported}), config), metadata

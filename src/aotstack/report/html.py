@@ -64,6 +64,8 @@ def title(report: Summary) -> str:
 
 def method_html(method: MethodSummary, planned: bool) -> str:
     parts = [f"<h4>method {escape(method.name)}({escape(', '.join(method.inputs))})</h4>"]
+    if method.guards:
+        parts.append(f"<p><i>exported for sizes where {escape('; '.join(method.guards))}</i></p>")
     if method.ops is None:
         parts.append("<p><i>where each op went was not recorded in this file</i></p>")
     else:

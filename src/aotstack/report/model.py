@@ -116,6 +116,7 @@ def method_summary(name: str, record: MethodRecord, blobs: Mapping[str, int], pl
         weight_count=len(record.weights),
         weight_bytes=sum(blobs.get(w.blob, 0) for w in record.weights.values()),
         selection=placement.selection if placement is not None else None,
+        guards=list(record.guards),
     )
 
 
@@ -245,6 +246,7 @@ def method_to_json(method: MethodSummary) -> dict[str, Any]:
         "copies": [vars(copy).copy() for copy in method.copies],
         "weights": {"count": method.weight_count, "bytes": method.weight_bytes},
         "selection": None if method.selection is None else selection_to_json(method.selection),
+        "guards": list(method.guards),
     }
 
 

@@ -141,6 +141,12 @@ METHOD = strict(
         },
         "weights": strict({"count": COUNT, "bytes": COUNT}, "weights the method reads outside delegates"),
         "selection": nullable(SELECTION),
+        "guards": {
+            "type": "array",
+            "items": TEXT,
+            "description": "conditions on the input sizes, beyond their ranges, that a call must meet, as the file's "
+                           "grammar writes them (Python's syntax for ints, size symbols, arithmetic and comparisons)",
+        },
     }
 )
 

@@ -84,6 +84,8 @@ class MethodSummary:
     weight_bytes: int
     # The plans auto-lowering measured for this method and the one it kept; None where it did not choose.
     selection: Selection | None = None
+    # The conditions on its sizes, beyond their ranges, that a call must meet (``format/guards.py``).
+    guards: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

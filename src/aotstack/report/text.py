@@ -101,7 +101,10 @@ def heading(report: Summary) -> Text:
 def method_parts(method: MethodSummary, planned: bool) -> list[RenderableType]:
     title = Text(f"\nmethod {method.name}", style="bold underline")
     title.append(f"({', '.join(method.inputs)})", style="dim")
-    parts: list[RenderableType] = [title, shares_text(method)]
+    parts: list[RenderableType] = [title]
+    if method.guards:
+        parts.append(Text(f"exported for sizes where {'; '.join(method.guards)}", style="dim"))
+    parts.append(shares_text(method))
     if method.selection is not None:
         parts.append(selection_table(method.selection))
     if method.delegates:

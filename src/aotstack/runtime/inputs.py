@@ -25,7 +25,8 @@ from torch.utils import _pytree as pytree
 
 from ..errors import InputError, PackageError
 from ..format.boundary import DEVICE_FLAGS, PLAIN_TENSOR_TYPES
-from ..format.manifest import Dim, InputRecord, range_text, shape_text
+from ..format.guards import SizeGuard, size_guard
+from ..format.manifest import Dim, InputRecord, range_text, shape_text, size_symbols
 from ..format.tensor_data import dtype_from_name
 
 SCALAR_KINDS: dict[str, type] = {"bool": bool, "int": int, "float": float}
@@ -48,7 +49,9 @@ LAYOUT_NAMES = {
 class InputCheck:
     """The arguments a method takes, positional and keyword, checked against what was exported."""
 
-    def __init__(self, method: str, inputs: list[InputRecord], in_spec: pytree.TreeSpec) -> None:
+    def __init__(
+        self, method: str, inputs: list[InputRecord], in_spec: pytree.TreeSpec, guards: Sequence[str] = ()
+    ) -> None:
         self.method = method
         self.records = inputs
         self.names = [record.name for record in inputs]
@@ -63,6 +66,9 @@ class InputCheck:
         )[1]
         self.keyword_order = tuple(self.keywords)
         self.checks = [argument_check(method, record) for record in inputs]
+        symbols = size_symbols(inputs)
+        self.guards = [size_guard(text, symbols) for text in guards]
+        self.bound_where = symbol_sources(inputs)
 
     def flat_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Sequence[Any]:
         """The arguments as the flat list the method's graph takes, every one checked."""
@@ -75,7 +81,16 @@ class InputCheck:
         else:
             flat = self.structured_arguments(args, kwargs)
         sizes: dict[str, int] = {}
-        return [check(value, sizes) for check, value in zip(self.checks, flat)]
+        checked = [check(value, sizes) for check, value in zip(self.checks, flat)]
+        for guard in self.guards:
+            if not guard.holds(sizes):
+                self.refuse(guard, sizes)
+        return checked
+
+    def refuse(self, guard: SizeGuard, sizes: dict[str, int]) -> None:
+        read = [symbol for symbol in self.bound_where if symbol in guard.symbols]
+        given = ", ".join(f"{self.bound_where[symbol]} is {sizes[symbol]} ({symbol})" for symbol in read)
+        raise InputError(f"{self.method}(): {given}, but the method was exported for sizes where {guard.text} only")
 
     def structured_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         if self.flat_keywords and len(args) == self.positional_count and tuple(kwargs) == self.keyword_order:
@@ -120,6 +135,18 @@ class InputCheck:
             takes = f"it takes keywords {self.keywords}" if self.keywords else "it takes no keyword arguments"
             raise InputError(f"{self.method}(): {'; '.join(parts)}; {takes}")
         return tuple(args[: self.positional_count]), {name: given[name] for name in self.keywords}
+
+
+def symbol_sources(inputs: Sequence[InputRecord]) -> dict[str, str]:
+    """Where each size symbol is first bound: ``argument 'x' dimension 0``."""
+    where: dict[str, str] = {}
+    for record in inputs:
+        if record.dim is not None:
+            where.setdefault(record.dim.symbol, f"argument {record.name!r}")
+        for axis, d in enumerate(record.shape or []):
+            if isinstance(d, Dim):
+                where.setdefault(d.symbol, f"argument {record.name!r} dimension {axis}")
+    return where
 
 
 def call_shape(in_spec: pytree.TreeSpec) -> tuple[int, list[str]]:

@@ -487,7 +487,7 @@ def load_method(
     if in_spec.num_leaves != len(record.inputs) or out_spec.num_leaves != len(record.plan.outputs):
         raise PackageError(f"method {name!r}: its pytree specs do not match its inputs and outputs")
     try:
-        check = InputCheck(name, record.inputs, in_spec)
+        check = InputCheck(name, record.inputs, in_spec, record.guards)
         method = Method(name, record.plan, weights, delegates, check, out_spec, allowed_ops)
     except PackageError as exc:
         raise PackageError(f"method {name!r}: {exc}") from None
