@@ -25,7 +25,7 @@ from torch.utils._sympy.functions import CleanDiv, FloorDiv, Max, Min, Mod, Modu
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
 from ..format.guards import MAX_GUARD_TEXT, MAX_POWER
-from ..format.manifest import Dim, InputRecord
+from ..format.manifest import InputRecord, symbolic_sizes
 from .program_parts import without_outer_guards
 
 logger = logging.getLogger(__name__)
@@ -73,9 +73,8 @@ def size_guards(program: ExportedProgram, inputs: Sequence[InputRecord]) -> list
 
 def symbol_ranges(inputs: Sequence[InputRecord]) -> dict[str, ValueRanges]:
     """Each size symbol ``inputs`` bind, with the range the package checks it against."""
-    dims = [record.dim for record in inputs if record.dim is not None]
-    dims += [d for record in inputs for d in record.shape or [] if isinstance(d, Dim)]
-    return {dim.symbol: ValueRanges(dim.min, sympy.oo if dim.max is None else dim.max) for dim in dims}
+    return {dim.symbol: ValueRanges(dim.min, sympy.oo if dim.max is None else dim.max)
+            for _, _, dim in symbolic_sizes(inputs)}
 
 
 def settled_by(expr: Any, ranges: dict[str, ValueRanges]) -> bool:

@@ -145,11 +145,19 @@ class MethodRecord:
     guards: list[str] = field(default_factory=list)
 
 
+def symbolic_sizes(inputs: Sequence[InputRecord]) -> list[tuple[InputRecord, int | None, Dim]]:
+    """Each symbolic size ``inputs`` take, in order: its input, its dimension (None for a symbolic int) and ``Dim``."""
+    found: list[tuple[InputRecord, int | None, Dim]] = []
+    for record in inputs:
+        if record.dim is not None:
+            found.append((record, None, record.dim))
+        found.extend((record, axis, d) for axis, d in enumerate(record.shape or []) if isinstance(d, Dim))
+    return found
+
+
 def size_symbols(inputs: Sequence[InputRecord]) -> set[str]:
     """The symbols of the sizes ``inputs`` bind: a tensor's symbolic dimensions and symbolic ints."""
-    symbols = {record.dim.symbol for record in inputs if record.dim is not None}
-    symbols.update(d.symbol for record in inputs for d in record.shape or [] if isinstance(d, Dim))
-    return symbols
+    return {dim.symbol for _, _, dim in symbolic_sizes(inputs)}
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from ..errors import InputError, PackageError
 from ..format.boundary import DEVICE_FLAGS, PLAIN_TENSOR_TYPES
 from ..format.guards import SizeGuard, size_guard
-from ..format.manifest import Dim, InputRecord, range_text, shape_text, size_symbols
+from ..format.manifest import Dim, InputRecord, range_text, shape_text, size_symbols, symbolic_sizes
 from ..format.tensor_data import dtype_from_name
 
 SCALAR_KINDS: dict[str, type] = {"bool": bool, "int": int, "float": float}
@@ -140,12 +140,8 @@ class InputCheck:
 def symbol_sources(inputs: Sequence[InputRecord]) -> dict[str, str]:
     """Where each size symbol is first bound: ``argument 'x' dimension 0``."""
     where: dict[str, str] = {}
-    for record in inputs:
-        if record.dim is not None:
-            where.setdefault(record.dim.symbol, f"argument {record.name!r}")
-        for axis, d in enumerate(record.shape or []):
-            if isinstance(d, Dim):
-                where.setdefault(d.symbol, f"argument {record.name!r} dimension {axis}")
+    for record, axis, dim in symbolic_sizes(inputs):
+        where.setdefault(dim.symbol, f"argument {record.name!r}" + ("" if axis is None else f" dimension {axis}"))
     return where
 
 
