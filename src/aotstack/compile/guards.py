@@ -180,7 +180,7 @@ def waive_guards_eager_agrees_past(method: str, call: Callable[..., Any], export
         if len(expr.free_symbols) != 1 or settled_by(expr, ranges):
             continue
         [symbol] = expr.free_symbols
-        past = size_past(expr, symbol, shape_env.var_to_val.get(symbol), ranges.get(symbol.name))
+        past = size_past(expr, symbol, shape_env.backed_var_to_val.get(symbol), ranges.get(symbol.name))
         if past is None:
             continue
         key = (symbol.name, past)

@@ -29,6 +29,9 @@ from ..format.guards import SizeGuard, size_guard
 from ..format.manifest import Dim, InputRecord, range_text, shape_text, size_symbols, symbolic_sizes
 from ..format.tensor_data import dtype_from_name
 
+# How many sets of sizes that met a method's guards it remembers.
+MAX_SIZES_REMEMBERED = 4096
+
 SCALAR_KINDS: dict[str, type] = {"bool": bool, "int": int, "float": float}
 
 # Reads one argument, given the sizes bound to symbols so far; raises InputError, or returns the
@@ -69,6 +72,9 @@ class InputCheck:
         symbols = size_symbols(inputs)
         self.guards = [size_guard(text, symbols) for text in guards]
         self.bound_where = symbol_sources(inputs)
+        # Sizes that met every guard: a loop calling with the same sizes checks them once (a guard costs microseconds).
+        self.guarded_symbols = tuple(sorted({symbol for guard in self.guards for symbol in guard.symbols}))
+        self.sizes_that_held: set[tuple[int, ...]] = set()
 
     def flat_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Sequence[Any]:
         """The arguments as the flat list the method's graph takes, every one checked."""
@@ -82,10 +88,20 @@ class InputCheck:
             flat = self.structured_arguments(args, kwargs)
         sizes: dict[str, int] = {}
         checked = [check(value, sizes) for check, value in zip(self.checks, flat)]
+        if self.guards:
+            self.check_guards(sizes)
+        return checked
+
+    def check_guards(self, sizes: dict[str, int]) -> None:
+        key = tuple(sizes[symbol] for symbol in self.guarded_symbols)
+        if key in self.sizes_that_held:
+            return
         for guard in self.guards:
             if not guard.holds(sizes):
                 self.refuse(guard, sizes)
-        return checked
+        if len(self.sizes_that_held) >= MAX_SIZES_REMEMBERED:
+            self.sizes_that_held.clear()
+        self.sizes_that_held.add(key)
 
     def refuse(self, guard: SizeGuard, sizes: dict[str, int]) -> None:
         read = [symbol for symbol in self.bound_where if symbol in guard.symbols]
