@@ -148,6 +148,16 @@ class PaddedPastFive(torch.nn.Module):
         return x.cumsum(0)
 
 
+class PaddedToTheLonger(torch.nn.Module):
+    """Pads ``y`` to ``x``'s rows where ``x`` has more: a guarded branch over two sizes, ``max(0, n - m) > 0``."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        pad = max(x.shape[0] - y.shape[0], 0)
+        if pad > 0:
+            y = torch.nn.functional.pad(y, [0, 0, 0, pad])
+        return y.cumsum(0)
+
+
 class ScaledPastFour(torch.nn.Module):
     """Doubles its rows where they are past four, triples fewer: the branch torch.export guards matters (and it is
     written over a ``max``, which torch cannot make a range of)."""
@@ -167,6 +177,16 @@ def test_a_guarded_branch_whose_other_side_eager_shows_to_agree_does_not_refuse_
     for rows in (8, 5, 3, 2):
         x = torch.randn(rows, 3)
         torch.testing.assert_close(loaded.forward(x), PaddedPastFive()(x))
+
+
+def test_a_guarded_branch_over_two_sizes_is_tried_past_one_of_them(tmp_path):
+    program = aotstack.export(PaddedToTheLonger(), {"forward": (torch.randn(8, 3), torch.randn(5, 3))},
+                              dynamic_shapes={"forward": ({0: Dim.DYNAMIC}, {0: Dim.DYNAMIC})})
+    loaded = saved(tmp_path, program)
+    assert loaded.method("forward").check.guards == []
+    for rows, other in ((8, 5), (4, 4), (3, 6)):
+        x, y = torch.randn(rows, 3), torch.randn(other, 3)
+        torch.testing.assert_close(loaded.forward(x, y), PaddedToTheLonger()(x, y))
 
 
 def test_a_guarded_branch_whose_other_side_differs_refuses_its_sizes_rather_than_computing_them_wrongly(tmp_path):

@@ -173,25 +173,25 @@ def waive_guards_eager_agrees_past(method: str, call: Callable[..., Any], export
         return []
     values = [node.meta.get("val") for node in user_input_nodes(exported)]
     ranges = {str(symbol): bounds for symbol, bounds in exported.range_constraints.items()}
+    traced = {symbol: int(hint) for symbol, hint in shape_env.backed_var_to_val.items() if str(symbol) in ranges}
     agreed: dict[tuple[str, int], bool] = {}
     waived: list[str] = []
     for guard in list(shape_env.guards):
         expr = guard.expr
-        if len(expr.free_symbols) != 1 or settled_by(expr, ranges):
+        if not expr.free_symbols or not expr.free_symbols <= set(traced) or settled_by(expr, ranges):
             continue
-        [symbol] = expr.free_symbols
-        past = size_past(expr, symbol, shape_env.backed_var_to_val.get(symbol), ranges.get(symbol.name))
-        if past is None:
+        found = point_past(expr, traced, ranges)
+        if found is None:
             continue
-        key = (symbol.name, past)
+        key = (found[0].name, found[1])
         if key not in agreed:
-            agreed[key] = eager_agrees(call, exported, values, symbol, past)
+            agreed[key] = eager_agrees(call, exported, values, *found)
         if agreed[key]:
             shape_env.guards.remove(guard)
             with contextlib.suppress(Unsayable):
                 waived.append(said(expr))
             logger.info("method %r: guard %s dropped: at %s = %d the program computes what the model does",
-                        method, expr, symbol, past)
+                        method, expr, *found)
     return waived
 
 
@@ -206,17 +206,29 @@ def user_input_nodes(exported: ExportedProgram) -> list[Any]:
     return [node for node in exported.graph.find_nodes(op="placeholder") if node.name in user]
 
 
-def size_past(expr: Any, symbol: Any, traced: Any, bounds: Any) -> int | None:
-    """The size within ``bounds`` nearest the ``traced`` one at which ``expr`` is false; None where none is near."""
-    if traced is None or bounds is None:
-        return None
-    traced = int(traced)
+def point_past(expr: Any, traced: dict[Any, int], ranges: dict[str, Any]) -> tuple[Any, int] | None:
+    """One size to change, and its value, that breaks ``expr`` with every other size as traced: the change nearest
+    the traced size over the sizes ``expr`` reads; None where no size near, or small, breaks it."""
+    found = []
+    for symbol in sorted(expr.free_symbols, key=str):
+        fixed = expr.subs({other: traced[other] for other in expr.free_symbols if other != symbol})
+        past = size_past(fixed, symbol, traced[symbol], ranges[symbol.name])
+        if past is not None:
+            found.append((abs(past - traced[symbol]), symbol.name, symbol, past))
+    return min(found)[2:] if found else None
+
+
+def size_past(expr: Any, symbol: Any, traced: int, bounds: Any) -> int | None:
+    """A size within ``bounds`` at which ``expr`` (reading ``symbol`` alone) is false: the nearest to the ``traced``
+    one within ``PROBE_REACH``, else the smallest, else twice or four times the traced one (a probe runs the model at
+    that size: no further); None where none is."""
     low = int(bounds.lower) if getattr(bounds.lower, "is_Integer", False) else 0
-    high = int(bounds.upper) if getattr(bounds.upper, "is_Integer", False) else traced + PROBE_REACH
-    for step in range(1, PROBE_REACH + 1):
-        for size in (traced - step, traced + step):
-            if low <= size <= high and holds_at(expr, symbol, size) is False:
-                return size
+    high = int(bounds.upper) if getattr(bounds.upper, "is_Integer", False) else traced << 2
+    near = [size for step in range(1, PROBE_REACH + 1) for size in (traced - step, traced + step)]
+    doubled = [traced << 1, traced << 2]
+    for size in (*near, *range(low, low + PROBE_REACH), *doubled):
+        if low <= size <= high and holds_at(expr, symbol, size) is False:
+            return size
     return None
 
 
