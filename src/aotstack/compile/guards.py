@@ -180,12 +180,16 @@ def waive_guards_eager_agrees_past(method: str, call: Callable[..., Any], export
         expr = guard.expr
         if not expr.free_symbols or not expr.free_symbols <= set(traced) or settled_by(expr, ranges):
             continue
-        found = point_past(expr, traced, ranges)
-        if found is None:
+        try:
+            found = point_past(expr, traced, ranges)
+            if found is None:
+                continue
+            key = (found[0].name, found[1])
+            if key not in agreed:
+                agreed[key] = eager_agrees(call, exported, values, *found)
+        except Exception as reason:  # noqa: BLE001 - a guard that cannot be tried is kept, never an export's failure
+            logger.debug("method %r: guard %s kept, not tried: %s", method, expr, reason)
             continue
-        key = (found[0].name, found[1])
-        if key not in agreed:
-            agreed[key] = eager_agrees(call, exported, values, *found)
         if agreed[key]:
             shape_env.guards.remove(guard)
             with contextlib.suppress(Unsayable):
