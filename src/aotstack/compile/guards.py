@@ -24,7 +24,8 @@ from torch.utils import _pytree as pytree
 from torch.utils._sympy.functions import CleanDiv, FloorDiv, Max, Min, Mod, ModularIndexing, PowByNatural, PythonMod
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
-from ..format.guards import MAX_GUARD_TEXT, MAX_POWER
+from ..errors import PackageError
+from ..format.guards import MAX_GUARD_TEXT, MAX_POWER, size_guard
 from ..format.manifest import InputRecord, symbolic_sizes
 from .program_parts import without_outer_guards
 
@@ -150,8 +151,8 @@ def operand(expr: Any, strength: int) -> str:
 
 # Guards eager PyTorch shows to be needless -------------------------------------------------------------------------
 
-# How far from the traced size a probe looks for one that breaks a guard.
-PROBE_REACH = 64
+# How far from the traced size, and from the smallest, a probe looks for one that breaks a guard.
+PROBE_REACH = 1 << 14
 
 
 def waive_guards_eager_agrees_past(method: str, call: Callable[..., Any], exported: ExportedProgram) -> list[str]:
@@ -223,17 +224,21 @@ def point_past(expr: Any, traced: dict[Any, int], ranges: dict[str, Any]) -> tup
 
 
 def size_past(expr: Any, symbol: Any, traced: int, bounds: Any) -> int | None:
-    """A size within ``bounds`` at which ``expr`` (reading ``symbol`` alone) is false: the nearest to the ``traced``
-    one within ``PROBE_REACH``, else the smallest, else twice or four times the traced one (a probe runs the model at
-    that size: no further); None where none is."""
+    """The size within ``bounds`` nearest the ``traced`` one at which ``expr`` (reading ``symbol`` alone) is false,
+    among those within ``PROBE_REACH`` of it, of the range's low end, and twice and four times it (a probe runs the
+    model at that size: no further); None where none is. A guard that holds but at one size in thousands (a
+    convolution stack's frames ``!= 1``) is found: each candidate is checked by the file's own evaluator."""
     low = int(bounds.lower) if getattr(bounds.lower, "is_Integer", False) else 0
     high = int(bounds.upper) if getattr(bounds.upper, "is_Integer", False) else traced << 2
-    near = [size for step in range(1, PROBE_REACH + 1) for size in (traced - step, traced + step)]
-    doubled = [traced << 1, traced << 2]
-    for size in (*near, *range(low, low + PROBE_REACH), *doubled):
-        if low <= size <= high and holds_at(expr, symbol, size) is False:
-            return size
-    return None
+    candidates = {*range(max(low, traced - PROBE_REACH), min(high, traced + PROBE_REACH) + 1),
+                  *range(low, min(high, low + PROBE_REACH) + 1), *(size for size in (traced << 1, traced << 2)
+                                                                    if size <= high)}
+    try:
+        guard = size_guard(said(expr), {symbol.name})
+        broken = [size for size in candidates if not guard.holds({symbol.name: size})]
+    except (Unsayable, PackageError):
+        broken = [size for size in candidates if holds_at(expr, symbol, size) is False]
+    return min(broken, key=lambda size: (abs(size - traced), size)) if broken else None
 
 
 def holds_at(expr: Any, symbol: Any, size: int) -> bool | None:
