@@ -10,14 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._guards import detect_fake_mode
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
 from ..errors import ExportError
 from .attention import with_grouped_attention
 from .empty_concat import with_empty_concat_operands_dropped
-from .guards import waive_guards_eager_agrees_past
+from .guards import shape_env_of, waive_guards_eager_agrees_past
 from .int8_tensor import with_signed_int8_products
 from .pooling import with_pooling_windows_fitted
 from .program_parts import updated_buffers, without_outer_guards
@@ -210,8 +209,7 @@ def narrowed_to_its_shapes(method: str, exported: ExportedProgram) -> ExportedPr
     """
     from torch.utils._sympy.value_ranges import ValueRanges
 
-    fake_mode = detect_fake_mode([node.meta.get("val") for node in exported.graph.find_nodes(op="placeholder")])
-    shape_env = getattr(fake_mode, "shape_env", None)
+    shape_env = shape_env_of(exported)
     if shape_env is None:
         return exported
     narrowed = {}

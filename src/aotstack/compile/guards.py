@@ -9,7 +9,6 @@ size the program holds for.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 from collections.abc import Callable, Sequence
@@ -19,7 +18,6 @@ import sympy
 import torch
 from torch._guards import detect_fake_mode
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 from torch.utils._sympy.functions import CleanDiv, FloorDiv, Max, Min, Mod, ModularIndexing, PowByNatural, PythonMod
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
@@ -27,7 +25,7 @@ from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 from ..errors import PackageError
 from ..format.guards import MAX_GUARD_TEXT, MAX_POWER, size_guard
 from ..format.manifest import InputRecord, symbolic_sizes
-from .program_parts import without_outer_guards
+from .program_parts import user_input_placeholders, without_outer_guards
 
 logger = logging.getLogger(__name__)
 
@@ -155,28 +153,28 @@ def operand(expr: Any, strength: int) -> str:
 PROBE_REACH = 1 << 14
 
 
-def waive_guards_eager_agrees_past(method: str, call: Callable[..., Any], exported: ExportedProgram) -> list[str]:
-    """Drop from ``exported``'s shape environment each guard on one size past which the program still computes what
-    ``call`` (the model's method, eagerly) does; the text of each guard dropped.
+def waive_guards_eager_agrees_past(method: str, call: Callable[..., Any], exported: ExportedProgram) -> None:
+    """Drop from ``exported``'s shape environment each guard past which the program still computes what ``call``
+    (the model's method, eagerly) does.
 
     torch.export guards the branch a model's Python took at the traced size, whether or not the other branch differs:
     VITS pads its relative embeddings ``if pad_length > 0``, where ``pad_length = max(length - 5, 0)``, so a program
     traced at 8 tokens guards ``max(0, s - 5) > 0``, yet padding by 0 is no padding and the program is right at 3
     tokens too. For each such guard the program and the model run once at the size past it nearest the traced one
-    (the example inputs tiled or cut along that size, the same random seed): where both give the same outputs the
-    guard goes; where the model raises, or the two differ, or the probe cannot be made, the file keeps it and refuses
-    such sizes. A method that updates its buffers is left alone (a probe would change its state).
+    (one size changed, the others as traced; the example inputs tiled or cut along it, the same random seed): where
+    both give the same outputs the guard goes; where the model raises, or the two differ, or the probe cannot be
+    made, the file keeps it and refuses such sizes. A method that updates its buffers is left alone (a probe would
+    change its state).
     """
     if exported.graph_signature.buffers_to_mutate or exported.example_inputs is None:
-        return []
+        return
     shape_env = shape_env_of(exported)
     if shape_env is None:
-        return []
-    values = [node.meta.get("val") for node in user_input_nodes(exported)]
+        return
+    values = [node.meta.get("val") for node in user_input_placeholders(exported)]
     ranges = {str(symbol): bounds for symbol, bounds in exported.range_constraints.items()}
     traced = {symbol: int(hint) for symbol, hint in shape_env.backed_var_to_val.items() if str(symbol) in ranges}
     agreed: dict[tuple[str, int], bool] = {}
-    waived: list[str] = []
     for guard in list(shape_env.guards):
         expr = guard.expr
         if not expr.free_symbols or not expr.free_symbols <= set(traced) or settled_by(expr, ranges):
@@ -193,22 +191,14 @@ def waive_guards_eager_agrees_past(method: str, call: Callable[..., Any], export
             continue
         if agreed[key]:
             shape_env.guards.remove(guard)
-            with contextlib.suppress(Unsayable):
-                waived.append(said(expr))
             logger.info("method %r: guard %s dropped: at %s = %d the program computes what the model does",
                         method, expr, *found)
-    return waived
 
 
 def shape_env_of(exported: ExportedProgram) -> Any:
+    """The shape environment ``exported``'s fake inputs share; None for a program without one."""
     fake_mode = detect_fake_mode([node.meta.get("val") for node in exported.graph.find_nodes(op="placeholder")])
     return getattr(fake_mode, "shape_env", None)
-
-
-def user_input_nodes(exported: ExportedProgram) -> list[Any]:
-    """The placeholders of ``exported``'s user inputs, in the order its call flattens them."""
-    user = {spec.arg.name for spec in exported.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT}
-    return [node for node in exported.graph.find_nodes(op="placeholder") if node.name in user]
 
 
 def point_past(expr: Any, traced: dict[Any, int], ranges: dict[str, Any]) -> tuple[Any, int] | None:
