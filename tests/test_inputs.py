@@ -194,5 +194,5 @@ def test_a_guarded_branch_whose_other_side_differs_refuses_its_sizes_rather_than
     x = torch.randn(6, 3)
     torch.testing.assert_close(loaded.forward(x), x * 2)
     with pytest.raises(aotstack.InputError, match=r"dimension 0 is 3 \(s\d+\), but the method was exported for sizes "
-                                                  r"where max\(0, s\d+ - 4\) > 0 only"):
+                                                  r"where Max\(0, s\d+ - 4\) > 0 only"):
         loaded.forward(torch.randn(3, 3))

@@ -65,7 +65,7 @@ def guard_calling_code(manifest):
         (delegate_output_out_of_range, r"reads output 7 of delegate forward.\d, which has 1"),
         (blob_key_with_a_path, r"named_data must map names to blob keys"),
         (huge_symbolic_range, r"range must be sizes with min <= max"),
-        (guard_calling_code, r"method 'forward': size guard term .*getcwd.* holds ints, .*; found Call"),
+        (guard_calling_code, r"method 'forward': size guard term .*getcwd.*: found Call; a size guard compares"),
     ],
 )
 def test_a_resealed_manifest_with_a_bad_field_is_refused_naming_it(

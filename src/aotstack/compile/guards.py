@@ -23,8 +23,9 @@ from torch.utils._sympy.functions import CleanDiv, FloorDiv, Max, Min, Mod, Modu
 from torch.utils._sympy.value_ranges import ValueRanges, bound_sympy
 
 from ..errors import PackageError
-from ..format.guards import MAX_GUARD_TEXT, MAX_POWER, size_guard
+from ..format.guards import MAX_GUARD_TEXT, size_guard
 from ..format.manifest import InputRecord, symbolic_sizes
+from ..format.size_terms import MAX_POWER
 from .program_parts import user_input_placeholders, without_outer_guards
 
 logger = logging.getLogger(__name__)
@@ -128,7 +129,7 @@ def worded(expr: Any) -> tuple[str, int]:
         return f"({operand(base, PRODUCT)} // {operand(divisor, PRODUCT + 1)}) % {operand(modulus, PRODUCT + 1)}", \
             PRODUCT
     if isinstance(expr, (Max, Min)):
-        return f"{'max' if isinstance(expr, Max) else 'min'}({', '.join(said(arg) for arg in expr.args)})", ATOM
+        return f"{'Max' if isinstance(expr, Max) else 'Min'}({', '.join(said(arg) for arg in expr.args)})", ATOM
     if type(expr) in COMPARISONS:
         return (f"{operand(expr.lhs, COMPARISON + 1)} {COMPARISONS[type(expr)]} "
                 f"{operand(expr.rhs, COMPARISON + 1)}"), COMPARISON
@@ -159,7 +160,7 @@ def waive_guards_eager_agrees_past(method: str, call: Callable[..., Any], export
 
     torch.export guards the branch a model's Python took at the traced size, whether or not the other branch differs:
     VITS pads its relative embeddings ``if pad_length > 0``, where ``pad_length = max(length - 5, 0)``, so a program
-    traced at 8 tokens guards ``max(0, s - 5) > 0``, yet padding by 0 is no padding and the program is right at 3
+    traced at 8 tokens guards ``Max(0, s - 5) > 0``, yet padding by 0 is no padding and the program is right at 3
     tokens too. For each such guard the program and the model run once at the size past it nearest the traced one
     (one size changed, the others as traced; the example inputs tiled or cut along it, the same random seed): where
     both give the same outputs the guard goes; where the model raises, or the two differ, or the probe cannot be

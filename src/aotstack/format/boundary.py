@@ -12,8 +12,8 @@ expression prints it (``2*s0``, ``s0 + 1``, ``((s0 + 1)//2)``). Symbols are boun
 the dimensions that are a plain symbol or, for a symbol no plain dimension gives, from the first
 linear expression of it alone (``2*s0`` must be even and gives s0 half of it); each is checked
 against its range, and the same symbol must mean the same size everywhere. Then every other
-expression is evaluated and compared. The evaluator is a small one over ``ast``: ints, symbol
-names, ``+ - * // % **``, unary minus, ``Max``, ``Min`` and ``Mod``. A dimension whose
+expression is evaluated and compared, by the closed grammar of ``format/size_terms.py`` (ints, symbol
+names, ``+ - * // % **``, unary minus, ``Max``, ``Min`` and ``Mod``). A dimension whose
 expression uses anything else, or a symbol nothing binds, is not evaluated; it must still equal
 every other dimension written the same way. Nothing here calls ``eval`` or imports sympy.
 
@@ -30,7 +30,6 @@ from __future__ import annotations
 import ast
 import copy
 import keyword
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,6 +38,7 @@ import torch
 
 from ..errors import InputError, PackageError
 from .plan import expect
+from .size_terms import OutsideGrammar, size_term
 from .tensor_data import dtype_from_name
 
 Size = int | str
@@ -383,22 +383,6 @@ def bound_text(sizes: Mapping[str, int]) -> str:
 
 # Expressions --------------------------------------------------------------------------------------
 
-BINARY: dict[type[ast.operator], Callable[[int, int], int]] = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-}
-FUNCTIONS: dict[str, Callable[..., int]] = {"Max": max, "Min": min, "Mod": operator.mod}
-# ``s0**2`` is a size; a larger power is not one worth computing.
-MAX_EXPONENT = 8
-
-
-class Unsupported(Exception):
-    """An expression the evaluator does not take: its dimension is left unchecked."""
-
-
 @dataclass(frozen=True)
 class Expression:
     """A size expression compiled to a function of the symbols it reads."""
@@ -410,15 +394,15 @@ class Expression:
 
 
 def compile_expression(text: str) -> Expression | None:
-    """``text`` compiled; None where it is not an expression this evaluator takes."""
+    """``text`` compiled; None where it is not a size term (``format/size_terms.py``)."""
     if len(text) > MAX_EXPRESSION_LENGTH:
         return None
     try:
         tree = ast.parse(text.strip(), mode="eval")
         names: set[str] = set()
-        evaluate = compiled_node(tree.body, names)
+        evaluate = size_term(tree.body, is_symbol, names)
         return Expression(evaluate, frozenset(names), is_linear(tree.body))
-    except (SyntaxError, ValueError, RecursionError, Unsupported):
+    except (SyntaxError, ValueError, RecursionError, OutsideGrammar):
         return None
 
 
@@ -437,41 +421,3 @@ def is_linear(node: ast.AST) -> bool:
 
 def is_name(node: ast.AST) -> bool:
     return isinstance(node, ast.Name)
-
-
-def compiled_node(node: ast.AST, names: set[str]) -> Evaluator:
-    if isinstance(node, ast.Constant) and type(node.value) is int:
-        value = node.value
-        return lambda sizes: value
-    if isinstance(node, ast.Name) and is_symbol(node.id) and node.id not in FUNCTIONS:
-        name = node.id
-        names.add(name)
-        return lambda sizes: sizes[name]
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        operand = compiled_node(node.operand, names)
-        if isinstance(node.op, ast.UAdd):
-            return operand
-        return lambda sizes: -operand(sizes)
-    if isinstance(node, ast.BinOp) and type(node.op) in BINARY:
-        left, right, apply = compiled_node(node.left, names), compiled_node(node.right, names), BINARY[type(node.op)]
-        return lambda sizes: apply(left(sizes), right(sizes))
-    if (
-        isinstance(node, ast.BinOp)
-        and isinstance(node.op, ast.Pow)
-        and isinstance(node.right, ast.Constant)
-        and type(node.right.value) is int
-        and 0 <= node.right.value <= MAX_EXPONENT
-    ):
-        base, exponent = compiled_node(node.left, names), node.right.value
-        return lambda sizes: base(sizes) ** exponent
-    if (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Name)
-        and node.func.id in FUNCTIONS
-        and node.args
-        and not node.keywords
-        and (node.func.id != "Mod" or len(node.args) == 2)
-    ):
-        function, args = FUNCTIONS[node.func.id], [compiled_node(arg, names) for arg in node.args]
-        return lambda sizes: function(*[arg(sizes) for arg in args])
-    raise Unsupported(ast.dump(node))

@@ -6,37 +6,25 @@ check them; a size that breaks one is computed wrongly, silently (AOTInductor re
 and returns it). So the manifest lists each as text in a closed grammar, and the runtime checks them before any
 compiled code runs.
 
-The grammar is Python's syntax for: integer literals, the size symbols of the method's inputs, ``+ - * // %``,
-``**`` by a small literal power, comparisons, ``and``/``or``/``not`` and ``max``/``min`` of two or more terms. A
-reader parses the text with ``ast`` and builds a closure from those nodes alone; nothing is evaluated as code, and
-any other node is refused by name.
+The grammar is Python's syntax for the size terms of ``format/size_terms.py`` (ints, the method's size symbols,
+``+ - * // % **``, ``Max``/``Min``/``Mod``), compared, and joined by ``and``/``or``/``not``. A reader parses the text
+with ``ast`` and builds a closure from those nodes alone; nothing is evaluated as code, and any other node is refused
+by name.
 """
 
 from __future__ import annotations
 
 import ast
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PackageError
+from .size_terms import OutsideGrammar, Sizes, Term, size_term
 
 MAX_GUARDS = 4096
 MAX_GUARD_TEXT = 4000
-MAX_POWER = 8
-
-Sizes = Mapping[str, int]
-Term = Callable[[Sizes], Any]
-
-ARITHMETIC: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-    ast.Pow: operator.pow,
-}
 
 COMPARISONS: dict[type[ast.cmpop], Callable[[Any, Any], bool]] = {
     ast.Eq: operator.eq,
@@ -46,8 +34,6 @@ COMPARISONS: dict[type[ast.cmpop], Callable[[Any, Any], bool]] = {
     ast.Gt: operator.gt,
     ast.GtE: operator.ge,
 }
-
-EXTREMES: dict[str, Callable[..., Any]] = {"max": max, "min": min}
 
 
 @dataclass(frozen=True)
@@ -82,57 +68,36 @@ def size_guard(text: Any, symbols: set[str] | frozenset[str]) -> SizeGuard:
         check = term(tree.body, symbols, read)
     except RecursionError:
         raise PackageError(f"size guard {text[:80]!r} nests too deeply") from None
+    except OutsideGrammar as refused:
+        reason = refused.reason
+        if isinstance(refused.node, ast.Name):
+            reason = f"{refused.node.id!r} is none of the method's size symbols {sorted(symbols)}"
+        raise PackageError(f"size guard term {refused.term!r}: {reason}; a size guard compares size "
+                           f"terms (ints, the method's size symbols, + - * // % **, Max/Min/Mod) joined by "
+                           f"and/or/not") from None
     return SizeGuard(text, tuple(sorted(read)), check)
 
 
-def is_small_power(node: ast.expr) -> bool:
-    """Whether ``node`` is a literal int a guard may raise to: no power of a size grows past a few words."""
-    return isinstance(node, ast.Constant) and type(node.value) is int and 0 <= node.value <= MAX_POWER
+def term(node: ast.AST, symbols: set[str] | frozenset[str], read: set[str]) -> Term:
+    """The closure computing ``node``: comparisons and ``and``/``or``/``not`` over size terms."""
+    def operand(child: ast.AST) -> Term:
+        return term(child, symbols, read)
 
-
-def term(node: ast.expr, symbols: set[str] | frozenset[str], read: set[str]) -> Term:
-    """The closure computing ``node``, from the grammar's nodes alone."""
-    where = f"size guard term {ast.unparse(node)[:80]!r}"
-    if isinstance(node, ast.Constant):
-        value = node.value
-        if type(value) is not int:
-            raise PackageError(f"{where}: a size guard's constants are ints")
-        return lambda sizes: value
-    if isinstance(node, ast.Name):
-        name = node.id
-        if name not in symbols:
-            raise PackageError(f"{where}: {name!r} is none of the method's size symbols {sorted(symbols)}")
-        read.add(name)
-        return lambda sizes: sizes[name]
-    if isinstance(node, ast.BinOp) and type(node.op) in ARITHMETIC:
-        if isinstance(node.op, ast.Pow) and not is_small_power(node.right):
-            raise PackageError(f"{where}: a power must be a literal int in [0, {MAX_POWER}]")
-        apply = ARITHMETIC[type(node.op)]
-        left, right = term(node.left, symbols, read), term(node.right, symbols, read)
-        return lambda sizes: apply(left(sizes), right(sizes))
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.Not)):
-        operand = term(node.operand, symbols, read)
-        if isinstance(node.op, ast.Not):
-            return lambda sizes: not operand(sizes)
-        return lambda sizes: -operand(sizes)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+        negated = operand(node.operand)
+        return lambda sizes: not negated(sizes)
     if isinstance(node, ast.BoolOp):
-        operands = [term(value, symbols, read) for value in node.values]
+        operands = [operand(value) for value in node.values]
         if isinstance(node.op, ast.And):
-            return lambda sizes: all(operand(sizes) for operand in operands)
-        return lambda sizes: any(operand(sizes) for operand in operands)
+            return lambda sizes: all(value(sizes) for value in operands)
+        return lambda sizes: any(value(sizes) for value in operands)
     if isinstance(node, ast.Compare) and all(type(op) in COMPARISONS for op in node.ops):
-        terms = [term(value, symbols, read) for value in (node.left, *node.comparators)]
+        terms = [operand(value) for value in (node.left, *node.comparators)]
         compares = [COMPARISONS[type(op)] for op in node.ops]
 
         def chained(sizes: Sizes) -> bool:
-            values = [operand(sizes) for operand in terms]
+            values = [value(sizes) for value in terms]
             return all(compare(a, b) for compare, a, b in zip(compares, values, values[1:]))
 
         return chained
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in EXTREMES
-            and not node.keywords and len(node.args) >= 2):
-        pick = EXTREMES[node.func.id]
-        operands = [term(value, symbols, read) for value in node.args]
-        return lambda sizes: pick(operand(sizes) for operand in operands)
-    raise PackageError(f"{where}: a size guard holds ints, size symbols, + - * // % **, comparisons, "
-                       f"and/or/not and max/min; found {type(node).__name__}")
+    return size_term(node, symbols.__contains__, read, operand)

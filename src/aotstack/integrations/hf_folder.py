@@ -776,8 +776,10 @@ def example_speech_texts(
     model: torch.nn.Module, preprocessor: Preprocessor, generator: torch.Generator, batch: Any
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """Token ids for a model that speaks them in one forward (VITS's), as :func:`example_texts` makes them, their
-    length a hint rather than a named Dim: relative attention over windows (VITS's) leaves guards on the length
-    that hold for every length but that torch cannot prove. A model that generates its audio is refused."""
+    length a hint rather than a named Dim: relative attention over windows (VITS's) leaves guards on the length that
+    torch cannot make a range of, slice bounds that hold at every length and a padding branch taken past the window
+    (``Max(0, s - 5) > 0``) that export drops where eager agrees past it. A model that generates its audio is
+    refused."""
     from torch.export import Dim
 
     if model.can_generate() or getattr(model, "main_input_name", "input_ids") != "input_ids":
