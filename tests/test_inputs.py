@@ -166,6 +166,16 @@ class ScaledPastFour(torch.nn.Module):
         return x * 2 if max(x.shape[0] - 4, 0) > 0 else x * 3
 
 
+class TripledBelowThree(torch.nn.Module):
+    """Doubles its rows past five, as the branch traced at eight does, and below five doubles three or more and
+    triples fewer: the program agrees with eager at five rows, the nearest past its guard, and not at two."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if max(x.shape[0] - 5, 0) > 0:
+            return x * 2
+        return x * 2 if x.shape[0] >= 3 else x * 3
+
+
 def traced_at_eight(tmp_path, model: torch.nn.Module) -> aotstack.LoadedProgram:
     program = aotstack.export(model, {"forward": (torch.randn(8, 3),)}, dynamic_shapes={"forward": ({0: Dim.DYNAMIC},)})
     return saved(tmp_path, program)
@@ -177,6 +187,15 @@ def test_a_guarded_branch_whose_other_side_eager_shows_to_agree_does_not_refuse_
     for rows in (8, 5, 3, 2):
         x = torch.randn(rows, 3)
         torch.testing.assert_close(loaded.forward(x), PaddedPastFive()(x))
+
+
+def test_a_guarded_branch_that_agrees_past_its_guard_near_the_traced_size_but_not_at_small_ones_is_kept(tmp_path):
+    loaded = traced_at_eight(tmp_path, TripledBelowThree())
+    [guard] = loaded.method("forward").check.guards
+    assert "Max(0, s" in guard.text
+    torch.testing.assert_close(loaded.forward(torch.ones(6, 3)), torch.full((6, 3), 2.0))
+    with pytest.raises(aotstack.InputError, match=r"dimension 0 is 2 \(s\d+\), but the method was exported"):
+        loaded.forward(torch.ones(2, 3))
 
 
 def test_a_guarded_branch_over_two_sizes_is_tried_past_one_of_them(tmp_path):

@@ -161,11 +161,11 @@ def waive_guards_eager_agrees_past(method: str, call: Callable[..., Any], export
     torch.export guards the branch a model's Python took at the traced size, whether or not the other branch differs:
     VITS pads its relative embeddings ``if pad_length > 0``, where ``pad_length = max(length - 5, 0)``, so a program
     traced at 8 tokens guards ``Max(0, s - 5) > 0``, yet padding by 0 is no padding and the program is right at 3
-    tokens too. For each such guard the program and the model run once at the size past it nearest the traced one
-    (one size changed, the others as traced; the example inputs tiled or cut along it, the same random seed): where
-    both give the same outputs the guard goes; where the model raises, or the two differ, or the probe cannot be
-    made, the file keeps it and refuses such sizes. A method that updates its buffers is left alone (a probe would
-    change its state).
+    tokens too. For each such guard the program and the model run at the size past it nearest the traced one and at
+    the smallest past it (one size changed, the others as traced; the example inputs tiled or cut along it, the same
+    random seed): where both give the same outputs at each, the guard goes; where the model raises, or the two
+    differ, or the probe cannot be made, the file keeps it and refuses such sizes. A method that updates its buffers
+    is left alone (a probe would change its state).
     """
     if exported.graph_signature.buffers_to_mutate or exported.example_inputs is None:
         return
@@ -181,19 +181,17 @@ def waive_guards_eager_agrees_past(method: str, call: Callable[..., Any], export
         if not expr.free_symbols or not expr.free_symbols <= set(traced) or settled_by(expr, ranges):
             continue
         try:
-            found = point_past(expr, traced, ranges)
-            if found is None:
-                continue
-            key = (found[0].name, found[1])
-            if key not in agreed:
-                agreed[key] = eager_agrees(call, exported, values, *found)
+            found = points_past(expr, traced, ranges)
+            for symbol, size in found:
+                if (symbol.name, size) not in agreed:
+                    agreed[symbol.name, size] = eager_agrees(call, exported, values, symbol, size)
         except Exception as reason:  # noqa: BLE001 - a guard that cannot be tried is kept, never an export's failure
             logger.debug("method %r: guard %s kept, not tried: %s", method, expr, reason)
             continue
-        if agreed[key]:
+        if found and all(agreed[symbol.name, size] for symbol, size in found):
             shape_env.guards.remove(guard)
-            logger.info("method %r: guard %s dropped: at %s = %d the program computes what the model does",
-                        method, expr, *found)
+            logger.info("method %r: guard %s dropped: at %s the program computes what the model does", method, expr,
+                        ", ".join(f"{symbol} = {size}" for symbol, size in found))
 
 
 def shape_env_of(exported: ExportedProgram) -> Any:
@@ -202,23 +200,29 @@ def shape_env_of(exported: ExportedProgram) -> Any:
     return getattr(fake_mode, "shape_env", None)
 
 
-def point_past(expr: Any, traced: dict[Any, int], ranges: dict[str, Any]) -> tuple[Any, int] | None:
-    """One size to change, and its value, that breaks ``expr`` with every other size as traced: the change nearest
-    the traced size over the sizes ``expr`` reads; None where no size near, or small, breaks it."""
+def points_past(expr: Any, traced: dict[Any, int], ranges: dict[str, Any]) -> list[tuple[Any, int]]:
+    """The sizes at which to try the program past ``expr``, each as (symbol, size) with every other size as traced:
+    of the one size whose change nearest its traced value breaks ``expr``, that nearest value and the smallest that
+    breaks it (a branch may agree near the traced size and not at the small ones); empty where none, near or small,
+    breaks it."""
     found = []
     for symbol in sorted(expr.free_symbols, key=str):
         fixed = expr.subs({other: traced[other] for other in expr.free_symbols if other != symbol})
-        past = size_past(fixed, symbol, traced[symbol], ranges[symbol.name])
-        if past is not None:
-            found.append((abs(past - traced[symbol]), symbol.name, symbol, past))
-    return min(found)[2:] if found else None
+        broken = sizes_past(fixed, symbol, traced[symbol], ranges[symbol.name])
+        if broken:
+            nearest = min(broken, key=lambda size: (abs(size - traced[symbol]), size))
+            found.append((abs(nearest - traced[symbol]), symbol.name, symbol, sorted({nearest, min(broken)})))
+    if not found:
+        return []
+    _, _, symbol, sizes = min(found)
+    return [(symbol, size) for size in sizes]
 
 
-def size_past(expr: Any, symbol: Any, traced: int, bounds: Any) -> int | None:
-    """The size within ``bounds`` nearest the ``traced`` one at which ``expr`` (reading ``symbol`` alone) is false,
-    among those within ``PROBE_REACH`` of it, of the range's low end, and twice and four times it (a probe runs the
-    model at that size: no further); None where none is. A guard that holds but at one size in thousands (a
-    convolution stack's frames ``!= 1``) is found: each candidate is checked by the file's own evaluator."""
+def sizes_past(expr: Any, symbol: Any, traced: int, bounds: Any) -> list[int]:
+    """The sizes within ``bounds`` at which ``expr`` (reading ``symbol`` alone) is false, among those within
+    ``PROBE_REACH`` of the ``traced`` one, of the range's low end, and twice and four times it (a probe runs the model
+    at such a size: no further). A guard that holds but at one size in thousands (a convolution stack's frames
+    ``!= 1``) is found: each candidate is checked by the file's own evaluator."""
     low = int(bounds.lower) if getattr(bounds.lower, "is_Integer", False) else 0
     high = int(bounds.upper) if getattr(bounds.upper, "is_Integer", False) else traced << 2
     candidates = {*range(max(low, traced - PROBE_REACH), min(high, traced + PROBE_REACH) + 1),
@@ -226,10 +230,9 @@ def size_past(expr: Any, symbol: Any, traced: int, bounds: Any) -> int | None:
                                                                     if size <= high)}
     try:
         guard = size_guard(said(expr), {symbol.name})
-        broken = [size for size in candidates if not guard.holds({symbol.name: size})]
+        return [size for size in candidates if not guard.holds({symbol.name: size})]
     except (Unsayable, PackageError):
-        broken = [size for size in candidates if holds_at(expr, symbol, size) is False]
-    return min(broken, key=lambda size: (abs(size - traced), size)) if broken else None
+        return [size for size in candidates if holds_at(expr, symbol, size) is False]
 
 
 def holds_at(expr: Any, symbol: Any, size: int) -> bool | None:
