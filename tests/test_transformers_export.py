@@ -381,6 +381,32 @@ def test_a_vision_heads_task_is_read_from_its_config_at_its_processors_image_siz
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-4)
 
 
+def test_a_super_resolution_model_takes_images_of_any_sides_its_processor_pads_to(tmp_path, capsys):
+    """Swin2SR (``image-to-image``): its processor pads each image's sides to multiples of 8 (saved by transformers 4
+    as ``pad_size``), so the sides stay dynamic in those steps. Its second part takes the image's windows beside the
+    image, the windows' count a product of the sides' steps: AOTInductor failed to compile it while that count stood
+    as a size of its own, where plain AOTInductor compiles the model."""
+    torch.manual_seed(0)
+    config = transformers.Swin2SRConfig(image_size=32, patch_size=1, embed_dim=16, depths=[2], num_heads=[2],
+                                        window_size=4, upscale=2, upsampler="pixelshuffle", mlp_ratio=2.0)
+    model = transformers.Swin2SRForImageSuperResolution(config).eval()
+    processor = {"image_processor_type": "Swin2SRImageProcessor", "do_pad": True, "pad_size": 8,
+                 "do_rescale": True, "rescale_factor": 1 / 255}
+    export_hf(str(saved(model, tmp_path / "model", processor)), "-o", str(tmp_path / "out"), "--engines", "aoti")
+    assert "(image-to-image: forward;" in capsys.readouterr().out
+    exported = ExportedModel.from_pretrained(tmp_path / "out")
+    generator = torch.Generator().manual_seed(3)
+    for images, height, width in ((2, 32, 32), (1, 16, 40), (3, 48, 24)):
+        pixels = torch.rand(images, 3, height, width, generator=generator)
+        got = exported(pixel_values=pixels)["reconstruction"]
+        with torch.no_grad():
+            want = model(pixel_values=pixels).reconstruction
+        assert got.shape == (images, 3, 2 * height, 2 * width)
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(aotstack.InputError, match="dimension 2 is 30"):
+        exported(pixel_values=torch.rand(1, 3, 30, 32))
+
+
 def test_a_mask_generator_takes_any_number_of_prompts_of_any_number_of_points_per_image(tmp_path, capsys):
     """SAM: each image with its prompts of points and their labels (one of each included), as its processor makes
     them for images padded to 128 pixels; masks and their scores as the model gives them. Through ONNX Runtime, whose

@@ -261,8 +261,8 @@ def compound_size_stand_ins(
     ``batch * length``: tokens flattened for a matmul by one engine and read by another (every
     transformers linear, where an engine declines the matmul); ``u0 + u1``: rows routed to two
     experts, concatenated. An engine reads an input's sizes from the tensor it is fed, and cannot
-    solve one product or sum for the sizes in it (AOTInductor asserts it has them), unless another
-    input has them as sizes, or it is a multiple of one size (``is_derived_size``). Otherwise the
+    solve one product or sum for the sizes in it (AOTInductor asserts it has them), unless the inputs
+    have them as sizes or as multiples of sizes, or it is a multiple of one size (``is_derived_size``). Otherwise the
     expression stands as a size of its own (one per distinct expression, so inputs of the same size
     keep sharing it).
 
@@ -273,7 +273,9 @@ def compound_size_stand_ins(
     from torch.utils._sympy.value_ranges import bound_sympy
 
     sizes = [size.node.expr for value in inputs for size in value.shape if isinstance(size, torch.SymInt)]
-    read = {expr for expr in sizes if expr.is_Symbol}
+    # The sizes an engine reads off its inputs: each that is a size, or a multiple of one (Swin's windows, of an image
+    # whose sides are multiples of 8, are ``4*s0*s1*s2``, and the image gives s1 and s2).
+    read = {symbol for expr in sizes if expr.is_Symbol or is_derived_size(expr) for symbol in expr.free_symbols}
     fake_mode = detect_fake_mode(inputs)
     shape_env = getattr(fake_mode, "shape_env", None)
     stand_ins: dict[Any, torch.SymInt] = {}

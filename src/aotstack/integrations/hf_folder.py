@@ -815,10 +815,25 @@ def example_images(
 
 def kept_size_multiple(settings: dict[str, Any]) -> int | None:
     """The multiple the processor rounds each image's own height and width to, where it makes no fixed size:
-    ViTMatte's pads to 32, GLPN's resizes down to it; None for a processor that resizes to one size."""
+    ViTMatte's pads to 32, GLPN's resizes down to it, Swin2SR's pads to 8; None for a processor that resizes to one
+    size."""
     multiple = settings.get("size_divisor")
-    fixed = any(settings.get(name) for name in ("size", "crop_size", "pad_size"))
+    if divisor_spelt_pad_size(settings):
+        multiple = settings["pad_size"]
+    fixed = any(settings.get(name) for name in ("size", "crop_size")) or padded_size(settings) is not None
     return multiple if isinstance(multiple, int) and multiple > 0 and not fixed else None
+
+
+def divisor_spelt_pad_size(settings: dict[str, Any]) -> bool:
+    """Whether the processor's ``pad_size`` is the multiple it pads each side to, as Swin2SR's saved by transformers
+    4 spells its ``size_divisor`` (transformers 5 still reads it so), rather than a size it pads to (SAM's)."""
+    return settings.get("image_processor_type", "").startswith("Swin2SRImageProcessor") \
+        and isinstance(settings.get("pad_size"), int)
+
+
+def padded_size(settings: dict[str, Any]) -> Any:
+    """The size the processor pads every image to (SAM's, after resizing it), or None."""
+    return settings.get("pad_size") if settings.get("do_pad") and not divisor_spelt_pad_size(settings) else None
 
 
 def image_size(settings: dict[str, Any], config: Any) -> tuple[int, int]:
@@ -827,8 +842,7 @@ def image_size(settings: dict[str, Any], config: Any) -> tuple[int, int]:
     ``image_size``, else 224.
     """
     crop = settings.get("crop_size") if settings.get("do_center_crop") else None
-    padded = settings.get("pad_size") if settings.get("do_pad") else None  # SAM's: resized, then padded to this
-    for size in (padded, crop, settings.get("size")):
+    for size in (padded_size(settings), crop, settings.get("size")):
         if isinstance(size, int):
             return size, size
         if isinstance(size, dict) and isinstance(size.get("height"), int) and isinstance(size.get("width"), int):
