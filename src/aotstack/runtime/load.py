@@ -506,10 +506,11 @@ def treespec(method: str, what: str, text: str) -> pytree.TreeSpec:
     except Exception as exc:
         unregistered = unregistered_type(exc)
         if unregistered is not None:
+            module = unregistered.rpartition(".")[0]
             raise PackageError(
                 f"method {method!r}: its {'inputs' if what == 'in_spec' else 'outputs'} are a {unregistered}, a type "
-                f"its module registers with torch's pytree when imported; import {unregistered.split('.')[0]} before "
-                "aotstack.load (a file never makes aotstack import anything)"
+                f"its module registers with torch's pytree when imported; import {module} before aotstack.load (a "
+                "file never makes aotstack import anything)"
             ) from None
         # treespec_loads raises what its JSON and its registry raise; each means a bad spec.
         raise PackageError(f"method {method!r}: unreadable {what} ({type(exc).__name__}: {exc})") from None
