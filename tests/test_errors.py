@@ -241,7 +241,8 @@ def test_an_output_type_no_module_registered_here_names_the_module_to_import(tmp
         torch.utils._pytree._deregister_pytree_node(Halves)
     # As in a process that has not imported the module (transformers, for its ModelOutput classes): aotstack
     # imports nothing a file names, so the user is told what to import.
-    with pytest.raises(aotstack.PackageError, match=r"outputs are a tests.test_errors.Halves, .* import tests before"):
+    with pytest.raises(aotstack.PackageError,
+                       match=r"outputs are a tests.test_errors.Halves, .* import tests.test_errors before"):
         aotstack.load(tmp_path / "halves.pt2")
     registered()
     try:
