@@ -817,9 +817,7 @@ def kept_size_multiple(settings: dict[str, Any]) -> int | None:
     """The multiple the processor rounds each image's own height and width to, where it makes no fixed size:
     ViTMatte's pads to 32, GLPN's resizes down to it, Swin2SR's pads to 8; None for a processor that resizes to one
     size."""
-    multiple = settings.get("size_divisor")
-    if divisor_spelt_pad_size(settings):
-        multiple = settings["pad_size"]
+    multiple = settings["pad_size"] if divisor_spelt_pad_size(settings) else settings.get("size_divisor")
     fixed = any(settings.get(name) for name in ("size", "crop_size")) or padded_size(settings) is not None
     return multiple if isinstance(multiple, int) and multiple > 0 and not fixed else None
 

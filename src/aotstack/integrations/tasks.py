@@ -37,7 +37,7 @@ HEAD_TASKS: dict[str, tuple[str | None, str | dict[str, str]]] = {
     "keypoint-detection": ("AutoModelForKeypointDetection", "MODEL_FOR_KEYPOINT_DETECTION_MAPPING_NAMES"),
     # A heatmap per keypoint of the person each image crops (ViTPose, Sapiens2).
     "pose-estimation": ("AutoModelForPoseEstimation", "MODEL_FOR_POSE_ESTIMATION_MAPPING_NAMES"),
-    # An image made from an image (Swin2SR's super-resolution): exported for one image size, as its windows fix it.
+    # An image made from an image (Swin2SR's super-resolution): each image at its own size, padded to a multiple.
     "image-to-image": ("AutoModelForImageToImage", "MODEL_FOR_IMAGE_TO_IMAGE_MAPPING_NAMES"),
     # The foreground's alpha of each image, given with its trimap as a fourth channel (ViTMatte).
     "image-matting": ("AutoModelForImageMatting", "MODEL_FOR_IMAGE_MATTING_MAPPING_NAMES"),
