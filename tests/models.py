@@ -262,6 +262,22 @@ class RowsOfFour(torch.nn.Module):
         return x.reshape(x.shape[0] // 4, 4, x.shape[1]).sum(1)
 
 
+class PatchGrid(torch.nn.Module):
+    """A vision transformer's patch embedding: it reads its grid's sides off the convolution's output (as Swin and
+    SegFormer do), mixes the patches, and lays them out on that grid again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.patches = torch.nn.Conv2d(3, 16, kernel_size=4, stride=4)
+        self.mix = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        grid = self.patches(x)
+        batch, channels, height, width = grid.shape
+        tokens = self.mix(grid.flatten(2).transpose(1, 2))
+        return tokens.transpose(1, 2).reshape(batch, channels, height, width).relu() * 2
+
+
 MODELS = {
     "add": (AddModel, [(4, 5), (4, 5)]),
     "conv": (ConvModel, [(2, 3, 8, 8)]),
@@ -282,6 +298,7 @@ MODELS = {
     "attention_block": (AttentionBlock, [(2, 8, 32)]),
     "state_kinds": (StateKindsModel, [(3, 6)]),
     "rows_of_four": (RowsOfFour, [(8, 3)]),
+    "patch_grid": (PatchGrid, [(2, 3, 16, 24)]),
 }
 
 

@@ -342,6 +342,28 @@ def test_an_image_whose_sides_are_multiples_of_a_size_keeps_them_dynamic_in_aoti
         loaded.forward(torch.randn(1, 4, 48, 64))
 
 
+def test_a_part_after_another_engines_reads_the_grids_sides_off_the_image(tmp_path):
+    """PatchGrid reads its grid's sides off its convolution's output; with the linear between them left to plain ATen,
+    the part after it lays the tokens out by those sides, now read off the image (``compile/input_sizes.py``), which
+    it takes as an input for its sizes alone."""
+    from tests.test_stacking import patch_grid_program
+
+    model = models.build("patch_grid")
+    lowered = aotstack.lower(patch_grid_program(), [aotstack.AotiCpuPartitioner(exclude_ops=["aten.linear"])])
+    first, after = lowered.delegates("forward")
+    assert "aten.conv2d.default" in first.ops and "aten.relu.default" in after.ops
+    boundary = json.loads(after.processed_bytes)["boundary"]
+    image, tokens = (tensor["sizes"] for tensor in boundary["inputs"])
+    assert (len(image), image[1], len(tokens)) == (4, 3, 3), "the image (not the grid) and the mixed tokens"
+    lowered.save(tmp_path / "grid.pt2")
+
+    loaded = aotstack.load(tmp_path / "grid.pt2")
+    with torch.no_grad():
+        for shape in ((2, 3, 16, 24), (1, 3, 64, 8), (5, 3, 28, 44)):
+            x = torch.randn(shape)
+            torch.testing.assert_close(loaded.forward(x), model(x))
+
+
 def test_xnnpack_takes_an_images_patches_flattened_by_its_dynamic_sides(tmp_path):
     """XNNPACK's partition reads the patches flattened (rows ``4 * rows * columns``, a product no input has): the
     stand-in for that count is at least 1 where the declared sizes say so, as XNNPACK's ops ask; it failed to

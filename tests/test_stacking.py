@@ -354,3 +354,58 @@ def test_getitems_of_an_unclaimed_op_are_not_claimed():
     aotstack.OrtPartitioner().partition(program)
     items = [n for n in program.graph.nodes if n.target is operator.getitem]
     assert items and all(DELEGATION_TAG not in n.meta for n in items)
+
+
+def patch_grid_program(batch_max: int = 8) -> aotstack.Program:
+    """``models.PatchGrid`` for any batch and any sides in steps of its patch's 4 pixels."""
+    sides = {0: torch.export.Dim("batch", max=batch_max), 2: 4 * torch.export.Dim("rows", max=16),
+             3: 4 * torch.export.Dim("columns", max=16)}
+    return aotstack.export(models.build("patch_grid"), {"forward": models.example_inputs("patch_grid")},
+                           dynamic_shapes={"forward": (sides,)})
+
+
+@pytest.mark.parametrize("backend_id", PARTITIONERS)
+def test_a_size_read_off_a_computed_tensor_leaves_an_engines_part_whole(backend_id):
+    # PatchGrid reads its grid's sides off the convolution's output and lays its tokens out by them after the
+    # linear: read there, the sides split the engine's part in two around the method's read.
+    report = aotstack.explain(patch_grid_program(), [PARTITIONERS[backend_id]()]).to_json()
+    [method] = report["methods"]
+    assert len(method["delegates"]) == 1
+    assert not method["unclaimed"]
+
+
+def test_sizes_read_off_computed_tensors_are_read_off_the_inputs_and_others_are_left():
+    from aotstack.compile.input_sizes import reads_computed_tensor, sizes_read_from_inputs
+
+    program = patch_grid_program().methods["forward"]
+    read_off_grid = {n.name: n.meta["val"].node.expr for n in program.graph.nodes if reads_computed_tensor(n)}
+    assert len(read_off_grid) == 2, "the grid's rows and columns"
+
+    readers = {n.name: [user.name for user in n.users] for n in program.graph.nodes if n.name in read_off_grid}
+
+    assert sizes_read_from_inputs(program.graph_module) == 2
+    assert not [n for n in program.graph.nodes if reads_computed_tensor(n)]
+    nodes = {n.name: n for n in program.graph.nodes}
+    for name, expr in read_off_grid.items():
+        for reader in readers[name]:
+            [side] = [arg for arg in nodes[reader].all_input_nodes if arg.meta["val"] is not None
+                      and not isinstance(arg.meta["val"], torch.Tensor) and arg.meta["val"].node.expr == expr]
+            assert tensors_sized(side) == ["x"], "the side is read off the image"
+
+    # A size counted from the data (an item's) no input gives: it stays read off its tensor.
+    class Kept(torch.nn.Module):
+        def forward(self, x: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+            rows = x[: count.item()].relu()
+            return rows.reshape(rows.shape[0], -1)
+
+    kept = aotstack.export(Kept(), {"forward": (torch.randn(6, 2, 3), torch.tensor(4))}).methods["forward"]
+    before = [n.name for n in kept.graph.nodes if reads_computed_tensor(n)]
+    assert sizes_read_from_inputs(kept.graph_module) == 0
+    assert [n.name for n in kept.graph.nodes if reads_computed_tensor(n)] == before
+
+
+def tensors_sized(size: torch.fx.Node) -> list[str]:
+    """The tensors whose sizes ``size`` is computed from."""
+    if isinstance(size.meta.get("val"), torch.Tensor):
+        return [size.name]
+    return sorted({name for arg in size.all_input_nodes for name in tensors_sized(arg)})

@@ -71,6 +71,7 @@ from .constants import without_unused_constants
 from .devices import propagate_device_pass
 from .engines import named_plan
 from .export import Program
+from .input_sizes import sizes_read_from_inputs
 from .jobs import CompileJob, CompileOutcome
 from .measure import CallInputs, MethodTiming, SavedPrograms, measured_methods
 from .mixing import MeasuredPlan, Mix, delegate_regions, mixed_cover
@@ -1085,6 +1086,7 @@ class MethodLowering:
         """The method's lowering, on a copy; ``program_state``: the buffers any method of the program updates."""
         working = copied_program(exported)
         drop_metadata_checks(working.graph_module)
+        sizes_read_from_inputs(working.graph_module)
         mark_state_of_other_methods(working, program_state)
         read_before = {node.name for node in constant_placeholders(working) if node.users}
         first_id = sum(1 for node in working.graph.nodes if is_delegate_call(node))
