@@ -92,7 +92,8 @@ def partition_program(
     graph = Graph()
     env: dict[Node, Node] = {}
     input_specs = []
-    stand_ins = compound_size_stand_ins([n.meta["val"] for n in user_inputs], exported.range_constraints)
+    ranges = with_roots_of_derived_sizes(exported.range_constraints)
+    stand_ins = compound_size_stand_ins([n.meta["val"] for n in user_inputs], ranges)
     for node in owned + user_inputs:
         placeholder = graph.placeholder(node.name)
         placeholder.meta = copy.copy(node.meta)
@@ -140,7 +141,7 @@ def partition_program(
         graph=module.graph,
         graph_signature=signature,
         state_dict=state_dict,
-        range_constraints={**exported.range_constraints, **stand_in_ranges(stand_ins)},
+        range_constraints={**ranges, **stand_in_ranges(stand_ins)},
         module_call_graph=[ModuleCallEntry("", call_signature)],
         example_inputs=(example_inputs, {}),
         constants=sub_constants,
@@ -251,6 +252,33 @@ def is_derived_size(expr: Any) -> bool:
     except sympy.PolynomialError:
         return False
     return polynomial.degree() == 1 and all(coefficient.is_Integer for coefficient in polynomial.all_coeffs())
+
+
+def with_roots_of_derived_sizes(ranges: Mapping[Any, Any]) -> dict[Any, Any]:
+    """``ranges`` (a program's ``range_constraints``) with each size a derived size is a multiple of widened to what
+    the derived size's range allows.
+
+    torch.export declares an image side of ``32 * s`` in [32, 2048] and ``s`` in [2, 64]: its shape environment
+    takes a dynamic size to be at least 2, even where the multiple declares one step (32 pixels). The program holds
+    there (plain AOTInductor runs it, checking the multiple alone), so a part's boundary lets it in too.
+    """
+    from torch.utils._sympy.value_ranges import ValueRanges
+
+    widened = dict(ranges)
+    for expr, bounds in ranges.items():
+        if expr.is_Symbol or not is_derived_size(expr):
+            continue
+        (symbol,) = expr.free_symbols
+        scale, offset = int(expr.coeff(symbol)), int(expr.subs(symbol, 0))
+        own = widened.get(symbol)
+        if own is None or scale <= 0 or not bounds.lower.is_Integer:
+            continue
+        lower = min(own.lower, -(-(int(bounds.lower) - offset) // scale))
+        upper = own.upper
+        if bounds.upper.is_Integer and own.upper.is_Integer:
+            upper = max(own.upper, (int(bounds.upper) - offset) // scale)
+        widened[symbol] = ValueRanges(lower, upper)
+    return widened
 
 
 def compound_size_stand_ins(
