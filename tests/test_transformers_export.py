@@ -383,9 +383,10 @@ def test_a_vision_heads_task_is_read_from_its_config_at_its_processors_image_siz
 
 def test_a_super_resolution_model_takes_images_of_any_sides_its_processor_pads_to(tmp_path, capsys):
     """Swin2SR (``image-to-image``): its processor pads each image's sides to multiples of 8 (saved by transformers 4
-    as ``pad_size``), so the sides stay dynamic in those steps. Its second part takes the image's windows beside the
-    image, the windows' count a product of the sides' steps: AOTInductor failed to compile it while that count stood
-    as a size of its own, where plain AOTInductor compiles the model."""
+    as ``pad_size``), so the sides stay dynamic in those steps. Its window count, a product of the sides' steps, is
+    read off the image's windows: AOTInductor failed to compile the second of the two parts that read cut the method
+    into while that count stood as a size of its own, where plain AOTInductor compiles the model. Read off the image
+    (``compile/input_sizes.py``), it leaves one part; a side of one step, 8 pixels, runs as in plain AOTInductor."""
     torch.manual_seed(0)
     config = transformers.Swin2SRConfig(image_size=32, patch_size=1, embed_dim=16, depths=[2], num_heads=[2],
                                         window_size=4, upscale=2, upsampler="pixelshuffle", mlp_ratio=2.0)
@@ -396,7 +397,9 @@ def test_a_super_resolution_model_takes_images_of_any_sides_its_processor_pads_t
     assert "(image-to-image: forward;" in capsys.readouterr().out
     exported = ExportedModel.from_pretrained(tmp_path / "out")
     generator = torch.Generator().manual_seed(3)
-    for images, height, width in ((2, 32, 32), (1, 16, 40), (3, 48, 24)):
+    [file] = (tmp_path / "out").glob("*.pt2")
+    assert [delegate.id for delegate in aotstack.file_report(file).methods[0].delegates] == ["forward.0"]
+    for images, height, width in ((2, 32, 32), (1, 16, 40), (3, 48, 24), (1, 8, 16)):
         pixels = torch.rand(images, 3, height, width, generator=generator)
         got = exported(pixel_values=pixels)["reconstruction"]
         with torch.no_grad():
