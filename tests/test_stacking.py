@@ -356,9 +356,9 @@ def test_getitems_of_an_unclaimed_op_are_not_claimed():
     assert items and all(DELEGATION_TAG not in n.meta for n in items)
 
 
-def patch_grid_program(batch_max: int = 8) -> aotstack.Program:
+def patch_grid_program() -> aotstack.Program:
     """``models.PatchGrid`` for any batch and any sides in steps of its patch's 4 pixels."""
-    sides = {0: torch.export.Dim("batch", max=batch_max), 2: 4 * torch.export.Dim("rows", max=16),
+    sides = {0: torch.export.Dim("batch", max=8), 2: 4 * torch.export.Dim("rows", max=16),
              3: 4 * torch.export.Dim("columns", max=16)}
     return aotstack.export(models.build("patch_grid"), {"forward": models.example_inputs("patch_grid")},
                            dynamic_shapes={"forward": (sides,)})
@@ -380,7 +380,6 @@ def test_sizes_read_off_computed_tensors_are_read_off_the_inputs_and_others_are_
     program = patch_grid_program().methods["forward"]
     read_off_grid = {n.name: n.meta["val"].node.expr for n in program.graph.nodes if reads_computed_tensor(n)}
     assert len(read_off_grid) == 2, "the grid's rows and columns"
-
     readers = {n.name: [user.name for user in n.users] for n in program.graph.nodes if n.name in read_off_grid}
 
     assert sizes_read_from_inputs(program.graph_module) == 2
@@ -400,6 +399,7 @@ def test_sizes_read_off_computed_tensors_are_read_off_the_inputs_and_others_are_
 
     kept = aotstack.export(Kept(), {"forward": (torch.randn(6, 2, 3), torch.tensor(4))}).methods["forward"]
     before = [n.name for n in kept.graph.nodes if reads_computed_tensor(n)]
+    assert before, "the rows' count, read off the slice"
     assert sizes_read_from_inputs(kept.graph_module) == 0
     assert [n.name for n in kept.graph.nodes if reads_computed_tensor(n)] == before
 
