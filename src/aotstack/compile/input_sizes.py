@@ -19,7 +19,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from .graph_edits import inserted_call, replace_node
 from .splice import drop_unused_size_computations
-from .subprogram import is_derived_size
+from .subprogram import derived_size_terms, is_derived_size
 
 
 class OutsideArithmetic(Exception):
@@ -108,15 +108,13 @@ def input_size_sources(graph: Graph) -> dict[Any, Callable[[Graph], Node]]:
                 continue
             expr = size.node.expr
             if expr.is_Symbol or is_derived_size(expr):
-                (symbol,) = expr.free_symbols
-                sources.setdefault(symbol, size_reader(placeholder, dim, expr, symbol))
+                symbol, scale, offset = derived_size_terms(expr)
+                sources.setdefault(symbol, size_reader(placeholder, dim, scale, offset))
     return sources
 
 
-def size_reader(placeholder: Node, dim: int, expr: Any, symbol: Any) -> Callable[[Graph], Node]:
-    """How to read ``symbol`` off ``placeholder``'s size ``dim``, which is ``expr`` (``a * symbol + b``)."""
-    scale = int(expr.coeff(symbol))
-    offset = int(expr.subs(symbol, 0))
+def size_reader(placeholder: Node, dim: int, scale: int, offset: int) -> Callable[[Graph], Node]:
+    """How to read ``s`` off ``placeholder``'s size ``dim``, which is ``scale * s + offset``."""
 
     def read(graph: Graph) -> Node:
         size = inserted_call(graph, torch.ops.aten.sym_size.int, (placeholder, dim), like=placeholder)

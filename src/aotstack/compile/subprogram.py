@@ -254,6 +254,12 @@ def is_derived_size(expr: Any) -> bool:
     return polynomial.degree() == 1 and all(coefficient.is_Integer for coefficient in polynomial.all_coeffs())
 
 
+def derived_size_terms(expr: Any) -> tuple[Any, int, int]:
+    """``expr``, a derived size ``a * s + b`` (``is_derived_size``), as ``(s, a, b)``."""
+    (symbol,) = expr.free_symbols
+    return symbol, int(expr.coeff(symbol)), int(expr.subs(symbol, 0))
+
+
 def with_roots_of_derived_sizes(ranges: Mapping[Any, Any]) -> dict[Any, Any]:
     """``ranges`` (a program's ``range_constraints``) with each size a derived size is a multiple of widened to what
     the derived size's range allows.
@@ -268,8 +274,7 @@ def with_roots_of_derived_sizes(ranges: Mapping[Any, Any]) -> dict[Any, Any]:
     for expr, bounds in ranges.items():
         if expr.is_Symbol or not is_derived_size(expr):
             continue
-        (symbol,) = expr.free_symbols
-        scale, offset = int(expr.coeff(symbol)), int(expr.subs(symbol, 0))
+        symbol, scale, offset = derived_size_terms(expr)
         own = widened.get(symbol)
         if own is None or scale <= 0 or not bounds.lower.is_Integer:
             continue
